@@ -1,0 +1,433 @@
+"""CowClipEmbeddingBagCollection: a TorchRec EmbeddingBagCollection trained by CowClip
+inside backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+    get_embedding_names_by_table,
+)
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_cowclip.embedding.lookup import BatchLookup, FusedCowClipLookup
+from torchrec_cowclip.embedding.table_batch import (
+    TableBatch,
+    TableClipStats,
+    group_into_table_batches,
+)
+from torchrec_cowclip.optim.functional import OPTIMIZERS, CowClip
+from torchrec_cowclip.optim.fused import CowClipFusedOptimizer, validate_hyperparameters
+
+
+class TableWeight(nn.Module):
+    """Holds one table's weight, a view into its table batch, under the name
+    (``embedding_bags.<table>.weight``) that ``torchrec.EmbeddingBagCollection`` uses."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimizerModule):
+    """An ``EmbeddingBagCollection`` whose tables are updated by CowClip during backward.
+
+    Tables of one embedding dim (and pooling) are stored as one table batch: the
+    forward is one pooled lookup per batch and the backward one fused update over the
+    distinct rows the batch touched - clip each row's gradient against
+    ``count * max(r * ||W[j]||, zeta)``, add coupled L2, take an Adam / row-wise Adagrad /
+    SGD step - with no dense gradient and no Python loop over tables or ids
+    (``../shared/docs/cowclip-spec.md``). There is no separate ``step()``: calling
+    ``loss.backward()`` updates the tables. A forward without a backward (evaluation,
+    ``torch.no_grad()``) changes nothing.
+
+    Args:
+        tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, several
+            features per table (shared tables), mixed dims; FP32 only.
+        optimizer: ``"adam"`` (the paper's), ``"rowwise_adagrad"`` or ``"sgd"``.
+        lr, betas, eps: optimizer hyperparameters (``betas`` used by Adam only).
+        weight_decay: coupled L2 added to clipped gradients of touched rows
+            (``2 * lambda`` of the TF reference's ``--l2``).
+        cowclip: clip parameters; None turns clipping off (plain lazy optimizer).
+        unclipped_tables: names of tables that are updated but never clipped.
+        is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``).
+        device: where the tables live (default CPU).
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        >>> ebc = CowClipEmbeddingBagCollection(
+        ...     tables=[EmbeddingBagConfig(name="t0", embedding_dim=8,
+        ...                                num_embeddings=1000, feature_names=["f0"])],
+        ...     optimizer="adam", lr=1e-3, cowclip=CowClip(r=1.0, zeta=1e-5))
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+        >>> kt = ebc(kjt)                       # KeyedTensor, values [2, 8]
+        >>> kt.values().sum().backward()        # rows 1, 2, 3 are updated here
+        >>> ebc.clip_stats()["t0"].rows_updated
+        3
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        optimizer: str = "adam",
+        lr: float = 1e-4,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        cowclip: Optional[CowClip] = CowClip(),
+        unclipped_tables: Iterable[str] = (),
+        is_weighted: bool = False,
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> None:
+        super().__init__()
+        _validate_tables(tables)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        betas = (float(betas[0]), float(betas[1]))
+        validate_hyperparameters(lr, betas, eps, weight_decay, cowclip)
+        unclipped = set(unclipped_tables)
+        unknown = sorted(unclipped - {t.name for t in tables})
+        if unknown:
+            raise ValueError(
+                f"unclipped_tables names tables that do not exist: {unknown}; "
+                f"tables are {[t.name for t in tables]}"
+            )
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        if self._device.type == "meta":
+            raise ValueError("CowClipEmbeddingBagCollection does not support the meta device")
+
+        self._embedding_bag_configs = tables
+        self._is_weighted = is_weighted
+        self._optimizer = optimizer
+        names_by_table = get_embedding_names_by_table(tables)
+        self._embedding_names: List[str] = [e for names in names_by_table for e in names]
+        self._lengths_per_embedding: List[int] = [
+            t.embedding_dim for t in tables for _ in t.feature_names
+        ]
+        self._batches: List[TableBatch] = [
+            TableBatch(
+                [tables[i] for i in group],
+                [names_by_table[i] for i in group],
+                optimizer,
+                [tables[i].name not in unclipped for i in group],
+                self._device,
+            )
+            for group in group_into_table_batches(tables)
+        ]
+        self._batched_feature_order: List[str] = [
+            f for batch in self._batches for f in batch.feature_names
+        ]
+        self._output_permutation = _output_permutation(
+            self._batches, self._embedding_names, self._device
+        )
+        self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+
+        self.embedding_bags = nn.ModuleDict()
+        params: Dict[str, nn.Parameter] = {}
+        for batch in self._batches:
+            for i, name in enumerate(batch.table_names):
+                param = nn.Parameter(batch.table_weight(i))
+                # TorchRec's marker for parameters updated inside backward: keeps them
+                # out of dense optimizers built with `in_backward_optimizer_filter`.
+                param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                self.embedding_bags[name] = TableWeight(param)
+        for table in tables:
+            params[f"embedding_bags.{table.name}.weight"] = self.embedding_bags[table.name].weight
+        self._fused_optimizer = CowClipFusedOptimizer(
+            params,
+            state={},
+            optimizer=optimizer,
+            hyperparameters={
+                "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                "cowclip": cowclip,
+            },
+        )
+        self._bind_views()
+        self.reset_parameters()
+
+    @classmethod
+    def from_ebc(
+        cls, ebc: EmbeddingBagCollection, **options: Any
+    ) -> "CowClipEmbeddingBagCollection":
+        """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights.
+
+        ``options`` are this class's keyword arguments (``optimizer``, ``lr``,
+        ``cowclip``, ...); ``is_weighted`` and ``device`` default to the EBC's.
+
+        Example::
+
+            >>> ebc = torchrec.EmbeddingBagCollection(tables=tables)
+            >>> cowclip_ebc = CowClipEmbeddingBagCollection.from_ebc(ebc, lr=1e-4)
+        """
+        options.setdefault("is_weighted", ebc.is_weighted())
+        options.setdefault("device", ebc.device)
+        tables = [replace(t) for t in ebc.embedding_bag_configs()]
+        module = cls(tables, **options)
+        module.load_state_dict(ebc.state_dict())
+        return module
+
+    # --- EmbeddingBagCollectionInterface -------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of ``features``, as ``torchrec.EmbeddingBagCollection``.
+
+        Raises:
+            ValueError: the KJT's keys are not exactly this collection's features, it
+                is variable-batch, its lengths are negative or do not add up to its
+                values, or weights are missing on a weighted collection.
+            IndexError: an id is outside ``[0, num_embeddings)`` of its table (raised
+                in forward, so no weight has changed).
+        """
+        features = self._in_batched_order(features)
+        b = features.stride()
+        values, offsets = features.values(), features.offsets()
+        weights = features.weights_or_none() if self._is_weighted else None
+        _check_structure(features, values, offsets, weights, self._is_weighted)
+
+        starts = torch.tensor(
+            [0] + [batch.num_features for batch in self._batches], dtype=torch.int64
+        ).cumsum(0)
+        bounds = [0, values.numel()] if len(self._batches) == 1 else offsets[starts * b].tolist()
+        outs: List[Tensor] = []
+        for i, batch in enumerate(self._batches):
+            lo, hi = bounds[i], bounds[i + 1]
+            f0, f1 = int(starts[i]), int(starts[i + 1])
+            lookup = _prepare_lookup(
+                batch,
+                values[lo:hi],
+                offsets[f0 * b : f1 * b + 1] - lo,
+                None if weights is None else weights[lo:hi].to(batch.weight.dtype),
+                b,
+            )
+            outs.append(
+                FusedCowClipLookup.apply(self._anchor, batch, lookup, self._hyperparameters)
+            )
+        pooled = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self._output_permutation is not None:
+            pooled = pooled.index_select(1, self._output_permutation)
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=pooled,
+        )
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # --- FusedOptimizerModule ------------------------------------------------------
+
+    @property
+    def fused_optimizer(self) -> CowClipFusedOptimizer:
+        """The ``KeyedOptimizer`` of the in-backward update (state, lr, checkpoints)."""
+        return self._fused_optimizer
+
+    # --- Observability -------------------------------------------------------------
+
+    def clip_stats(self) -> Dict[str, TableClipStats]:
+        """Per table: rows updated, clipped and skipped as non-finite, for the last
+        step and cumulatively. Reading them synchronises with the device."""
+        stats: Dict[str, TableClipStats] = {}
+        for batch in self._batches:
+            stats.update(batch.stats())
+        return {t.name: stats[t.name] for t in self._embedding_bag_configs}
+
+    def reset_clip_stats(self) -> None:
+        """Zeroes all counters (the step counts, which are optimizer state, stay)."""
+        for batch in self._batches:
+            batch.reset_stats()
+
+    # --- Module plumbing -----------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        """Initialises each table with its config's ``init_fn`` (TorchRec's default:
+        uniform in ``+-sqrt(1 / num_embeddings)``)."""
+        for table in self._embedding_bag_configs:
+            assert table.init_fn is not None
+            with torch.no_grad():
+                table.init_fn(self.embedding_bags[table.name].weight)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
+        # Device and dtype moves must move the table batches and re-point the per-table
+        # views; moving the views alone would silently detach them from the batches.
+        for batch in self._batches:
+            batch.apply_(fn)
+        self._device = self._batches[0].weight.device
+        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+        if self._output_permutation is not None:
+            self._output_permutation = self._output_permutation.to(self._device)
+        self._bind_views()
+        return super()._apply(fn, recurse)
+
+    def _bind_views(self) -> None:
+        state = self._fused_optimizer.state
+        for batch in self._batches:
+            for i, name in enumerate(batch.table_names):
+                param = self.embedding_bags[name].weight
+                param.data = batch.table_weight(i)
+                state[param] = batch.table_state(i)  # type: ignore[index]
+
+    def _hyperparameters(self) -> Mapping[str, Any]:
+        return self._fused_optimizer.param_groups[0]  # type: ignore[index]
+
+    def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = tuple(features.keys())
+        if keys not in self._key_permutations:
+            self._key_permutations[keys] = _key_permutation(keys, self._batched_feature_order)
+        permutation = self._key_permutations[keys]
+        return features if permutation is None else features.permute(permutation)
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
+    if not tables:
+        raise ValueError("tables must not be empty")
+    names: set = set()
+    for table in tables:
+        if table.name in names:
+            raise ValueError(f"Duplicate table name {table.name}")
+        names.add(table.name)
+        if table.num_embeddings <= 0 or table.embedding_dim <= 0:
+            raise ValueError(
+                f"table '{table.name}': num_embeddings and embedding_dim must be > 0, "
+                f"got {table.num_embeddings} and {table.embedding_dim}"
+            )
+        if table.data_type != DataType.FP32:
+            raise ValueError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
+        if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ValueError(f"table '{table.name}': pooling must be SUM or MEAN, got {table.pooling}")
+        if not table.feature_names:
+            table.feature_names = [table.name]  # TorchRec's convention
+        if len(set(table.feature_names)) != len(table.feature_names):
+            raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
+
+
+def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[int]]:
+    """KJT key indices in table-batch order (a feature shared by tables repeats)."""
+    expected = sorted(set(wanted))
+    missing = [k for k in expected if k not in keys]
+    unexpected = [k for k in keys if k not in expected]
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if missing or unexpected or duplicated:
+        raise ValueError(
+            "KeyedJaggedTensor keys do not match the collection's features: "
+            f"missing {missing}, unexpected {unexpected}, duplicated {duplicated}; "
+            f"expected exactly {expected}"
+        )
+    permutation = [keys.index(k) for k in wanted]
+    return None if permutation == list(range(len(keys))) else permutation
+
+
+def _output_permutation(
+    batches: List[TableBatch], embedding_names: List[str], device: torch.device
+) -> Optional[Tensor]:
+    """Columns of the concatenated batch outputs in TorchRec's (table) order."""
+    column_ranges: Dict[str, range] = {}
+    col = 0
+    for batch in batches:
+        for name in batch.embedding_names:
+            column_ranges[name] = range(col, col + batch.dim)
+            col += batch.dim
+    permutation = [c for name in embedding_names for c in column_ranges[name]]
+    if permutation == list(range(col)):
+        return None
+    return torch.tensor(permutation, dtype=torch.int64, device=device)
+
+
+def _check_structure(
+    features: KeyedJaggedTensor,
+    values: Tensor,
+    offsets: Tensor,
+    weights: Optional[Tensor],
+    is_weighted: bool,
+) -> None:
+    if features.variable_stride_per_key():
+        raise ValueError(
+            "variable-batch KeyedJaggedTensors (stride per key) are not supported; "
+            "give every feature the same batch size"
+        )
+    if values.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"KeyedJaggedTensor values must be int32 or int64 ids, got {values.dtype}")
+    lengths = features.lengths()
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError("KeyedJaggedTensor has negative lengths")
+    total = int(offsets[-1]) if offsets.numel() else 0
+    if total != values.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor lengths add up to {total} but it has {values.numel()} values"
+        )
+    if is_weighted:
+        if weights is None:
+            raise ValueError(
+                "this collection is weighted (is_weighted=True) but the "
+                "KeyedJaggedTensor has no weights"
+            )
+        if weights.numel() != values.numel():
+            raise ValueError(
+                f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
+            )
+
+
+def _prepare_lookup(
+    batch: TableBatch,
+    ids: Tensor,
+    bag_offsets: Tensor,
+    weights: Optional[Tensor],
+    batch_size: int,
+) -> BatchLookup:
+    """Checks ids against their tables and maps them to rows of the table batch."""
+    ids = ids.to(torch.int64)
+    bag_offsets = bag_offsets.to(torch.int64)
+    per_feature = torch.diff(bag_offsets[::batch_size]) if batch_size else None
+    if per_feature is None or ids.numel() == 0:
+        return BatchLookup(ids, bag_offsets, weights, batch_size)
+    feature_of_position = torch.repeat_interleave(
+        torch.arange(batch.num_features, device=ids.device), per_feature, output_size=ids.numel()
+    )
+    bad = (ids < 0) | (ids >= batch.feature_num_rows[feature_of_position])
+    if bool(bad.any()):
+        _raise_out_of_range(batch, ids, bad, feature_of_position, bag_offsets, batch_size)
+    row_ids = ids + batch.feature_row_offset[feature_of_position]
+    return BatchLookup(row_ids, bag_offsets, weights, batch_size)
+
+
+def _raise_out_of_range(
+    batch: TableBatch,
+    ids: Tensor,
+    bad: Tensor,
+    feature_of_position: Tensor,
+    bag_offsets: Tensor,
+    batch_size: int,
+) -> None:
+    position = int(torch.nonzero(bad)[0])
+    f = int(feature_of_position[position])
+    table = batch.tables[batch.feature_table_list[f]]
+    bag = int(torch.searchsorted(bag_offsets, torch.tensor(position), right=True)) - 1
+    raise IndexError(
+        f"feature '{batch.feature_names[f]}' (table '{table.name}', "
+        f"num_embeddings={table.num_embeddings}) has id {int(ids[position])} in sample "
+        f"{bag - f * batch_size}; ids must be in [0, {table.num_embeddings}). "
+        f"{int(bad.sum())} id(s) of this batch are out of range; no weight was changed."
+    )

@@ -1,0 +1,69 @@
+"""The fused CowClip update of a table batch: gather the touched rows, run the
+functional step (:mod:`torchrec_cowclip.optim.functional`), scatter them back.
+
+Every tensor op here is over the ``U`` distinct rows of the batch, for all tables of the
+batch at once; the per-table bookkeeping (step counts, clip masks, counters) is done
+with ``bucketize``/``bincount`` over those rows, never with a loop over tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from torchrec_cowclip.embedding.row_gradients import RowGradients
+from torchrec_cowclip.embedding.table_batch import TableBatch
+from torchrec_cowclip.optim.functional import cowclip_row_update_
+
+
+@torch.no_grad()
+def apply_fused_update_(
+    batch: TableBatch, row_grads: RowGradients, hyper: Mapping[str, Any]
+) -> None:
+    """Applies one optimizer step to the rows in ``row_grads``, in place on ``batch``.
+
+    ``hyper`` is the fused optimizer's param group: ``lr``, ``betas``, ``eps``,
+    ``weight_decay`` and ``cowclip`` (a :class:`CowClip` or None), read at every step
+    so that schedules which edit ``param_groups[0]`` take effect.
+
+    Rows whose gradient is not finite keep their weight and state and are counted in
+    ``rows_nonfinite``; the step count of every table in the batch advances by one.
+    """
+    rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
+    num_tables = batch.num_tables
+    table_of_row = batch.table_of_rows(rows)
+    batch.step += 1
+
+    finite = torch.isfinite(grad).all(dim=1)
+    nonfinite_per_table = torch.bincount(table_of_row[~finite], minlength=num_tables)
+    if not bool(finite.all()):
+        rows, counts, grad, table_of_row = (
+            rows[finite], counts[finite], grad[finite], table_of_row[finite]
+        )
+
+    weight = batch.weight.index_select(0, rows)
+    state = {name: t.index_select(0, rows) for name, t in batch.state.items()}
+    clipped = cowclip_row_update_(
+        batch.optimizer,
+        weight,
+        grad,
+        counts,
+        state,
+        batch.step[table_of_row],
+        lr=float(hyper["lr"]),
+        betas=tuple(hyper["betas"]),
+        eps=float(hyper["eps"]),
+        weight_decay=float(hyper["weight_decay"]),
+        cowclip=hyper["cowclip"],
+        clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
+    )
+    batch.weight.index_copy_(0, rows, weight)
+    for name, tensor in batch.state.items():
+        tensor.index_copy_(0, rows, state[name])
+
+    updated_per_table = torch.bincount(table_of_row, minlength=num_tables)
+    clipped_per_table = torch.bincount(table_of_row[clipped], minlength=num_tables)
+    last = torch.stack([updated_per_table, clipped_per_table, nonfinite_per_table])
+    batch.counters[:3] = last
+    batch.counters[3:] += last

@@ -1,0 +1,117 @@
+"""Table-batched pooled lookup whose backward is the fused CowClip update.
+
+Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
+ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
+TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
+Backward: per-row gradients (:mod:`.row_gradients`) and the in-place update
+(:mod:`.fused_update`); it returns no gradient, so the weights never hold a ``.grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from torchrec_cowclip.embedding.fused_update import apply_fused_update_
+from torchrec_cowclip.embedding.row_gradients import aggregate_row_gradients
+from torchrec_cowclip.embedding.table_batch import TableBatch
+
+
+@dataclass
+class BatchLookup:
+    """One forward's input to a table batch, already validated.
+
+    Attributes:
+        row_ids: ``[L]`` int64 ids into the batch's ``weight`` (table offset added).
+        bag_offsets: ``[F * B + 1]`` int64 offsets, feature-major as in a KJT.
+        weights: ``[L]`` per-sample weights, or None.
+        batch_size: ``B``.
+    """
+
+    row_ids: Tensor
+    bag_offsets: Tensor
+    weights: Optional[Tensor]
+    batch_size: int
+
+
+def _position_weights(lookup: BatchLookup, pooling: PoolingType) -> Optional[Tensor]:
+    """Factor each position contributes with: per-sample weight, and 1/len for MEAN."""
+    weights = lookup.weights
+    if pooling == PoolingType.MEAN:
+        lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
+        inv_len = 1.0 / lengths.clamp_min(1).to(torch.float32)
+        per_pos = torch.repeat_interleave(inv_len, lengths, output_size=lookup.row_ids.numel())
+        weights = per_pos if weights is None else weights * per_pos
+    return weights
+
+
+def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
+    """``[B, F * D]`` pooled embeddings of a table batch (no autograd)."""
+    if batch.pooling == PoolingType.MEAN and lookup.weights is None:
+        mode, weights = "mean", None
+    else:
+        # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
+        mode, weights = "sum", _position_weights(lookup, batch.pooling)
+    pooled = F.embedding_bag(
+        lookup.row_ids,
+        batch.weight,
+        lookup.bag_offsets,
+        mode=mode,
+        per_sample_weights=weights,
+        include_last_offset=True,
+    )
+    num_features, b = batch.num_features, lookup.batch_size
+    return pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, -1)
+
+
+class FusedCowClipLookup(torch.autograd.Function):
+    """Autograd node: pooled lookup forward, fused CowClip update backward.
+
+    ``anchor`` is a zero-size tensor that requires grad, so autograd records the node
+    and calls backward; the table weights themselves are not autograd inputs.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        anchor: Tensor,
+        batch: TableBatch,
+        lookup: BatchLookup,
+        hyperparameters: Callable[[], Mapping[str, Any]],
+    ) -> Tensor:
+        ctx.batch, ctx.lookup, ctx.hyperparameters = batch, lookup, hyperparameters
+        return pooled_lookup(batch, lookup)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None]:  # type: ignore[override]
+        if ctx.batch is None:
+            raise RuntimeError(
+                "a second backward reached the same CowClipEmbeddingBagCollection lookup "
+                "(retain_graph=True?); the fused update applies exactly once per forward"
+            )
+        batch: TableBatch = ctx.batch
+        lookup: BatchLookup = ctx.lookup
+        b, num_features = lookup.batch_size, batch.num_features
+        # Row b * F + f of this view is the gradient of bag (f, b).
+        bag_gradients = grad_output.contiguous().view(b * num_features, batch.dim)
+        lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
+        bag = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device),
+            lengths,
+            output_size=lookup.row_ids.numel(),
+        )
+        bag_of_position = (bag % b) * num_features + torch.div(bag, b, rounding_mode="floor")
+        row_grads = aggregate_row_gradients(
+            lookup.row_ids,
+            bag_gradients,
+            bag_of_position,
+            _position_weights(lookup, batch.pooling),
+        )
+        apply_fused_update_(batch, row_grads, ctx.hyperparameters())
+        ctx.batch = ctx.lookup = None  # a second backward through this node is a bug
+        return None, None, None, None

@@ -1,0 +1,167 @@
+"""Storage of a table batch: tables of one embedding dim and pooling in one tensor.
+
+Table batching is what makes the fused update cheap: all tables of one dim share one
+``[sum(rows), D]`` weight and one set of optimizer-state tensors, so a batch's lookup is
+one kernel call and its update is one gather/compute/scatter over the distinct rows,
+whatever the number of tables. A table is a row range of the batch; the per-table
+tensors that ``state_dict()`` and the fused optimizer expose are views into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence
+
+import torch
+from torch import Tensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from torchrec_cowclip.optim.functional import STATE_LAYOUT
+
+#: Rows of :attr:`TableBatch.counters`, one column per table.
+COUNTER_NAMES = (
+    "rows_updated",
+    "rows_clipped",
+    "rows_nonfinite",
+    "total_rows_updated",
+    "total_rows_clipped",
+    "total_rows_nonfinite",
+)
+
+
+@dataclass(frozen=True)
+class TableClipStats:
+    """What the fused update did to one table: the last step and since construction
+    (or :meth:`CowClipEmbeddingBagCollection.reset_clip_stats`).
+
+    ``rows_updated`` counts distinct rows updated; ``rows_clipped`` those among them
+    whose gradient the CowClip clip shrank; ``rows_nonfinite`` rows skipped because their
+    gradient had a NaN or inf (they keep their weight and optimizer state).
+    """
+
+    rows_updated: int
+    rows_clipped: int
+    rows_nonfinite: int
+    total_rows_updated: int
+    total_rows_clipped: int
+    total_rows_nonfinite: int
+    steps: int
+
+    @property
+    def clipped_fraction(self) -> float:
+        """Share of all row updates so far whose gradient was clipped."""
+        return self.total_rows_clipped / max(self.total_rows_updated, 1)
+
+
+class TableBatch:
+    """Tables sharing one embedding dim and pooling, stored and updated together.
+
+    Args:
+        tables: the configs, in the collection's order.
+        embedding_names: per table, the output key of each of its features (the
+            feature name, or ``feature@table`` for a feature several tables look up).
+        optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``; decides the state.
+        clipped: per table, whether CowClip may clip it.
+        device: where the tensors live.
+
+    Attributes:
+        weight: ``[R, D]`` all tables' rows, table ``i`` at ``row_offsets[i]:row_offsets[i+1]``.
+        state: optimizer state tensors over the same rows (see ``STATE_LAYOUT``).
+        step: ``[T]`` int64 step count per table.
+        feature_names: the features looked up in this batch, table by table (a
+            feature shared by two tables appears twice).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        embedding_names: Sequence[Sequence[str]],
+        optimizer: str,
+        clipped: Sequence[bool],
+        device: torch.device,
+    ) -> None:
+        self.tables: List[EmbeddingBagConfig] = list(tables)
+        self.dim: int = tables[0].embedding_dim
+        self.pooling: PoolingType = tables[0].pooling
+        self.optimizer = optimizer
+        self.table_names: List[str] = [t.name for t in tables]
+        rows = [t.num_embeddings for t in tables]
+        offsets = [0]
+        for n in rows:
+            offsets.append(offsets[-1] + n)
+        self.row_offsets_list: List[int] = offsets
+        self.feature_names: List[str] = [f for t in tables for f in t.feature_names]
+        self.embedding_names: List[str] = [e for names in embedding_names for e in names]
+        feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self.feature_table_list: List[int] = feature_table
+        self.all_clipped: bool = all(clipped)
+
+        total = offsets[-1]
+        self.weight = torch.empty(total, self.dim, dtype=torch.float32, device=device)
+        self.state: Dict[str, Tensor] = {}
+        for name, per_row in STATE_LAYOUT[optimizer]:
+            shape = (total, self.dim) if per_row == "D" else (total,)
+            self.state[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.step = torch.zeros(len(tables), dtype=torch.int64, device=device)
+        self.row_offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
+        self.clip_enabled = torch.tensor(list(clipped), dtype=torch.bool, device=device)
+        self.feature_row_offset = torch.tensor(
+            [offsets[i] for i in feature_table], dtype=torch.int64, device=device
+        )
+        self.feature_num_rows = torch.tensor(
+            [rows[i] for i in feature_table], dtype=torch.int64, device=device
+        )
+        self.counters = torch.zeros(
+            len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
+        )
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.table_names)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    def table_weight(self, i: int) -> Tensor:
+        """``[N_i, D]`` view of table ``i``'s rows."""
+        return self.weight[self.row_offsets_list[i] : self.row_offsets_list[i + 1]]
+
+    def table_state(self, i: int) -> Dict[str, Tensor]:
+        """Views of table ``i``'s optimizer state, ``step`` included (a 0-d view)."""
+        lo, hi = self.row_offsets_list[i], self.row_offsets_list[i + 1]
+        views = {name: tensor[lo:hi] for name, tensor in self.state.items()}
+        views["step"] = self.step[i]
+        return views
+
+    def table_of_rows(self, rows: Tensor) -> Tensor:
+        """Index of the table each batch row id belongs to."""
+        return torch.bucketize(rows, self.row_offsets[1:], right=True)
+
+    def apply_(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Applies a ``Module._apply`` function (device or dtype move) to every tensor."""
+        for attr in (
+            "weight", "step", "row_offsets", "clip_enabled", "feature_row_offset",
+            "feature_num_rows", "counters",
+        ):
+            setattr(self, attr, fn(getattr(self, attr)))
+        self.state = {name: fn(t) for name, t in self.state.items()}
+
+    def stats(self) -> Dict[str, TableClipStats]:
+        counters = self.counters.tolist()
+        steps = self.step.tolist()
+        return {
+            name: TableClipStats(*(row[i] for row in counters), steps=steps[i])
+            for i, name in enumerate(self.table_names)
+        }
+
+    def reset_stats(self) -> None:
+        self.counters.zero_()
+
+
+def group_into_table_batches(tables: Sequence[EmbeddingBagConfig]) -> List[List[int]]:
+    """Indices of the tables of each (dim, pooling) group, in first-appearance order."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, table in enumerate(tables):
+        groups.setdefault((table.embedding_dim, table.pooling), []).append(i)
+    return list(groups.values())

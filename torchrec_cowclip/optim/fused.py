@@ -1,0 +1,85 @@
+"""The fused optimizer handle of a CowClip embedding collection.
+
+Like TorchRec's fused TBE optimizers, the update happens inside backward, so
+:meth:`step` and :meth:`zero_grad` do nothing. The object is a TorchRec
+:class:`~torchrec.optim.keyed.KeyedOptimizer` so that everything built on those works
+unchanged: ``state_dict()``/``load_state_dict()`` carry each table's moments or
+accumulators and its step count, ``CombinedOptimizer`` can join it with the dense
+optimizer, and LR schedules (``torch.optim.lr_scheduler``, TorchRec's
+``WarmupOptimizer``) can edit ``param_groups[0]["lr"]`` between steps.
+
+Example::
+
+    >>> ebc = CowClipEmbeddingBagCollection(tables, optimizer="adam", lr=1e-4)
+    >>> opt = ebc.fused_optimizer
+    >>> opt.param_groups[0]["lr"] = 5e-5          # takes effect at the next backward
+    >>> torch.save(opt.state_dict(), "fused_opt.pt")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
+
+import torch
+from torch import Tensor
+from torchrec.optim.fused import FusedOptimizer
+
+from torchrec_cowclip.optim.functional import CowClip
+
+
+def validate_hyperparameters(
+    lr: float,
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    cowclip: Optional[CowClip],
+) -> None:
+    """Raises ValueError naming the first bad hyperparameter."""
+    if not (lr >= 0.0):
+        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not (eps > 0.0):
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if not (weight_decay >= 0.0):
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if cowclip is not None and not isinstance(cowclip, CowClip):
+        raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
+
+
+class CowClipFusedOptimizer(FusedOptimizer):
+    """KeyedOptimizer view of the fused CowClip update of one embedding collection.
+
+    Args:
+        params: table parameters by key (``embedding_bags.<table>.weight``).
+        state: per parameter, its optimizer state views (``exp_avg``/``exp_avg_sq`` for
+            Adam, ``sum`` for row-wise Adagrad) and ``step``.
+        optimizer: the update rule's name.
+        hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``;
+            kept in ``param_groups[0]`` and read at every backward.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        state: Dict[Any, Dict[str, Tensor]],
+        optimizer: str,
+        hyperparameters: Mapping[str, Any],
+    ) -> None:
+        self.optimizer_name = optimizer
+        group = {"params": list(params.values()), **hyperparameters}
+        super().__init__(dict(params), state, [group])
+
+    def step(self, closure: Any = None) -> None:
+        """No-op: the update was applied during backward."""
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """No-op: fused parameters never hold a ``.grad``."""
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        """No-op: state is allocated eagerly, so in-place loading works from the start."""
+
+    @property
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The live param group (edit it to change lr and friends between steps)."""
+        return self.param_groups[0]  # type: ignore[index]
