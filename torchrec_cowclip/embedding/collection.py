@@ -279,6 +279,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         self._bind_views()
         return super()._apply(fn, recurse)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # deepcopy and unpickling clone each per-table parameter on its own; re-point
+        # them (and the optimizer's state views) at the copied table batches.
+        super().__setstate__(state)
+        self._bind_views()
+
     def _bind_views(self) -> None:
         state = self._fused_optimizer.state
         for batch in self._batches:

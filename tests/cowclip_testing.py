@@ -1,0 +1,118 @@
+"""Shared helpers for the tests: KJT builders and the dense autograd reference run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.reference import (
+    init_reference_state,
+    occurrence_counts,
+    reference_cowclip_step_,
+)
+
+
+def kjt_from_bags(
+    bags: Dict[str, List[List[int]]],
+    weights: Optional[Dict[str, List[List[float]]]] = None,
+) -> KeyedJaggedTensor:
+    """A KJT from per-feature lists of bags, keys in the dict's order."""
+    keys = list(bags)
+    values = [i for k in keys for bag in bags[k] for i in bag]
+    lengths = [len(bag) for k in keys for bag in bags[k]]
+    w = None
+    if weights is not None:
+        w = torch.tensor([x for k in keys for bag in weights[k] for x in bag], dtype=torch.float32)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        weights=w,
+    )
+
+
+def random_kjt(
+    tables: Sequence[EmbeddingBagConfig],
+    batch_size: int,
+    generator: torch.Generator,
+    max_len: int = 4,
+    weighted: bool = False,
+    key_order: Optional[List[str]] = None,
+) -> KeyedJaggedTensor:
+    """Multi-hot bags (empty ones and duplicate ids included) for every feature."""
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    keys = key_order or list(rows)
+    bags: Dict[str, List[List[int]]] = {}
+    bag_weights: Dict[str, List[List[float]]] = {}
+    for k in keys:
+        lengths = torch.randint(0, max_len + 1, (batch_size,), generator=generator).tolist()
+        # Small id range per feature so duplicates inside a bag and across bags occur.
+        hi = min(rows[k], 3 * max_len + 3)
+        bags[k] = [torch.randint(0, hi, (n,), generator=generator).tolist() for n in lengths]
+        bag_weights[k] = [(torch.rand(n, generator=generator) * 2).tolist() for n in lengths]
+    return kjt_from_bags(bags, bag_weights if weighted else None)
+
+
+def mixed_scale_weights(num_rows: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows whose norms span 1e-4..1, so the clip binds on some rows and not others."""
+    scale = torch.logspace(-4, 0, num_rows)[torch.randperm(num_rows, generator=generator)]
+    return torch.randn(num_rows, dim, generator=generator) * scale[:, None]
+
+
+class DenseReference:
+    """Plain autograd on a ``torchrec.EmbeddingBagCollection`` + the spec's reference step."""
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        weights: Dict[str, torch.Tensor],
+        optimizer: str,
+        is_weighted: bool = False,
+        unclipped_tables: Sequence[str] = (),
+        **hyper,
+    ) -> None:
+        self.tables = [replace(t) for t in tables]
+        self.ebc = EmbeddingBagCollection(tables=self.tables, is_weighted=is_weighted)
+        with torch.no_grad():
+            for name, w in weights.items():
+                self.ebc.embedding_bags[name].weight.copy_(w)
+        self.optimizer = optimizer
+        self.unclipped = set(unclipped_tables)
+        self.hyper = hyper
+        self.state = {
+            t.name: init_reference_state(optimizer, self.ebc.embedding_bags[t.name].weight)
+            for t in self.tables
+        }
+        self.clipped_rows: Dict[str, torch.Tensor] = {}
+
+    def step(self, kjt: KeyedJaggedTensor, upstream: torch.Tensor) -> None:
+        self.ebc.zero_grad(set_to_none=True)
+        out = self.ebc(kjt).values()
+        (out * upstream).sum().backward()
+        features = kjt.to_dict()
+        with torch.no_grad():
+            for t in self.tables:
+                param = self.ebc.embedding_bags[t.name].weight
+                ids = torch.cat([features[f].values() for f in t.feature_names])
+                counts = occurrence_counts(ids, t.num_embeddings)
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                self.clipped_rows[t.name] = reference_cowclip_step_(
+                    param.data,
+                    grad,
+                    counts,
+                    self.state[t.name],
+                    optimizer=self.optimizer,
+                    clip_table=t.name not in self.unclipped,
+                    **self.hyper,
+                )
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.ebc.embedding_bags[name].weight.detach()
+
+
+def default_cowclip() -> CowClip:
+    return CowClip(r=1.0, zeta=1e-3)

@@ -1,0 +1,380 @@
+"""CowClipEmbeddingBagCollection against torchrec's EBC + plain autograd + the reference."""
+
+import copy
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from cowclip_testing import (
+    DenseReference,
+    default_cowclip,
+    kjt_from_bags,
+    mixed_scale_weights,
+    random_kjt,
+)
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+
+
+def _tables():
+    """Shared table (2 features), mixed dims, MEAN pooling, an unclipped table."""
+    return [
+        EmbeddingBagConfig(name="shared", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]),
+        EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=30, feature_names=["fc"]),
+        EmbeddingBagConfig(name="mean", embedding_dim=8, num_embeddings=25, feature_names=["fd"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="linear", embedding_dim=1, num_embeddings=20, feature_names=["fe"]),
+    ]
+
+
+def _build(tables, gen, optimizer, cowclip, unclipped=("linear",), is_weighted=False, **hyper):
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer=optimizer, cowclip=cowclip,
+        unclipped_tables=unclipped, is_weighted=is_weighted, **hyper,
+    )
+    weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
+    with torch.no_grad():
+        for name, w in weights.items():
+            ebc.embedding_bags[name].weight.copy_(w)
+    ref = DenseReference(tables, weights, optimizer, is_weighted=is_weighted,
+                         unclipped_tables=unclipped, cowclip=cowclip, **hyper)
+    return ebc, ref
+
+
+def _assert_matches_reference(ebc, ref, tables, rtol=1e-5, atol=1e-6):
+    opt_state = ebc.fused_optimizer.state_dict()["state"]
+    for t in tables:
+        ours = ebc.embedding_bags[t.name].weight.detach()
+        torch.testing.assert_close(ours, ref.weight(t.name), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"table {t.name}: {m}")
+        for key, value in ref.state[t.name].items():
+            torch.testing.assert_close(opt_state[f"embedding_bags.{t.name}.weight"][key], value,
+                                       rtol=rtol, atol=atol, msg=lambda m: f"{t.name}.{key}: {m}")
+
+
+HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
+def test_several_steps_match_dense_autograd_reference(optimizer, clip):
+    gen = torch.Generator().manual_seed(7)
+    tables = _tables()
+    cowclip = default_cowclip() if clip else None
+    ebc, ref = _build(tables, gen, optimizer, cowclip, **HYPER)
+    total_clipped = 0
+    for step in range(4):
+        kjt = random_kjt(tables, batch_size=6, generator=gen,
+                         key_order=["fe", "fc", "fa", "fd", "fb"] if step % 2 else None)
+        out = ebc(kjt)
+        upstream = torch.randn(out.values().shape, generator=gen)
+        ref_out = ref.ebc(kjt).values()
+        torch.testing.assert_close(out.values(), ref_out.detach())
+        (out.values() * upstream).sum().backward()
+        ref.step(kjt, upstream)
+        _assert_matches_reference(ebc, ref, tables)
+        stats = ebc.clip_stats()
+        for t in tables:
+            assert stats[t.name].rows_clipped == ref.clipped_rows[t.name].numel(), t.name
+            assert stats[t.name].steps == step + 1
+        total_clipped += sum(s.rows_clipped for s in stats.values())
+        assert stats["linear"].rows_clipped == 0
+    if clip:
+        # The case must exercise both sides of the threshold.
+        assert total_clipped > 0
+        assert sum(s.total_rows_updated for s in stats.values()) > total_clipped
+    else:
+        assert total_clipped == 0
+
+
+def test_weighted_features_match_reference():
+    gen = torch.Generator().manual_seed(3)
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=6, num_embeddings=30, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=6, num_embeddings=20, feature_names=["f2"]),
+    ]
+    ebc, ref = _build(tables, gen, "adam", default_cowclip(), unclipped=(), is_weighted=True, **HYPER)
+    for _ in range(3):
+        kjt = random_kjt(tables, batch_size=5, generator=gen, weighted=True)
+        out = ebc(kjt)
+        upstream = torch.randn(out.values().shape, generator=gen)
+        torch.testing.assert_close(out.values(), ref.ebc(kjt).values().detach())
+        (out.values() * upstream).sum().backward()
+        ref.step(kjt, upstream)
+        _assert_matches_reference(ebc, ref, tables)
+
+
+def test_weighted_mean_pooling_divides_by_bag_length():
+    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
+                               pooling=PoolingType.MEAN)
+    ebc = CowClipEmbeddingBagCollection([table], optimizer="sgd", lr=1.0, cowclip=None, is_weighted=True)
+    with torch.no_grad():
+        ebc.embedding_bags["t"].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [5.0, 5.0]]))
+    kjt = kjt_from_bags({"f": [[0, 1], [], [2]]}, {"f": [[2.0, 4.0], [], [0.5]]})
+    out = ebc(kjt).values()
+    assert out.tolist() == [[1.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
+    out[0].sum().backward()  # dL/dW[j] = w_p / len for the rows of bag 0
+    w = ebc.embedding_bags["t"].weight
+    assert w[0].tolist() == [0.0, -1.0] and w[1].tolist() == [-2.0, -1.0]
+    assert w[2].tolist() == [2.0, 2.0] and w[3].tolist() == [5.0, 5.0]
+
+
+def test_counts_include_duplicates_inside_a_bag_and_shared_features():
+    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["a", "b"])
+    ebc = CowClipEmbeddingBagCollection([table], optimizer="sgd", lr=1.0, cowclip=CowClip(r=1.0, zeta=0.0))
+    with torch.no_grad():
+        ebc.embedding_bags["t"].weight.fill_(0.0).add_(torch.tensor([[3.0, 4.0]]))  # ||W|| = 5
+    # Row 1 occurs 3 times (twice in one bag of "a", once in "b"): tau = 15.
+    kjt = kjt_from_bags({"a": [[1, 1]], "b": [[1, 2]]})
+    out = ebc(kjt).values()
+    (out * 100.0).sum().backward()  # g_1 = 3 * (100, 100), norm 424 -> clipped to norm 15
+    w = ebc.embedding_bags["t"].weight.detach()
+    step = torch.tensor([3.0, 4.0]) - w[1]
+    assert torch.linalg.vector_norm(step).item() == pytest.approx(15.0, rel=1e-5)
+    stats = ebc.clip_stats()["t"]
+    assert (stats.rows_updated, stats.rows_clipped) == (2, 2)
+
+
+def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
+    gen = torch.Generator().manual_seed(0)
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam",
+                                        cowclip=CowClip(r=1.0, zeta=0.0))
+    with torch.no_grad():
+        ebc.embedding_bags["small"].weight.zero_()  # zero rows and zero grads: 0/0 must not appear
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    kjt = random_kjt(tables, batch_size=4, generator=gen)
+    (ebc(kjt).values() * 0.0).sum().backward()
+    for k, v in ebc.state_dict().items():
+        assert torch.equal(v, before[k]), k  # Adam with g = 0 from zero moments does not move
+    state = ebc.fused_optimizer.state_dict()["state"]
+    assert all(torch.isfinite(s["exp_avg_sq"]).all() for s in state.values())
+    assert ebc.clip_stats()["small"].rows_clipped == 0
+
+
+def test_forward_without_backward_and_no_grad_change_nothing():
+    gen = torch.Generator().manual_seed(1)
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    before = copy.deepcopy(ebc.state_dict())
+    opt_before = copy.deepcopy(ebc.fused_optimizer.state_dict())
+    kjt = random_kjt(tables, batch_size=4, generator=gen)
+    with torch.no_grad():
+        ebc(kjt).values().sum()
+    out = ebc(kjt).values()  # graph built, never backpropagated
+    del out
+    for k, v in ebc.state_dict().items():
+        assert torch.equal(v, before[k])
+    after = ebc.fused_optimizer.state_dict()["state"]
+    for k, s in opt_before["state"].items():
+        for name, value in s.items():
+            assert torch.equal(after[k][name], value)
+    assert all(s.steps == 0 for s in ebc.clip_stats().values())
+
+
+def test_no_dense_gradient_is_kept_on_the_tables():
+    gen = torch.Generator().manual_seed(2)
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
+    ebc(random_kjt(tables, 4, gen)).values().sum().backward()
+    assert all(p.grad is None for p in ebc.parameters())
+
+
+def test_state_dict_keys_and_weights_move_both_ways_with_torchrec():
+    tables = _tables()
+    ours = CowClipEmbeddingBagCollection([replace(t) for t in tables])
+    stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
+    assert list(ours.state_dict().keys()) == list(stock.state_dict().keys())
+    stock.load_state_dict(ours.state_dict())
+    kjt = random_kjt(tables, 5, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(stock(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    assert stock(kjt).keys() == ours(kjt).keys()
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.mul_(-2.0)
+    ours.load_state_dict(stock.state_dict())
+    torch.testing.assert_close(stock(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    # and the loaded weights are what the fused update trains
+    ours(kjt).values().sum().backward()
+    assert not torch.equal(ours.state_dict()["embedding_bags.shared.weight"],
+                           stock.state_dict()["embedding_bags.shared.weight"])
+
+
+def test_from_ebc_copies_weights_and_options():
+    tables = _tables()
+    stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
+    ours = CowClipEmbeddingBagCollection.from_ebc(stock, optimizer="sgd", lr=0.5, unclipped_tables=["linear"])
+    for k, v in stock.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v)
+    assert ours.fused_optimizer.optimizer_name == "sgd"
+    assert ours.fused_optimizer.param_groups[0]["lr"] == 0.5
+
+
+def _train(ebc, tables, seed, steps):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        kjt = random_kjt(tables, 8, gen)
+        out = ebc(kjt).values()
+        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_save_and_load_resume_is_bit_for_bit(optimizer):
+    tables = _tables()
+    torch.manual_seed(0)
+    a = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer=optimizer, lr=0.05,
+                                      cowclip=default_cowclip(), weight_decay=1e-3)
+    _train(a, tables, seed=1, steps=3)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": a.fused_optimizer.state_dict()}, buf)
+    _train(a, tables, seed=2, steps=3)  # the uninterrupted run
+
+    torch.manual_seed(123)  # a different init, overwritten by the checkpoint
+    b = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer=optimizer, lr=0.05,
+                                      cowclip=default_cowclip(), weight_decay=1e-3)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    b.load_state_dict(ckpt["model"])
+    b.fused_optimizer.load_state_dict(ckpt["opt"])
+    assert all(s.steps == 3 for s in b.clip_stats().values())
+    _train(b, tables, seed=2, steps=3)
+    for k, v in a.state_dict().items():
+        assert torch.equal(b.state_dict()[k], v), k
+    sa, sb = a.fused_optimizer.state_dict()["state"], b.fused_optimizer.state_dict()["state"]
+    for k in sa:
+        for name in sa[k]:
+            assert torch.equal(sa[k][name], sb[k][name]), (k, name)
+
+
+def test_lr_in_param_groups_takes_effect_between_steps():
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="sgd", lr=0.1, cowclip=None)
+    gen = torch.Generator().manual_seed(5)
+    kjt = random_kjt(tables, 4, gen)
+    ebc.fused_optimizer.param_groups[0]["lr"] = 0.0
+    before = copy.deepcopy(ebc.state_dict())
+    ebc(kjt).values().sum().backward()
+    assert all(torch.equal(v, before[k]) for k, v in ebc.state_dict().items())
+    ebc.fused_optimizer.param_groups[0]["lr"] = 0.1
+    ebc(kjt).values().sum().backward()
+    assert any(not torch.equal(v, before[k]) for k, v in ebc.state_dict().items())
+    scheduler = torch.optim.lr_scheduler.StepLR(ebc.fused_optimizer, step_size=1, gamma=0.5)
+    ebc.fused_optimizer.step()
+    scheduler.step()
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_keys_that_do_not_match_are_named():
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
+    bags = {k: [[0]] for k in ["fa", "fb", "fc", "fd"]}
+    with pytest.raises(ValueError, match=r"missing \['fe'\]"):
+        ebc(kjt_from_bags(bags))
+    with pytest.raises(ValueError, match=r"unexpected \['zz'\]"):
+        ebc(kjt_from_bags({**bags, "fe": [[0]], "zz": [[0]]}))
+
+
+@pytest.mark.parametrize("bad_id", [40, -1, 10**9])
+def test_out_of_range_ids_raise_before_any_change(bad_id):
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    before = copy.deepcopy(ebc.state_dict())
+    bags = {"fa": [[1], [2]], "fb": [[3], [4, bad_id]], "fc": [[0], [0]], "fd": [[0], []], "fe": [[1], [1]]}
+    with pytest.raises(IndexError) as err:
+        ebc(kjt_from_bags(bags)).values().sum().backward()
+    message = str(err.value)
+    assert "'fb'" in message and "'shared'" in message and f"id {bad_id}" in message
+    assert "sample 1" in message and "[0, 40)" in message
+    for k, v in ebc.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(s.steps == 0 for s in ebc.clip_stats().values())
+
+
+def test_nonfinite_row_gradients_are_skipped_and_counted():
+    table = EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=10, feature_names=["f"])
+    ebc = CowClipEmbeddingBagCollection([table], optimizer="adam", lr=0.1)
+    before = ebc.embedding_bags["t"].weight.detach().clone()
+    kjt = kjt_from_bags({"f": [[1, 2], [3], [2]]})
+    out = ebc(kjt).values()
+    upstream = torch.ones_like(out)
+    upstream[1, 0] = float("nan")  # sample 1 looks up row 3 only
+    (out * upstream).sum().backward()
+    after = ebc.embedding_bags["t"].weight.detach()
+    assert torch.isfinite(after).all()
+    assert torch.equal(after[3], before[3])
+    assert not torch.equal(after[1], before[1]) and not torch.equal(after[2], before[2])
+    state = ebc.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]
+    assert torch.isfinite(state["exp_avg"]).all() and state["exp_avg"][3].abs().sum() == 0
+    stats = ebc.clip_stats()["t"]
+    assert (stats.rows_updated, stats.rows_nonfinite, stats.total_rows_nonfinite) == (2, 1, 1)
+
+
+def test_weighted_collection_requires_weights_and_structure_is_checked():
+    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["f"])
+    ebc = CowClipEmbeddingBagCollection([table], is_weighted=True)
+    with pytest.raises(ValueError, match="has no weights"):
+        ebc(kjt_from_bags({"f": [[1]]}))
+    plain = CowClipEmbeddingBagCollection([replace(table)])
+    broken = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="lengths add up to 2 but it has 3 values"):
+        plain(broken)
+
+
+def test_constructor_arguments_are_validated():
+    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["f"])
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        CowClipEmbeddingBagCollection([replace(table)], optimizer="adamw")
+    with pytest.raises(ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"):
+        CowClipEmbeddingBagCollection([replace(table)], unclipped_tables=["nope"])
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        CowClipEmbeddingBagCollection([replace(table)], lr=-1.0)
+    with pytest.raises(ValueError, match="Duplicate table name"):
+        CowClipEmbeddingBagCollection([replace(table), replace(table)])
+
+
+def test_module_moves_and_copies_keep_tables_and_views_together():
+    tables = _tables()
+    gen = torch.Generator().manual_seed(6)
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    ebc = ebc.to(torch.device("cpu"))
+    clone = copy.deepcopy(ebc)
+    kjt = random_kjt(tables, 4, gen)
+    before = copy.deepcopy(ebc.state_dict())
+    clone(kjt).values().sum().backward()
+    assert all(torch.equal(v, before[k]) for k, v in ebc.state_dict().items()), "copy shares storage"
+    changed = [k for k, v in clone.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) == len(tables), "the copy's update reaches its own state_dict views"
+    assert clone.clip_stats()["shared"].steps == 1 and ebc.clip_stats()["shared"].steps == 0
+
+
+def test_works_with_torchrec_keyed_optimizers():
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
+    model = torch.nn.ModuleDict({"ebc": ebc, "dense": torch.nn.Linear(3, 1)})
+    dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    assert set(dense_params) == {"dense.weight", "dense.bias"}
+    dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    combined = CombinedOptimizer([("ebc", ebc.fused_optimizer), ("dense", dense_opt)])
+    sd = combined.state_dict()["state"]
+    assert "ebc.embedding_bags.shared.weight" in sd
+    assert set(sd["ebc.embedding_bags.shared.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+    combined.load_state_dict(combined.state_dict())
+
+
+def test_single_and_multiple_table_batches_agree_with_torchrec_order():
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["x"]),
+        EmbeddingBagConfig(name="b", embedding_dim=2, num_embeddings=10, feature_names=["y"]),
+        EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=10, feature_names=["z", "x"]),
+    ]
+    ours = CowClipEmbeddingBagCollection([replace(t) for t in tables])
+    stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
+    stock.load_state_dict(ours.state_dict())
+    kjt = random_kjt(tables, 3, torch.Generator().manual_seed(8), key_order=["z", "y", "x"])
+    a, b = ours(kjt), stock(kjt)
+    assert a.keys() == b.keys() == ["x@a", "y", "z", "x@c"]
+    torch.testing.assert_close(a.values(), b.values(), rtol=0, atol=0)

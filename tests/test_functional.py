@@ -1,0 +1,139 @@
+"""The CowClip math (optim/functional.py) against hand computations of the spec."""
+
+import math
+
+import pytest
+import torch
+
+from torchrec_cowclip.optim.functional import (
+    CowClip,
+    adam_rows_,
+    cowclip_clip,
+    cowclip_row_update_,
+    couple_weight_decay,
+    rowwise_adagrad_rows_,
+    sgd_rows_,
+)
+
+
+def _scalar_clip(g, w, c, r, zeta):
+    """The spec's step 3 for one row, with Python floats."""
+    gn = math.sqrt(sum(x * x for x in g))
+    wn = math.sqrt(sum(x * x for x in w))
+    tau = c * max(r * wn, zeta)
+    scale = 1.0 if gn == 0 else min(1.0, tau / gn)
+    return [x * scale for x in g], gn > tau
+
+
+def test_clip_matches_hand_computation_row_by_row():
+    torch.manual_seed(0)
+    g = torch.randn(50, 6, dtype=torch.float64) * torch.logspace(-3, 1, 50, dtype=torch.float64)[:, None]
+    w = torch.randn(50, 6, dtype=torch.float64) * 0.1
+    c = torch.randint(1, 9, (50,))
+    r, zeta = 0.7, 1e-3
+    clipped, was_clipped = cowclip_clip(g, w, c, r, zeta)
+    for j in range(50):
+        expect, bound = _scalar_clip(g[j].tolist(), w[j].tolist(), int(c[j]), r, zeta)
+        assert clipped[j].tolist() == pytest.approx(expect, rel=1e-12, abs=1e-15)
+        assert bool(was_clipped[j]) == bound
+    assert 0 < int(was_clipped.sum()) < 50, "the case must have rows on both sides of tau"
+
+
+def test_clip_worked_example():
+    # ||W|| = 5, c = 2 -> tau = 10; ||g|| = 50 -> scaled to norm 10.
+    g, was = cowclip_clip(torch.tensor([[30.0, 40.0]]), torch.tensor([[3.0, 4.0]]), torch.tensor([2]), 1.0, 1e-5)
+    assert g.tolist() == [[6.0, 8.0]] and was.tolist() == [True]
+
+
+def test_clip_zeta_floor_applies_to_zero_rows():
+    # W = 0: tau = c * zeta = 3 * 0.5 = 1.5; ||g|| = 5 -> scale 0.3.
+    g, was = cowclip_clip(torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2), torch.tensor([3]), 1.0, 0.5)
+    assert g.flatten().tolist() == pytest.approx([0.9, 1.2]) and was.tolist() == [True]
+
+
+def test_zero_gradient_stays_zero_and_never_nan():
+    g, was = cowclip_clip(torch.zeros(3, 4), torch.zeros(3, 4), torch.tensor([1, 2, 3]), 1.0, 0.0)
+    assert torch.equal(g, torch.zeros(3, 4)) and not was.any()
+
+
+def test_clip_enabled_mask_exempts_rows():
+    g = torch.full((2, 2), 100.0)
+    w = torch.ones(2, 2)
+    out, was = cowclip_clip(g, w, torch.tensor([1, 1]), 1.0, 0.0, clip_enabled=torch.tensor([True, False]))
+    assert was.tolist() == [True, False]
+    assert torch.equal(out[1], g[1]) and torch.linalg.vector_norm(out[0]) == pytest.approx(2**0.5)
+
+
+def test_weight_decay_is_coupled_after_clip():
+    w = torch.tensor([[1.0, 2.0]])
+    assert couple_weight_decay(torch.zeros(1, 2), w, 0.1).flatten().tolist() == pytest.approx([0.1, 0.2])
+    # In the full step: the clipped gradient (norm tau) plus wd * W, not clip(g + wd * W).
+    weight = torch.tensor([[3.0, 4.0]])
+    grad = torch.tensor([[300.0, 400.0]])
+    cowclip_row_update_("sgd", weight, grad, torch.tensor([1]), {}, torch.tensor(1), lr=1.0,
+                        weight_decay=0.5, cowclip=CowClip(1.0, 0.0))
+    # clipped g = (3, 4) (norm 5 = tau), + 0.5 * (3, 4) -> (4.5, 6); W - g = (-1.5, -2).
+    assert weight.flatten().tolist() == pytest.approx([-1.5, -2.0])
+
+
+def test_adam_rows_matches_spec_formula_with_per_row_steps():
+    torch.manual_seed(1)
+    w = torch.randn(4, 3, dtype=torch.float64)
+    m = torch.randn(4, 3, dtype=torch.float64) * 0.1
+    v = torch.rand(4, 3, dtype=torch.float64) * 0.1
+    g = torch.randn(4, 3, dtype=torch.float64)
+    steps = torch.tensor([1, 2, 7, 1000])
+    lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+    expect_w = w.clone()
+    for j in range(4):
+        t = int(steps[j])
+        for k in range(3):
+            mk = b1 * m[j, k].item() + (1 - b1) * g[j, k].item()
+            vk = b2 * v[j, k].item() + (1 - b2) * g[j, k].item() ** 2
+            expect_w[j, k] -= lr * (mk / (1 - b1**t)) / (math.sqrt(vk / (1 - b2**t)) + eps)
+    adam_rows_(w, g, m, v, steps, lr, b1, b2, eps)
+    assert torch.allclose(w, expect_w, rtol=0, atol=1e-12)
+
+
+def test_adam_rows_equals_torch_adam_on_fully_touched_table():
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(5, 4))
+    opt = torch.optim.Adam([p], lr=1e-2, betas=(0.8, 0.99), eps=1e-6)
+    w = p.detach().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t in range(1, 6):
+        g = torch.randn(5, 4)
+        p.grad = g.clone()
+        opt.step()
+        adam_rows_(w, g, m, v, torch.tensor(t), 1e-2, 0.8, 0.99, 1e-6)
+    assert torch.allclose(w, p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_rowwise_adagrad_and_sgd_rows():
+    w = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    s = torch.tensor([0.0, 3.0])
+    g = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    rowwise_adagrad_rows_(w, g, s, lr=0.5, eps=0.0)
+    # row 0: s = mean(4, 0) = 2; row 1: s = 3 + 1 = 4.
+    assert s.tolist() == [2.0, 4.0]
+    assert w.flatten().tolist() == pytest.approx([1 - 0.5 * 2 / 2**0.5, 1.0, -0.25, -0.25])
+    w2 = torch.ones(1, 2)
+    sgd_rows_(w2, torch.tensor([[1.0, -1.0]]), lr=0.1)
+    assert w2.flatten().tolist() == pytest.approx([0.9, 1.1])
+
+
+def test_cowclip_validation_and_reference_mapping():
+    with pytest.raises(ValueError, match="r must be > 0"):
+        CowClip(r=0.0)
+    with pytest.raises(ValueError, match="zeta must be >= 0"):
+        CowClip(zeta=-1.0)
+    with pytest.raises(ValueError, match="finite"):
+        CowClip(r=float("nan"))
+    # Reference: clip = r * cnt * max(||w||, r * sqrt(D) * bound) -> zeta = r^2 sqrt(D) bound.
+    cc = CowClip.from_reference(r=2.0, bound=1e-4, embedding_dim=16)
+    assert cc.r == 2.0 and cc.zeta == pytest.approx(4 * 4 * 1e-4)
+
+
+def test_unknown_optimizer_is_rejected():
+    with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
+        cowclip_row_update_("adamw", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), {}, torch.tensor(1), lr=1.0)

@@ -1,0 +1,158 @@
+"""What every CTR model here shares: the parameter split and the first-order part.
+
+The split matters because a CowClip collection trains its tables inside backward: a
+dense optimizer that also got those tables would see no gradient for them (harmless)
+or, worse, apply weight decay to them a second time. :meth:`CTRModel.dense_parameters`
+is the one place that decides what a dense optimizer trains.
+
+Example::
+
+    >>> model = build_model("deepfm", num_dense=13, sparse_names=names,
+    ...                     cardinalities=cards)
+    >>> dense_opt = torch.optim.Adam(model.dense_parameters(), lr=8e-4)
+    >>> loss = F.binary_cross_entropy_with_logits(model(dense, kjt), labels)
+    >>> loss.backward()          # CowClip has updated the embedding tables here
+    >>> dense_opt.step(); dense_opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_cowclip.models.embeddings import DeviceLike, EmbeddingOptions, FieldEmbeddings
+
+
+def dense_parameters_of(module: nn.Module) -> List[nn.Parameter]:
+    """Trainable parameters of ``module`` except those of fused (in-backward) modules.
+
+    A ``FusedOptimizerModule`` (such as :class:`CowClipEmbeddingBagCollection`) updates
+    its own parameters during backward, so they are left out; the weights of a stock
+    ``torchrec.EmbeddingBagCollection`` are ordinary parameters and are kept.
+    """
+    fused = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, FusedOptimizerModule)
+        for p in m.parameters()
+    }
+    return [p for p in module.parameters() if p.requires_grad and id(p) not in fused]
+
+
+def device_scope(device: DeviceLike) -> ContextManager[object]:
+    """Creates dense layers directly on ``device`` (TorchRec's CrossNet takes no device)."""
+    return torch.device(device) if device is not None else contextlib.nullcontext()
+
+
+class CTRModel(nn.Module):
+    """Base of the models: ``forward(dense [B, n_dense], sparse KJT) -> logits [B]``.
+
+    Subclasses set ``embedding_collection`` and ``sparse_feature_names`` and implement
+    ``forward``; this class supplies :meth:`dense_parameters`.
+    """
+
+    num_dense: int
+    sparse_feature_names: List[str]
+
+    @property
+    def embedding_collection(self) -> EmbeddingBagCollectionInterface:
+        """The model's ``EmbeddingBagCollectionInterface`` (CowClip-fused or stock)."""
+        raise NotImplementedError
+
+    def dense_parameters(self) -> List[nn.Parameter]:
+        """What a dense optimizer must train: everything but fused CowClip tables.
+
+        With the torchrec backend this includes the embedding weights; give them their
+        own param group (``model.embedding_collection.parameters()``) for a separate lr.
+        """
+        return dense_parameters_of(self)
+
+    def _check_inputs(self, dense: Tensor) -> None:
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise ValueError(
+                f"dense must be [B, {self.num_dense}], got {tuple(dense.shape)}"
+            )
+
+
+class FirstOrderLogit(nn.Module):
+    """The reference's linear part: sum of the dim-1 sparse weights, ``w . dense``, bias.
+
+    The bias is the model's single global bias (DeepCTR's prediction layer); the
+    deep/cross heads end in bias-free projections, as in the reference.
+
+    Example::
+
+        >>> linear = FirstOrderLogit(num_dense=13)
+        >>> linear(first_order, dense)          # [B, F], [B, 13] -> [B]
+    """
+
+    def __init__(self, num_dense: int) -> None:
+        super().__init__()
+        self.dense: Optional[nn.Linear] = (
+            nn.Linear(num_dense, 1, bias=False) if num_dense > 0 else None
+        )
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, first_order: Tensor, dense: Tensor) -> Tensor:
+        logit = first_order.sum(dim=1) + self.bias
+        if self.dense is not None:
+            logit = logit + self.dense(dense).squeeze(1)
+        return logit
+
+
+class FieldCTRModel(CTRModel):
+    """Shared trunk of DeepFM, Wide&Deep, DCN and DCNv2.
+
+    Owns the field embeddings (dim-``D`` tables clipped by CowClip, dim-1 first-order
+    tables not clipped, one collection) and the first-order logit. Subclasses build
+    their heads inside ``device_scope(device)`` and call :meth:`embed`.
+    """
+
+    def __init__(
+        self,
+        sparse_names: Sequence[str],
+        cardinalities: Sequence[int],
+        num_dense: int,
+        embedding_dim: int,
+        embedding: EmbeddingOptions,
+        device: DeviceLike,
+    ) -> None:
+        super().__init__()
+        if num_dense < 0:
+            raise ValueError(f"num_dense must be >= 0, got {num_dense}")
+        self.num_dense = num_dense
+        self.embedding_dim = embedding_dim
+        self.fields = FieldEmbeddings(
+            sparse_names, cardinalities, embedding_dim, embedding,
+            with_first_order=True, device=device,
+        )
+        self.sparse_feature_names = list(sparse_names)
+        with device_scope(device):
+            self.linear = FirstOrderLogit(num_dense)
+
+    @property
+    def embedding_collection(self) -> EmbeddingBagCollectionInterface:
+        return self.fields.collection
+
+    @property
+    def flat_input_size(self) -> int:
+        """Width of the DNN / cross input: all field embeddings and the dense values."""
+        return len(self.sparse_feature_names) * self.embedding_dim + self.num_dense
+
+    def embed(self, dense: Tensor, sparse: KeyedJaggedTensor) -> tuple[Tensor, Tensor]:
+        """One collection call: ``(embeddings [B, F, D], first-order logit [B])``."""
+        self._check_inputs(dense)
+        embeddings, first_order = self.fields(sparse)
+        assert first_order is not None
+        return embeddings, self.linear(first_order, dense)
+
+    @staticmethod
+    def flat_input(embeddings: Tensor, dense: Tensor) -> Tensor:
+        """DeepCTR's ``combined_dnn_input``: flattened embeddings then dense values."""
+        return torch.cat([embeddings.flatten(1), dense.to(embeddings.dtype)], dim=1)

@@ -1,0 +1,259 @@
+"""Embedding tables of the CTR models: one builder for the table configs and the EBC.
+
+Every sparse feature gets an ``embedding_dim`` table (the one CowClip clips) and, for
+the DeepCTR-style models (DeepFM, Wide&Deep, DCN, DCNv2), a dim-1 "first-order"
+table (the reference's linear part, never clipped). Both kinds live in ONE
+collection so a step does one ``EmbeddingBagCollection`` call for all of them.
+
+Example::
+
+    >>> from torchrec_cowclip.models.embeddings import EmbeddingOptions, FieldEmbeddings
+    >>> fields = FieldEmbeddings(["C1", "C2"], [100, 50], embedding_dim=10,
+    ...                          options=EmbeddingOptions(lr=1e-4))
+    >>> emb, first_order = fields(kjt)          # [B, 2, 10], [B, 2]
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Literal, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.optim.functional import CowClip
+
+EmbeddingBackend = Literal["cowclip", "torchrec"]
+EMBEDDING_BACKENDS: Tuple[str, ...] = ("cowclip", "torchrec")
+DeviceLike = Optional[Union[str, torch.device]]
+
+
+def embedding_table_name(feature: str) -> str:
+    """Name of the ``embedding_dim`` table of ``feature`` (clipped by CowClip)."""
+    return f"emb_{feature}"
+
+
+def linear_table_name(feature: str) -> str:
+    """Name of the dim-1 first-order table of ``feature`` (never clipped)."""
+    return f"linear_{feature}"
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """How the embedding tables are initialised and trained.
+
+    Args:
+        backend: ``"cowclip"``: a :class:`CowClipEmbeddingBagCollection` updated inside
+            backward by the options below; ``"torchrec"``: a stock
+            ``torchrec.EmbeddingBagCollection`` whose weights are ordinary parameters
+            for a dense optimizer (``optimizer``, ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and ``cowclip`` are then unused).
+        optimizer: ``"adam"`` (the paper's), ``"rowwise_adagrad"`` or ``"sgd"``.
+        lr, betas, eps: in-backward optimizer hyperparameters.
+        weight_decay: coupled L2 on touched rows (``2 * lambda`` of the reference's
+            ``--l2``), applied to first-order tables too, as the reference's
+            ``l2_reg_linear`` is the same ``--l2``.
+        cowclip: clip parameters, None for a plain lazy optimizer. The reference's
+            Criteo setting is ``CowClip.from_reference(r=1.0, bound=1e-5,
+            embedding_dim=10)``.
+        init_std: tables start as N(0, init_std); the reference CowClip runs use 1e-2.
+
+    Example::
+
+        >>> EmbeddingOptions(backend="cowclip", lr=1e-4, weight_decay=2e-5,
+        ...                  cowclip=CowClip.from_reference(1.0, 1e-5, 10))
+    """
+
+    backend: EmbeddingBackend = "cowclip"
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    cowclip: Optional[CowClip] = CowClip()
+    init_std: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if self.backend not in EMBEDDING_BACKENDS:
+            raise ValueError(
+                f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {self.backend!r}"
+            )
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+
+def validate_sparse_features(sparse_names: Sequence[str], cardinalities: Sequence[int]) -> None:
+    """Raises ValueError unless names are non-empty, unique and each has a cardinality > 0."""
+    if not sparse_names:
+        raise ValueError("at least one sparse feature is required")
+    if len(sparse_names) != len(cardinalities):
+        raise ValueError(
+            f"got {len(sparse_names)} sparse feature names but {len(cardinalities)} cardinalities"
+        )
+    duplicated = sorted({n for n in sparse_names if list(sparse_names).count(n) > 1})
+    if duplicated:
+        raise ValueError(f"sparse feature names must be unique, repeated: {duplicated}")
+    bad = [(n, c) for n, c in zip(sparse_names, cardinalities) if int(c) <= 0]
+    if bad:
+        raise ValueError(f"cardinalities must be > 0, got {bad}")
+
+
+def build_table_configs(
+    sparse_names: Sequence[str],
+    cardinalities: Sequence[int],
+    embedding_dim: int,
+    init_std: float,
+    with_first_order: bool,
+) -> Tuple[List[EmbeddingBagConfig], List[EmbeddingBagConfig]]:
+    """One ``embedding_dim`` table per feature and, if asked, one dim-1 table per feature.
+
+    Returns ``(embedding_tables, first_order_tables)``; the second list is empty when
+    ``with_first_order`` is False. Pooling is SUM: a one-hot field gives its row as is.
+
+    Example::
+
+        >>> emb, lin = build_table_configs(["C1"], [100], 10, 1e-2, True)
+        >>> [(t.name, t.embedding_dim) for t in emb + lin]
+        [('emb_C1', 10), ('linear_C1', 1)]
+    """
+    validate_sparse_features(sparse_names, cardinalities)
+    if embedding_dim <= 0:
+        raise ValueError(f"embedding_dim must be > 0, got {embedding_dim}")
+    # A partial (not a lambda) keeps the configs picklable and deep-copyable.
+    init_fn = functools.partial(nn.init.normal_, mean=0.0, std=float(init_std))
+
+    def config(name: str, dim: int, feature: str, rows: int) -> EmbeddingBagConfig:
+        return EmbeddingBagConfig(
+            name=name,
+            embedding_dim=dim,
+            num_embeddings=int(rows),
+            feature_names=[feature],
+            pooling=PoolingType.SUM,
+            init_fn=init_fn,
+        )
+
+    embedding_tables = [
+        config(embedding_table_name(f), embedding_dim, f, n)
+        for f, n in zip(sparse_names, cardinalities)
+    ]
+    first_order_tables = (
+        [config(linear_table_name(f), 1, f, n) for f, n in zip(sparse_names, cardinalities)]
+        if with_first_order
+        else []
+    )
+    return embedding_tables, first_order_tables
+
+
+def build_embedding_collection(
+    tables: List[EmbeddingBagConfig],
+    options: EmbeddingOptions,
+    unclipped_tables: Sequence[str] = (),
+    device: DeviceLike = None,
+) -> EmbeddingBagCollectionInterface:
+    """The collection for ``tables``: CowClip-fused or stock TorchRec, by ``options.backend``.
+
+    ``unclipped_tables`` are updated by the in-backward optimizer but never clipped
+    (ignored by the torchrec backend, which has no clip).
+
+    Example::
+
+        >>> emb, lin = build_table_configs(["C1"], [100], 10, 1e-2, True)
+        >>> ebc = build_embedding_collection(emb + lin, EmbeddingOptions(),
+        ...                                  unclipped_tables=[t.name for t in lin])
+    """
+    if options.backend == "torchrec":
+        return EmbeddingBagCollection(
+            tables=tables, device=None if device is None else torch.device(device)
+        )
+    return CowClipEmbeddingBagCollection(
+        tables,
+        optimizer=options.optimizer,
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+        cowclip=options.cowclip,
+        unclipped_tables=unclipped_tables,
+        device=device,
+    )
+
+
+class FieldEmbeddings(nn.Module):
+    """Looks up every sparse field once: ``[B, F, D]`` embeddings and ``[B, F]`` first-order terms.
+
+    The embedding tables come first and the first-order tables after them in the
+    collection, so the pooled ``KeyedTensor`` (whose values are in table order, for
+    TorchRec's EBC and the CowClip one alike) splits into the two parts by two views,
+    with no per-feature Python loop.
+
+    Args:
+        sparse_names: the fields, in the order of the output's F axis.
+        cardinalities: rows of each field's tables.
+        embedding_dim: D.
+        options: backend, in-backward optimizer, clip and init.
+        with_first_order: also build the dim-1 (unclipped) tables.
+        device: where the tables live.
+
+    Example::
+
+        >>> fields = FieldEmbeddings(["C1", "C2"], [100, 50], 10, EmbeddingOptions())
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["C1", "C2"], values=torch.tensor([3, 7, 1, 2]),
+        ...     lengths=torch.ones(4, dtype=torch.int64))
+        >>> emb, first_order = fields(kjt)   # [2, 2, 10], [2, 2]
+    """
+
+    def __init__(
+        self,
+        sparse_names: Sequence[str],
+        cardinalities: Sequence[int],
+        embedding_dim: int,
+        options: EmbeddingOptions,
+        with_first_order: bool = True,
+        device: DeviceLike = None,
+    ) -> None:
+        super().__init__()
+        embedding_tables, first_order_tables = build_table_configs(
+            sparse_names, cardinalities, embedding_dim, options.init_std, with_first_order
+        )
+        self.sparse_feature_names: List[str] = list(sparse_names)
+        self.embedding_dim = embedding_dim
+        self.with_first_order = with_first_order
+        self.first_order_table_names: List[str] = [t.name for t in first_order_tables]
+        self.collection: EmbeddingBagCollectionInterface = build_embedding_collection(
+            embedding_tables + first_order_tables,
+            options,
+            unclipped_tables=self.first_order_table_names,
+            device=device,
+        )
+        self._expected_keys: List[str] = [
+            f"{f}@{t.name}" if with_first_order else f
+            for t in embedding_tables + first_order_tables
+            for f in t.feature_names
+        ]
+        self._layout_checked = False
+
+    def forward(self, sparse: KeyedJaggedTensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """Returns ``(embeddings [B, F, D], first_order [B, F] or None)``."""
+        pooled = self.collection(sparse)
+        if not self._layout_checked:
+            # The split below relies on the table-ordered layout; check it once rather
+            # than trusting it silently if a backend ever reorders its keys.
+            if list(pooled.keys()) != self._expected_keys:
+                raise RuntimeError(
+                    f"unexpected KeyedTensor layout {pooled.keys()}, "
+                    f"expected {self._expected_keys}"
+                )
+            self._layout_checked = True
+        values = pooled.values()
+        n_fields = len(self.sparse_feature_names)
+        width = n_fields * self.embedding_dim
+        embeddings = values[:, :width].reshape(-1, n_fields, self.embedding_dim)
+        first_order = values[:, width:] if self.with_first_order else None
+        return embeddings, first_order
