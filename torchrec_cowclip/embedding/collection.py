@@ -252,6 +252,18 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             stats.update(batch.stats())
         return {t.name: stats[t.name] for t in self._embedding_bag_configs}
 
+    def clip_counters_state(self) -> List[Tensor]:
+        """The counters behind :meth:`clip_stats`, for checkpoints (they are not part of
+        ``state_dict()``, which keeps TorchRec's keys)."""
+        return [batch.counters.clone() for batch in self._batches]
+
+    def load_clip_counters_state(self, counters: List[Tensor]) -> None:
+        """Restores counters saved by :meth:`clip_counters_state`."""
+        if len(counters) != len(self._batches):
+            raise ValueError(f"expected {len(self._batches)} counter tensors, got {len(counters)}")
+        for batch, saved in zip(self._batches, counters):
+            batch.counters.copy_(saved)
+
     def reset_clip_stats(self) -> None:
         """Zeroes all counters (the step counts, which are optimizer state, stay)."""
         for batch in self._batches:

@@ -1,0 +1,196 @@
+"""The trainer: scaling rule, a short run that learns, checkpoint/resume, CLI errors."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from torchrec_cowclip.data import open_dataset, rank_auc
+from torchrec_cowclip.train import TrainConfig, scale_hyperparameters
+from torchrec_cowclip.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
+
+# The spec's table (Criteo, DeepFM): batch -> (dense lr, L2 lambda).
+SPEC_TABLE = {
+    1024: (8e-4, 1e-5), 2048: (11.31e-4, 2e-5), 4096: (16e-4, 4e-5), 8192: (22.62e-4, 8e-5),
+    16384: (32e-4, 16e-5), 32768: (45.25e-4, 32e-5), 65536: (64e-4, 64e-5),
+    131072: (90.50e-4, 128e-5),
+}
+
+
+@pytest.mark.parametrize("batch", sorted(SPEC_TABLE))
+def test_scaling_rule_reproduces_the_reference_table(batch):
+    hp = scale_hyperparameters(batch, dataset="criteo", embedding_dim=10)
+    lr, l2 = SPEC_TABLE[batch]
+    assert hp.dense_lr == pytest.approx(lr, rel=5e-4)
+    assert hp.l2 == pytest.approx(l2)
+    assert hp.embedding_lr == 1e-4 and hp.embedding_weight_decay == pytest.approx(2 * l2)
+    assert hp.clip_r == 1.0 and hp.clip_zeta == pytest.approx(math.sqrt(10) * 1e-5)
+
+
+def test_scaling_rule_avazu_and_overrides():
+    hp = scale_hyperparameters(131072, dataset="avazu", embedding_dim=10)
+    assert hp.dense_lr == pytest.approx(1e-4 * math.sqrt(128))
+    assert hp.l2 == pytest.approx(128e-5)
+    assert hp.clip_zeta == pytest.approx(math.sqrt(10) * 1e-4)
+    hp = scale_hyperparameters(4096, dense_lr=1e-3, l2=0.0, clip_zeta=0.5)
+    assert (hp.dense_lr, hp.l2, hp.clip_zeta) == (1e-3, 0.0, 0.5)
+
+
+def _config(tmp_path, **overrides):
+    base = dict(
+        model="deepfm", data="synthetic:30000", out=str(tmp_path / "run"),
+        cache_dir=str(tmp_path / "cache"), batch_size=1024, epochs=1, hidden=(32, 32),
+        lr_embed=1e-2, synthetic_scale=0.01, synthetic_max_cardinality=5000,
+        progress=False, eval_batch_size=8192, log_every=5,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("learn")
+    cfg = _config(tmp, epochs=2)
+    return cfg, Trainer(cfg).run()
+
+
+def test_short_run_learns_the_planted_model(learned):
+    cfg, metrics = learned
+    ds = open_dataset(cfg.data, cfg.cache_dir, seed=cfg.seed, cardinality_scale=cfg.synthetic_scale,
+                      max_cardinality=cfg.synthetic_max_cardinality)
+    _, _, test = ds.split(cfg.test_fraction, cfg.val_fraction, cfg.seed)
+    planted = rank_auc(np.asarray(ds.planted_logit)[test], np.asarray(ds.labels)[test])
+    # Chance is 0.5; the planted model's own logit bounds what any model can reach.
+    assert metrics["auc"] > 0.62, metrics["epoch_auc"]
+    assert metrics["auc"] < planted + 0.01
+    assert metrics["epoch_auc"][1] > metrics["epoch_auc"][0] - 0.005
+    assert metrics["logloss"] < 0.56
+
+
+def test_metrics_json_and_logs(learned):
+    cfg, metrics = learned
+    out = os.path.join(cfg.out)
+    written = json.loads(open(os.path.join(out, "metrics.json")).read())
+    for key in ("auc", "logloss", "epoch_auc", "epoch_logloss", "best_epoch", "train_samples_per_s",
+                "epochs", "batch_size", "rows_updated", "rows_clipped", "hyperparameters"):
+        assert key in written, key
+    assert written["epochs"] == 2 and len(written["epoch_auc"]) == 2
+    assert written["batch_size"] == 1024 and written["train_samples_per_s"] > 0
+    assert written["rows_updated"] > 0 and written["rows_clipped"] >= 0
+    hp = written["hyperparameters"]
+    assert hp["embedding_lr"] == 1e-2 and hp["dense_lr"] == pytest.approx(8e-4)
+    assert hp["l2"] == pytest.approx(1e-5) and hp["cowclip"]["r"] == 1.0
+    assert open(os.path.join(out, "epochs.csv")).read().count("\n") == 3
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
+
+
+def test_resume_after_interruption_gives_the_uninterrupted_metrics(tmp_path):
+    full = Trainer(_config(tmp_path, out=str(tmp_path / "full"), epochs=2)).run()
+    # Interrupted mid-epoch 1 (27 steps per epoch), then resumed from its checkpoint.
+    part = Trainer(_config(tmp_path, out=str(tmp_path / "part"), epochs=2, max_steps=40)).run()
+    assert part["steps"] == 40
+    resumed = Trainer(_config(tmp_path, out=str(tmp_path / "part"), epochs=2, resume=True)).run()
+    assert resumed["steps"] == full["steps"]
+    assert resumed["epoch_auc"] == full["epoch_auc"]
+    assert resumed["epoch_logloss"] == full["epoch_logloss"]
+    assert resumed["rows_updated"] == full["rows_updated"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+
+    def crash(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"], "no temp file left behind"
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    from torchrec_cowclip.train import task as task_module
+
+    cfg = _config(tmp_path, checkpoint_every=3)
+    trainer = Trainer(cfg)
+    original = task_module.CTRTrainTask.forward
+    calls = {"n": 0}
+
+    def poisoned(self, batch):
+        calls["n"] += 1
+        loss, out = original(self, batch)
+        if calls["n"] == 5:
+            loss = loss * float("nan")
+            out = (loss.detach(),) + out[1:]
+        return loss, out
+
+    monkeypatch.setattr(task_module.CTRTrainTask, "forward", poisoned)
+    with pytest.raises(NonFiniteLossError, match="loss became nan at step 5"):
+        trainer.run()
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert ckpt["progress"]["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_early_stopping_restores_the_best_epoch(tmp_path):
+    cfg = _config(tmp_path, epochs=4, val_fraction=0.1, early_stop_patience=1, lr_embed=0.3, lr=0.05)
+    metrics = Trainer(cfg).run()
+    best = metrics["best_epoch"]
+    assert metrics["auc"] == metrics["epoch_auc"][best - 1]
+    if metrics["stopped_early"]:
+        assert metrics["epochs"] < 4
+        assert metrics["epoch_val_auc"][-1] <= max(metrics["epoch_val_auc"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--data", "synthetic:100", "--batch-size", "0"], "--batch-size must be > 0"),
+        (["train", "--data", "nosuchkind:x"], "nosuchkind"),
+        (["train", "--data", "criteo:/does/not/exist.tsv"], "/does/not/exist.tsv"),
+        (["train", "--data", "synthetic:100", "--early-stop-patience", "2"], "--val-fraction"),
+        (["train", "--data", "synthetic:100", "--embedding-backend", "torchrec"], "--no-cowclip"),
+    ],
+)
+def test_cli_errors_name_the_bad_flag(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--data", "synthetic:100", "--model", "resnet"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'resnet'" in capsys.readouterr().err
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="--test-fraction"):
+        TrainConfig(test_fraction=1.5).validate()
+    with pytest.raises(ConfigError, match="no test set"):
+        TrainConfig(test_fraction=0.0).validate()
+
+
+@pytest.mark.parametrize("model", ["wdl", "dcn", "dcnv2", "dlrm"])
+def test_every_model_trains_through_the_cli_path(tmp_path, model):
+    metrics = Trainer(_config(tmp_path, model=model, max_steps=4)).run()
+    assert metrics["steps"] == 4 and 0.0 <= metrics["auc"] <= 1.0
+    assert math.isfinite(metrics["logloss"]) and metrics["rows_updated"] > 0
+
+
+def test_stock_torchrec_backend_trains_with_dense_adam(tmp_path):
+    metrics = Trainer(_config(tmp_path, embedding_backend="torchrec", cowclip=False, max_steps=4)).run()
+    assert metrics["steps"] == 4 and metrics["rows_updated"] is None
+    assert math.isfinite(metrics["logloss"])

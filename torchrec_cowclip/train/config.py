@@ -1,0 +1,132 @@
+"""Everything a training run is configured by, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+MODELS = ("deepfm", "wdl", "dcn", "dcnv2", "dlrm")
+EMBEDDING_OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+
+
+class ConfigError(ValueError):
+    """A bad combination of trainer options; the message names the option."""
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``torchrec-cowclip train`` (see ``--help`` for each).
+
+    ``lr``, ``lr_embed``, ``l2``, ``clip_zeta`` left as None take the scaling rule's
+    values (:mod:`torchrec_cowclip.train.scaling`).
+
+    Example::
+
+        >>> cfg = TrainConfig(model="deepfm", data="synthetic:100000", batch_size=8192,
+        ...                   out="runs/demo")
+        >>> cfg.validate()
+    """
+
+    model: str = "deepfm"
+    data: str = "synthetic:200000"
+    out: str = "runs/latest"
+    test_data: Optional[str] = None
+    batch_size: int = 1024
+    base_batch_size: int = 1024
+    epochs: int = 1
+    lr: Optional[float] = None
+    lr_embed: Optional[float] = None
+    l2: Optional[float] = None
+    clip_r: float = 1.0
+    clip_zeta: Optional[float] = None
+    warmup_epochs: float = 1.0
+    cowclip: bool = True
+    embedding_backend: str = "cowclip"
+    embedding_optimizer: str = "adam"
+    embedding_dim: int = 10
+    hidden: Tuple[int, ...] = (400, 400, 400)
+    cross_layers: int = 3
+    init_std: float = 1e-2
+    seed: int = 0
+    test_fraction: float = 0.1
+    val_fraction: float = 0.0
+    early_stop_patience: int = 0
+    checkpoint_every: int = 0
+    resume: bool = False
+    max_steps: int = 0
+    eval_batch_size: int = 65536
+    cache_dir: str = "data_cache"
+    on_bad_row: str = "error"
+    hash_size: Optional[int] = None
+    min_count: int = 1
+    dense_transform: str = "log"
+    label: Optional[str] = None
+    dense: List[str] = field(default_factory=list)
+    sparse: List[str] = field(default_factory=list)
+    synthetic_scale: Optional[float] = None
+    synthetic_max_cardinality: Optional[int] = None
+    device: str = "auto"
+    threads: int = 0
+    progress: bool = True
+    log_every: int = 20
+
+    def validate(self) -> None:
+        """Raises :class:`ConfigError` naming the first bad option."""
+        if self.model not in MODELS:
+            raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+            raise ConfigError(
+                f"--embedding-optimizer must be one of {', '.join(EMBEDDING_OPTIMIZERS)}, "
+                f"got {self.embedding_optimizer!r}"
+            )
+        positive = {
+            "--batch-size": self.batch_size, "--base-batch-size": self.base_batch_size,
+            "--epochs": self.epochs, "--embedding-dim": self.embedding_dim,
+            "--eval-batch-size": self.eval_batch_size,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        non_negative = {
+            "--warmup-epochs": self.warmup_epochs, "--early-stop-patience": self.early_stop_patience,
+            "--checkpoint-every": self.checkpoint_every, "--max-steps": self.max_steps,
+            "--init-std": self.init_std, "--cross-layers": self.cross_layers,
+        }
+        for flag, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        for flag, value in {"--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
+                            "--clip-zeta": self.clip_zeta}.items():
+            if value is not None and value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if self.clip_r <= 0:
+            raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
+        if not 0.0 <= self.test_fraction < 1.0:
+            raise ConfigError(f"--test-fraction must be in [0, 1), got {self.test_fraction}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.early_stop_patience and self.val_fraction <= 0.0:
+            raise ConfigError("--early-stop-patience needs a validation split: set --val-fraction")
+        if self.test_data is None and self.test_fraction <= 0.0:
+            raise ConfigError("no test set: give --test-data or a --test-fraction > 0")
+        if self.embedding_backend not in ("cowclip", "torchrec"):
+            raise ConfigError(
+                f"--embedding-backend must be cowclip or torchrec, got {self.embedding_backend!r}"
+            )
+        if self.embedding_backend == "torchrec" and self.cowclip:
+            raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
+        from torchrec_cowclip.data import parse_spec
+
+        for flag, spec in (("--data", self.data), ("--test-data", self.test_data)):
+            if spec is not None:
+                try:
+                    parse_spec(spec)
+                except ValueError as e:
+                    raise ConfigError(f"{flag}: {e}") from None
+        if any(h <= 0 for h in self.hidden):
+            raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["hidden"] = list(self.hidden)
+        return d

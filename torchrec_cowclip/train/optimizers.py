@@ -1,0 +1,73 @@
+"""The trainer's optimizer: TorchRec's ``CombinedOptimizer`` of the dense Adam (with the
+scaling rule's linear warm-up, TorchRec's ``WarmupOptimizer``) and the embeddings'.
+
+With CowClip the embedding part is the collection's fused optimizer (its update already
+ran in backward; ``step()`` is a no-op). With the stock ``torchrec`` backend it is a
+plain ``torch.optim.Adam`` over the embedding weights with coupled L2 on every row, as
+the TF reference does - the baseline CowClip is measured against.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
+
+
+def build_optimizer(
+    model: nn.Module,
+    embedding_collection: nn.Module,
+    hp: ScaledHyperparameters,
+    steps_per_epoch: int,
+) -> CombinedOptimizer:
+    """Dense Adam (lr ``hp.dense_lr``, warm-up over ``hp.warmup_epochs``) plus the
+    embeddings' optimizer, as one ``CombinedOptimizer`` whose ``state_dict`` holds both.
+
+    Example::
+
+        >>> opt = build_optimizer(model, model.embedding_collection, hp, steps_per_epoch=100)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+    embedding_ids = {id(p) for p in embedding_collection.parameters()}
+    dense_params: Dict[str, nn.Parameter] = {}
+    embedding_params: Dict[str, nn.Parameter] = {}
+    for name, param in in_backward_optimizer_filter(model.named_parameters()):
+        if not param.requires_grad:
+            continue
+        (embedding_params if id(param) in embedding_ids else dense_params)[name] = param
+
+    dense: KeyedOptimizer = KeyedOptimizerWrapper(
+        dense_params, lambda params: torch.optim.Adam(params, lr=hp.dense_lr)
+    )
+    warmup_steps = int(round(hp.warmup_epochs * steps_per_epoch))
+    if warmup_steps > 0:
+        dense = WarmupOptimizer(
+            dense,
+            stages=[
+                WarmupStage(
+                    policy=WarmupPolicy.LINEAR, max_iters=warmup_steps, value=1.0 / warmup_steps
+                )
+            ],
+            lr=hp.dense_lr,
+        )
+    parts: List[Tuple[str, KeyedOptimizer]] = [("dense", dense)]
+    if isinstance(embedding_collection, CowClipEmbeddingBagCollection):
+        parts.append(("embedding", embedding_collection.fused_optimizer))
+    elif embedding_params:
+        parts.append((
+            "embedding",
+            KeyedOptimizerWrapper(
+                embedding_params,
+                lambda params: torch.optim.Adam(
+                    params, lr=hp.embedding_lr, weight_decay=hp.embedding_weight_decay
+                ),
+            ),
+        ))
+    return CombinedOptimizer(parts)

@@ -1,0 +1,82 @@
+"""Run logs in ``--out``: ``steps.csv`` and ``epochs.csv``, TensorBoard event files in
+``tb/`` (tensorboardX, no TensorFlow needed), and a tqdm progress bar on stderr.
+
+Example::
+
+    >>> log = RunLog(Path("runs/x"))
+    >>> log.step(10, {"loss": 0.45, "samples_per_s": 1.2e5})
+    >>> log.epoch({"epoch": 1, "test_auc": 0.79})
+    >>> log.close()
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional, TextIO
+
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+
+class _CsvLog:
+    """Appends dict rows to a CSV whose header is the first row's keys."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: Optional[TextIO] = None
+        self._writer: Optional[csv.DictWriter] = None
+
+    def write(self, row: Dict[str, Any]) -> None:
+        if self._writer is None:
+            exists = self.path.exists() and self.path.stat().st_size > 0
+            self._file = self.path.open("a", newline="")
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction="ignore")
+            if not exists:
+                self._writer.writeheader()
+        self._writer.writerow(row)
+        assert self._file is not None
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class RunLog:
+    """Where a training run reports: CSV, TensorBoard and the terminal."""
+
+    def __init__(self, out: Path, enabled_progress: bool = True) -> None:
+        self.out = out
+        self.enabled_progress = enabled_progress
+        self._steps = _CsvLog(out / "steps.csv")
+        self._epochs = _CsvLog(out / "epochs.csv")
+        self._tb = SummaryWriter(str(out / "tb"))
+
+    def info(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def progress_bar(self, total: int, initial: int, desc: str) -> tqdm:
+        return tqdm(total=total, initial=initial, desc=desc, disable=not self.enabled_progress,
+                    unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def step(self, step: int, values: Dict[str, float]) -> None:
+        self._steps.write({"step": step, **values})
+        for key, value in values.items():
+            self._tb.add_scalar(f"train/{key}", value, step)
+
+    def epoch(self, row: Dict[str, Any]) -> None:
+        self._epochs.write(row)
+        for key, value in row.items():
+            if key != "epoch" and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"epoch/{key}", value, row["epoch"])
+        shown = ", ".join(
+            f"{k} {v:.5f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+        )
+        self.info(shown)
+
+    def close(self) -> None:
+        self._steps.close()
+        self._epochs.close()
+        self._tb.close()
