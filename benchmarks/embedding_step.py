@@ -111,13 +111,14 @@ class Timing:
     def minimum(self) -> float:
         return min(self.samples)
 
-    def summary(self) -> Dict[str, float]:
+    def summary(self) -> Dict[str, Any]:
         return {
             "median_ms": self.median,
             "min_ms": self.minimum,
             "mean_ms": statistics.fmean(self.samples),
             "max_ms": max(self.samples),
             "steps": float(len(self.samples)),
+            "samples_ms": list(self.samples),
         }
 
 
@@ -239,15 +240,20 @@ def run_interleaved(
     batches: Sequence[Batch],
     rounds: int,
     warmup: int,
+    time_limit_s: float,
 ) -> Dict[str, Timing]:
     """Each round runs every variant once on the same batch, the order rotated by one
-    every round; the first ``warmup`` rounds are not recorded."""
+    every round; the first ``warmup`` rounds are not recorded. Timed rounds stop early
+    once ``time_limit_s`` has passed, so sample ``i`` of every variant is round ``i``."""
     names = list(variants)
     timings = {name: Timing() for name in names}
     gc.collect()
     gc.disable()
     try:
+        deadline = float("inf")
         for r in range(warmup + rounds):
+            if r == warmup:
+                deadline = time.perf_counter() + time_limit_s
             batch = batches[r % len(batches)]
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
@@ -256,9 +262,24 @@ def run_interleaved(
                 elapsed = (time.perf_counter() - start) * 1e3
                 if r >= warmup:
                     timings[name].samples.append(elapsed)
+            if time.perf_counter() > deadline:
+                print(f"time limit reached after {r + 1 - warmup} of {rounds} timed rounds")
+                break
     finally:
         gc.enable()
     return timings
+
+
+def paired_ratio(ours: Timing, reference: Timing) -> float:
+    """Median over rounds of ``ours / reference`` within the same round: robust to the
+    machine slowing down for a stretch of rounds, which hits both sides of a pair."""
+    return statistics.median(a / b for a, b in zip(ours.samples, reference.samples))
+
+
+def slow_rounds(timings: Dict[str, Timing], factor: float = 2.0) -> int:
+    """Rounds that took over ``factor`` times the fastest round (a throttled machine)."""
+    totals = [sum(step) for step in zip(*(t.samples for t in timings.values()))]
+    return sum(total > factor * min(totals) for total in totals)
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -321,6 +342,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="power-law exponent of the id distribution (1.0: ~170K distinct rows per "
         "step at the default shape)",
     )
+    parser.add_argument(
+        "--time-limit", type=float, default=120.0, metavar="SECONDS",
+        help="stop the timed rounds early after this long (default 120)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=str, default=None, metavar="PATH", help="also write results here")
     args = parser.parse_args(argv)
@@ -329,6 +354,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.warmup < 0 or args.zipf < 0:
         parser.error("--warmup and --zipf must be >= 0")
+    if args.threads is not None and args.threads <= 0:
+        parser.error("--threads must be > 0")
     return args
 
 
@@ -352,6 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           f"(min {min(unique):,}, max {max(unique):,}) over {len(batches)} cycled batches; "
           f"lookups per step {shape.tables * shape.batch_size:,}")
 
+    bandwidth_before = copy_bandwidth()
     grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
     adam = make_ours(shape, "adam")
     adagrad = make_ours(shape, "rowwise_adagrad")
@@ -370,37 +398,50 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     }
     print(f"running {args.warmup} warm-up + {args.steps} timed rounds of {len(variants)} "
           "variants, interleaved ...", flush=True)
-    timings = run_interleaved(variants, batches, args.steps, args.warmup)
+    timings = run_interleaved(variants, batches, args.steps, args.warmup, args.time_limit)
     adam_backward.samples = adam_backward.samples[args.warmup:]
     for name, module in ((ADAM_NAME, adam), (ADAGRAD_NAME, adagrad)):
         steps = module.clip_stats()["t0"].steps
-        assert steps == args.warmup + args.steps, f"{name}: {steps} updates"
+        assert steps == args.warmup + len(timings[name].samples), f"{name}: {steps} updates"
 
-    bandwidth = copy_bandwidth()
+    # Best of a measurement before and after the rounds: a copy that another process
+    # slows down only under-states the bandwidth (and over-states the floor).
+    bandwidth = max(bandwidth_before, copy_bandwidth())
     floor_ms = floor_bytes(shape, mean_unique) / bandwidth * 1e3
     reference = timings[FBGEMM_NAME].median
     ratios = {
         name: timings[name].median / reference for name in (ADAM_NAME, ADAGRAD_NAME)
     }
+    paired = {
+        name: paired_ratio(timings[name], timings[FBGEMM_NAME])
+        for name in (ADAM_NAME, ADAGRAD_NAME)
+    }
+    rounds_done = len(timings[FBGEMM_NAME].samples)
+    slow = slow_rounds(timings)
 
     print()
     print(f"memory-bandwidth floor (ours adam): {floor_bytes(shape, mean_unique) / 1e6:.1f} MB "
           f"per step / {bandwidth / 1e9:.1f} GB/s copy bandwidth (512 MB copy, read+write) "
           f"= {floor_ms:.1f} ms; ours adam median is {timings[ADAM_NAME].median / floor_ms:.1f}x "
           "the floor")
-    rows = [["variant", "median ms", "min ms", "mean ms", "vs fbgemm"]]
+    if slow:
+        print(f"note: {slow} of {rounds_done} rounds took over 2x the fastest round (the "
+              "machine was slowed down meanwhile); trust min and the paired ratio more")
+    rows = [["variant", "median ms", "min ms", "mean ms", "vs fbgemm", "paired"]]
     for name in (ADAM_NAME, ADAGRAD_NAME, FBGEMM_NAME):
         t = timings[name]
         rows.append([name, f"{t.median:.1f}", f"{t.minimum:.1f}",
-                     f"{statistics.fmean(t.samples):.1f}", f"{t.median / reference:.2f}"])
+                     f"{statistics.fmean(t.samples):.1f}", f"{t.median / reference:.2f}",
+                     f"{paired[name]:.2f}" if name in paired else "1.00"])
     forward = timings[FORWARD_NAME]
     rows.append(["  ours adam: forward only (no_grad)", f"{forward.median:.1f}",
-                 f"{forward.minimum:.1f}", f"{statistics.fmean(forward.samples):.1f}", ""])
+                 f"{forward.minimum:.1f}", f"{statistics.fmean(forward.samples):.1f}", "", ""])
     rows.append(["  ours adam: backward + fused update", f"{adam_backward.median:.1f}",
                  f"{adam_backward.minimum:.1f}", f"{statistics.fmean(adam_backward.samples):.1f}",
-                 ""])
-    rows.append(["  memory-bandwidth floor (ours adam)", f"{floor_ms:.1f}", "", "", ""])
-    print(f"\nper step, {args.steps} interleaved rounds, {torch.get_num_threads()} threads:")
+                 "", ""])
+    rows.append(["  memory-bandwidth floor (ours adam)", f"{floor_ms:.1f}", "", "", "", ""])
+    print(f"\nper step, {rounds_done} interleaved rounds, {torch.get_num_threads()} threads "
+          "(vs fbgemm: median / fbgemm median; paired: median of per-round ratios):")
     print(format_table(rows))
     print(f"adam+cowclip / fbgemm rowwise_adagrad = {ratios[ADAM_NAME]:.2f}")
     print(f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad = {ratios[ADAGRAD_NAME]:.2f}")
@@ -409,14 +450,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "shape": asdict(shape),
         "zipf_exponent": args.zipf,
         "distinct_rows_per_step": {"mean": mean_unique, "per_batch": unique},
-        "steps": args.steps,
+        "steps_requested": args.steps,
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "variants": {name: t.summary() for name, t in timings.items()},
         "adam_backward_update": adam_backward.summary(),
+        "rounds": rounds_done,
+        "slow_rounds": slow,
         "ratio_median_vs_fbgemm": ratios,
+        "ratio_paired_vs_fbgemm": paired,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "floor_ms_adam": floor_ms,
     }
