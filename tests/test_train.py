@@ -65,7 +65,7 @@ def test_short_run_learns_the_planted_model(learned):
     ds = open_dataset(cfg.data, cfg.cache_dir, seed=cfg.seed, cardinality_scale=cfg.synthetic_scale,
                       max_cardinality=cfg.synthetic_max_cardinality)
     _, _, test = ds.split(cfg.test_fraction, cfg.val_fraction, cfg.seed)
-    planted = rank_auc(np.asarray(ds.planted_logit)[test], np.asarray(ds.labels)[test])
+    planted = rank_auc(np.asarray(ds.labels)[test], np.asarray(ds.planted_logit)[test])
     # Chance is 0.5; the planted model's own logit bounds what any model can reach.
     assert metrics["auc"] > 0.62, metrics["epoch_auc"]
     assert metrics["auc"] < planted + 0.01

@@ -1,0 +1,123 @@
+"""Vectorised decoding of text fields (numpy ``S`` arrays) into labels and dense values.
+
+The parsers hand over each column as a fixed-width byte-string array (``b""`` =
+empty field). Criteo's dense columns are small integers, so the common case is
+decoded with integer arithmetic on the bytes; anything else (``"260.0"``,
+``"1e3"``) falls back to Python's ``float`` on the distinct values only.
+
+Example::
+
+    >>> import numpy as np
+    >>> values, bad = parse_numeric(np.array([b"12", b"", b"-3", b"2.5", b"x"]))
+    >>> values[[0, 2, 3]].tolist(), bool(np.isnan(values[1])), bad.tolist()
+    ([12.0, -3.0, 2.5], True, [False, False, False, False, True])
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+_MAX_INT_DIGITS = 18  # 10**18 < 2**63: the integer fast path cannot overflow int64
+
+
+def byte_matrix(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(bytes [n, W] uint8, lengths [n])`` of an ``S{W}`` array, without copying.
+
+    Lengths count the non-NUL bytes: numpy pads ``S`` values with NULs, and text
+    fields never contain one (a stray NUL makes the value invalid wherever it matters).
+    """
+    col = np.ascontiguousarray(col)
+    width = col.dtype.itemsize
+    b = col.view(np.uint8).reshape(len(col), width)
+    return b, np.count_nonzero(b, axis=1)
+
+
+def rows_all(mask: np.ndarray) -> np.ndarray:
+    """``mask.all(axis=1)`` for a C-contiguous bool matrix, fast for short rows.
+
+    numpy reduces short rows one at a time; reading each row's bytes as one integer
+    (rows padded to 8 bytes) tests a whole row with a single comparison.
+    """
+    n, width = mask.shape
+    if width == 0:
+        return np.ones(n, dtype=bool)
+    if width > 8:
+        return mask.all(axis=1)
+    if width != 8:
+        padded = np.ones((n, 8), dtype=bool)
+        padded[:, :width] = mask
+        mask = padded
+    rows = np.ascontiguousarray(mask).view(np.uint64).reshape(n)
+    return rows == np.uint64(0x0101010101010101)
+
+
+def parse_numeric(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Decode decimal text to float64.
+
+    Args:
+        col: ``S`` array of fields.
+
+    Returns:
+        ``(values, bad)``: ``values`` is float64 with NaN where the field is empty;
+        ``bad`` marks non-empty fields that are not a finite number.
+    """
+    n = len(col)
+    values = np.full(n, np.nan)
+    bad = np.zeros(n, dtype=bool)
+    if n == 0:
+        return values, bad
+    b, length = byte_matrix(col)
+    width = b.shape[1]
+    missing = length == 0
+    digit = b - np.uint8(48)  # wraps for non-digits, so ``< 10`` tests "is a digit"
+    is_digit = digit < 10
+    signed = (b[:, 0] == 45) | (b[:, 0] == 43)  # '-' or '+'
+    pos = np.arange(width)
+    inside = pos[None, :] < length[:, None]
+    ok_char = is_digit | ~inside
+    ok_char[:, 0] |= signed
+    is_int = rows_all(ok_char) & (length > signed) & (length <= _MAX_INT_DIGITS + signed)
+    if is_int.any():
+        acc = np.zeros(n, dtype=np.int64)
+        d64 = digit.astype(np.int64)
+        for j in range(min(width, _MAX_INT_DIGITS + 1)):
+            take = inside[:, j] & is_digit[:, j]
+            acc = np.where(take, acc * 10 + d64[:, j], acc)
+        acc = np.where(b[:, 0] == 45, -acc, acc)
+        values[is_int] = acc[is_int]
+    rest = ~is_int & ~missing
+    if rest.any():
+        idx = np.flatnonzero(rest)
+        uniq, inverse = np.unique(col[idx], return_inverse=True)
+        parsed = np.empty(len(uniq))
+        for k, raw in enumerate(uniq.tolist()):
+            try:
+                parsed[k] = float(raw)
+            except ValueError:
+                parsed[k] = np.nan
+        vals = parsed[inverse.reshape(-1)]
+        values[idx] = vals
+        bad[idx] = ~np.isfinite(vals)
+    return values, bad
+
+
+def parse_labels(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Decode a label column; only 0 and 1 (``"0"``, ``"1"``, ``"1.0"``...) are valid.
+
+    Returns:
+        ``(labels float32, bad)``.
+    """
+    one = col == b"1"
+    zero = col == b"0"
+    fast = one | zero
+    labels = one.astype(np.float32)
+    bad = ~fast
+    if bad.any():
+        values, _ = parse_numeric(col[bad])
+        ok = (values == 0.0) | (values == 1.0)
+        idx = np.flatnonzero(bad)
+        labels[idx[ok]] = values[ok].astype(np.float32)
+        bad[idx[ok]] = False
+    return labels, bad

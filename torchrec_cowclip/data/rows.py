@@ -1,0 +1,268 @@
+"""Validated row blocks: labels, raw dense values and raw categorical values.
+
+A *row source* turns one input file into a stream of :class:`RowBlock` s whose rows are
+all well formed; bad rows are reported to a :class:`~torchrec_cowclip.data.errors.BadRowLog`
+(which raises in ``"error"`` mode, at the first bad row of the file). Encoding
+(vocabulary or hashing) and dense transforms happen later, in
+:mod:`torchrec_cowclip.data.encode`.
+
+Example::
+
+    >>> import tempfile, pathlib
+    >>> from torchrec_cowclip.data.errors import BadRowLog
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.tsv"
+    >>> _ = p.write_text("1\\t5\\tab\\n2\\t1\\tcd\\n0\\t\\t\\n")
+    >>> src = TextRowSource(TextLayout(n_columns=3, label=0, dense=(1,), sparse=(2,),
+    ...                                dense_names=("I1",), sparse_names=("C1",)))
+    >>> log = BadRowLog("skip")
+    >>> blocks = list(src.blocks(p, log))
+    >>> blocks[0].labels.tolist(), blocks[0].lines.tolist(), log.counts
+    ([1.0, 0.0], [1, 3], {'label not 0/1': 1})
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+
+import numpy as np
+
+from torchrec_cowclip.data.delimited import DelimitedFile, infer_delimiter
+from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, WRONG_COLUMN_COUNT, BadRowLog, DataError
+from torchrec_cowclip.data.fields import parse_labels, parse_numeric
+
+# Given the raw categoricals of a block: None if every row is encodable, else
+# (bad-row mask, reason, one detail per bad row).
+SparseCheck = Callable[[List[np.ndarray]], Optional[Tuple[np.ndarray, str, List[str]]]]
+ColumnRef = Union[int, str]
+
+
+@dataclass
+class RowBlock:
+    """Well-formed rows of one block of one file.
+
+    ``dense`` is float64 with NaN for missing values; ``sparse`` one ``S`` array per
+    categorical column with ``b""`` for missing values; ``lines`` 1-based line (or
+    row) numbers in ``path``.
+    """
+
+    path: str
+    lines: np.ndarray
+    labels: np.ndarray
+    dense: np.ndarray
+    sparse: List[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, keep: np.ndarray) -> "RowBlock":
+        return RowBlock(
+            path=self.path,
+            lines=self.lines[keep],
+            labels=self.labels[keep],
+            dense=self.dense[keep],
+            sparse=[c[keep] for c in self.sparse],
+        )
+
+
+def validate_block(
+    block: RowBlock,
+    log: BadRowLog,
+    bad_label: np.ndarray,
+    bad_dense: np.ndarray,
+    dense_names: Sequence[str],
+    raw_labels: np.ndarray,
+    raw_dense: Sequence[np.ndarray],
+    sparse_check: Optional[SparseCheck],
+    wrong_count: Sequence[Tuple[int, str]] = (),
+) -> RowBlock:
+    """Report the bad rows of ``block`` in line order and return the good ones.
+
+    Each bad row is reported once, under its first failing check in this order:
+    column count, label, dense, categorical.
+    """
+    bad: List[Tuple[int, str, str]] = [(line, WRONG_COLUMN_COUNT, d) for line, d in wrong_count]
+    flagged = np.zeros(len(block), dtype=bool)
+    for i in np.flatnonzero(bad_label).tolist():
+        bad.append((int(block.lines[i]), BAD_LABEL, f"got {_show(raw_labels[i])}"))
+    flagged |= bad_label
+    for i in np.flatnonzero(bad_dense & ~flagged).tolist():
+        c = next(k for k, col in enumerate(raw_dense) if _dense_bad(col[i]))
+        bad.append((int(block.lines[i]), BAD_DENSE, f"{dense_names[c]}={_show(raw_dense[c][i])}"))
+    flagged |= bad_dense
+    if sparse_check is not None and len(block):
+        checked = sparse_check(block.sparse)
+        if checked is not None:
+            mask, reason, details = checked
+            for i, detail in zip(np.flatnonzero(mask).tolist(), details):
+                if not flagged[i]:
+                    bad.append((int(block.lines[i]), reason, detail))
+            flagged |= mask
+    if not bad:
+        return block
+    for line, reason, detail in sorted(bad):
+        log.add(block.path, line, reason, detail)
+    return block.take(~flagged)
+
+
+def _show(raw: bytes) -> str:
+    return repr(raw.decode("utf-8", "replace"))
+
+
+def _dense_bad(raw: bytes) -> bool:
+    if raw == b"":
+        return False
+    try:
+        return not np.isfinite(float(raw))
+    except ValueError:
+        return True
+
+
+@dataclass(frozen=True)
+class TextLayout:
+    """Where label, dense and categorical values sit in a delimited file.
+
+    Columns are given by index, or by name when the file has a header.
+
+    Args:
+        delimiter: one character; None infers it from the extension.
+        fallback_delimiter: used when ``delimiter`` is None and the extension says nothing.
+        header: True, False, or ``"auto"`` (a header if the label field of the first
+            line is not a number).
+        n_columns: fields per line; None takes the header's length.
+        label, dense, sparse: column indices or header names.
+        dense_names, sparse_names: feature names when columns are given by index.
+    """
+
+    delimiter: Optional[str] = None
+    fallback_delimiter: Optional[str] = None
+    header: Union[bool, str] = False
+    n_columns: Optional[int] = None
+    label: ColumnRef = 0
+    dense: Tuple[ColumnRef, ...] = ()
+    sparse: Tuple[ColumnRef, ...] = ()
+    dense_names: Optional[Tuple[str, ...]] = None
+    sparse_names: Optional[Tuple[str, ...]] = None
+
+    def open(self, path: Union[str, Path]) -> DelimitedFile:
+        if self.header == "auto":
+            label_pos = self.label if isinstance(self.label, int) else 0
+
+            def header_rule(fields: List[bytes]) -> bool:
+                if len(fields) <= label_pos:
+                    return False
+                _, bad = parse_numeric(np.array([fields[label_pos].strip()]))
+                return bool(bad[0])
+
+            header: Union[bool, Callable[[List[bytes]], bool]] = header_rule
+        else:
+            header = bool(self.header)
+        delimiter = self.delimiter
+        if delimiter is None and infer_delimiter(path) is None:
+            delimiter = self.fallback_delimiter
+        return DelimitedFile(path, delimiter=delimiter, header=header, n_columns=self.n_columns)
+
+    def payload(self) -> Dict[str, Any]:
+        """JSON description of the layout, for cache keys."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    def resolve(self, f: DelimitedFile) -> Tuple[int, List[int], List[int], List[str], List[str]]:
+        """Column indices and feature names for one opened file."""
+
+        def index(ref: ColumnRef) -> int:
+            if isinstance(ref, int):
+                return ref
+            if f.header is None:
+                raise ValueError(f"{f.path}: column {ref!r} is named but the file has no header")
+            if ref not in f.header:
+                raise DataError(f"{f.path}: no column {ref!r}; columns are {f.header}", path=f.path)
+            return f.header.index(ref)
+
+        label = index(self.label)
+        dense = [index(r) for r in self.dense]
+        sparse = [index(r) for r in self.sparse]
+
+        def names(refs: Tuple[ColumnRef, ...], given: Optional[Tuple[str, ...]]) -> List[str]:
+            if given is not None:
+                return list(given)
+            return [r if isinstance(r, str) else (f.header[r] if f.header else f"col{r}") for r in refs]
+
+        return (
+            label,
+            dense,
+            sparse,
+            names(self.dense, self.dense_names),
+            names(self.sparse, self.sparse_names),
+        )
+
+
+class RowSource(Protocol):
+    """Anything that reads validated row blocks from one file (text, parquet)."""
+
+    def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        """``(dense_names, sparse_names)`` of ``path``."""
+        ...
+
+    def blocks(
+        self, path: Union[str, Path], log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
+        """Validated blocks of ``path``; bad rows go to ``log``."""
+        ...
+
+
+class TextRowSource:
+    """Row blocks of delimited text files laid out as ``layout`` says.
+
+    Example::
+
+        >>> from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
+        >>> src = TextRowSource(CRITEO_LAYOUT)
+        >>> src.names("/work/shared/data/criteo_sample.tsv")[1][:2]
+        ['C1', 'C2']
+    """
+
+    def __init__(self, layout: TextLayout) -> None:
+        self.layout = layout
+
+    def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        """``(dense_names, sparse_names)`` as read from ``path``."""
+        _, _, _, dense_names, sparse_names = self.layout.resolve(self.layout.open(path))
+        return dense_names, sparse_names
+
+    def blocks(
+        self, path: Union[str, Path], log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
+        f = self.layout.open(path)
+        label_col, dense_cols, sparse_cols, dense_names, _ = self.layout.resolve(f)
+        wanted = sorted(set([label_col, *dense_cols, *sparse_cols]))
+        for raw in f.blocks(wanted):
+            raw_labels = raw.columns[label_col]
+            labels, bad_label = parse_labels(raw_labels)
+            n = len(labels)
+            dense = np.empty((n, len(dense_cols)))
+            bad_dense = np.zeros(n, dtype=bool)
+            raw_dense = [raw.columns[c] for c in dense_cols]
+            for j, col in enumerate(raw_dense):
+                dense[:, j], bad = parse_numeric(col)
+                bad_dense |= bad
+            block = RowBlock(
+                path=str(path),
+                lines=raw.lines,
+                labels=labels,
+                dense=dense,
+                sparse=[raw.columns[c] for c in sparse_cols],
+            )
+            block = validate_block(
+                block,
+                log,
+                bad_label,
+                bad_dense,
+                dense_names,
+                raw_labels,
+                raw_dense,
+                sparse_check,
+                raw.bad_lines,
+            )
+            if len(block):
+                yield block

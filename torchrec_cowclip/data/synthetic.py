@@ -1,0 +1,400 @@
+"""Synthetic Criteo-like click logs with a planted logistic model.
+
+Layout: 13 dense features ``I1..I13`` and 26 categorical features ``C1..C26``, like
+Criteo. The rows are drawn as follows.
+
+**Cardinalities.** Criteo Kaggle's published per-feature cardinalities
+(``CRITEO_KAGGLE_CARDINALITIES``: 3 to 10,131,227) times ``cardinality_scale``,
+rounded, capped at ``max_cardinality`` and at least 1.
+
+**Id frequencies (power law).** Within a feature of cardinality ``K`` the id of
+frequency rank ``r`` (``r = 1..K``) is drawn with probability proportional to
+``r ** -s`` (Zipf); a fixed random permutation maps ranks to ids, so frequent ids
+are not simply the small ones. The exponent ``s`` is fitted per feature so that the
+most frequent 1% of its ids (at least one id) receive ``top1_share`` of its
+occurrences. Default ``top1_share = 0.70``: the classic Zipf law (``s = 1``) gives
+0.68 at K = 1M and 0.72 at K = 10M (Criteo's C3, C12), so 0.70 reproduces a Zipf
+head at Criteo's sizes, and fixing the share rather than ``s`` keeps small features
+(K = 3..105) from being nearly uniform. It is a chosen target, not a statistic
+measured on the 45M-row file (the project's 200-row sample cannot measure it). The
+fitted exponents, for the uncapped Kaggle sizes: K=3 -> 1.79, 24 -> 2.28, 583 -> 1.46,
+14,992 -> 1.13, 142,572 -> 1.05, 1M -> 1.01, 10.1M -> 0.99.
+
+**Dense features.** Count-like: missing with a per-feature probability (roughly
+Criteo Kaggle's rates, 0% for I2 to 77% for I12), else ``floor(exp(N(mu, sigma)))``
+with per-feature medians from 0 to ~3,000; they go through the same
+``dense_transform`` as real data (``log(1 + x)`` by default).
+
+**Labels (planted model).** ``P(click) = sigmoid(logit)`` with::
+
+    logit = b + sum_f w_f[id_f]                      (every id, frequent or rare: N(0, 0.24^2))
+              + sum_j v_j * (log1p(x_j) - m_j)       (dense, v_j ~ N(0, 0.15^2))
+              + sum_{(f,g) in PAIRS} <U_f[id_f], U_g[id_g]>   (rank 4, U ~ N(0, 0.4^2))
+
+``PAIRS`` = (C1, C2), (C3, C14), (C6, C9), (C10, C24): small x small, huge x small
+and large x large fields. Rare ids carry weights as large as frequent ones, so part
+of the signal sits in the tail, as the CowClip paper argues it does on Criteo: at
+the defaults the logit's variance (about 2.1) splits into ids 1.29 (of which ids
+outside their field's top 1%: 0.43), dense 0.48 and interactions 0.33. ``b`` is
+solved on a fixed 65,536-row calibration draw so that the mean click probability is
+``positive_rate`` (default 0.25; Criteo Kaggle has 25.6% positives). The planted
+logit's own AUC on its labels (the Bayes limit of any model) is 0.81 at the
+defaults (1M rows) and 0.75-0.80 at ``cardinality_scale=0.01`` depending on the
+seed, comparable to the best published Criteo AUCs (~0.81); ``planted_logit.npy``
+is kept in the cache and the AUC in ``meta.json``.
+
+**Reproducibility.** Rows are generated in fixed chunks of 65,536 from
+``SeedSequence([seed, 2, chunk])``, parameters from ``SeedSequence([seed, 0])``:
+the same options give bit-identical arrays, and ``synthetic:N`` is a prefix of
+``synthetic:M`` for ``N < M``. Speed (numpy, one core of the 2-core dev box,
+defaults): 0.8 s of set-up, then about 270k rows/s; ``synthetic:1000000`` is
+generated and written to the cache in about 5 s.
+
+Example::
+
+    >>> cfg = SyntheticConfig(rows=1000, seed=1, cardinality_scale=0.01, max_cardinality=5000)
+    >>> dense, sparse, labels, logit = synthetic_arrays(cfg)
+    >>> dense.shape, sparse.shape, bool((sparse < cfg.cardinalities()).all())
+    ((1000, 13), (1000, 26), True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
+
+import numpy as np
+
+from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
+from torchrec_cowclip.data.npyfile import NpyAppender
+from torchrec_cowclip.data.schema import (
+    CRITEO_DENSE_NAMES,
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_SPARSE_NAMES,
+    Schema,
+)
+
+CHUNK_ROWS = 1 << 16
+CALIBRATION_ROWS = 1 << 16
+TOP_FRACTION = 0.01
+SIGMA_ID = 0.24
+SIGMA_DENSE = 0.15
+LATENT_DIM = 4
+SIGMA_LATENT = 0.40  # <U_f, U_g> has std LATENT_DIM**0.5 * SIGMA_LATENT**2 = 0.32 per pair
+PAIRS: Tuple[Tuple[int, int], ...] = ((0, 1), (2, 13), (5, 8), (9, 23))
+
+# Per dense feature I1..I13: probability of missing, median count, log-scale spread.
+DENSE_MISSING = np.array([0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.77, 0.22])
+DENSE_MEDIAN = np.array([1.0, 3.0, 8.0, 5.0, 3000.0, 30.0, 3.0, 8.0, 40.0, 1.0, 1.0, 0.5, 5.0])
+DENSE_SPREAD = np.array([1.2, 1.5, 1.3, 1.0, 1.5, 1.6, 1.4, 0.9, 1.3, 0.8, 1.0, 1.0, 1.3])
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Options of the synthetic generator (see the module docstring).
+
+    Args:
+        rows: number of rows.
+        seed: everything is a function of the seed and the other options.
+        cardinality_scale: factor on Criteo Kaggle's cardinalities.
+        max_cardinality: cap on any feature's cardinality.
+        top1_share: share of occurrences of each feature's top 1% ids.
+        positive_rate: target mean click probability.
+        dense_transform: ``"log"``, ``"minmax"`` or ``"none"``.
+    """
+
+    rows: int
+    seed: int = 0
+    cardinality_scale: float = 1.0
+    max_cardinality: int = 1_000_000
+    top1_share: float = 0.70
+    positive_rate: float = 0.25
+    dense_transform: str = "log"
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"synthetic rows must be >= 1, got {self.rows}")
+        if self.cardinality_scale <= 0 or self.max_cardinality < 1:
+            raise ValueError("cardinality_scale must be > 0 and max_cardinality >= 1")
+        if not 0.0 < self.top1_share < 1.0 or not 0.0 < self.positive_rate < 1.0:
+            raise ValueError("top1_share and positive_rate must be in (0, 1)")
+        check_transform(self.dense_transform)
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        """Per-feature cardinality: Kaggle's, scaled, capped, at least 1."""
+        return tuple(
+            max(1, min(self.max_cardinality, int(round(k * self.cardinality_scale))))
+            for k in CRITEO_KAGGLE_CARDINALITIES
+        )
+
+    def schema(self) -> Schema:
+        return Schema(CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, self.cardinalities())
+
+    def payload(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _power_sum(n: int, s: float) -> float:
+    """``sum_{r=1..n} r**-s``: exact for the first 4096 terms, Euler-Maclaurin beyond
+    (relative error < 1e-12 there), so fitting a 10M-id feature costs microseconds."""
+    head = min(n, 4096)
+    total = float(np.sum(np.arange(1, head + 1, dtype=np.float64) ** -s))
+    if n <= head:
+        return total
+    a, b = head + 1, n
+    if abs(s - 1.0) < 1e-12:
+        integral = math.log(b / a)
+    else:
+        integral = (b ** (1 - s) - a ** (1 - s)) / (1 - s)
+    ends = (a**-s + b**-s) / 2
+    deriv = (-s * b ** (-s - 1) + s * a ** (-s - 1)) / 12
+    return total + integral + ends + deriv
+
+
+@lru_cache(maxsize=None)
+def fit_zipf_exponent(cardinality: int, top_share: float, top_fraction: float = TOP_FRACTION) -> float:
+    """Exponent ``s`` such that the top ``ceil(top_fraction * K)`` ranks of a Zipf(s)
+    law over ``K = cardinality`` ids carry ``top_share`` of the mass (0 if a uniform
+    law already does).
+
+    Example::
+
+        >>> round(fit_zipf_exponent(3, 0.7), 2), round(fit_zipf_exponent(1_000_000, 0.7), 2)
+        (1.79, 1.01)
+    """
+    k = int(cardinality)
+    top = max(1, math.ceil(top_fraction * k))
+    if top >= k or top_share <= top / k:
+        return 0.0
+    lo, hi = 0.0, 16.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _power_sum(top, mid) / _power_sum(k, mid) < top_share:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class SyntheticChunk(NamedTuple):
+    """One chunk of rows: raw dense (NaN = missing), ids, labels, planted logit."""
+
+    dense_raw: np.ndarray
+    sparse: np.ndarray
+    labels: np.ndarray
+    logit: np.ndarray
+
+
+class PlantedModel:
+    """The sampling laws and planted logistic model of one :class:`SyntheticConfig`.
+
+    Example::
+
+        >>> model = PlantedModel(SyntheticConfig(rows=10, cardinality_scale=0.001))
+        >>> model.cardinalities[:3], [round(s, 2) for s in model.exponents[:3]]
+        ((1, 1, 10131), [0.0, 0.0, 1.15])
+        >>> chunk = model.chunk(0)
+        >>> chunk.sparse.shape, round(float(chunk.labels.mean()), 1)
+        ((65536, 26), 0.2)
+    """
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        self.config = config
+        self.cardinalities = config.cardinalities()
+        self.exponents = [fit_zipf_exponent(k, config.top1_share) for k in self.cardinalities]
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([config.seed, 0])))
+        self._cdf: List[np.ndarray] = []
+        self._rank_to_id: List[np.ndarray] = []
+        self._weight: List[np.ndarray] = []
+        for k, s in zip(self.cardinalities, self.exponents):
+            p = np.arange(1, k + 1, dtype=np.float64) ** -s
+            cdf = np.cumsum(p)
+            cdf /= cdf[-1]
+            self._cdf.append(cdf)
+            self._rank_to_id.append(rng.permutation(k).astype(np.int64))
+            self._weight.append(rng.normal(0.0, SIGMA_ID, k).astype(np.float32))
+        self._latent: Dict[int, np.ndarray] = {
+            f: rng.normal(0.0, SIGMA_LATENT, (self.cardinalities[f], LATENT_DIM)).astype(np.float32)
+            for f in sorted({f for pair in PAIRS for f in pair})
+        }
+        self.dense_weight = rng.normal(0.0, SIGMA_DENSE, len(CRITEO_DENSE_NAMES))
+        self._dense_mu = np.log(DENSE_MEDIAN + 1.0)
+        # A rough centring of the dense term (presence rate x median log-count) keeps
+        # the solved bias close to the logit's mean instead of absorbing dense offsets.
+        self._dense_center = (1 - DENSE_MISSING) * self._dense_mu
+        self.bias = 0.0
+        cal = self._draw(
+            np.random.Generator(np.random.PCG64(np.random.SeedSequence([config.seed, 1]))),
+            CALIBRATION_ROWS,
+        )
+        self.bias = _solve_bias(cal.logit.astype(np.float64), config.positive_rate)
+
+    def _draw(self, rng: np.random.Generator, n: int) -> SyntheticChunk:
+        n_sparse = len(self.cardinalities)
+        u = rng.random((n, n_sparse))
+        sparse = np.empty((n, n_sparse), dtype=np.int64)
+        logit = np.full(n, self.bias, dtype=np.float64)
+        for f in range(n_sparse):
+            rank = np.searchsorted(self._cdf[f], u[:, f], side="right")
+            np.minimum(rank, self.cardinalities[f] - 1, out=rank)
+            ids = self._rank_to_id[f][rank]
+            sparse[:, f] = ids
+            logit += self._weight[f][ids]
+        for f, g in PAIRS:
+            logit += np.einsum("ij,ij->i", self._latent[f][sparse[:, f]], self._latent[g][sparse[:, g]])
+        z = rng.standard_normal((n, len(CRITEO_DENSE_NAMES)))
+        counts = np.floor(np.exp(self._dense_mu + DENSE_SPREAD * z)) - 1.0
+        np.maximum(counts, 0.0, out=counts)
+        missing = rng.random(counts.shape) < DENSE_MISSING
+        counts[missing] = np.nan
+        logit += (np.log1p(np.nan_to_num(counts, nan=0.0)) - self._dense_center) @ self.dense_weight
+        labels = (rng.random(n) < _sigmoid(logit)).astype(np.float32)
+        return SyntheticChunk(counts, sparse, labels, logit.astype(np.float32))
+
+    def chunk(self, index: int) -> SyntheticChunk:
+        """Rows ``[index * CHUNK_ROWS, (index + 1) * CHUNK_ROWS)`` of every dataset of this config."""
+        seq = np.random.SeedSequence([self.config.seed, 2, index])
+        return self._draw(np.random.Generator(np.random.PCG64(seq)), CHUNK_ROWS)
+
+    def chunks(self) -> Iterator[SyntheticChunk]:
+        """The config's ``rows`` rows, chunk by chunk (the last one truncated)."""
+        rows = self.config.rows
+        for index in range((rows + CHUNK_ROWS - 1) // CHUNK_ROWS):
+            c = self.chunk(index)
+            keep = min(CHUNK_ROWS, rows - index * CHUNK_ROWS)
+            if keep < CHUNK_ROWS:
+                c = SyntheticChunk(*(a[:keep] for a in c))
+            yield c
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _solve_bias(logit: np.ndarray, rate: float) -> float:
+    lo, hi = -30.0, 30.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if _sigmoid(logit + mid).mean() < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged.
+
+    Args:
+        labels: 0/1 click labels (anything else raises, which also catches swapped
+            arguments).
+        scores: higher = more likely a click (e.g. the planted logit).
+
+    Example::
+
+        >>> rank_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.6, 0.4, 0.9]))
+        0.75
+    """
+    labels = np.asarray(labels)
+    if not np.isin(labels, (0, 1)).all():
+        raise ValueError("rank_auc(labels, scores): labels must be 0/1 (were the arguments swapped?)")
+    labels = labels > 0.5
+    order = np.argsort(scores, kind="mergesort")
+    s = np.asarray(scores)[order]
+    ranks = np.empty(len(s))
+    ranks_sorted = np.arange(1, len(s) + 1, dtype=np.float64)
+    # Tied scores share their average rank, so a tie counts as half a correct pair.
+    starts = np.r_[0, np.flatnonzero(np.diff(s)) + 1]
+    ends = np.r_[starts[1:], len(s)]
+    avg = (ranks_sorted[starts] + ranks_sorted[ends - 1]) / 2
+    ranks[order] = np.repeat(avg, ends - starts)
+    n_pos = int(labels.sum())
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def synthetic_arrays(config: SyntheticConfig) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All rows in memory: ``(dense float32, sparse int64, labels float32, logit float32)``.
+
+    For tests and small experiments; :func:`convert_synthetic` streams to disk instead.
+    """
+    model = PlantedModel(config)
+    chunks = list(model.chunks())
+    raw = np.concatenate([c.dense_raw for c in chunks])
+    stats = None
+    if config.dense_transform == "minmax":
+        stats = DenseStats(raw.shape[1])
+        stats.update(raw)
+    dense = transform_dense(raw, config.dense_transform, stats)
+    return (
+        dense,
+        np.concatenate([c.sparse for c in chunks]),
+        np.concatenate([c.labels for c in chunks]),
+        np.concatenate([c.logit for c in chunks]),
+    )
+
+
+def convert_synthetic(config: SyntheticConfig, out_dir: Path) -> Dict[str, Any]:
+    """Generate the rows into cache arrays in ``out_dir`` (plus ``planted_logit.npy``);
+    returns meta fields."""
+    model = PlantedModel(config)
+    cards = model.cardinalities
+    stats = DenseStats(len(CRITEO_DENSE_NAMES))
+    # min-max needs the global range, known only at the end: write the filled values
+    # and rescale the file in place afterwards.
+    first_kind = "none" if config.dense_transform == "minmax" else config.dense_transform
+    auc_labels: List[np.ndarray] = []
+    auc_logits: List[np.ndarray] = []
+    with (
+        NpyAppender(out_dir / "dense.npy", np.float32, (len(CRITEO_DENSE_NAMES),)) as dense_w,
+        NpyAppender(out_dir / "sparse.npy", np.int32, (len(cards),)) as sparse_w,
+        NpyAppender(out_dir / "labels.npy", np.float32, ()) as labels_w,
+        NpyAppender(out_dir / "planted_logit.npy", np.float32, ()) as logit_w,
+    ):
+        for c in model.chunks():
+            stats.update(c.dense_raw)
+            dense_w.append(transform_dense(c.dense_raw, first_kind))
+            sparse_w.append(c.sparse)
+            labels_w.append(c.labels)
+            logit_w.append(c.logit)
+            if labels_w.rows <= 1 << 21:
+                auc_labels.append(c.labels)
+                auc_logits.append(c.logit)
+    if config.dense_transform == "minmax":
+        dense = np.load(out_dir / "dense.npy", mmap_mode="r+")
+        lo = stats.min.astype(np.float32)
+        span = (stats.max - stats.min).astype(np.float32)
+        safe = np.where(span > 0, span, 1).astype(np.float32)
+        for start in range(0, len(dense), CHUNK_ROWS):
+            block = dense[start : start + CHUNK_ROWS]
+            block[:] = np.where(span > 0, (block - lo) / safe, 0)
+        dense.flush()
+        del dense
+    labels_all = np.concatenate(auc_labels)
+    return {
+        "schema": config.schema().to_json(),
+        "rows": config.rows,
+        "test_start": None,
+        "bad_rows": {},
+        "bad_row_examples": [],
+        "bad_row_summary": "no bad rows",
+        "sparse_dtype": "int32",
+        "encoding": {"kind": "synthetic ids"},
+        "dense_transform": config.dense_transform,
+        "dense_stats": {"min": stats.min.tolist(), "max": stats.max.tolist()},
+        "source_format": "synthetic criteo-like",
+        "synthetic": {
+            **config.payload(),
+            "zipf_exponents": [round(s, 6) for s in model.exponents],
+            "bias": model.bias,
+            "pairs": [[CRITEO_SPARSE_NAMES[f], CRITEO_SPARSE_NAMES[g]] for f, g in PAIRS],
+            "positive_fraction": float(labels_all.mean()),
+            "planted_auc": rank_auc(labels_all, np.concatenate(auc_logits)),
+            "planted_auc_rows": int(len(labels_all)),
+        },
+    }

@@ -1,0 +1,192 @@
+"""Generic tables: CSV, TSV or parquet files with named label, dense and sparse columns.
+
+Text files need a header line naming the columns; the delimiter comes from the
+extension (``.csv`` comma, ``.tsv``/``.txt`` tab) unless given. Parquet is read in
+record batches through pyarrow, imported only when a parquet file is opened (it is
+not a dependency of this project: ``pip install pyarrow`` to use it). Categorical
+values are used as text (an integer column's values as their decimal digits) and
+encoded by vocabulary or FNV-1a hashing, exactly as for Avazu.
+
+Example::
+
+    >>> import tempfile
+    >>> from torchrec_cowclip.data import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, open_dataset
+    >>> ds = open_dataset("table:/work/shared/data/criteo_sample.csv", tempfile.mkdtemp(),
+    ...                   label="label", dense=CRITEO_DENSE_NAMES, sparse=CRITEO_SPARSE_NAMES)
+    >>> ds.sparse.shape, float(ds.labels.sum()) >= 0
+    ((200, 26), True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from torchrec_cowclip.data.delimited import infer_delimiter
+from torchrec_cowclip.data.encode import EncodeOptions, convert_rows
+from torchrec_cowclip.data.errors import BadRowLog, DataError
+from torchrec_cowclip.data.fields import parse_numeric
+from torchrec_cowclip.data.rows import RowBlock, SparseCheck, TextLayout, TextRowSource, validate_block
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_BATCH = 65536
+
+
+def is_parquet(path: Union[str, Path]) -> bool:
+    return Path(path).suffix.lower() in PARQUET_SUFFIXES
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.compute
+        import pyarrow.parquet
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "reading parquet needs pyarrow, which this project does not install: pip install pyarrow"
+        ) from e
+    return pyarrow
+
+
+class ParquetRowSource:
+    """Row blocks of parquet files (label, dense and sparse columns by name)."""
+
+    def __init__(self, label: str, dense: Sequence[str], sparse: Sequence[str]) -> None:
+        self.label, self.dense, self.sparse = label, list(dense), list(sparse)
+
+    def _open(self, path: Union[str, Path]) -> Any:
+        pa = _pyarrow()
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"data file not found: {p}")
+        try:
+            f = pa.parquet.ParquetFile(p)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{p}: not a readable parquet file ({e})", path=p) from e
+        names = f.schema_arrow.names
+        missing = [c for c in [self.label, *self.dense, *self.sparse] if c not in names]
+        if missing:
+            raise DataError(f"{p}: no columns {missing}; columns are {names}", path=p)
+        if f.metadata.num_rows == 0:
+            raise DataError(f"data file is empty: {p}", path=p)
+        return f
+
+    def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        self._open(path)
+        return list(self.dense), list(self.sparse)
+
+    def blocks(
+        self, path: Union[str, Path], log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
+        pa = _pyarrow()
+        f = self._open(path)
+        first_row = 1
+        columns = list(dict.fromkeys([self.label, *self.dense, *self.sparse]))
+        for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+            n = batch.num_rows
+            raw_labels = _as_bytes(pa, batch.column(self.label))
+            labels_f, bad_label = _numeric(pa, batch.column(self.label), raw_labels)
+            bad_label |= ~((labels_f == 0.0) | (labels_f == 1.0))
+            raw_dense = [_as_bytes(pa, batch.column(c)) for c in self.dense]
+            dense = np.empty((n, len(self.dense)))
+            bad_dense = np.zeros(n, dtype=bool)
+            for j, c in enumerate(self.dense):
+                dense[:, j], bad = _numeric(pa, batch.column(c), raw_dense[j])
+                bad_dense |= bad
+            block = RowBlock(
+                path=str(path),
+                lines=np.arange(first_row, first_row + n, dtype=np.int64),
+                labels=np.where(bad_label, 0.0, labels_f).astype(np.float32),
+                dense=dense,
+                sparse=[_as_bytes(pa, batch.column(c)) for c in self.sparse],
+            )
+            first_row += n
+            block = validate_block(
+                block, log, bad_label, bad_dense, self.dense, raw_labels, raw_dense, sparse_check
+            )
+            if len(block):
+                yield block
+
+
+def _as_bytes(pa: Any, col: Any) -> np.ndarray:
+    """A parquet column as an ``S`` array of its text (null -> ``b""``)."""
+    if not (
+        pa.types.is_string(col.type)
+        or pa.types.is_large_string(col.type)
+        or pa.types.is_binary(col.type)
+    ):
+        col = pa.compute.cast(col, pa.string())
+    values = col.to_pylist()
+    return np.array(
+        [b"" if v is None else (v if isinstance(v, bytes) else v.encode()) for v in values],
+        dtype=np.bytes_,
+    )
+
+
+def _numeric(pa: Any, col: Any, raw: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Float64 values (NaN = null) and a mask of non-numeric / non-finite values."""
+    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
+        values = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
+        return values, np.isinf(values)
+    return parse_numeric(raw)
+
+
+def table_layout(
+    label: str, dense: Sequence[str], sparse: Sequence[str], delimiter: Optional[str] = None
+) -> TextLayout:
+    """Layout of a text table with a header naming its columns."""
+    return TextLayout(
+        delimiter=delimiter, header=True, label=label, dense=tuple(dense), sparse=tuple(sparse)
+    )
+
+
+def convert_table(
+    paths: Sequence[Union[str, Path]],
+    test_paths: Sequence[Union[str, Path]],
+    out_dir: Path,
+    opts: EncodeOptions,
+    stats_cache: Union[str, Path],
+    *,
+    label: Optional[str],
+    dense: Optional[Sequence[str]],
+    sparse: Optional[Sequence[str]],
+    delimiter: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Convert table files into cache arrays in ``out_dir``; returns meta fields."""
+    if label is None or sparse is None:
+        raise ValueError(
+            "table: sources need label= and sparse= column names (and dense=, possibly empty)"
+        )
+    dense = list(dense or ())
+    all_paths = [*paths, *test_paths]
+    kinds = {is_parquet(p) for p in all_paths}
+    if len(kinds) > 1:
+        raise ValueError(f"table: files must be all parquet or all text, got {all_paths}")
+    source: Any
+    if kinds == {True}:
+        source = ParquetRowSource(label, dense, sparse)
+        layout_payload: Dict[str, Any] = {
+            "layout": "parquet",
+            "label": label,
+            "dense": dense,
+            "sparse": list(sparse),
+        }
+        fmt = "parquet"
+    else:
+        if delimiter is None:
+            for p in all_paths:
+                if infer_delimiter(p) is None:
+                    raise ValueError(
+                        f"cannot infer the delimiter of {p} from its extension; pass delimiter="
+                    )
+        layout = table_layout(label, dense, sparse, delimiter)
+        source = TextRowSource(layout)
+        layout_payload = {"layout": "table", **layout.payload()}
+        fmt = "delimited text"
+    meta = convert_rows(
+        source, paths, test_paths, out_dir, opts, stats_cache=stats_cache, stats_payload=layout_payload
+    )
+    meta["source_format"] = fmt
+    return meta

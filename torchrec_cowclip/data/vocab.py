@@ -1,0 +1,201 @@
+"""Exact per-feature vocabularies (label encoding) built in one streaming pass.
+
+Each distinct value of each categorical column gets its own id, like the reference's
+``LabelEncoder`` over the whole file. Ids are laid out as:
+
+* ``0``: out of vocabulary - values seen fewer than ``min_count`` times in the
+  vocabulary pass, and values never seen there (e.g. only in explicit test files);
+* ``1``: missing (empty field), its own id as in the reference (which fills it with a
+  placeholder string before encoding);
+* ``2 + k``: the k-th kept value in byte order (the reference's ``LabelEncoder`` also
+  numbers classes in sorted order, so ids match it up to the offset of 2).
+
+Counts are kept with the keys, so one vocabulary serves every ``min_count``.
+Values of at most 8 bytes (all of Criteo's and Avazu's) are handled as big-endian
+uint64 integers, whose order is the byte order of the strings: sorting and searching
+integers is about 10x faster than fixed-width strings. A column falls back to byte
+strings for good once a longer value shows up.
+Memory is one fixed-width byte string and one int64 per distinct value (Criteo
+Kaggle: 33.8M values, about 0.6 GB); for Criteo 1TB use hashing instead.
+
+Example::
+
+    >>> import numpy as np
+    >>> v = Vocabulary(["C1"])
+    >>> v.update([np.array([b"b", b"a", b"b", b""])])
+    >>> v.encode([np.array([b"a", b"b", b"", b"zz"])], min_count=1)[:, 0].tolist()
+    [2, 3, 1, 0]
+    >>> v.encode([np.array([b"a", b"b"])], min_count=2)[:, 0].tolist(), v.cardinalities(2)
+    ([0, 2], (3,))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple, Union
+
+import numpy as np
+
+from torchrec_cowclip.data.fields import byte_matrix
+
+OOV_ID = 0
+MISSING_ID = 1
+FIRST_VALUE_ID = 2
+
+_MIN_MERGE = 1 << 20
+_PACK_BYTES = 8
+
+
+def pack_keys(col: np.ndarray) -> np.ndarray:
+    """``S`` values of at most 8 bytes as uint64 with the same order and equality.
+
+    The empty value packs to 0, below every non-empty value.
+    """
+    n, width = len(col), col.dtype.itemsize
+    if width > _PACK_BYTES:
+        raise ValueError(f"cannot pack {width}-byte values")
+    b = np.zeros((n, _PACK_BYTES), dtype=np.uint8)
+    b[:, :width] = np.ascontiguousarray(col).view(np.uint8).reshape(n, width)
+    return b.view(">u8").reshape(n).astype(np.uint64)
+
+
+def unpack_keys(keys: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_keys` (as ``S8``)."""
+    return keys.astype(">u8").view("S8")
+
+
+class Vocabulary:
+    """Distinct values and their counts, per categorical column.
+
+    Args:
+        names: the categorical columns' names, in column order.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names: List[str] = list(names)
+        n = len(self.names)
+        self._keys: List[np.ndarray] = [np.zeros(0, dtype=np.uint64) for _ in range(n)]
+        self._counts: List[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(n)]
+        self._pending: List[List[Tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+        self._pending_size = [0] * n
+        self._kept: Dict[Tuple[int, int], np.ndarray] = {}
+
+    def update(self, sparse: Sequence[np.ndarray]) -> None:
+        """Count the values of one block (``S`` array per column; ``b""`` = missing)."""
+        if len(sparse) != len(self.names):
+            raise ValueError(f"got {len(sparse)} columns for a vocabulary of {len(self.names)}")
+        self._kept.clear()
+        for c, col in enumerate(sparse):
+            col = col[col != b""]
+            if len(col) == 0:
+                continue
+            keys, counts = np.unique(self._as_keys(c, col), return_counts=True)
+            self._pending[c].append((keys, counts.astype(np.int64)))
+            self._pending_size[c] += len(keys)
+            # Merging lazily keeps the cost near O(total log total) instead of a
+            # full re-sort of a multi-million-value column for every block.
+            if self._pending_size[c] > max(_MIN_MERGE, len(self._keys[c])):
+                self._merge(c)
+
+    def _packed(self, c: int) -> bool:
+        return self._keys[c].dtype == np.uint64
+
+    def _as_keys(self, c: int, col: np.ndarray) -> np.ndarray:
+        """``col`` in column ``c``'s key representation, unpacking the column if needed."""
+        if self._packed(c):
+            if col.dtype.itemsize <= _PACK_BYTES:
+                return pack_keys(col)
+            self._merge(c)
+            self._keys[c] = unpack_keys(self._keys[c])
+            self._kept = {k: v for k, v in self._kept.items() if k[0] != c}
+        return col
+
+    def _merge(self, c: int) -> None:
+        if not self._pending[c]:
+            return
+        keys = np.concatenate([self._keys[c]] + [k for k, _ in self._pending[c]])
+        counts = np.concatenate([self._counts[c]] + [n for _, n in self._pending[c]])
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        # float64 sums are exact below 2**53 occurrences
+        summed = np.bincount(inverse.reshape(-1), weights=counts, minlength=len(uniq)).astype(np.int64)
+        self._keys[c], self._counts[c] = uniq, summed
+        self._pending[c], self._pending_size[c] = [], 0
+
+    def _finish(self) -> None:
+        for c in range(len(self.names)):
+            self._merge(c)
+
+    def keys(self, column: int) -> np.ndarray:
+        """Sorted distinct values of a column (``S`` array)."""
+        self._finish()
+        keys = self._keys[column]
+        return unpack_keys(keys) if self._packed(column) else keys
+
+    def counts(self, column: int) -> np.ndarray:
+        """Occurrences of each value of ``keys(column)``."""
+        self._finish()
+        return self._counts[column]
+
+    def _kept_keys(self, column: int, min_count: int) -> np.ndarray:
+        key = (column, min_count)
+        if key not in self._kept:
+            self._finish()
+            keys, counts = self._keys[column], self._counts[column]
+            self._kept[key] = keys if min_count <= 1 else keys[counts >= min_count]
+        return self._kept[key]
+
+    def cardinalities(self, min_count: int = 1) -> Tuple[int, ...]:
+        """Table size per column: kept values plus the OOV and missing ids."""
+        return tuple(FIRST_VALUE_ID + len(self._kept_keys(c, min_count)) for c in range(len(self.names)))
+
+    def encode(self, sparse: Sequence[np.ndarray], min_count: int = 1) -> np.ndarray:
+        """Ids ``int64 [n, n_columns]`` of one block."""
+        if min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {min_count}")
+        n = len(sparse[0]) if len(sparse) else 0
+        out = np.empty((n, len(sparse)), dtype=np.int64)
+        for c, col in enumerate(sparse):
+            kept = self._kept_keys(c, min_count)
+            too_long = None
+            if self._packed(c):
+                if col.dtype.itemsize > _PACK_BYTES:
+                    # A packed column's vocabulary holds no value longer than 8 bytes.
+                    too_long = byte_matrix(col)[1] > _PACK_BYTES
+                    query = pack_keys(col.astype(f"S{_PACK_BYTES}"))
+                else:
+                    query = pack_keys(col)
+            else:
+                query = col
+            if len(kept) == 0:
+                ids = np.full(n, OOV_ID, dtype=np.int64)
+            else:
+                pos = np.searchsorted(kept, query)
+                np.minimum(pos, len(kept) - 1, out=pos)
+                found = kept[pos] == query
+                if too_long is not None:
+                    found &= ~too_long
+                ids = np.where(found, pos + FIRST_VALUE_ID, OOV_ID).astype(np.int64)
+            ids[col == b""] = MISSING_ID
+            out[:, c] = ids
+        return out
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the vocabulary to an ``.npz`` file (no pickling: keys are ``S`` arrays)."""
+        self._finish()
+        arrays: Dict[str, np.ndarray] = {"names": np.array(self.names, dtype=np.str_)}
+        for c in range(len(self.names)):
+            arrays[f"keys_{c}"] = self.keys(c)
+            arrays[f"counts_{c}"] = self._counts[c]
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Vocabulary":
+        """Read a vocabulary written by :meth:`save`."""
+        with np.load(path, allow_pickle=False) as z:
+            vocab = cls([str(x) for x in z["names"]])
+            for c in range(len(vocab.names)):
+                keys = z[f"keys_{c}"]
+                vocab._keys[c] = pack_keys(keys) if keys.dtype.itemsize <= _PACK_BYTES else keys
+                vocab._counts[c] = z[f"counts_{c}"].astype(np.int64)
+        return vocab

@@ -1,0 +1,194 @@
+"""CTR models of the CowClip paper on TorchRec, and one factory for them all.
+
+Every model is ``forward(dense [B, n_dense], sparse: KeyedJaggedTensor) -> logits [B]``,
+owns its tables as ``model.embedding_collection`` (a
+:class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`, or a stock
+``torchrec.EmbeddingBagCollection`` with ``embedding_backend="torchrec"``) and lists
+what a dense optimizer must train in ``model.dense_parameters()``.
+
+Example::
+
+    >>> import torch, torch.nn.functional as F
+    >>> from torchrec_cowclip import CowClip
+    >>> from torchrec_cowclip.models import build_model
+    >>> model = build_model("deepfm", num_dense=13, sparse_names=[f"C{i}" for i in range(26)],
+    ...                     cardinalities=[1000] * 26, embedding_lr=1e-4,
+    ...                     cowclip=CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10))
+    >>> dense_opt = torch.optim.Adam(model.dense_parameters(), lr=8e-4)
+    >>> loss = F.binary_cross_entropy_with_logits(model(dense, kjt), labels)
+    >>> loss.backward()                 # the embedding tables are updated here
+    >>> dense_opt.step(); dense_opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+from torchrec_cowclip.models.base import CTRModel, FirstOrderLogit, dense_parameters_of
+from torchrec_cowclip.models.dcn import DCN, DCNv2
+from torchrec_cowclip.models.deepfm import DeepFM, fm_second_order
+from torchrec_cowclip.models.dlrm import DLRMModel, build_dlrm, check_dlrm_tables
+from torchrec_cowclip.models.embeddings import (
+    DeviceLike,
+    EmbeddingBackend,
+    EmbeddingOptions,
+    FieldEmbeddings,
+    build_embedding_collection,
+    build_table_configs,
+    embedding_table_name,
+    linear_table_name,
+)
+from torchrec_cowclip.models.wide_deep import WideAndDeep
+from torchrec_cowclip.optim.functional import CowClip
+
+
+def _field_model(cls: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
+    def build(*, hidden: Sequence[int], cross_layers: int, **common: Any) -> CTRModel:
+        extra = {"cross_layers": cross_layers} if cls in (DCN, DCNv2) else {}
+        return cls(hidden=hidden, **extra, **common)
+
+    return build
+
+
+def _dlrm(interaction: str) -> Callable[..., CTRModel]:
+    def build(*, hidden: Sequence[int], cross_layers: int, **common: Any) -> CTRModel:
+        # hidden sizes both MLPs unless the caller sizes them with model_options.
+        common.setdefault("dense_arch_layer_sizes", (*hidden, common["embedding_dim"]))
+        common.setdefault("over_arch_layer_sizes", (*hidden, 1))
+        if interaction == "dcn":
+            common.setdefault("dcn_num_layers", cross_layers)
+        return build_dlrm(interaction=interaction, **common)  # type: ignore[arg-type]
+
+    return build
+
+
+MODELS: Dict[str, Callable[..., CTRModel]] = {
+    "deepfm": _field_model(DeepFM),
+    "wdl": _field_model(WideAndDeep),
+    "dcn": _field_model(DCN),
+    "dcnv2": _field_model(DCNv2),
+    "dlrm": _dlrm("dot"),
+    "dlrm_dcn": _dlrm("dcn"),
+}
+
+
+def build_model(
+    name: str,
+    *,
+    sparse_names: Sequence[str],
+    cardinalities: Sequence[int],
+    num_dense: Optional[int] = None,
+    dense_names: Optional[Sequence[str]] = None,
+    embedding_dim: int = 10,
+    hidden: Sequence[int] = (400, 400, 400),
+    cross_layers: int = 3,
+    init_std: float = 1e-2,
+    embedding_backend: EmbeddingBackend = "cowclip",
+    embedding_optimizer: str = "adam",
+    embedding_lr: float = 1e-4,
+    embedding_betas: Tuple[float, float] = (0.9, 0.999),
+    embedding_eps: float = 1e-8,
+    embedding_weight_decay: float = 0.0,
+    cowclip: Optional[CowClip] = CowClip(),
+    device: DeviceLike = None,
+    **model_options: Any,
+) -> CTRModel:
+    """Builds one of :data:`MODELS` with the spec's defaults (D 10, DNN 400-400-400,
+    3 cross layers, N(0, 1e-2) embeddings, Adam lr 1e-4 on the tables).
+
+    Args:
+        name: ``"deepfm"``, ``"wdl"``, ``"dcn"``, ``"dcnv2"``, ``"dlrm"`` (TorchRec's
+            DLRM) or ``"dlrm_dcn"`` (TorchRec's DLRM_DCN).
+        sparse_names, cardinalities: the sparse features and their table sizes.
+        num_dense / dense_names: the dense features, by count or by name (one of the
+            two; both only if they agree). 0 is fine except for the DLRMs.
+        embedding_dim: D of the clipped tables.
+        hidden: DNN layer sizes (DLRM: both its bottom MLP, then D, and its top MLP,
+            then 1).
+        cross_layers: cross layers of DCN / DCNv2 / DLRM_DCN.
+        init_std: tables start as N(0, init_std).
+        embedding_backend: ``"cowclip"`` (fused, in backward) or ``"torchrec"`` (stock
+            EBC whose weights a dense optimizer trains; the ``embedding_*`` optimizer
+            arguments and ``cowclip`` are then unused).
+        embedding_optimizer, embedding_lr, embedding_betas, embedding_eps,
+            embedding_weight_decay: the in-backward optimizer (weight decay is
+            ``2 * lambda`` of the reference's ``--l2``).
+        cowclip: clip parameters or None for no clip. The default ``CowClip()`` is
+            r = 1, zeta = 1e-5; the reference's Criteo setting is
+            ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``.
+        device: where tables and layers live.
+        model_options: passed to the model: ``cross_parameterization`` (DCN),
+            ``low_rank`` and ``num_experts`` (DCNv2), ``dense_arch_layer_sizes``,
+            ``over_arch_layer_sizes`` and ``dcn_low_rank_dim`` (DLRMs).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the valid ones), inconsistent
+            dense arguments, or a model's own constraint (e.g. DLRM without dense).
+
+    Example::
+
+        >>> model = build_model("dcnv2", num_dense=0, sparse_names=["a", "b"],
+        ...                     cardinalities=[10, 20], hidden=(32, 32), low_rank=8)
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid names are {sorted(MODELS)}")
+    n_dense = _resolve_num_dense(num_dense, dense_names)
+    embedding = EmbeddingOptions(
+        backend=embedding_backend,
+        optimizer=embedding_optimizer,
+        lr=embedding_lr,
+        betas=embedding_betas,
+        eps=embedding_eps,
+        weight_decay=embedding_weight_decay,
+        cowclip=cowclip,
+        init_std=init_std,
+    )
+    return MODELS[name](
+        sparse_names=list(sparse_names),
+        cardinalities=list(cardinalities),
+        num_dense=n_dense,
+        embedding_dim=embedding_dim,
+        hidden=tuple(hidden),
+        cross_layers=cross_layers,
+        embedding=embedding,
+        device=device,
+        **model_options,
+    )
+
+
+def _resolve_num_dense(num_dense: Optional[int], dense_names: Optional[Sequence[str]]) -> int:
+    if num_dense is None and dense_names is None:
+        raise ValueError("give num_dense or dense_names (0 / [] for no dense features)")
+    if dense_names is not None and num_dense is not None and len(dense_names) != num_dense:
+        raise ValueError(
+            f"num_dense={num_dense} disagrees with {len(dense_names)} dense_names"
+        )
+    n = len(dense_names) if dense_names is not None else int(num_dense)  # type: ignore[arg-type]
+    if n < 0:
+        raise ValueError(f"num_dense must be >= 0, got {n}")
+    return n
+
+
+__all__ = [
+    "CTRModel",
+    "DCN",
+    "DCNv2",
+    "DLRMModel",
+    "DeepFM",
+    "DeviceLike",
+    "EmbeddingBackend",
+    "EmbeddingOptions",
+    "FieldEmbeddings",
+    "FirstOrderLogit",
+    "MODELS",
+    "WideAndDeep",
+    "build_dlrm",
+    "build_embedding_collection",
+    "build_model",
+    "build_table_configs",
+    "check_dlrm_tables",
+    "dense_parameters_of",
+    "embedding_table_name",
+    "fm_second_order",
+    "linear_table_name",
+]
