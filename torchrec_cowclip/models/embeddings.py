@@ -21,10 +21,11 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_tracing
 from torchrec import EmbeddingBagCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.functional import CowClip
@@ -190,7 +191,8 @@ class FieldEmbeddings(nn.Module):
     The embedding tables come first and the first-order tables after them in the
     collection, so the pooled ``KeyedTensor`` (whose values are in table order, for
     TorchRec's EBC and the CowClip one alike) splits into the two parts by two views,
-    with no per-feature Python loop.
+    with no per-feature Python loop; a sharded collection's output, in sharding order,
+    is regrouped by key.
 
     Args:
         sparse_names: the fields, in the order of the output's F axis.
@@ -237,23 +239,26 @@ class FieldEmbeddings(nn.Module):
             for t in embedding_tables + first_order_tables
             for f in t.feature_names
         ]
-        self._layout_checked = False
+        n = len(self.sparse_feature_names)
+        self._key_groups: List[List[str]] = [self._expected_keys[:n], self._expected_keys[n:]]
 
     def forward(self, sparse: KeyedJaggedTensor) -> Tuple[Tensor, Optional[Tensor]]:
         """Returns ``(embeddings [B, F, D], first_order [B, F] or None)``."""
         pooled = self.collection(sparse)
-        if not self._layout_checked:
-            # The split below relies on the table-ordered layout; check it once rather
-            # than trusting it silently if a backend ever reorders its keys.
-            if list(pooled.keys()) != self._expected_keys:
-                raise RuntimeError(
-                    f"unexpected KeyedTensor layout {pooled.keys()}, "
-                    f"expected {self._expected_keys}"
-                )
-            self._layout_checked = True
-        values = pooled.values()
         n_fields = len(self.sparse_feature_names)
-        width = n_fields * self.embedding_dim
-        embeddings = values[:, :width].reshape(-1, n_fields, self.embedding_dim)
-        first_order = values[:, width:] if self.with_first_order else None
+        # (Under TorchRec's pipeline tracing the keys are not known: take the general path.)
+        if not is_fx_tracing() and pooled.keys() == self._expected_keys:
+            # Table order (unsharded collections): two views, no copy.
+            values = pooled.values()
+            width = n_fields * self.embedding_dim
+            emb_values = values[:, :width]
+            first_order = values[:, width:] if self.with_first_order else None
+        else:
+            # A sharded collection returns its keys in sharding order: regroup by name
+            # with TorchRec's fused permute rather than trusting positions.
+            groups = self._key_groups if self.with_first_order else self._key_groups[:1]
+            regrouped = KeyedTensor.regroup([pooled], groups)
+            emb_values = regrouped[0]
+            first_order = regrouped[1] if self.with_first_order else None
+        embeddings = emb_values.reshape(-1, n_fields, self.embedding_dim)
         return embeddings, first_order

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     r.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     r.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
+    r.add_argument("--sharding", default=d.sharding,
+                   choices=("auto", "table_wise", "column_wise", "data_parallel", "row_wise"),
+                   help="under torchrun/torchx: how the embedding tables are sharded "
+                        "(auto: TorchRec's planner); ignored on one process")
+    r.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,
+                   help="seconds any collective may wait (a dead rank fails the job after this)")
     r.add_argument("--no-progress", dest="progress", action="store_false")
     r.add_argument("--log-every", type=int, default=d.log_every)
     return parser
@@ -122,6 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.exit(2, f"torchrec-cowclip: error: {e}\n")
     except NonFiniteLossError as e:
         parser.exit(3, f"torchrec-cowclip: {e}\n")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for a multi-process run
     summary = {k: metrics[k] for k in ("auc", "logloss", "best_epoch", "epochs", "steps",
                                        "train_samples_per_s", "rows_updated", "rows_clipped")}
     print(json.dumps(summary, indent=2))

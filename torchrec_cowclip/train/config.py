@@ -69,6 +69,8 @@ class TrainConfig:
     threads: int = 0
     progress: bool = True
     log_every: int = 20
+    sharding: str = "auto"
+    dist_timeout_s: float = 300.0
 
     def validate(self) -> None:
         """Raises :class:`ConfigError` naming the first bad option."""
@@ -123,6 +125,12 @@ class TrainConfig:
                     parse_spec(spec)
                 except ValueError as e:
                     raise ConfigError(f"{flag}: {e}") from None
+        from torchrec_cowclip.train.distributed import SHARDING_CHOICES
+
+        if self.sharding not in SHARDING_CHOICES:
+            raise ConfigError(f"--sharding must be one of {', '.join(SHARDING_CHOICES)}, got {self.sharding!r}")
+        if self.dist_timeout_s <= 0:
+            raise ConfigError(f"--dist-timeout must be > 0, got {self.dist_timeout_s}")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
 

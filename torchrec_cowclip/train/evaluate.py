@@ -1,8 +1,11 @@
 """Test-set metrics: AUC and log-loss, with torchmetrics (exact AUC, no binning).
 
+Under ``torch.distributed`` every rank evaluates its share of the rows and torchmetrics
+gathers the states across ranks in ``compute()``, so every rank gets the global figures.
+
 Example::
 
-    >>> metrics = evaluate(model, batches)   # iterable of torchrec Batch
+    >>> metrics = evaluate(task, batches, device)   # task: CTRTrainTask (or its DMP wrap)
     >>> metrics["auc"], metrics["logloss"]
 """
 
@@ -18,27 +21,24 @@ from torchrec.datasets.utils import Batch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> Dict[str, float]:
-    """AUC and mean binary log-loss of ``model(dense, sparse) -> logits`` over ``batches``.
+def evaluate(task: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> Dict[str, float]:
+    """AUC and mean binary log-loss of a ``CTRTrainTask`` (``task(batch) -> (loss,
+    (loss, logits, labels))``) over ``batches``.
 
-    The model is put in eval mode for the pass and restored afterwards. Forward under
+    The task is put in eval mode for the pass and restored afterwards. Forward under
     ``no_grad`` leaves fused CowClip tables untouched.
     """
-    was_training = model.training
-    model.eval()
+    was_training = task.training
+    task.eval()
     auc = BinaryAUROC(thresholds=None).to(device)
     logloss = MeanMetric().to(device)
-    seen = 0
     try:
         for batch in batches:
-            batch = batch.to(device)
-            logits = model(batch.dense_features, batch.sparse_features)
-            labels = batch.labels.float()
+            _, (_, logits, labels) = task(batch.to(device))
             auc.update(torch.sigmoid(logits), labels.long())
             logloss.update(F.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
-            seen += labels.numel()
     finally:
-        model.train(was_training)
-    if seen == 0:
+        task.train(was_training)
+    if logloss.update_count == 0 and not torch.distributed.is_initialized():
         raise ValueError("evaluation set is empty")
-    return {"auc": float(auc.compute()), "logloss": float(logloss.compute()), "samples": seen}
+    return {"auc": float(auc.compute()), "logloss": float(logloss.compute())}

@@ -9,7 +9,7 @@ the TF reference does - the baseline CowClip is measured against.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,19 +23,26 @@ from torchrec_cowclip.train.scaling import ScaledHyperparameters
 
 def build_optimizer(
     model: nn.Module,
-    embedding_collection: nn.Module,
+    embedding_collection: Optional[nn.Module],
     hp: ScaledHyperparameters,
     steps_per_epoch: int,
+    fused: Optional[KeyedOptimizer] = None,
 ) -> CombinedOptimizer:
     """Dense Adam (lr ``hp.dense_lr``, warm-up over ``hp.warmup_epochs``) plus the
     embeddings' optimizer, as one ``CombinedOptimizer`` whose ``state_dict`` holds both.
+
+    ``fused`` is the in-backward optimizer of a sharded model
+    (``DistributedModelParallel.fused_optimizer``); its tables are then left out of the
+    dense part by TorchRec's ``in_backward_optimizer_filter``.
 
     Example::
 
         >>> opt = build_optimizer(model, model.embedding_collection, hp, steps_per_epoch=100)
         >>> loss.backward(); opt.step(); opt.zero_grad()
     """
-    embedding_ids = {id(p) for p in embedding_collection.parameters()}
+    embedding_ids = (
+        {id(p) for p in embedding_collection.parameters()} if embedding_collection is not None else set()
+    )
     dense_params: Dict[str, nn.Parameter] = {}
     embedding_params: Dict[str, nn.Parameter] = {}
     for name, param in in_backward_optimizer_filter(model.named_parameters()):
@@ -58,7 +65,9 @@ def build_optimizer(
             lr=hp.dense_lr,
         )
     parts: List[Tuple[str, KeyedOptimizer]] = [("dense", dense)]
-    if isinstance(embedding_collection, CowClipEmbeddingBagCollection):
+    if fused is not None:
+        parts.append(("embedding", fused))
+    elif isinstance(embedding_collection, CowClipEmbeddingBagCollection):
         parts.append(("embedding", embedding_collection.fused_optimizer))
     elif embedding_params:
         parts.append((

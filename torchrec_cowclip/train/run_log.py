@@ -47,26 +47,33 @@ class _CsvLog:
 class RunLog:
     """Where a training run reports: CSV, TensorBoard and the terminal."""
 
-    def __init__(self, out: Path, enabled_progress: bool = True) -> None:
+    def __init__(self, out: Path, enabled_progress: bool = True, enabled: bool = True) -> None:
+        # enabled=False (ranks other than 0 of a multi-process run): nothing is written.
         self.out = out
-        self.enabled_progress = enabled_progress
+        self.enabled = enabled
+        self.enabled_progress = enabled_progress and enabled
         self._steps = _CsvLog(out / "steps.csv")
         self._epochs = _CsvLog(out / "epochs.csv")
-        self._tb = SummaryWriter(str(out / "tb"))
+        self._tb = SummaryWriter(str(out / "tb")) if enabled else None
 
     def info(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        if self.enabled:
+            print(message, file=sys.stderr, flush=True)
 
     def progress_bar(self, total: int, initial: int, desc: str) -> tqdm:
         return tqdm(total=total, initial=initial, desc=desc, disable=not self.enabled_progress,
                     unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def step(self, step: int, values: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
         self._steps.write({"step": step, **values})
         for key, value in values.items():
             self._tb.add_scalar(f"train/{key}", value, step)
 
     def epoch(self, row: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         self._epochs.write(row)
         for key, value in row.items():
             if key != "epoch" and isinstance(value, (int, float)):
@@ -79,4 +86,5 @@ class RunLog:
     def close(self) -> None:
         self._steps.close()
         self._epochs.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -24,9 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.train_pipeline import TrainPipelineBase
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
-from torchrec_cowclip.data import BatchIterator, open_dataset, parse_spec
+from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.optim.functional import CowClip
@@ -35,10 +35,18 @@ from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.evaluate import evaluate
 from torchrec_cowclip.train.run_log import RunLog
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
-from torchrec_cowclip.train.task import CTRTrainTask
+from torchrec_cowclip.train.distributed import (
+    DistContext,
+    init_distributed,
+    rank_rows_for_eval,
+    rank_rows_of_epoch,
+    shard_model,
+)
 from torchrec_cowclip.train.optimizers import build_optimizer
+from torchrec_cowclip.train.task import CTRTrainTask
 
 CHECKPOINT_NAME = "checkpoint.pt"
+SHARDED_CHECKPOINT_DIR = "checkpoint_sharded"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -90,11 +98,22 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
-    """Totals and per-table counts of row updates, clipped rows and skipped rows."""
-    if not isinstance(embedding_collection, CowClipEmbeddingBagCollection):
+def clip_counts(embedding_collection: torch.nn.Module, ctx: Optional[DistContext]) -> Dict[str, Any]:
+    """Totals and per-table counts of row updates, clipped rows and skipped rows.
+
+    Sharded: each rank reports the tables it holds; every holder of a table (column
+    shards, data-parallel replicas) counts the same row updates, so one copy is kept.
+    """
+    if not hasattr(embedding_collection, "clip_stats"):
         return {"rows_updated": None, "rows_clipped": None, "rows_nonfinite": None, "per_table": {}}
     stats = embedding_collection.clip_stats()
+    if ctx is not None:
+        gathered: List[Any] = [None] * ctx.world_size
+        torch.distributed.all_gather_object(gathered, stats)
+        stats = {}
+        for rank_stats in gathered:
+            for name, s in rank_stats.items():
+                stats.setdefault(name, s)
     return {
         "rows_updated": sum(s.total_rows_updated for s in stats.values()),
         "rows_clipped": sum(s.total_rows_clipped for s in stats.values()),
@@ -113,7 +132,10 @@ class Trainer:
         config.validate()
         self.config = config
         self.out = Path(config.out)
-        self.device = _device(config.device)
+        self.ctx = init_distributed(config.device, config.dist_timeout_s)
+        self.device = self.ctx.device if self.ctx else _device(config.device)
+        if self.ctx and config.embedding_backend != "cowclip":
+            raise ConfigError("multi-process runs shard the CowClip tables: use --embedding-backend cowclip")
         if config.threads:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
@@ -175,10 +197,26 @@ class Trainer:
             device=self.device,
         )
         self.task = CTRTrainTask(self.model)
-        self.steps_per_epoch = math.ceil(len(self.train_idx) / config.batch_size)
-        self.optimizer = build_optimizer(
-            self.model, self.model.embedding_collection, self.hp, self.steps_per_epoch
-        )
+        if self.ctx is None:
+            self.train_module: torch.nn.Module = self.task
+            self.steps_per_epoch = math.ceil(len(self.train_idx) / config.batch_size)
+            self.optimizer = build_optimizer(
+                self.model, self.model.embedding_collection, self.hp, self.steps_per_epoch
+            )
+        else:
+            from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+
+            ebc = self.model.embedding_collection
+            sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
+            self.train_module = shard_model(
+                self.task, [t.name for t in ebc.embedding_bag_configs()], [sharder],
+                config.sharding, self.ctx, config.batch_size,
+            )
+            self.steps_per_epoch = len(self.train_idx) // config.batch_size
+            self.optimizer = build_optimizer(
+                self.train_module, None, self.hp, self.steps_per_epoch,
+                fused=self.train_module.fused_optimizer,
+            )
         self.progress = Progress()
         self.best_state: Optional[Dict[str, Any]] = None
 
@@ -186,13 +224,24 @@ class Trainer:
 
     def _train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         # Order from (seed, epoch) alone, so a resumed run sees the same batches.
+        if self.ctx is None:
+            return iter(BatchIterator(
+                self.dataset, self.train_idx, self.config.batch_size, shuffle=True,
+                seed=self.config.seed, epoch=epoch, start_batch=start_batch, prefetch=2,
+            ))
+        order = epoch_order(self.train_idx, True, self.config.seed, epoch)
+        rows = rank_rows_of_epoch(order, self.config.batch_size, self.ctx)
         return iter(BatchIterator(
-            self.dataset, self.train_idx, self.config.batch_size, shuffle=True,
-            seed=self.config.seed, epoch=epoch, start_batch=start_batch, prefetch=2,
+            self.dataset, rows, self.config.batch_size // self.ctx.world_size,
+            start_batch=start_batch, prefetch=2,
         ))
 
     def _eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
-        return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
+        size = self.config.eval_batch_size
+        if self.ctx is not None:
+            indices = rank_rows_for_eval(indices, self.ctx)
+            size = max(size // self.ctx.world_size, 1)
+        return iter(BatchIterator(self.dataset, indices, size, prefetch=2))
 
     # --- checkpoints -----------------------------------------------------------------
 
@@ -214,9 +263,59 @@ class Trainer:
         return None
 
     def save(self) -> None:
-        save_checkpoint(self._checkpoint_payload(), self.out / CHECKPOINT_NAME)
+        if self.ctx is None:
+            save_checkpoint(self._checkpoint_payload(), self.out / CHECKPOINT_NAME)
+        else:
+            self._save_sharded()
+
+    def _sharded_state(self) -> Dict[str, Any]:
+        return {"model": self.train_module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def _save_sharded(self) -> None:
+        """``torch.distributed.checkpoint`` of the sharded model and optimizers into a
+        temporary directory, renamed into place by rank 0 once every rank has written:
+        a crash mid-write leaves the previous checkpoint directory intact."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        assert self.ctx is not None
+        final, tmp = self.out / SHARDED_CHECKPOINT_DIR, self.out / (SHARDED_CHECKPOINT_DIR + ".tmp")
+        if self.ctx.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        torch.distributed.barrier()
+        dcp.save(self._sharded_state(), checkpoint_id=str(tmp))
+        if self.ctx.is_main:
+            torch.save({"progress": copy.deepcopy(self.progress.__dict__),
+                        "config": self.config.as_dict()}, tmp / "trainer_state.pt")
+        torch.distributed.barrier()
+        if self.ctx.is_main:
+            old = self.out / (SHARDED_CHECKPOINT_DIR + ".old")
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            if old.exists():
+                shutil.rmtree(old)
+        torch.distributed.barrier()
+
+    def _restore_sharded(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        final = self.out / SHARDED_CHECKPOINT_DIR
+        if not final.is_dir():
+            raise FileNotFoundError(f"no sharded checkpoint at {final}")
+        self.optimizer.init_state()  # dcp loads in place into existing state tensors
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=str(final))
+        self.train_module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        extra = torch.load(final / "trainer_state.pt", weights_only=False)
+        self.progress = Progress(**extra["progress"])
 
     def restore(self) -> None:
+        if self.ctx is not None:
+            self._restore_sharded()
+            return
         ckpt = load_checkpoint(self.out / CHECKPOINT_NAME)
         self.model.load_state_dict(ckpt["model"])
         # KeyedOptimizer loads in place into initialised state only.
@@ -237,7 +336,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.restore()
-        log = RunLog(self.out, enabled_progress=cfg.progress)
+        main = self.ctx is None or self.ctx.is_main
+        log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
         log.info(self._banner())
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
@@ -253,9 +353,12 @@ class Trainer:
 
     def _train_epoch(self, log: RunLog) -> bool:
         cfg, p = self.config, self.progress
-        pipeline = TrainPipelineBase(self.task, self.optimizer, self.device)
+        if self.ctx is None:
+            pipeline = TrainPipelineBase(self.train_module, self.optimizer, self.device)
+        else:
+            pipeline = TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
         batches = self._train_batches(p.epoch, p.batch_in_epoch)
-        self.task.train()
+        self.train_module.train()
         bar = log.progress_bar(total=self.steps_per_epoch, initial=p.batch_in_epoch,
                                desc=f"epoch {p.epoch + 1}/{cfg.epochs}")
         running = None
@@ -298,17 +401,21 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
+            if isinstance(pipeline, TrainPipelineSparseDist):
+                # Restore the sharded modules' own forwards for evaluation and the next
+                # epoch's pipeline.
+                pipeline.detach()
         return True
 
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.config, self.progress
-        test = evaluate(self.model, self._eval_batches(self.test_idx), self.device)
+        test = evaluate(self.train_module, self._eval_batches(self.test_idx), self.device)
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
         row: Dict[str, Any] = {"epoch": p.epoch + 1, "test_auc": test["auc"],
                                "test_logloss": test["logloss"]}
         if len(self.val_idx):
-            val = evaluate(self.model, self._eval_batches(self.val_idx), self.device)
+            val = evaluate(self.train_module, self._eval_batches(self.val_idx), self.device)
             p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
             if val["auc"] > p.best_val_auc:
@@ -322,11 +429,20 @@ class Trainer:
                     p.stopped_early = True
         else:
             p.best_epoch = p.epoch
-        counts = clip_counts(self.model.embedding_collection)
+        counts = clip_counts(self._embedding_module(), self.ctx)
         row.update(rows_updated=counts["rows_updated"], rows_clipped=counts["rows_clipped"])
         log.epoch(row)
         p.epoch += 1
         p.batch_in_epoch = 0
+
+    def _embedding_module(self) -> torch.nn.Module:
+        """The (possibly sharded) embedding collection of the model."""
+        if self.ctx is None:
+            return self.model.embedding_collection
+        from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
+
+        return next(m for m in self.train_module.modules()
+                    if isinstance(m, ShardedCowClipEmbeddingBagCollection))
 
     def _dense_lr(self) -> float:
         for name, opt in self.optimizer.optimizers:
@@ -344,9 +460,9 @@ class Trainer:
         if p.epoch_auc:
             auc, logloss = p.epoch_auc[final_epoch], p.epoch_logloss[final_epoch]
         else:  # --max-steps ended the run before the first epoch finished
-            test = evaluate(self.model, self._eval_batches(self.test_idx), self.device)
+            test = evaluate(self.train_module, self._eval_batches(self.test_idx), self.device)
             auc, logloss = test["auc"], test["logloss"]
-        counts = clip_counts(self.model.embedding_collection)
+        counts = clip_counts(self._embedding_module(), self.ctx)
         metrics: Dict[str, Any] = {
             "auc": auc,
             "logloss": logloss,
@@ -366,13 +482,16 @@ class Trainer:
             "clipped_per_table": counts["per_table"],
             "hyperparameters": {**cfg.as_dict(), **self.hp.as_dict(),
                                 "cowclip": None if self.cowclip is None else vars(self.cowclip)},
+            "world_size": 1 if self.ctx is None else self.ctx.world_size,
+            "sharding": None if self.ctx is None else cfg.sharding,
             "dataset": {"source": str(getattr(self.dataset, "source", cfg.data)),
                         "rows": len(self.dataset), "train": len(self.train_idx),
                         "val": len(self.val_idx), "test": len(self.test_idx)},
         }
-        tmp = self.out / "metrics.json.tmp"
-        tmp.write_text(json.dumps(metrics, indent=2, default=str))
-        os.replace(tmp, self.out / "metrics.json")
+        if self.ctx is None or self.ctx.is_main:
+            tmp = self.out / "metrics.json.tmp"
+            tmp.write_text(json.dumps(metrics, indent=2, default=str))
+            os.replace(tmp, self.out / "metrics.json")
         return metrics
 
     def _banner(self) -> str:
