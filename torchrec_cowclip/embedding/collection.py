@@ -235,6 +235,16 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def unclipped_tables(self) -> Tuple[str, ...]:
+        """Names of the tables that are updated but never clipped."""
+        return tuple(
+            name
+            for batch in self._batches
+            for name, clipped in zip(batch.table_names, batch.clip_enabled.tolist())
+            if not clipped
+        )
+
     # --- FusedOptimizerModule ------------------------------------------------------
 
     @property

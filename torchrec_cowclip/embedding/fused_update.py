@@ -8,18 +8,21 @@ with ``bucketize``/``bincount`` over those rows, never with a loop over tables.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import cowclip_row_update_
+from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_
 
 
 @torch.no_grad()
 def apply_fused_update_(
-    batch: TableBatch, row_grads: RowGradients, hyper: Mapping[str, Any]
+    batch: TableBatch,
+    row_grads: RowGradients,
+    hyper: Mapping[str, Any],
+    row_sums: Optional[RowSums] = None,
 ) -> None:
     """Applies one optimizer step to the rows in ``row_grads``, in place on ``batch``.
 
@@ -29,18 +32,24 @@ def apply_fused_update_(
 
     Rows whose gradient is not finite keep their weight and state and are counted in
     ``rows_nonfinite``; the step count of every table in the batch advances by one.
+
+    ``row_sums`` (aligned with ``row_grads.rows``) are the sums over the WHOLE rows when
+    the batch's tables are column shards of larger tables: finiteness, the clip norms and
+    row-wise Adagrad's row mean are then those of the whole rows, identical on every shard.
     """
     rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
     num_tables = batch.num_tables
     table_of_row = batch.table_of_rows(rows)
     batch.step += 1
 
-    finite = torch.isfinite(grad).all(dim=1)
+    finite = torch.isfinite(grad).all(dim=1) if row_sums is None else row_sums.finite
     nonfinite_per_table = torch.bincount(table_of_row[~finite], minlength=num_tables)
     if not bool(finite.all()):
         rows, counts, grad, table_of_row = (
             rows[finite], counts[finite], grad[finite], table_of_row[finite]
         )
+        if row_sums is not None:
+            row_sums = row_sums.select(finite)
 
     weight = batch.weight.index_select(0, rows)
     state = {name: t.index_select(0, rows) for name, t in batch.state.items()}
@@ -57,6 +66,7 @@ def apply_fused_update_(
         weight_decay=float(hyper["weight_decay"]),
         cowclip=hyper["cowclip"],
         clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
+        row_sums=row_sums,
     )
     batch.weight.index_copy_(0, rows, weight)
     for name, tensor in batch.state.items():

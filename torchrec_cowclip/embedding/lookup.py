@@ -18,7 +18,7 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding.fused_update import apply_fused_update_
-from torchrec_cowclip.embedding.row_gradients import aggregate_row_gradients
+from torchrec_cowclip.embedding.row_gradients import RowGradients, aggregate_row_gradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -69,6 +69,29 @@ def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
     return pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, -1)
 
 
+def lookup_row_gradients(
+    batch: TableBatch, lookup: BatchLookup, grad_output: Tensor
+) -> RowGradients:
+    """Per distinct row, the gradient ``g_j`` and count ``c_j`` of one forward's lookup,
+    from the gradient of its ``[B, F * D]`` pooled output."""
+    b, num_features = lookup.batch_size, batch.num_features
+    # Row b * F + f of this view is the gradient of bag (f, b).
+    bag_gradients = grad_output.contiguous().view(b * num_features, batch.dim)
+    lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
+    bag = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device),
+        lengths,
+        output_size=lookup.row_ids.numel(),
+    )
+    bag_of_position = (bag % b) * num_features + torch.div(bag, b, rounding_mode="floor")
+    return aggregate_row_gradients(
+        lookup.row_ids,
+        bag_gradients,
+        bag_of_position,
+        _position_weights(lookup, batch.pooling),
+    )
+
+
 class FusedCowClipLookup(torch.autograd.Function):
     """Autograd node: pooled lookup forward, fused CowClip update backward.
 
@@ -95,23 +118,7 @@ class FusedCowClipLookup(torch.autograd.Function):
                 "(retain_graph=True?); the fused update applies exactly once per forward"
             )
         batch: TableBatch = ctx.batch
-        lookup: BatchLookup = ctx.lookup
-        b, num_features = lookup.batch_size, batch.num_features
-        # Row b * F + f of this view is the gradient of bag (f, b).
-        bag_gradients = grad_output.contiguous().view(b * num_features, batch.dim)
-        lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
-        bag = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=lengths.device),
-            lengths,
-            output_size=lookup.row_ids.numel(),
-        )
-        bag_of_position = (bag % b) * num_features + torch.div(bag, b, rounding_mode="floor")
-        row_grads = aggregate_row_gradients(
-            lookup.row_ids,
-            bag_gradients,
-            bag_of_position,
-            _position_weights(lookup, batch.pooling),
-        )
+        row_grads = lookup_row_gradients(batch, ctx.lookup, grad_output)
         apply_fused_update_(batch, row_grads, ctx.hyperparameters())
         ctx.batch = ctx.lookup = None  # a second backward through this node is a bug
         return None, None, None, None

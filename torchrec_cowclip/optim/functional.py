@@ -12,7 +12,10 @@ step"):
    batch touched);
 3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - spec step 5.
 
-:func:`cowclip_row_update_` composes the three. The dense reference
+:func:`cowclip_row_update_` composes the three. A row split into column shards (TorchRec
+column-wise sharding) is handled by the same functions: each shard computes its
+:func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
+supplies the norms of step 3 and row-wise Adagrad's ``mean(g_j**2)``. The dense reference
 (:mod:`torchrec_cowclip.optim.reference`) and every fast path (the fused CPU update,
 a GPU kernel, sharded tables) call it or are tested against it, so the algorithm is
 written down exactly once.
@@ -30,7 +33,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -90,6 +93,98 @@ class CowClip:
         return cls(r=r, zeta=r * r * (embedding_dim**0.5) * bound)
 
 
+#: Columns of :func:`partial_row_sums`.
+ROW_SUM_COLUMNS: Tuple[str, ...] = ("nonfinite", "grad_sq", "weight_sq", "grad_dot_weight")
+
+
+def partial_row_sums(grad: Tensor, weight: Tensor) -> Tensor:
+    """This block's part of the per-row sums the update needs over a WHOLE row.
+
+    When a row is split into column shards, each shard calls this on its columns; the
+    element-wise sum of the shards' results is the whole row's (:class:`RowSums`).
+
+    Returns:
+        ``[U, 4]`` float: per row, the number of non-finite gradient entries,
+        ``sum(g**2)``, ``sum(W**2)`` and ``sum(g * W)`` (columns :data:`ROW_SUM_COLUMNS`).
+    """
+    nonfinite = (~torch.isfinite(grad)).sum(dim=1).to(grad.dtype)
+    return torch.stack(
+        [
+            nonfinite,
+            grad.square().sum(dim=1),
+            weight.square().sum(dim=1),
+            (grad * weight).sum(dim=1),
+        ],
+        dim=1,
+    )
+
+
+@dataclass(frozen=True)
+class RowSums:
+    """Sums over whole rows whose columns are split across shards.
+
+    Built from the shards' :func:`partial_row_sums` added together, it gives every
+    shard the same whole-row quantities, so each shard clips and steps exactly as the
+    unsplit row would.
+
+    Attributes:
+        nonfinite: ``[U]`` number of non-finite gradient entries in the whole row.
+        grad_sq: ``[U]`` ``||g_j||**2``.
+        weight_sq: ``[U]`` ``||W[j]||**2`` before the step.
+        grad_dot_weight: ``[U]`` ``g_j . W[j]``.
+        dim: ``[U]`` (or scalar) number of columns ``D`` of the whole row.
+
+    Example::
+
+        >>> g, w = torch.tensor([[3.0, 0.0, 0.0, 4.0]]), torch.ones(1, 4)
+        >>> halves = partial_row_sums(g[:, :2], w[:, :2]) + partial_row_sums(g[:, 2:], w[:, 2:])
+        >>> RowSums.from_sums(halves, dim=4).grad_sq
+        tensor([25.])
+    """
+
+    nonfinite: Tensor
+    grad_sq: Tensor
+    weight_sq: Tensor
+    grad_dot_weight: Tensor
+    dim: Tensor
+
+    @classmethod
+    def from_sums(cls, sums: Tensor, dim: Union[Tensor, int]) -> "RowSums":
+        """From the ``[U, 4]`` sum of the shards' :func:`partial_row_sums`."""
+        nonfinite, grad_sq, weight_sq, grad_dot_weight = sums.unbind(dim=1)
+        dims = torch.as_tensor(dim, dtype=sums.dtype, device=sums.device)
+        return cls(nonfinite, grad_sq, weight_sq, grad_dot_weight, dims)
+
+    @property
+    def finite(self) -> Tensor:
+        """``[U]`` bool: rows whose whole gradient is finite."""
+        return self.nonfinite == 0
+
+    def norms(self) -> Tuple[Tensor, Tensor]:
+        """``(||g_j||, ||W[j]||)`` of the whole rows."""
+        return self.grad_sq.sqrt(), self.weight_sq.sqrt()
+
+    def select(self, mask: Tensor) -> "RowSums":
+        """The rows where ``mask`` is True."""
+        dim = self.dim[mask] if self.dim.dim() == 1 else self.dim
+        return RowSums(
+            self.nonfinite[mask], self.grad_sq[mask], self.weight_sq[mask],
+            self.grad_dot_weight[mask], dim,
+        )
+
+    def mean_square_after(self, scale: Tensor, weight_decay: float) -> Tensor:
+        """``mean(g'_j**2)`` over the whole row of ``g'_j = scale_j * g_j + weight_decay * W[j]``
+        (the clipped gradient with coupled L2, spec steps 3-4), expanded as
+        ``scale**2 ||g||**2 + 2 scale wd (g . W) + wd**2 ||W||**2``, divided by ``D``."""
+        total = (
+            scale.square() * self.grad_sq
+            + (2.0 * weight_decay) * scale * self.grad_dot_weight
+            + (weight_decay * weight_decay) * self.weight_sq
+        )
+        # The expansion of a sum of squares can round a hair below zero.
+        return total.clamp_min(0.0) / self.dim
+
+
 def cowclip_clip(
     grad: Tensor,
     weight: Tensor,
@@ -97,6 +192,7 @@ def cowclip_clip(
     r: float,
     zeta: float,
     clip_enabled: Optional[Tensor] = None,
+    norms: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Spec step 3: clips each row's gradient against its own norm and count.
 
@@ -107,13 +203,34 @@ def cowclip_clip(
         r, zeta: see :class:`CowClip`.
         clip_enabled: optional ``[U]`` bool; rows with False are never clipped
             (tables that opt out, e.g. DeepFM's first-order tables).
+        norms: optional ``(||g_j||, ||W[j]||)``, each ``[U]``, of the WHOLE rows when
+            ``grad``/``weight`` hold only some of their columns (a column shard; see
+            :class:`RowSums`). Default: the norms of ``grad`` and ``weight``.
 
     Returns:
         ``(clipped_grad, was_clipped)``; ``was_clipped[j]`` is True where the clip bound
         (``||g_j|| > tau_j``). A zero gradient stays zero, never NaN.
     """
-    grad_norm = torch.linalg.vector_norm(grad, dim=1)
-    weight_norm = torch.linalg.vector_norm(weight, dim=1)
+    scale, was_clipped = cowclip_scale(grad, weight, counts, r, zeta, clip_enabled, norms)
+    return grad * scale.unsqueeze(1), was_clipped
+
+
+def cowclip_scale(
+    grad: Tensor,
+    weight: Tensor,
+    counts: Tensor,
+    r: float,
+    zeta: float,
+    clip_enabled: Optional[Tensor] = None,
+    norms: Optional[Tuple[Tensor, Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The factor :func:`cowclip_clip` multiplies each row's gradient by: ``[U]``
+    ``min(1, tau_j / ||g_j||)`` where the clip binds, 1 elsewhere; and ``was_clipped``."""
+    if norms is None:
+        grad_norm = torch.linalg.vector_norm(grad, dim=1)
+        weight_norm = torch.linalg.vector_norm(weight, dim=1)
+    else:
+        grad_norm, weight_norm = norms
     threshold = counts.to(grad.dtype) * torch.clamp(r * weight_norm, min=zeta)
     was_clipped = grad_norm > threshold
     if clip_enabled is not None:
@@ -125,7 +242,7 @@ def cowclip_clip(
         threshold / grad_norm.clamp_min(torch.finfo(grad.dtype).tiny),
         torch.ones_like(grad_norm),
     )
-    return grad * scale.unsqueeze(1), was_clipped
+    return scale, was_clipped
 
 
 def couple_weight_decay(grad: Tensor, weight: Tensor, weight_decay: float) -> Tensor:
@@ -165,10 +282,19 @@ def adam_rows_(
 
 
 def rowwise_adagrad_rows_(
-    weight: Tensor, grad: Tensor, sum_sq: Tensor, lr: float, eps: float
+    weight: Tensor,
+    grad: Tensor,
+    sum_sq: Tensor,
+    lr: float,
+    eps: float,
+    grad_sq_mean: Optional[Tensor] = None,
 ) -> None:
-    """Spec step 5, row-wise Adagrad: ``s_j += mean(g_j**2)``; ``W -= lr*g/(sqrt(s)+eps)``."""
-    sum_sq.add_(grad.square().mean(dim=1))
+    """Spec step 5, row-wise Adagrad: ``s_j += mean(g_j**2)``; ``W -= lr*g/(sqrt(s)+eps)``.
+
+    ``grad_sq_mean`` is ``mean(g_j**2)`` over the WHOLE row when ``grad`` holds only some
+    of its columns (a column shard); default: the mean over ``grad``'s columns.
+    """
+    sum_sq.add_(grad.square().mean(dim=1) if grad_sq_mean is None else grad_sq_mean)
     weight.sub_(lr * grad / (sum_sq.sqrt() + eps).unsqueeze(1))
 
 
@@ -191,6 +317,7 @@ def cowclip_row_update_(
     weight_decay: float = 0.0,
     cowclip: Optional[CowClip] = None,
     clip_enabled: Optional[Tensor] = None,
+    row_sums: Optional[RowSums] = None,
 ) -> Tensor:
     """One full CowClip step (spec steps 3-5) on a block of distinct rows, in place.
 
@@ -204,6 +331,10 @@ def cowclip_row_update_(
         step: ``[U]`` or scalar step count including this step (Adam only).
         cowclip: the clip parameters, or None for no clipping.
         clip_enabled: optional ``[U]`` bool mask of rows that may be clipped.
+        row_sums: sums over the WHOLE rows when ``weight``/``grad`` are one column shard
+            of them (:class:`RowSums`): the clip then uses the whole rows' norms and
+            row-wise Adagrad the whole rows' ``mean(g_j**2)``, so every shard takes the
+            step the unsplit row would. Default: the rows are whole.
 
     Returns:
         ``[U]`` bool, True for rows whose gradient was clipped.
@@ -215,11 +346,14 @@ def cowclip_row_update_(
         >>> w
         tensor([[-0.5000, -0.5000]])
     """
+    norms = None if row_sums is None else row_sums.norms()
     if cowclip is not None:
-        grad, was_clipped = cowclip_clip(
-            grad, weight, counts, cowclip.r, cowclip.zeta, clip_enabled
+        scale, was_clipped = cowclip_scale(
+            grad, weight, counts, cowclip.r, cowclip.zeta, clip_enabled, norms
         )
+        grad = grad * scale.unsqueeze(1)
     else:
+        scale = torch.ones(grad.shape[0], dtype=grad.dtype, device=grad.device)
         was_clipped = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
     grad = couple_weight_decay(grad, weight, weight_decay)
     if optimizer == "adam":
@@ -228,7 +362,10 @@ def cowclip_row_update_(
             betas[0], betas[1], eps,
         )
     elif optimizer == "rowwise_adagrad":
-        rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps)
+        grad_sq_mean = (
+            None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
+        )
+        rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
     elif optimizer == "sgd":
         sgd_rows_(weight, grad, lr)
     else:

@@ -1,0 +1,304 @@
+"""The sharded CowClip kernel: a rank's shards of one TorchRec table group.
+
+TorchRec's sharded lookups call one kernel per group of tables (same pooling) with the
+features of that group (:class:`torchrec.distributed.embedding_types.GroupedEmbeddingConfig`);
+its FBGEMM kernel is ``BatchedFusedEmbeddingBag``. This one plugs into the same place
+(:class:`~torchrec.distributed.batched_embedding_kernel.BaseBatchedEmbeddingBag`, whose
+state dict and per-table parameters TorchRec's sharded collection reads) and stores
+its shards as this project's table batches - one ``[rows, D]`` tensor per local width,
+each shard a row range - so the forward is one ``embedding_bag`` per batch and the
+backward the project's row-gradient aggregation. The update itself is deferred to the
+lookup (:mod:`.deferred_update`), which may need to talk to other ranks first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+from torchrec.distributed.composable.table_batched_embedding_slice import (
+    TableBatchedEmbeddingSlice,
+)
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, PendingStep, Submission
+from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
+from torchrec_cowclip.distributed.options import CowClipOptions
+from torchrec_cowclip.embedding.collection import _output_permutation, _prepare_lookup
+from torchrec_cowclip.embedding.lookup import BatchLookup, lookup_row_gradients, pooled_lookup
+from torchrec_cowclip.embedding.table_batch import (
+    TableBatch,
+    TableClipStats,
+    group_into_table_batches,
+)
+
+
+class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
+    """A rank's shards of one table group, looked up and trained by CowClip.
+
+    Each shard (a table, or a column slice of one) is a table of a local table batch
+    of its width. ``forward`` takes the group's features (TorchRec's layout: the
+    group's features in config order, batch-major offsets) and returns ``[B, sum of
+    the features' local dims]``; ``backward`` hands the row gradients to the lookup's
+    :class:`~torchrec_cowclip.distributed.deferred_update.DeferredUpdates`.
+
+    Args:
+        config: the group TorchRec assigned to this rank.
+        pg: the sharding process group.
+        device: where the shards live.
+        sharding_type: the group's sharding type.
+        options: optimizer, hyperparameters, clip and unclipped tables.
+        updates: the lookup's deferred updates (shared by its kernels).
+        index: this kernel's position in the lookup (orders the updates).
+
+    Example (what :class:`~torchrec_cowclip.distributed.lookup.CowClipPooledEmbeddingsLookup`
+    does for each group)::
+
+        kernel = CowClipBatchedEmbeddingBag(config, pg, device, ShardingType.TABLE_WISE,
+                                            CowClipOptions(lr=1e-4), updates, index=0)
+        pooled = kernel(kjt)                 # [B, sum of local dims]
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup],
+        device: Optional[torch.device],
+        sharding_type: Optional[ShardingType],
+        options: CowClipOptions,
+        updates: DeferredUpdates,
+        index: int,
+    ) -> None:
+        super().__init__(config, pg, device, sharding_type)
+        if config.data_type != DataType.FP32:
+            raise ValueError(
+                f"CowClip sharded tables must be FP32, got {config.data_type} for "
+                f"{[t.name for t in config.embedding_tables]}"
+            )
+        device = device if device is not None else torch.device("cpu")
+        self._updates = updates
+        self._index = index
+        shards = config.embedding_tables
+        feature_starts = [0]
+        for shard in shards:
+            feature_starts.append(feature_starts[-1] + shard.num_features())
+        # A shard is a local table of its own width; features keep TorchRec's names
+        # (two shards of one table both list its features) and are told apart by
+        # position, which also names the output columns.
+        local = [
+            EmbeddingBagConfig(
+                name=shard.name,
+                num_embeddings=shard.local_rows,
+                embedding_dim=shard.local_cols,
+                feature_names=list(shard.feature_names),
+                pooling=config.pooling,
+            )
+            for shard in shards
+        ]
+        self._batches: List[TableBatch] = []
+        self._shard_location: List[Tuple[int, int]] = [(0, 0)] * len(shards)
+        self._whole_dims: List[Tensor] = []
+        batched_features: List[int] = []
+        for b, group in enumerate(group_into_table_batches(local)):
+            self._batches.append(
+                TableBatch(
+                    [local[k] for k in group],
+                    [[str(p) for p in range(feature_starts[k], feature_starts[k + 1])] for k in group],
+                    options.optimizer,
+                    [shards[k].name not in options.unclipped_tables for k in group],
+                    device,
+                )
+            )
+            self._whole_dims.append(
+                torch.tensor([shards[k].embedding_dim for k in group], dtype=torch.float32, device=device)
+            )
+            for i, k in enumerate(group):
+                self._shard_location[k] = (b, i)
+                batched_features.extend(range(feature_starts[k], feature_starts[k + 1]))
+        num_features = feature_starts[-1]
+        self._feature_permutation: Optional[List[int]] = (
+            None if batched_features == list(range(num_features)) else batched_features
+        )
+        self._batch_feature_starts: List[int] = [0]
+        for batch in self._batches:
+            self._batch_feature_starts.append(self._batch_feature_starts[-1] + batch.num_features)
+        self._output_permutation = _output_permutation(
+            self._batches, [str(p) for p in range(num_features)], device
+        )
+        self._param_per_table = self._table_parameters()
+        self._optim = ShardedCowClipFusedOptimizer(
+            self._shard_views(), options.optimizer, options.hyperparameters(), pg
+        )
+        self.init_parameters()
+
+    # --- TorchRec kernel interface ---------------------------------------------------
+
+    @property
+    def emb_module(self) -> nn.Module:  # type: ignore[override]
+        """Absent: the shards live in table batches, not in an FBGEMM module (raises
+        AttributeError, so TorchRec's ``hasattr`` probes see no FBGEMM features)."""
+        raise AttributeError(
+            "CowClipBatchedEmbeddingBag has no FBGEMM emb_module; use "
+            "split_embedding_weights() or fused_optimizer"
+        )
+
+    @property
+    def fused_optimizer(self) -> ShardedCowClipFusedOptimizer:
+        return self._optim
+
+    def split_embedding_weights(self) -> List[Tensor]:
+        """Each shard's ``[local_rows, local_cols]`` weight view, in config order."""
+        return [self._batches[b].table_weight(i) for b, i in self._shard_location]
+
+    def named_split_embedding_weights(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, Tensor]]:
+        for shard, weight in zip(self._config.embedding_tables, self.split_embedding_weights()):
+            yield f"{prefix}{shard.name}.weight", weight
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
+        # As TorchRec's fused kernels: the weights as parameters marked as updated in
+        # backward, so dense optimizers built with `in_backward_optimizer_filter` skip them.
+        for name, weight in self.named_split_embedding_weights(prefix):
+            param = nn.Parameter(weight, requires_grad=False)
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            yield name, param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, Tensor]]:
+        yield from ()
+
+    def forward(self, features: KeyedJaggedTensor) -> Tensor:  # type: ignore[override]
+        if features.variable_stride_per_key():
+            raise ValueError(
+                "variable-batch KeyedJaggedTensors are not supported by the CowClip sharder"
+            )
+        if self._feature_permutation is not None:
+            features = features.permute(self._feature_permutation)
+        b = features.stride()
+        values, offsets = features.values(), features.offsets()
+        weights = features.weights_or_none() if self._config.is_weighted else None
+        starts = self._batch_feature_starts
+        bounds = [0, values.numel()] if len(self._batches) == 1 else offsets[
+            torch.tensor(starts) * b
+        ].tolist()
+        anchor, step = self._updates.current()
+        outs: List[Tensor] = []
+        for i, batch in enumerate(self._batches):
+            lo, hi = bounds[i], bounds[i + 1]
+            lookup = _prepare_lookup(
+                batch,
+                values[lo:hi],
+                offsets[starts[i] * b : starts[i + 1] * b + 1] - lo,
+                None if weights is None else weights[lo:hi].to(batch.weight.dtype),
+                b,
+            )
+            outs.append(_ShardLookup.apply(anchor, self, i, lookup, step))
+        pooled = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self._output_permutation is not None:
+            pooled = pooled.index_select(1, self._output_permutation)
+        return pooled
+
+    # --- what the deferred update and the collection need ------------------------------
+
+    def submission(self, batch_index: int, lookup: BatchLookup, grad_output: Tensor) -> Submission:
+        """The row gradients of one table batch's lookup, ready for the lookup's update."""
+        batch = self._batches[batch_index]
+        return Submission(
+            key=(self._index, batch_index),
+            batch=batch,
+            row_grads=lookup_row_gradients(batch, lookup, grad_output),
+            hyperparameters=self._optim.hyperparameters,
+            whole_dims=self._whole_dims[batch_index],
+        )
+
+    def pooled(self, batch_index: int, lookup: BatchLookup) -> Tensor:
+        return pooled_lookup(self._batches[batch_index], lookup)
+
+    def clip_stats(self) -> Dict[str, TableClipStats]:
+        """Per table, what the update did to this rank's shards. Column shards of one
+        table clip the same rows (whole-row norms), so a table reports its first shard."""
+        stats: Dict[str, TableClipStats] = {}
+        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+            stats.setdefault(shard.name, self._batches[b].stats()[shard.name])
+        return stats
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _shard_views(self) -> Dict[str, List[ShardViews]]:
+        views: Dict[str, List[ShardViews]] = {}
+        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+            state = self._batches[b].table_state(i)
+            step = state.pop("step")
+            views.setdefault(shard.name, []).append(
+                ShardViews(shard, self._batches[b].table_weight(i), state, step)
+            )
+        return views
+
+    def _table_parameters(self) -> Dict[str, TableBatchedEmbeddingSlice]:
+        """Per table, one parameter over its local shards: TorchRec registers it as the
+        sharded collection's ``embedding_bags.<table>.weight`` and loads the local part
+        of a state dict into it (all of a table's local shards, concatenated)."""
+        locations: Dict[str, List[Tuple[int, int]]] = {}
+        for shard, location in zip(self._config.embedding_tables, self._shard_location):
+            locations.setdefault(shard.name, []).append(location)
+        params: Dict[str, TableBatchedEmbeddingSlice] = {}
+        for name, locs in locations.items():
+            b = locs[0][0]
+            first = locs[0][1]
+            if any(loc != (b, first + n) for n, loc in enumerate(locs)):
+                raise ValueError(
+                    f"table '{name}': its column shards on this rank must have equal widths "
+                    f"and be adjacent in TorchRec's group, got batch/table positions {locs}"
+                )
+            batch = self._batches[b]
+            param = TableBatchedEmbeddingSlice(
+                data=batch.weight,
+                start_offset=batch.row_offsets_list[first],
+                end_offset=batch.row_offsets_list[first + len(locs)],
+                num_embeddings=-1,
+                embedding_dim=batch.dim,
+            )
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            params[name] = param
+        return params
+
+
+class _ShardLookup(torch.autograd.Function):
+    """Pooled lookup of one table batch; its backward submits the row gradients.
+
+    ``anchor`` is the lookup step's zero-size tensor: taking it as input makes the step's
+    node run after this backward (see :mod:`.deferred_update`).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        anchor: Tensor,
+        kernel: CowClipBatchedEmbeddingBag,
+        batch_index: int,
+        lookup: BatchLookup,
+        step: Optional[PendingStep],
+    ) -> Tensor:
+        ctx.kernel, ctx.batch_index, ctx.lookup, ctx.step = kernel, batch_index, lookup, step
+        return kernel.pooled(batch_index, lookup)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, ...]:  # type: ignore[override]
+        if ctx.step is None:
+            raise RuntimeError(
+                "a sharded CowClip kernel was run outside its lookup's forward; "
+                "call the sharded collection, not its kernels"
+            )
+        ctx.step.submit(ctx.kernel.submission(ctx.batch_index, ctx.lookup, grad_output))
+        return None, None, None, None, None

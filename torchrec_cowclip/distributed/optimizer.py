@@ -1,0 +1,154 @@
+"""The fused optimizer handle of a sharded CowClip kernel, in checkpointable form.
+
+Each sharded kernel exposes a TorchRec ``KeyedOptimizer`` over its tables, keyed like
+TorchRec's fused tables (``<table>.weight``, prefixed ``embedding_bags.`` by the sharded
+collection), whose state is laid out so ``torch.distributed.checkpoint`` can save it at
+one world size and load it at another:
+
+* weights and the per-weight states (Adam's ``exp_avg``/``exp_avg_sq``) of sharded
+  tables are ``ShardedTensor`` views with the weight's own sharding (TorchRec's
+  global metadata), so they re-shard like the weight;
+* per-row states (row-wise Adagrad's ``sum``) and the table's ``step`` are plain
+  tensors: a table-wise or column-wise table holds all rows on every rank that has one
+  of its shards, and those copies are identical (the update is), so the checkpoint
+  treats them as replicated and loads them whole wherever the table lands;
+* data-parallel tables are replicas: plain tensors throughout.
+
+The state is the live storage of the table batches (views), so loading a checkpoint in
+place updates the tables directly. The keys match the unsharded
+:class:`~torchrec_cowclip.optim.fused.CowClipFusedOptimizer` (``exp_avg``,
+``exp_avg_sq``, ``sum``, ``step``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Set, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+from torchrec.optim.fused import FusedOptimizer
+
+from torchrec_cowclip.optim.functional import STATE_LAYOUT
+
+
+@dataclass
+class ShardViews:
+    """One local shard of a table: its weight rows and optimizer state, as views.
+
+    Attributes:
+        table: TorchRec's description of the shard (sizes, offsets, global metadata).
+        weight: ``[local_rows, local_cols]`` view into the table batch.
+        state: per state name (:data:`STATE_LAYOUT`), a view of the shard's rows.
+        step: 0-d view of the shard's step count.
+    """
+
+    table: ShardedEmbeddingTable
+    weight: Tensor
+    state: Dict[str, Tensor]
+    step: Tensor
+
+
+class ShardedCowClipFusedOptimizer(FusedOptimizer):
+    """``KeyedOptimizer`` of the tables of one sharded CowClip kernel.
+
+    The update runs inside backward, so :meth:`step` and :meth:`zero_grad` do nothing;
+    ``param_groups[0]`` holds the hyperparameters the update reads at every step (edit
+    ``lr`` there, or let a scheduler or TorchRec's ``WarmupOptimizer`` do it).
+
+    Args:
+        shards: the kernel's local shards, grouped by table name (a table has several
+            local shards when more than one of its column shards is on this rank).
+        optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``.
+        hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``.
+        pg: the process group the tables are sharded over.
+
+    Example::
+
+        >>> opt = sharded_ebc.fused_optimizer       # CombinedOptimizer of these
+        >>> state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+        >>> torch.distributed.checkpoint.save(state, checkpoint_id=path)
+    """
+
+    def __init__(
+        self,
+        shards: Mapping[str, List[ShardViews]],
+        optimizer: str,
+        hyperparameters: Mapping[str, Any],
+        pg: Optional[dist.ProcessGroup],
+    ) -> None:
+        self.optimizer_name = optimizer
+        self._shards = {name: list(views) for name, views in shards.items()}
+        params: Dict[str, Union[Tensor, ShardedTensor]] = {}
+        state: Dict[Any, Dict[str, Tensor]] = {}
+        for name, views in self._shards.items():
+            weight = _global_view([v.weight for v in views], views, pg)
+            table_state: Dict[str, Tensor] = {}
+            for state_name, per_row in STATE_LAYOUT[optimizer]:
+                if per_row == "D":
+                    table_state[state_name] = _global_view(
+                        [v.state[state_name] for v in views], views, pg
+                    )
+                else:
+                    table_state[state_name] = _replicated_rows(name, views, state_name)
+            table_state["step"] = views[0].step
+            params[f"{name}.weight"] = weight
+            state[weight] = table_state
+        group = {"params": list(params.values()), **hyperparameters}
+        super().__init__(params, state, [group])
+
+    def step(self, closure: Any = None) -> None:
+        """No-op: the update was applied during backward."""
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """No-op: fused parameters never hold a ``.grad``."""
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        """No-op: state is allocated eagerly, so in-place loading works from the start."""
+
+    @property
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The live param group the update reads at every backward."""
+        return self.param_groups[0]  # type: ignore[index]
+
+    def post_load_state_dict(self) -> None:
+        """Copies the loaded per-row state and step of a table into its other local
+        shards: the state dict exposes one copy per table (see the module docstring)."""
+        for views in self._shards.values():
+            for other in views[1:]:
+                other.step.copy_(views[0].step)
+                for state_name, tensor in other.state.items():
+                    if tensor.dim() == 1:
+                        tensor.copy_(views[0].state[state_name])
+
+
+def _global_view(
+    local: List[Tensor], views: List[ShardViews], pg: Optional[dist.ProcessGroup]
+) -> Union[Tensor, ShardedTensor]:
+    """The local tensors of a table's shards as one global tensor: a ``ShardedTensor``
+    with the weight's sharding, or the tensor itself for a data-parallel replica."""
+    first = views[0].table
+    if first.global_metadata is None:
+        return local[0]
+    metadata = copy.deepcopy(first.global_metadata)
+    metadata.tensor_properties.dtype = local[0].dtype
+    metadata.tensor_properties.requires_grad = False
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=[Shard(t, v.table.local_metadata) for t, v in zip(local, views)],
+        sharded_tensor_metadata=metadata,
+        process_group=pg,
+    )
+
+
+def _replicated_rows(name: str, views: List[ShardViews], state_name: str) -> Tensor:
+    table = views[0].table
+    if table.local_rows != table.num_embeddings:
+        raise NotImplementedError(
+            f"table '{name}': per-row optimizer state ('{state_name}') of a row-sharded "
+            "table is not supported (only table-wise, column-wise and data-parallel)"
+        )
+    return views[0].state[state_name]

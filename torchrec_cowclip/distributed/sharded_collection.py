@@ -1,0 +1,189 @@
+"""The sharded CowClip collection: TorchRec's sharded EBC with CowClip lookups.
+
+:class:`~torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection` does all of
+sharding but the lookup: it turns the plan into TorchRec's sharding strategies (input
+all-to-all, output all-to-all / reduce-scatter, shard placement), builds the state dict
+(``embedding_bags.<table>.weight`` as ``ShardedTensor``) from the lookups, and combines
+the lookups' fused optimizers. This subclass overrides exactly two steps:
+
+* ``_create_lookups``: one :class:`~.lookup.CowClipPooledEmbeddingsLookup` per sharding
+  type, over the table groups TorchRec's sharding computed, with the update rule that
+  sharding type needs (:mod:`.deferred_update`);
+* ``init_data_parallel``: no ``DistributedDataParallel`` around data-parallel lookups
+  (their fused update keeps the replicas identical itself; :class:`~.lookup.ReplicatedLookup`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Optional
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.types import (
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+    ShardingEnv2D,
+    ShardingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+
+from torchrec_cowclip.distributed.comm import ColumnShardGroups
+from torchrec_cowclip.distributed.deferred_update import (
+    ColumnShardRows,
+    LocalRows,
+    ReplicatedRows,
+    RowSync,
+)
+from torchrec_cowclip.distributed.lookup import (
+    SUPPORTED_COMPUTE_KERNELS,
+    CowClipPooledEmbeddingsLookup,
+    ReplicatedLookup,
+)
+from torchrec_cowclip.distributed.options import CowClipOptions
+from torchrec_cowclip.embedding.table_batch import TableClipStats
+
+#: Sharding types whose tables keep whole rows on one rank.
+_LOCAL_ROWS = (ShardingType.TABLE_WISE.value,)
+#: Sharding types that split a table's columns across ranks.
+_COLUMN_SHARDS = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
+#: Every sharding type the CowClip sharder supports.
+SUPPORTED_SHARDING_TYPES = (
+    ShardingType.DATA_PARALLEL.value,
+    *_LOCAL_ROWS,
+    *_COLUMN_SHARDS,
+)
+
+
+class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """An ``EmbeddingBagCollection`` sharded by TorchRec and trained by CowClip in backward.
+
+    Built by :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`;
+    behaves as TorchRec's sharded EBC (same forward, ``state_dict`` keys and types,
+    ``fused_optimizer``), with every table updated by the fused CowClip step of the
+    unsharded :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` on the global
+    batch (see :mod:`.deferred_update` for the per-sharding-type rules).
+
+    Example::
+
+        dmp = DistributedModelParallel(model, sharders=[CowClipEmbeddingBagCollectionSharder()],
+                                       plan=plan, env=ShardingEnv.from_process_group(pg),
+                                       device=torch.device("cpu"))
+        dmp(batch).sum().backward()          # tables updated here, on every rank
+        dmp.module.ebc.clip_stats()          # rows updated / clipped per local table
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollectionInterface,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        options: CowClipOptions,
+        fused_params: Optional[Dict[str, Any]] = None,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        module_fqn: Optional[str] = None,
+    ) -> None:
+        plan = _checked_plan(table_name_to_parameter_sharding, env)
+        options.check_tables(t.name for t in module.embedding_bag_configs())
+        # TorchRec's constructor creates the lookups (`_create_lookups`), which need the
+        # options; plain attributes may be set before nn.Module.__init__.
+        self._cowclip_options = options
+        super().__init__(
+            module=module,
+            table_name_to_parameter_sharding=plan,
+            env=env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    @property
+    def cowclip_options(self) -> CowClipOptions:
+        """The options the tables were sharded with (live lr: ``fused_optimizer``)."""
+        return self._cowclip_options
+
+    def clip_stats(self) -> Dict[str, TableClipStats]:
+        """Per table held by this rank: rows updated / clipped / skipped as non-finite,
+        last step and in total. Tables on other ranks are absent; data-parallel tables
+        report the union update every replica applied."""
+        stats: Dict[str, TableClipStats] = {}
+        for lookup in self._lookups:
+            stats.update(lookup.clip_stats())
+        return {t.name: stats[t.name] for t in self._embedding_bag_configs if t.name in stats}
+
+    # --- the two steps of TorchRec's construction this class replaces --------------------
+
+    def _create_lookups(self) -> None:
+        for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
+            row_sync: RowSync
+            if sharding_type in _LOCAL_ROWS:
+                row_sync = LocalRows()
+            elif sharding_type in _COLUMN_SHARDS:
+                # From the global plan, so that every rank creates the same groups in
+                # the same order (a collective), whichever shards it holds.
+                row_sync = ColumnShardRows(
+                    ColumnShardGroups(
+                        {
+                            name: table.ranks or []
+                            for name, table in self.module_sharding_plan.items()
+                            if table.sharding_type == sharding_type
+                        },
+                        self._env.process_group,
+                    )
+                )
+            else:
+                row_sync = ReplicatedRows(self._env.process_group)
+            self._lookups.append(
+                CowClipPooledEmbeddingsLookup(
+                    # Every TorchRec pooled sharding keeps its table groups on this rank
+                    # here (what its own `create_lookup` passes to its lookup).
+                    grouped_configs=sharding._grouped_embedding_configs,  # type: ignore[attr-defined]
+                    device=self._device,
+                    pg=self._env.process_group,
+                    env=self._env,
+                    sharding_type=ShardingType(sharding_type),
+                    options=self._cowclip_options,
+                    row_sync=row_sync,
+                    scale_weight_gradients=sharding_type != ShardingType.DATA_PARALLEL.value,
+                )
+            )
+
+    def init_data_parallel(self) -> None:
+        for i, sharding in enumerate(self._embedding_shardings):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._lookups[i] = ReplicatedLookup(self._lookups[i])
+
+
+def _checked_plan(
+    plan: Dict[str, ParameterSharding], env: ShardingEnv
+) -> Dict[str, ParameterSharding]:
+    """The plan with TorchRec's ``dense`` read as ``fused``, or ValueError naming what
+    the CowClip sharder cannot do."""
+    if isinstance(env, ShardingEnv2D):
+        raise ValueError("the CowClip sharder does not support 2D sharding environments")
+    if env.output_dtensor:
+        raise ValueError(
+            "the CowClip sharder produces ShardedTensor state dicts; "
+            "ShardingEnv(output_dtensor=True) is not supported"
+        )
+    checked: Dict[str, ParameterSharding] = {}
+    for table, sharding in plan.items():
+        if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise ValueError(
+                f"table '{table}': sharding type '{sharding.sharding_type}' is not supported "
+                f"by the CowClip sharder (supported: {list(SUPPORTED_SHARDING_TYPES)}); "
+                "row-wise sharding would need per-row optimizer state sharded by rows"
+            )
+        kernel = EmbeddingComputeKernel(sharding.compute_kernel)
+        if kernel not in SUPPORTED_COMPUTE_KERNELS:
+            raise ValueError(
+                f"table '{table}': compute kernel '{sharding.compute_kernel}' is not "
+                f"supported by the CowClip sharder (use 'fused')"
+            )
+        checked[table] = replace(sharding, compute_kernel=EmbeddingComputeKernel.FUSED.value)
+    return checked
