@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Set, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
-from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_cowclip.optim.functional import STATE_LAYOUT
+from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 
 
 @dataclass
@@ -53,7 +53,7 @@ class ShardViews:
     step: Tensor
 
 
-class ShardedCowClipFusedOptimizer(FusedOptimizer):
+class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
     """``KeyedOptimizer`` of the tables of one sharded CowClip kernel.
 
     The update runs inside backward, so :meth:`step` and :meth:`zero_grad` do nothing;
@@ -81,7 +81,6 @@ class ShardedCowClipFusedOptimizer(FusedOptimizer):
         hyperparameters: Mapping[str, Any],
         pg: Optional[dist.ProcessGroup],
     ) -> None:
-        self.optimizer_name = optimizer
         self._shards = {name: list(views) for name, views in shards.items()}
         params: Dict[str, Union[Tensor, ShardedTensor]] = {}
         state: Dict[Any, Dict[str, Tensor]] = {}
@@ -98,22 +97,8 @@ class ShardedCowClipFusedOptimizer(FusedOptimizer):
             table_state["step"] = views[0].step
             params[f"{name}.weight"] = weight
             state[weight] = table_state
-        group = {"params": list(params.values()), **hyperparameters}
-        super().__init__(params, state, [group])
-
-    def step(self, closure: Any = None) -> None:
-        """No-op: the update was applied during backward."""
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """No-op: fused parameters never hold a ``.grad``."""
-
-    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
-        """No-op: state is allocated eagerly, so in-place loading works from the start."""
-
-    @property
-    def hyperparameters(self) -> Dict[str, Any]:
-        """The live param group the update reads at every backward."""
-        return self.param_groups[0]  # type: ignore[index]
+        # step()/zero_grad()/init_state() are the unsharded handle's no-ops.
+        super().__init__(params, state, optimizer, hyperparameters)
 
     def post_load_state_dict(self) -> None:
         """Copies the loaded per-row state and step of a table into its other local
