@@ -63,7 +63,7 @@ class CowClip:
 
         >>> CowClip(r=1.0, zeta=1e-5)
         CowClip(r=1.0, zeta=1e-05)
-        >>> round(CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10).zeta, 10)
+        >>> round(CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10).zeta, 7)
         3.16e-05
     """
 
