@@ -27,6 +27,8 @@ from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    row_wise,
+    table_row_wise,
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
@@ -166,6 +168,10 @@ def plan_for(s: Scenario, module: nn.Module, sharder, world: int) -> ShardingPla
             generators[name] = column_wise(ranks=ranks, compute_kernel="fused")
         elif kind == ShardingType.DATA_PARALLEL.value:
             generators[name] = data_parallel()
+        elif kind == ShardingType.ROW_WISE.value:
+            generators[name] = row_wise(compute_kernel="fused")
+        elif kind == ShardingType.TABLE_ROW_WISE.value:
+            generators[name] = table_row_wise(host_index=0)
         else:
             raise ValueError(kind)
     module_plan = construct_module_sharding_plan(
@@ -259,15 +265,8 @@ def unsharded_state(ebc: CowClipEmbeddingBagCollection) -> Dict[str, Tensor]:
 
 
 def sharded_clip_totals(dmp: DistributedModelParallel) -> Dict[str, Tuple[int, int]]:
-    stats = dmp.module.ebc.clip_stats()
-    mine = {t: (s.total_rows_updated, s.total_rows_clipped) for t, s in stats.items()}
-    everyone: List[Dict[str, Tuple[int, int]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
-    merged: Dict[str, Tuple[int, int]] = {}
-    for rank_stats in everyone:
-        for t, v in rank_stats.items():
-            assert merged.setdefault(t, v) == v, f"ranks disagree on the clip counts of {t}"
-    return merged
+    stats = dmp.module.ebc.global_clip_stats()
+    return {t: (s.total_rows_updated, s.total_rows_clipped) for t, s in stats.items()}
 
 
 # --- training -----------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def mixed_tables():
                            pooling=PoolingType.MEAN),
         # data-parallel
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fg"]),
+        # row-wise over both ranks (each id's row, and its count, on one rank), MEAN pooling
+        EmbeddingBagConfig(name="rw", embedding_dim=8, num_embeddings=30, feature_names=["fh"],
+                           pooling=PoolingType.MEAN),
+        # table-row-wise within the host
+        EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=26, feature_names=["fi"]),
         # unclipped first-order table sharing feature "fa" with "tw"
         EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=20, feature_names=["fa"]),
     ]
@@ -58,6 +63,8 @@ MIXED_PLAN = {
     "cw3": ("column_wise", [0, 0, 1]),
     "twcw": ("table_column_wise", [1, 0]),
     "dp": ("data_parallel", []),
+    "rw": ("row_wise", [0, 1]),
+    "twrw": ("table_row_wise", [0, 1]),
     "lin": ("table_wise", [1]),
 }
 
@@ -155,7 +162,7 @@ def test_sharded_steps_equal_unsharded_on_the_global_batch(results, optimizer):
     _assert_states_equal(r["sharded"], r["unsharded"])
     assert r["sharded_clips"] == r["unsharded_clips"]
     # The clip binds on some rows of every sharding type, and not on all of them.
-    for table in ("tw", "tw_mean", "cw", "cw3", "twcw", "dp"):
+    for table in ("tw", "tw_mean", "cw", "cw3", "twcw", "dp", "rw", "twrw"):
         updated, clipped = r["sharded_clips"][table]
         assert 0 < clipped < updated, (table, updated, clipped)
     assert r["sharded_clips"]["lin"][1] == 0  # unclipped table
@@ -172,7 +179,7 @@ def test_state_dict_and_fused_optimizer_look_like_torchrecs(results):
     }
     # Rank 0's fused optimizer: the tables it holds a shard or replica of.
     assert r["optimizer_keys"] == sorted(
-        f"ebc.embedding_bags.{t}.weight" for t in ("tw", "cw", "cw3", "twcw", "dp")
+        f"ebc.embedding_bags.{t}.weight" for t in ("tw", "cw", "cw3", "twcw", "dp", "rw", "twrw")
     )
     assert all(g["lr"] == cases.HYPER["lr"] for g in r["hyperparameters"])
     assert set(r["compute_kernels"].values()) == {"fused"}  # data_parallel's "dense" read as fused
@@ -180,7 +187,7 @@ def test_state_dict_and_fused_optimizer_look_like_torchrecs(results):
     # Pin the TorchRec extension points: a TorchRec upgrade that stops calling them fails here.
     assert r["sharded_type"] == "ShardedCowClipEmbeddingBagCollection"
     assert sorted(r["lookup_types"]) == sorted(
-        ["CowClipPooledEmbeddingsLookup"] * 3 + ["ReplicatedLookup"]
+        ["CowClipPooledEmbeddingsLookup"] * 5 + ["ReplicatedLookup"]
     )
     assert "CowClipBatchedEmbeddingBag" in r["kernel_types"]
     assert not any("Fused" in k and k != "CowClipBatchedEmbeddingBag" for k in r["kernel_types"])
@@ -250,13 +257,16 @@ def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fd"]),
         EmbeddingBagConfig(name="mean", embedding_dim=4, num_embeddings=30, feature_names=["fe"],
                            pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=22, feature_names=["ff"]),
     ]
     if world == 2:
         plan = {"tw": ("table_wise", [0]), "cw": ("column_wise", [0, 1]),
-                "dp": ("data_parallel", []), "mean": ("table_wise", [1])}
-    else:  # one rank: the column-wise table as two local shards, the data-parallel one table-wise
+                "dp": ("data_parallel", []), "mean": ("table_wise", [1]),
+                "rw": ("row_wise", [0, 1])}
+    else:  # one rank: the column-wise table as two local shards, the data/row-sharded ones whole
         plan = {"tw": ("table_wise", [0]), "cw": ("column_wise", [0, 0]),
-                "dp": ("table_wise", [0]), "mean": ("table_wise", [0])}
+                "dp": ("table_wise", [0]), "mean": ("table_wise", [0]),
+                "rw": ("table_wise", [0])}
     return {
         opt: cases.Scenario(tables=tables, plan=plan, optimizer=opt, steps=CKPT_STEPS,
                             local_batch=8 // world, seed=10 + i)

@@ -105,27 +105,30 @@ def _planned_bytes(optimizer: str) -> dict:
         topology=topology, batch_size=512, estimator=[EmbeddingStorageEstimator(topology=topology)]
     )
     options = enumerator.enumerate(_Model(), [CowClipEmbeddingBagCollectionSharder(optimizer=optimizer)])
-    return {(o.sharding_type, o.compute_kernel): o.shards[0].storage.ddr for o in options}
+    return {(o.sharding_type, o.compute_kernel): (o.shards[0].storage.ddr, o.shards[0].size)
+            for o in options}
 
 
 def test_planner_counts_the_optimizer_state_in_table_memory():
-    weights = 10_000 * 16 * 4
     sgd, adam, adagrad = (_planned_bytes(o) for o in ("sgd", "adam", "rowwise_adagrad"))
     assert {t for t, _ in sgd} == set(SUPPORTED_SHARDING_TYPES)
     assert {k for _, k in sgd} == {"fused"}
-    for key in sgd:
-        assert adam[key] - sgd[key] == 2 * weights  # exp_avg + exp_avg_sq
-        assert adagrad[key] - sgd[key] == 10_000 * 4  # one float per row
+    for key, (sgd_bytes, (rows, cols)) in sgd.items():
+        # Per shard: a table-wise/data-parallel shard holds 10,000 x 16, a row-wise one
+        # half the rows, a column-wise one part of the columns.
+        assert adam[key][0] - sgd_bytes == 2 * rows * cols * 4, key  # exp_avg + exp_avg_sq
+        assert adagrad[key][0] - sgd_bytes == rows * 4, key  # one float per row
 
 
-def test_sharder_offers_only_supported_types_and_refuses_row_wise():
+def test_sharder_offers_only_supported_types_and_refuses_others():
     sharder = CowClipEmbeddingBagCollectionSharder()
     for device in ("cpu", "cuda"):
         assert sharder.sharding_types(device) == list(SUPPORTED_SHARDING_TYPES)
+    assert {"row_wise", "table_row_wise"} <= set(SUPPORTED_SHARDING_TYPES)
     env = ShardingEnv.from_local(world_size=2, rank=0)
-    row_wise = ParameterSharding(sharding_type="row_wise", compute_kernel="fused", ranks=[0, 1])
-    with pytest.raises(ValueError, match="row_wise.*not supported"):
-        _checked_plan({"t": row_wise}, env)
+    grid = ParameterSharding(sharding_type="grid_shard", compute_kernel="fused", ranks=[0, 1])
+    with pytest.raises(ValueError, match="grid_shard.*not supported"):
+        _checked_plan({"t": grid}, env)
     uvm = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm", ranks=[0])
     with pytest.raises(ValueError, match="fused_uvm"):
         _checked_plan({"t": uvm}, env)

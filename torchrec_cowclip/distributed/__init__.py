@@ -15,7 +15,8 @@ Example::
     loss.backward()                # embedding tables updated here (global-batch CowClip)
     dense_optimizer.step()
 
-Supported sharding types: table_wise, column_wise, table_column_wise, data_parallel.
+Supported sharding types: table_wise, column_wise, table_column_wise, row_wise,
+table_row_wise, data_parallel.
 """
 
 from torchrec_cowclip.distributed.comm import CollectiveError

@@ -24,7 +24,7 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
 )
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingMode, PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -38,6 +38,10 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
+
+
+def _initialised_by_torchrec(weight: Tensor) -> None:
+    """No-op ``init_fn`` of the local shard configs (see their construction)."""
 
 
 class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
@@ -92,13 +96,21 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         # A shard is a local table of its own width; features keep TorchRec's names
         # (two shards of one table both list its features) and are told apart by
         # position, which also names the output columns.
+        # Row-wise shards hold part of each bag: TorchRec pools them with SUM (its
+        # `pooling_type_to_pooling_mode`, read into self._pooling by the base class) and
+        # divides by the whole bag's length after the reduce-scatter.
+        pooling = PoolingType.SUM if self._pooling == PoolingMode.SUM else config.pooling
         local = [
             EmbeddingBagConfig(
                 name=shard.name,
                 num_embeddings=shard.local_rows,
                 embedding_dim=shard.local_cols,
                 feature_names=list(shard.feature_names),
-                pooling=config.pooling,
+                pooling=pooling,
+                # TorchRec initialises shard weights itself (init_parameters); and a
+                # row-wise shard of a table smaller than the world has no rows, for which
+                # the config's default bounds (+-sqrt(1/rows)) do not exist.
+                init_fn=_initialised_by_torchrec,
             )
             for shard in shards
         ]

@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_cowclip.optim.functional import STATE_LAYOUT
@@ -93,7 +94,9 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
                         [v.state[state_name] for v in views], views, pg
                     )
                 else:
-                    table_state[state_name] = _replicated_rows(name, views, state_name)
+                    table_state[state_name] = _per_row_view(
+                        [v.state[state_name] for v in views], views, pg
+                    )
             table_state["step"] = views[0].step
             params[f"{name}.weight"] = weight
             state[weight] = table_state
@@ -104,6 +107,8 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
         """Copies the loaded per-row state and step of a table into its other local
         shards: the state dict exposes one copy per table (see the module docstring)."""
         for views in self._shards.values():
+            if not _holds_all_rows(views[0]):
+                continue  # row shards: each local shard has its own rows and steps agree
             for other in views[1:]:
                 other.step.copy_(views[0].step)
                 for state_name, tensor in other.state.items():
@@ -129,11 +134,41 @@ def _global_view(
     )
 
 
-def _replicated_rows(name: str, views: List[ShardViews], state_name: str) -> Tensor:
-    table = views[0].table
-    if table.local_rows != table.num_embeddings:
-        raise NotImplementedError(
-            f"table '{name}': per-row optimizer state ('{state_name}') of a row-sharded "
-            "table is not supported (only table-wise, column-wise and data-parallel)"
-        )
-    return views[0].state[state_name]
+def _holds_all_rows(view: ShardViews) -> bool:
+    return view.table.local_rows == view.table.num_embeddings
+
+
+def _per_row_view(
+    local: List[Tensor], views: List[ShardViews], pg: Optional[dist.ProcessGroup]
+) -> Union[Tensor, ShardedTensor]:
+    """A per-row state (row-wise Adagrad's ``sum``) as one global tensor.
+
+    Where this rank holds whole rows (table-wise, column-wise, data-parallel) the copies
+    on the ranks holding the table are identical, so the plain tensor is saved as
+    replicated. Row-wise shards hold different rows: the state is a 1-D ``ShardedTensor``
+    split like the weight's rows.
+    """
+    if _holds_all_rows(views[0]) or views[0].table.global_metadata is None:
+        return local[0]
+    weight_meta = views[0].table.global_metadata
+    shards_meta = [
+        ShardMetadata(shard_offsets=[m.shard_offsets[0]], shard_sizes=[m.shard_sizes[0]],
+                      placement=m.placement)
+        for m in weight_meta.shards_metadata
+    ]
+    properties = copy.deepcopy(weight_meta.tensor_properties)
+    properties.dtype, properties.requires_grad = local[0].dtype, False
+    metadata = ShardedTensorMetadata(
+        shards_metadata=shards_meta,
+        size=torch.Size([weight_meta.size[0]]),
+        tensor_properties=properties,
+    )
+    local_shards = [
+        Shard(t, ShardMetadata(shard_offsets=[v.table.local_metadata.shard_offsets[0]],
+                               shard_sizes=[v.table.local_metadata.shard_sizes[0]],
+                               placement=v.table.local_metadata.placement))
+        for t, v in zip(local, views)
+    ]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=local_shards, sharded_tensor_metadata=metadata, process_group=pg
+    )

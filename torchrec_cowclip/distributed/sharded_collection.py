@@ -15,8 +15,8 @@ the lookups' fused optimizers. This subclass overrides exactly two steps:
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Dict, Optional
+from dataclasses import fields, replace
+from typing import Any, Dict, List, Optional
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -29,6 +29,7 @@ from torchrec.distributed.types import (
     ShardingEnv2D,
     ShardingType,
 )
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
 from torchrec_cowclip.distributed.comm import ColumnShardGroups
@@ -46,8 +47,13 @@ from torchrec_cowclip.distributed.lookup import (
 from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 
-#: Sharding types whose tables keep whole rows on one rank.
-_LOCAL_ROWS = (ShardingType.TABLE_WISE.value,)
+#: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
+#: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).
+_LOCAL_ROWS = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+)
 #: Sharding types that split a table's columns across ranks.
 _COLUMN_SHARDS = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 #: Every sharding type the CowClip sharder supports.
@@ -101,6 +107,20 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
+        self._divide_only_row_wise_means()
+
+    def _divide_only_row_wise_means(self) -> None:
+        """TorchRec applies MEAN pooling of row-wise tables after its reduce-scatter, by
+        dividing the whole output by a per-feature divisor; it sets the divisor to 1 only
+        for the SUM features of row-wise tables, so features of other sharding types
+        (already pooled by their kernels, MEAN included) would be divided by their bag
+        lengths too. List them with the SUM features so their divisor is 1."""
+        if not self._has_mean_pooling_callback:
+            return
+        row_split = {f for fs in self._pooling_type_to_rs_features.values() for f in fs}
+        self._pooling_type_to_rs_features[PoolingType.SUM.value].extend(
+            f for t in self._embedding_bag_configs for f in t.feature_names if f not in row_split
+        )
 
     @property
     def cowclip_options(self) -> CowClipOptions:
@@ -115,6 +135,30 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for lookup in self._lookups:
             stats.update(lookup.clip_stats())
         return {t.name: stats[t.name] for t in self._embedding_bag_configs if t.name in stats}
+
+    def global_clip_stats(self) -> Dict[str, TableClipStats]:
+        """Per table, over all ranks: a collective, call it on every rank.
+
+        Row-wise shards hold different rows, so their counts add up; column shards and
+        data-parallel replicas update the same rows, so one copy is kept (ranks that
+        disagree there would be a bug, and raise).
+        """
+        gathered: List[Optional[Dict[str, TableClipStats]]] = [None] * self._env.world_size
+        torch.distributed.all_gather_object(gathered, self.clip_stats(), group=self._env.process_group)
+        row_split = {
+            name for name, p in self.module_sharding_plan.items()
+            if p.sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+        }
+        merged: Dict[str, TableClipStats] = {}
+        for rank_stats in gathered:
+            for name, stats in (rank_stats or {}).items():
+                if name not in merged:
+                    merged[name] = stats
+                elif name in row_split:
+                    merged[name] = _add_stats(merged[name], stats)
+                elif merged[name] != stats:
+                    raise RuntimeError(f"ranks disagree on the clip counts of table '{name}'")
+        return {t.name: merged[t.name] for t in self._embedding_bag_configs if t.name in merged}
 
     # --- the two steps of TorchRec's construction this class replaces --------------------
 
@@ -140,9 +184,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 row_sync = ReplicatedRows(self._env.process_group)
             self._lookups.append(
                 CowClipPooledEmbeddingsLookup(
-                    # Every TorchRec pooled sharding keeps its table groups on this rank
-                    # here (what its own `create_lookup` passes to its lookup).
-                    grouped_configs=sharding._grouped_embedding_configs,  # type: ignore[attr-defined]
+                    grouped_configs=_local_grouped_configs(sharding),
                     device=self._device,
                     pg=self._env.process_group,
                     env=self._env,
@@ -157,6 +199,21 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for i, sharding in enumerate(self._embedding_shardings):
             if isinstance(sharding, DpPooledEmbeddingSharding):
                 self._lookups[i] = ReplicatedLookup(self._lookups[i])
+
+
+def _add_stats(a: TableClipStats, b: TableClipStats) -> TableClipStats:
+    """Counts of two row shards of one table (same steps)."""
+    counts = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.name != "steps"}
+    return TableClipStats(**counts, steps=max(a.steps, b.steps))
+
+
+def _local_grouped_configs(sharding: Any) -> Any:
+    """The table groups on this rank, exactly what the sharding's own ``create_lookup``
+    hands its lookup (private TorchRec attributes; the tests pin them)."""
+    if hasattr(sharding, "_grouped_embedding_configs"):
+        return sharding._grouped_embedding_configs
+    # Table-row-wise keeps one list per rank.
+    return sharding._grouped_embedding_configs_per_rank[sharding._rank]
 
 
 def _checked_plan(

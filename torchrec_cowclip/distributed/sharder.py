@@ -36,7 +36,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """Shards embedding bag collections and trains them with the fused CowClip update.
 
     Sharding types: ``table_wise``, ``column_wise``, ``table_column_wise`` and
-    ``data_parallel`` (``row_wise`` and ``table_row_wise`` are refused). Every table gets
+    ``data_parallel``, ``row_wise`` and ``table_row_wise``. Every table gets
     the ``fused`` compute kernel: a table-batched lookup with the CowClip step fused into
     backward. The planner sees the optimizer state in its memory estimate.
 

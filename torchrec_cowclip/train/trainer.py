@@ -38,6 +38,7 @@ from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperpar
 from torchrec_cowclip.train.distributed import (
     DistContext,
     init_distributed,
+    load_full_tensors,
     rank_rows_for_eval,
     rank_rows_of_epoch,
     shard_model,
@@ -99,21 +100,14 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def clip_counts(embedding_collection: torch.nn.Module, ctx: Optional[DistContext]) -> Dict[str, Any]:
-    """Totals and per-table counts of row updates, clipped rows and skipped rows.
-
-    Sharded: each rank reports the tables it holds; every holder of a table (column
-    shards, data-parallel replicas) counts the same row updates, so one copy is kept.
-    """
+    """Totals and per-table counts of row updates, clipped rows and skipped rows
+    (over all ranks when sharded)."""
     if not hasattr(embedding_collection, "clip_stats"):
         return {"rows_updated": None, "rows_clipped": None, "rows_nonfinite": None, "per_table": {}}
-    stats = embedding_collection.clip_stats()
     if ctx is not None:
-        gathered: List[Any] = [None] * ctx.world_size
-        torch.distributed.all_gather_object(gathered, stats)
-        stats = {}
-        for rank_stats in gathered:
-            for name, s in rank_stats.items():
-                stats.setdefault(name, s)
+        stats = embedding_collection.global_clip_stats()  # collective: every rank calls it
+    else:
+        stats = embedding_collection.clip_stats()
     return {
         "rows_updated": sum(s.total_rows_updated for s in stats.values()),
         "rows_clipped": sum(s.total_rows_clipped for s in stats.values()),
@@ -207,11 +201,14 @@ class Trainer:
             from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 
             ebc = self.model.embedding_collection
+            initial_tables = {k: v.detach().clone() for k, v in self.task.state_dict().items()
+                              if ".embedding_bags." in k}
             sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
             self.train_module = shard_model(
                 self.task, [t.name for t in ebc.embedding_bag_configs()], [sharder],
                 config.sharding, self.ctx, config.batch_size,
             )
+            load_full_tensors(self.train_module, initial_tables)
             self.steps_per_epoch = len(self.train_idx) // config.batch_size
             self.optimizer = build_optimizer(
                 self.train_module, None, self.hp, self.steps_per_epoch,

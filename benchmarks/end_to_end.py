@@ -1,0 +1,273 @@
+"""End-to-end DeepFM training throughput (samples/s) on synthetic Criteo-like data.
+
+Variants (same model shape: 26 fields, D 10, DNN 400-400-400, 13 dense; same batches):
+
+i.   ``ours``: ``build_model("deepfm", embedding_backend="cowclip")`` (Adam + CowClip fused
+     into backward) plus ``torch.optim.Adam`` on ``model.dense_parameters()``, stepped
+     through ``CTRTrainTask`` as the trainer does;
+ii.  ``stock``: the same model with ``embedding_backend="torchrec"`` and one
+     ``torch.optim.Adam`` over all parameters (dense gradients of the whole tables);
+iii. ``dense-only``: ours with the embedding outputs replaced by a fixed precomputed
+     tensor: the DNN + FM + linear part and its Adam alone;
+iv.  ``deepctr``: deepctr-torch 0.2.9's ``DeepFM`` (if importable) with its own
+     ``model.fit`` (its DataLoader included) on the same arrays, and ``deepctr lean``:
+     the same model stepped on pre-built tensors, without its DataLoader.
+
+i-iii and ``deepctr lean`` step on pre-built batches (data loading excluded) and are
+interleaved: each round runs every variant once, order rotated per round, so other jobs
+on the machine slow all of them alike; ``deepctr fit`` runs once per round on
+``--fit-steps`` batches. Reported: median samples/s and paired ratios.
+
+deepctr-torch imports TensorFlow only for Keras' ``CallbackList``/``History``; when
+TensorFlow is absent this script installs a small stand-in for those two classes
+(no effect on the math of a training step).
+
+Run (about 5 minutes on 2 cores)::
+
+    .venv/bin/python benchmarks/end_to_end.py
+    .venv/bin/python benchmarks/end_to_end.py --max-cardinality 100000 --batch-sizes 1024,16384 --with-128k
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import embedding_step as es  # noqa: E402
+from torchrec_cowclip import CowClip  # noqa: E402
+from torchrec_cowclip.data import open_dataset  # noqa: E402
+from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
+from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
+
+DENSE_LR = 8e-4
+EMB_LR = 1e-4
+DIM = 10
+HIDDEN = (400, 400, 400)
+
+
+def tf_callbacks_stub() -> None:
+    """Minimal ``tensorflow.python.keras.callbacks`` for deepctr-torch's imports."""
+    if "tensorflow" in sys.modules:
+        return
+    try:
+        import tensorflow  # noqa: F401
+        return
+    except ImportError:
+        pass
+
+    class Callback:
+        def __init__(self, *a: Any, **k: Any) -> None:
+            self.model = None
+
+        def set_model(self, model: Any) -> None:
+            self.model = model
+
+        def __getattr__(self, name: str) -> Callable[..., None]:
+            if name.startswith("on_"):
+                return lambda *a, **k: None
+            raise AttributeError(name)
+
+    class History(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.history: Dict[str, List[float]] = {}
+
+        def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, float]] = None) -> None:
+            for k, v in (logs or {}).items():
+                self.history.setdefault(k, []).append(v)
+
+    class CallbackList(Callback):
+        def __init__(self, callbacks: Sequence[Any] = ()) -> None:
+            super().__init__()
+            self.callbacks = list(callbacks)
+
+        def set_model(self, model: Any) -> None:
+            self.model = model
+            for c in self.callbacks:
+                c.set_model(model)
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            for c in self.callbacks:
+                c.on_epoch_end(epoch, logs)
+
+    mod = types.ModuleType("tensorflow.python.keras.callbacks")
+    mod.Callback, mod.History, mod.CallbackList = Callback, History, CallbackList
+    mod.EarlyStopping = mod.ModelCheckpoint = Callback
+    for name in ("tensorflow", "tensorflow.python", "tensorflow.python.keras"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["tensorflow.python.keras.callbacks"] = mod
+
+
+def build_deepctr(names: Sequence[str], cards: Sequence[int], n_dense: int) -> Any:
+    tf_callbacks_stub()
+    from deepctr_torch.inputs import DenseFeat, SparseFeat
+    from deepctr_torch.models import DeepFM
+
+    cols = [SparseFeat(f"C{i}", vocabulary_size=int(c), embedding_dim=DIM) for i, c in enumerate(cards)]
+    cols += [DenseFeat(f"I{i}", 1) for i in range(n_dense)]
+    model = DeepFM(cols, cols, dnn_hidden_units=HIDDEN, task="binary", device="cpu")
+    model.compile(torch.optim.Adam(model.parameters(), lr=DENSE_LR), "binary_crossentropy")
+    return model
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=300_000, help="synthetic rows generated")
+    p.add_argument("--max-cardinality", type=int, default=1_000_000)
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 16384])
+    p.add_argument("--with-128k", action="store_true", help="also batch 131072")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds of timed rounds per batch size")
+    p.add_argument("--fit-steps", type=int, default=2, help="batches per deepctr model.fit call")
+    p.add_argument("--no-deepctr", action="store_true")
+    p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = args.batch_sizes + ([131072] if args.with_128k else [])
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    rows = max(args.rows, max(sizes) * max(2, args.fit_steps))
+    ds = open_dataset(f"synthetic:{rows}", args.cache_dir, max_cardinality=args.max_cardinality)
+    names, cards = list(ds.schema.sparse_names), list(ds.schema.cardinalities)
+    n_dense = ds.schema.n_dense
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {es.cpu_model()}")
+    print(f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
+          f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set")
+
+    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM,
+                  hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM))
+    ours = build_model("deepfm", embedding_backend="cowclip", **common)
+    ours_opt = torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR)
+    ours_task = CTRTrainTask(ours)
+    stock = build_model("deepfm", embedding_backend="torchrec", **common)
+    stock_opt = torch.optim.Adam(stock.parameters(), lr=DENSE_LR)
+    stock_task = CTRTrainTask(stock)
+    dense_model = build_model("deepfm", embedding_backend="cowclip", **common)
+    dense_opt = torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR)
+    deepctr = None
+    deepctr_error = None
+    if not args.no_deepctr:
+        try:
+            deepctr = build_deepctr(names, cards, n_dense)
+        except Exception as e:  # noqa: BLE001
+            deepctr_error = f"{type(e).__name__}: {e}"
+            print(f"deepctr-torch unavailable: {deepctr_error}")
+
+    results: List[Dict[str, Any]] = []
+    for bs in sizes:
+        batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]
+        fixed = []
+        with torch.no_grad():
+            for b in batches:
+                emb, first = dense_model.fields(b.sparse_features)
+                fixed.append((emb.clone(), first.clone()))
+        by_id = {id(b): k for k, b in enumerate(batches)}
+
+        def ours_step(b: Any) -> None:
+            loss, _ = ours_task(b)
+            loss.backward()
+            ours_opt.step()
+            ours_opt.zero_grad()
+
+        def stock_step(b: Any) -> None:
+            loss, _ = stock_task(b)
+            loss.backward()
+            stock_opt.step()
+            stock_opt.zero_grad()
+
+        def dense_step(b: Any) -> None:
+            emb, first = fixed[by_id[id(b)]]
+            dense = b.dense_features
+            m = dense_model
+            logit = m.linear(first, dense) + fm_second_order(emb) + m.deep([emb, dense.unsqueeze(2)]).squeeze(1)
+            F.binary_cross_entropy_with_logits(logit, b.labels.float()).backward()
+            dense_opt.step()
+            dense_opt.zero_grad()
+
+        variants: Dict[str, Callable[[Any], None]] = {
+            "ours (cowclip backend)": ours_step,
+            "stock (torchrec EBC + Adam)": stock_step,
+            "dense-only (fixed embeddings)": dense_step,
+        }
+        if deepctr is not None:
+            sl = slice(0, args.fit_steps * bs)
+            x_dict = {f"C{i}": np.asarray(ds.sparse[sl, i]).astype(np.int64) for i in range(len(names))}
+            x_dict.update({f"I{i}": np.asarray(ds.dense[sl, i]) for i in range(n_dense)})
+            y = np.asarray(ds.labels[sl]).astype(np.float32)
+            # deepctr's own input layout, for the lean loop
+            order = sorted(deepctr.feature_index, key=lambda k: deepctr.feature_index[k][0])
+            lean_x = [
+                torch.from_numpy(np.stack([x_dict[k][k2 * bs:(k2 + 1) * bs].astype(np.float32) for k in order], 1))
+                for k2 in range(2)
+            ]
+            lean_y = [torch.from_numpy(y[k2 * bs:(k2 + 1) * bs]) for k2 in range(2)]
+
+            def deepctr_fit(b: Any) -> None:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    deepctr.fit(dict(x_dict), y, batch_size=bs, epochs=1, verbose=0, shuffle=True)
+
+            def deepctr_lean(b: Any) -> None:
+                k = by_id[id(b)]
+                pred = deepctr(lean_x[k]).squeeze()
+                loss = F.binary_cross_entropy(pred, lean_y[k], reduction="sum") + deepctr.get_regularization_loss()
+                deepctr.optim.zero_grad()
+                loss.backward()
+                deepctr.optim.step()
+
+            variants["deepctr-torch fit()"] = deepctr_fit
+            variants["deepctr-torch lean loop"] = deepctr_lean
+        print(f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
+        timings = es.run_interleaved(variants, batches, args.rounds, args.warmup, args.time_limit)
+        steps_per_call = {name: (args.fit_steps if "fit()" in name else 1) for name in variants}
+        sps = {n: es.Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
+        ours_name = "ours (cowclip backend)"
+        for name, t in sps.items():
+            results.append({
+                "batch_size": bs, "variant": name, "samples_per_s_median": t.median,
+                "ms_per_step_median": statistics.median(timings[name].samples) / steps_per_call[name],
+                "rounds": len(t.samples),
+                "ours_over_this_paired": statistics.median(a / b for a, b in zip(sps[ours_name].samples, t.samples)),
+            })
+
+    os.makedirs(args.out, exist_ok=True)
+    out = {"cpu": es.cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
+           "max_cardinality": args.max_cardinality, "total_rows": sum(cards),
+           "results": results, "deepctr_error": deepctr_error}
+    with open(os.path.join(args.out, "end_to_end.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    table = [["batch", "variant", "samples/s", "ms/step", "rounds", "ours/this"]]
+    for r in results:
+        table.append([f"{r['batch_size']:,}", r["variant"], f"{r['samples_per_s_median']:,.0f}",
+                      f"{r['ms_per_step_median']:.1f}", str(r["rounds"]), f"{r['ours_over_this_paired']:.2f}"])
+    print("\nDeepFM training throughput, median over interleaved rounds; ours/this = paired ratio of "
+          "samples/s (>1: ours faster); deepctr fit() includes its DataLoader")
+    print(es.format_table(table))
+    if deepctr_error:
+        print(f"deepctr-torch FAILED: {deepctr_error}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
