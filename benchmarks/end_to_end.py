@@ -137,6 +137,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds of timed rounds per batch size")
     p.add_argument("--fit-steps", type=int, default=2, help="batches per deepctr model.fit call")
+    p.add_argument("--steps-per-round", type=int, default=4,
+                   help="consecutive steps of one variant per round: training runs one model "
+                        "step after step, so a variant is timed with warm caches rather than "
+                        "right after another variant evicted them (1: strict alternation)")
     p.add_argument("--no-deepctr", action="store_true")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
     p.add_argument("--threads", type=int, default=None)
@@ -239,8 +243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             variants["deepctr-torch fit()"] = deepctr_fit
             variants["deepctr-torch lean loop"] = deepctr_lean
         print(f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
-        timings = es.run_interleaved(variants, batches, args.rounds, args.warmup, args.time_limit)
-        steps_per_call = {name: (args.fit_steps if "fit()" in name else 1) for name in variants}
+        k = max(args.steps_per_round, 1)
+        blocks = {name: (lambda b, f=f: [f(b) for _ in range(k)]) for name, f in variants.items()}
+        timings = es.run_interleaved(blocks, batches, args.rounds, args.warmup, args.time_limit)
+        steps_per_call = {name: k * (args.fit_steps if "fit()" in name else 1) for name in variants}
         sps = {n: es.Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
         ours_name = "ours (cowclip backend)"
         for name, t in sps.items():
