@@ -89,6 +89,7 @@ def lookup_row_gradients(
         bag_gradients,
         bag_of_position,
         _position_weights(lookup, batch.pooling),
+        num_rows=batch.weight.shape[0],
     )
 
 
