@@ -43,7 +43,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -70,7 +69,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E4
 )
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection  # noqa: E402
+from torchrec_cowclip import CowClipEmbeddingBagCollection  # noqa: E402
 from torchrec_cowclip.data import CRITEO_KAGGLE_CARDINALITIES  # noqa: E402
 
 COWCLIP = es.COWCLIP  # r = 1, zeta = 1e-5
@@ -335,7 +334,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 {NAMES[k]: v for k, v in variants.items()}, batches, args.rounds, args.warmup, args.time_limit
             )
             ref = timings.get(NAMES[REFERENCE])
-            ours = timings.get(NAMES["ours_adam"])
             for key in variants:
                 t = timings[NAMES[key]]
                 row = {

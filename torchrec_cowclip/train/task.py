@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchrec.datasets.utils import Batch
