@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.encode import INT32_MAX, HashSize
+from torchrec_cowclip.data.encode import INT32_MAX, HashSize, conversion_meta
 from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError
 from torchrec_cowclip.data.npyfile import NpyAppender
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, Schema, resolve_sizes
@@ -236,27 +236,19 @@ def convert_criteo_npy(
                 }
             )
         total = labels_w.rows
-    schema = Schema(dense_names, sparse_names, cardinalities)
-    return {
-        "schema": schema.to_json(),
-        "rows": total,
-        "test_start": test_start,
-        "file_rows": file_rows,
-        "bad_rows": dict(log.counts),
-        "bad_row_examples": list(log.examples),
-        "bad_row_summary": log.summary(),
-        "sparse_dtype": np.dtype(sparse_dtype).name,
-        "encoding": (
+    return conversion_meta(
+        Schema(dense_names, sparse_names, cardinalities),
+        total, test_start, file_rows, log, sparse_dtype, stats,
+        encoding=(
             {"kind": "hash", "method": "mod"}
             if hashed
             else {"kind": "as stored", "cardinality": "max id + 1"}
         ),
-        "dense_transform": (
+        dense_transform=(
             dense_transform if dense_transform == "minmax" else "as stored (torchrec log)"
         ),
-        "dense_stats": None if stats is None else {"min": stats.min.tolist(), "max": stats.max.tolist()},
-        "source_format": "torchrec criteo npy",
-    }
+        source_format="torchrec criteo npy",
+    )
 
 
 def npy_source_files(paths: Sequence[Union[str, Path]]) -> List[Path]:

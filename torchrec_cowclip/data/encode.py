@@ -220,23 +220,45 @@ def convert_rows(
         total = labels_w.rows
     if log.total:
         logger.warning("%s: %s", ", ".join(str(p) for p in train_paths), log.summary())
-    schema = Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities))
+    return conversion_meta(
+        Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities)),
+        total, test_start, file_rows, log, sparse_dtype, stats,
+        encoding=(
+            {"kind": "hash", "method": opts.hash_method, "missing_id": 0}
+            if hasher is not None
+            else {"kind": "vocabulary", "min_count": opts.min_count, "oov_id": 0, "missing_id": 1}
+        ),
+        dense_transform=opts.dense_transform,
+    )
+
+
+def conversion_meta(
+    schema: Schema,
+    rows: int,
+    test_start: Optional[int],
+    file_rows: Any,
+    log: BadRowLog,
+    sparse_dtype: Any,
+    stats: Optional[DenseStats],
+    *,
+    encoding: Dict[str, Any],
+    dense_transform: str,
+    **extra: Any,
+) -> Dict[str, Any]:
+    """The ``meta.json`` content every converter writes for its cache entry."""
     return {
         "schema": schema.to_json(),
-        "rows": total,
+        "rows": rows,
         "test_start": test_start,
         "file_rows": file_rows,
         "bad_rows": dict(log.counts),
         "bad_row_examples": list(log.examples),
         "bad_row_summary": log.summary(),
         "sparse_dtype": np.dtype(sparse_dtype).name,
-        "encoding": (
-            {"kind": "hash", "method": opts.hash_method, "missing_id": 0}
-            if hasher is not None
-            else {"kind": "vocabulary", "min_count": opts.min_count, "oov_id": 0, "missing_id": 1}
-        ),
-        "dense_transform": opts.dense_transform,
+        "encoding": encoding,
+        "dense_transform": dense_transform,
         "dense_stats": (
             None if stats is None else {"min": stats.min.tolist(), "max": stats.max.tolist()}
         ),
+        **extra,
     }
