@@ -299,32 +299,11 @@ def open_dataset(
         def build(tmp: Path) -> Dict[str, Any]:
             if kind == "criteo":
                 return finish(convert_criteo(args, tests, tmp, opts, root, delimiter=delimiter))
-            if kind == "avazu":
-                return finish(
-                    convert_avazu(
-                        args,
-                        tests,
-                        tmp,
-                        opts,
-                        root,
-                        label=label,
-                        dense=dense,
-                        sparse=sparse,
-                        delimiter=delimiter,
-                    )
-                )
+            # Avazu is a table with its own default columns.
+            convert = convert_avazu if kind == "avazu" else convert_table
             return finish(
-                convert_table(
-                    args,
-                    tests,
-                    tmp,
-                    opts,
-                    root,
-                    label=label,
-                    dense=dense,
-                    sparse=sparse,
-                    delimiter=delimiter,
-                )
+                convert(args, tests, tmp, opts, root, label=label, dense=dense, sparse=sparse,
+                        delimiter=delimiter)
             )
 
         entry = build_entry(cache_dir, kind, payload, build, rebuild=rebuild)
