@@ -61,7 +61,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
