@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_tracing
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.modules.mlp import MLP
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -149,6 +150,15 @@ class FieldCTRModel(CTRModel):
     def flat_input_size(self) -> int:
         """Width of the DNN / cross input: all field embeddings and the dense values."""
         return len(self.sparse_feature_names) * self.embedding_dim + self.num_dense
+
+    def dnn_tower(self, hidden: Sequence[int]) -> nn.Sequential:
+        """The deep part of DeepFM and Wide&Deep: TorchRec's ``MLP`` (ReLU) over the flat
+        input, then a bias-free projection to one logit. Build it inside ``device_scope``."""
+        hidden = list(hidden)
+        return nn.Sequential(
+            MLP(self.flat_input_size, hidden, activation="relu"),
+            nn.Linear(hidden[-1] if hidden else self.flat_input_size, 1, bias=False),
+        )
 
     def embed(self, dense: Tensor, sparse: KeyedJaggedTensor) -> tuple[Tensor, Tensor]:
         """One collection call: ``(embeddings [B, F, D], first-order logit [B])``."""

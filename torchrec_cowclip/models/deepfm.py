@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from torch import Tensor, nn
+from torch import Tensor
 from torchrec.modules.deepfm import DeepFM as TorchRecDeepFM
-from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip.models.base import FieldCTRModel, device_scope
@@ -76,13 +75,10 @@ class DeepFM(FieldCTRModel):
         device: DeviceLike = None,
     ) -> None:
         super().__init__(sparse_names, cardinalities, num_dense, embedding_dim, embedding, device)
-        hidden = list(hidden)
         with device_scope(device):
-            mlp = MLP(self.flat_input_size, hidden, activation="relu")
-            projection = nn.Linear(hidden[-1] if hidden else self.flat_input_size, 1, bias=False)
             # TorchRec's DeepFM module is exactly the reference's deep component: flatten
             # and concatenate the [B, n, d] inputs, then the dense module.
-            self.deep = TorchRecDeepFM(dense_module=nn.Sequential(mlp, projection))
+            self.deep = TorchRecDeepFM(dense_module=self.dnn_tower(hidden))
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""

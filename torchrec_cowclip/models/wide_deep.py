@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from torch import Tensor, nn
-from torchrec.modules.mlp import MLP
+from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip.models.base import FieldCTRModel, device_scope
@@ -56,15 +55,11 @@ class WideAndDeep(FieldCTRModel):
         device: DeviceLike = None,
     ) -> None:
         super().__init__(sparse_names, cardinalities, num_dense, embedding_dim, embedding, device)
-        hidden = list(hidden)
         with device_scope(device):
-            self.deep = MLP(self.flat_input_size, hidden, activation="relu")
-            self.projection = nn.Linear(
-                hidden[-1] if hidden else self.flat_input_size, 1, bias=False
-            )
+            self.deep = self.dnn_tower(hidden)
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""
         embeddings, wide = self.embed(dense, sparse)
-        deep = self.projection(self.deep(self.flat_input(embeddings, dense))).squeeze(1)
+        deep = self.deep(self.flat_input(embeddings, dense)).squeeze(1)
         return wide + deep
