@@ -67,7 +67,7 @@ def convert_avazu(
 ) -> Dict[str, Any]:
     """Convert Avazu CSV files into cache arrays in ``out_dir``; returns meta fields."""
     layout = avazu_layout(paths[0], label=label, dense=dense, sparse=sparse, delimiter=delimiter)
-    meta = convert_rows(
+    return convert_rows(
         TextRowSource(layout),
         paths,
         test_paths,
@@ -75,6 +75,5 @@ def convert_avazu(
         opts,
         stats_cache=stats_cache,
         stats_payload={"layout": "avazu", **layout.payload()},
+        source_format="avazu csv",
     )
-    meta["source_format"] = "avazu csv"
-    return meta

@@ -63,7 +63,7 @@ def convert_criteo(
     """
     opts = replace(opts, hash_method="hex")
     layout = CRITEO_LAYOUT if delimiter is None else replace(CRITEO_LAYOUT, delimiter=delimiter)
-    meta = convert_rows(
+    return convert_rows(
         TextRowSource(layout),
         paths,
         test_paths,
@@ -71,6 +71,5 @@ def convert_criteo(
         opts,
         stats_cache=stats_cache,
         stats_payload={"layout": "criteo", **layout.payload()},
+        source_format="criteo raw (label, I1..I13, C1..C26)",
     )
-    meta["source_format"] = "criteo raw (label, I1..I13, C1..C26)"
-    return meta

@@ -139,6 +139,7 @@ def convert_rows(
     *,
     stats_cache: Union[str, Path],
     stats_payload: Optional[Mapping[str, Any]] = None,
+    source_format: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Write ``dense.npy``, ``sparse.npy``, ``labels.npy`` for the rows of the files into
     ``out_dir`` and return the meta fields describing them.
@@ -152,6 +153,7 @@ def convert_rows(
         opts: encoding options.
         stats_cache: cache root for the statistics-pass entry.
         stats_payload: what the source's layout contributes to that entry's key.
+        source_format: how the files were read, recorded as ``meta["source_format"]``.
     """
     if not train_paths:
         raise ValueError("no training files given")
@@ -229,6 +231,7 @@ def convert_rows(
             else {"kind": "vocabulary", "min_count": opts.min_count, "oov_id": 0, "missing_id": 1}
         ),
         dense_transform=opts.dense_transform,
+        **({} if source_format is None else {"source_format": source_format}),
     )
 
 

@@ -185,8 +185,7 @@ def convert_table(
         source = TextRowSource(layout)
         layout_payload = {"layout": "table", **layout.payload()}
         fmt = "delimited text"
-    meta = convert_rows(
-        source, paths, test_paths, out_dir, opts, stats_cache=stats_cache, stats_payload=layout_payload
+    return convert_rows(
+        source, paths, test_paths, out_dir, opts, stats_cache=stats_cache,
+        stats_payload=layout_payload, source_format=fmt,
     )
-    meta["source_format"] = fmt
-    return meta
