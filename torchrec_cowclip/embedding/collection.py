@@ -24,8 +24,8 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.functional import OPTIMIZERS, CowClip
-from torchrec_cowclip.optim.fused import CowClipFusedOptimizer, validate_hyperparameters
+from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.fused import CowClipFusedOptimizer, CowClipOptions
 
 
 class TableWeight(nn.Module):
@@ -94,17 +94,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     ) -> None:
         super().__init__()
         _validate_tables(tables)
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        betas = (float(betas[0]), float(betas[1]))
-        validate_hyperparameters(lr, betas, eps, weight_decay, cowclip)
-        unclipped = set(unclipped_tables)
-        unknown = sorted(unclipped - {t.name for t in tables})
-        if unknown:
-            raise ValueError(
-                f"unclipped_tables names tables that do not exist: {unknown}; "
-                f"tables are {[t.name for t in tables]}"
-            )
+        # One value object validates the optimizer, hyperparameters and unclipped tables
+        # for this module and for its sharded form alike.
+        options = CowClipOptions(optimizer, lr, betas, eps, weight_decay, cowclip,
+                                 frozenset(unclipped_tables))
+        options.check_tables(t.name for t in tables)
+        unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         if self._device.type == "meta":
             raise ValueError("CowClipEmbeddingBagCollection does not support the meta device")
@@ -151,10 +146,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             params,
             state={},
             optimizer=optimizer,
-            hyperparameters={
-                "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                "cowclip": cowclip,
-            },
+            hyperparameters=options.hyperparameters(),
         )
         self._bind_views()
         self.reset_parameters()

@@ -18,13 +18,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 from torchrec.optim.fused import FusedOptimizer
 
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import OPTIMIZERS, CowClip
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 
 
 def validate_hyperparameters(
@@ -45,6 +49,69 @@ def validate_hyperparameters(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
         raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
+
+
+@dataclass(frozen=True)
+class CowClipOptions:
+    """How the sharded tables are trained: the arguments of
+    :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`, minus the tables.
+
+    Example::
+
+        >>> opts = CowClipOptions(optimizer="adam", lr=1e-4, cowclip=CowClip(1.0, 3.2e-5),
+        ...                       unclipped_tables=frozenset({"lin"}))
+        >>> opts.hyperparameters()["lr"]
+        0.0001
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    cowclip: Optional[CowClip] = CowClip()
+    unclipped_tables: FrozenSet[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        object.__setattr__(self, "unclipped_tables", frozenset(self.unclipped_tables))
+        validate_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay, self.cowclip)
+
+    @classmethod
+    def from_module(cls, module: "CowClipEmbeddingBagCollection") -> "CowClipOptions":
+        """The options a CowClip collection is trained with now (its fused optimizer's
+        live hyperparameters, so an ``lr`` changed by a schedule is kept)."""
+        hyper = module.fused_optimizer.hyperparameters
+        return cls(
+            optimizer=module.fused_optimizer.optimizer_name,
+            lr=float(hyper["lr"]),
+            betas=tuple(hyper["betas"]),  # type: ignore[arg-type]
+            eps=float(hyper["eps"]),
+            weight_decay=float(hyper["weight_decay"]),
+            cowclip=hyper["cowclip"],
+            unclipped_tables=frozenset(module.unclipped_tables),
+        )
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The fused optimizer's param group entries (``lr``, ``betas``, ...)."""
+        return {
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "cowclip": self.cowclip,
+        }
+
+    def check_tables(self, table_names: Iterable[str]) -> None:
+        """Raises ValueError if ``unclipped_tables`` names a table the module lacks."""
+        names = list(table_names)
+        unknown = sorted(self.unclipped_tables - set(names))
+        if unknown:
+            raise ValueError(
+                f"unclipped_tables names tables that do not exist: {unknown}; tables are {names}"
+            )
 
 
 class CowClipFusedOptimizer(FusedOptimizer):
