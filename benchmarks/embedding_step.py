@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E4
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
+from text_table import format_table  # noqa: E402,F401 - the other benchmarks use es.format_table
 
 ADAM_LR = 1e-3
 ADAGRAD_LR = 1e-2
@@ -318,15 +322,6 @@ def cpu_model() -> str:
 # --- report ------------------------------------------------------------------------
 
 
-def format_table(rows: List[List[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join(cells))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

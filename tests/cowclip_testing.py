@@ -42,14 +42,16 @@ def random_kjt(
     max_len: int = 4,
     weighted: bool = False,
     key_order: Optional[List[str]] = None,
+    min_len: int = 0,
 ) -> KeyedJaggedTensor:
-    """Multi-hot bags (empty ones and duplicate ids included) for every feature."""
+    """Multi-hot bags (empty ones and duplicate ids included) for every feature;
+    ``min_len=max_len=1`` gives single-hot features."""
     rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
     keys = key_order or list(rows)
     bags: Dict[str, List[List[int]]] = {}
     bag_weights: Dict[str, List[List[float]]] = {}
     for k in keys:
-        lengths = torch.randint(0, max_len + 1, (batch_size,), generator=generator).tolist()
+        lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=generator).tolist()
         # Small id range per feature so duplicates inside a bag and across bags occur.
         hi = min(rows[k], 3 * max_len + 3)
         bags[k] = [torch.randint(0, hi, (n,), generator=generator).tolist() for n in lengths]

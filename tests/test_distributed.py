@@ -11,6 +11,8 @@ global mean loss.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import replace
 from typing import Dict
 
@@ -168,6 +170,32 @@ def test_sharded_steps_equal_unsharded_on_the_global_batch(results, optimizer):
     assert r["sharded_clips"]["lin"][1] == 0  # unclipped table
     steps = {k: v for k, v in r["sharded"].items() if k.endswith("/step")}
     assert steps and all(int(v) == 3 for v in steps.values())  # one counter per table
+
+
+@pytest.fixture(scope="module")
+def compiled_results(tmp_path_factory):
+    """The mixed-sharding Adam scenario again, with the Inductor-compiled update in
+    every rank (column shards take the whole-row-sums variant of it)."""
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler for Inductor")
+    out = str(tmp_path_factory.mktemp("dist_compiled") / "results.pt")
+    previous = os.environ.get("TORCHREC_COWCLIP_COMPILE")
+    os.environ["TORCHREC_COWCLIP_COMPILE"] = "1"  # inherited by the spawned ranks
+    try:
+        run_ranks(cases.run_scenarios, 2, {"adam": SCENARIOS["adam"]}, out, timeout_s=240)
+    finally:
+        if previous is None:
+            del os.environ["TORCHREC_COWCLIP_COMPILE"]
+        else:
+            os.environ["TORCHREC_COWCLIP_COMPILE"] = previous
+    return _load(out)
+
+
+def test_compiled_sharded_update_equals_unsharded_and_eager(results, compiled_results):
+    r = compiled_results["adam"]
+    _assert_states_equal(r["sharded"], r["unsharded"])
+    _assert_states_equal(r["sharded"], results["adam"]["sharded"])
+    assert r["sharded_clips"] == results["adam"]["sharded_clips"]
 
 
 def test_state_dict_and_fused_optimizer_look_like_torchrecs(results):

@@ -1,5 +1,6 @@
 """The fused CowClip update of a table batch: gather the touched rows, run the
-functional step (:mod:`torchrec_cowclip.optim.functional`), scatter them back.
+functional step (:mod:`torchrec_cowclip.optim.functional`), scatter them back - one
+compiled kernel where it can be built (:mod:`.row_step`).
 
 Every tensor op here is over the ``U`` distinct rows of the batch, for all tables of the
 batch at once; the per-table bookkeeping (step counts, clip masks, counters) is done
@@ -14,7 +15,8 @@ import torch
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_
+from torchrec_cowclip.embedding.row_step import row_step_
+from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 
 
 @torch.no_grad()
@@ -54,26 +56,32 @@ def apply_fused_update_(
         if row_sums is not None:
             row_sums = row_sums.select(finite)
 
-    weight = batch.weight.index_select(0, rows)
-    state = {name: t.index_select(0, rows) for name, t in batch.state.items()}
-    clipped = cowclip_row_update_(
-        batch.optimizer,
-        weight,
-        grad,
-        counts,
-        state,
-        batch.step[table_of_row],
-        lr=float(hyper["lr"]),
-        betas=tuple(hyper["betas"]),
-        eps=float(hyper["eps"]),
-        weight_decay=float(hyper["weight_decay"]),
-        cowclip=hyper["cowclip"],
-        clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
-        row_sums=row_sums,
-    )
-    batch.weight.index_copy_(0, rows, weight)
-    for name, tensor in batch.state.items():
-        tensor.index_copy_(0, rows, state[name])
+    if rows.numel() > 0:
+        betas = tuple(hyper["betas"])
+        adam_bias = None
+        if batch.optimizer == "adam":
+            # Per table, then gathered per row: no float64 pow per row in the kernel.
+            per_table = adam_bias_corrections(batch.step, betas[0], betas[1], grad.dtype)
+            adam_bias = (per_table[0][table_of_row], per_table[1][table_of_row])
+        clipped = row_step_(
+            batch.weight,
+            batch.state,
+            rows,
+            grad,
+            counts,
+            None,
+            batch.optimizer,
+            float(hyper["lr"]),
+            betas,
+            float(hyper["eps"]),
+            float(hyper["weight_decay"]),
+            hyper["cowclip"],
+            None if batch.all_clipped else batch.clip_enabled[table_of_row],
+            row_sums,
+            adam_bias,
+        )
+    else:
+        clipped = torch.zeros(0, dtype=torch.bool, device=rows.device)
 
     updated_per_table = torch.bincount(table_of_row, minlength=num_tables)
     clipped_per_table = torch.bincount(table_of_row[clipped], minlength=num_tables)

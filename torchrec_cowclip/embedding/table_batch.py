@@ -10,7 +10,7 @@ tensors that ``state_dict()`` and the fused optimizer expose are views into it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -105,14 +105,23 @@ class TableBatch:
         self.step = torch.zeros(len(tables), dtype=torch.int64, device=device)
         self.row_offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
         self.clip_enabled = torch.tensor(list(clipped), dtype=torch.bool, device=device)
+        self.feature_row_offset_list: List[int] = [offsets[i] for i in feature_table]
+        self.feature_num_rows_list: List[int] = [rows[i] for i in feature_table]
         self.feature_row_offset = torch.tensor(
-            [offsets[i] for i in feature_table], dtype=torch.int64, device=device
+            self.feature_row_offset_list, dtype=torch.int64, device=device
         )
         self.feature_num_rows = torch.tensor(
-            [rows[i] for i in feature_table], dtype=torch.int64, device=device
+            self.feature_num_rows_list, dtype=torch.int64, device=device
         )
         self.counters = torch.zeros(
             len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
+        )
+        self._bag_rows_cache: Dict[Tuple[int, torch.device], Tensor] = {}
+        # Batches equal in this look up the same row ids for the same KJT.
+        self.lookup_layout: Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]] = (
+            tuple(self.feature_names),
+            tuple(self.feature_row_offset_list),
+            tuple(self.feature_num_rows_list),
         )
 
     @property
@@ -134,6 +143,35 @@ class TableBatch:
         views["step"] = self.step[i]
         return views
 
+    def bag_gradient_rows(self, batch_size: int) -> Tensor:
+        """``[F * B]``: for each bag in KJT (feature-major) order, its row in the
+        ``[B * F, D]`` view of the batch-major pooled output's gradient.
+
+        Cached per batch size: it depends on nothing else, and computing it per step
+        was 3 full passes over the ids.
+        """
+        key = (batch_size, self.weight.device)
+        cached = self._bag_rows_cache.get(key)
+        if cached is None:
+            bag = torch.arange(self.num_features * batch_size, device=self.weight.device)
+            cached = (bag % batch_size) * self.num_features + bag // batch_size
+            # A training run sees one or two batch sizes (train, eval, a last partial one).
+            if len(self._bag_rows_cache) >= 8:
+                self._bag_rows_cache.clear()
+            self._bag_rows_cache[key] = cached
+        return cached
+
+    def unit_offsets(self, num_bags: int) -> Tensor:
+        """``arange(num_bags + 1)``: offsets of ``num_bags`` bags of one id each (cached)."""
+        key = (-num_bags, self.weight.device)  # negative: apart from bag_gradient_rows'
+        cached = self._bag_rows_cache.get(key)
+        if cached is None:
+            cached = torch.arange(num_bags + 1, device=self.weight.device)
+            if len(self._bag_rows_cache) >= 8:
+                self._bag_rows_cache.clear()
+            self._bag_rows_cache[key] = cached
+        return cached
+
     def table_of_rows(self, rows: Tensor) -> Tensor:
         """Index of the table each batch row id belongs to."""
         return torch.bucketize(rows, self.row_offsets[1:], right=True)
@@ -146,6 +184,7 @@ class TableBatch:
         ):
             setattr(self, attr, fn(getattr(self, attr)))
         self.state = {name: fn(t) for name, t in self.state.items()}
+        self._bag_rows_cache = {}
 
     def stats(self) -> Dict[str, TableClipStats]:
         counters = self.counters.tolist()

@@ -252,29 +252,53 @@ def couple_weight_decay(grad: Tensor, weight: Tensor, weight_decay: float) -> Te
     return grad + weight_decay * weight
 
 
+def adam_bias_corrections(
+    step: Tensor, beta1: float, beta2: float, dtype: torch.dtype = torch.float32
+) -> Tuple[Tensor, Tensor]:
+    """Adam's bias corrections ``(1 - beta1**t, 1 - beta2**t)`` for step counts ``t``
+    (any shape), in ``dtype``.
+
+    Computed in float64: ``beta2**t`` for ``t`` in the millions loses float32 precision
+    well before it reaches zero. Callers with one step count per table compute this per
+    table and gather it per row, rather than once per row (two float64 ``pow`` per row
+    were a third of the compiled update's time at 167K rows).
+
+    Example::
+
+        >>> b1, b2 = adam_bias_corrections(torch.tensor([1, 2]), 0.9, 0.999)
+        >>> [round(x, 4) for x in b1.tolist()], [round(x, 6) for x in b2.tolist()]
+        ([0.1, 0.19], [0.001, 0.001999])
+    """
+    t = step.to(torch.float64)
+    return (1.0 - torch.pow(beta1, t)).to(dtype), (1.0 - torch.pow(beta2, t)).to(dtype)
+
+
 def adam_rows_(
     weight: Tensor,
     grad: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
-    step: Tensor,
+    step: Optional[Tensor],
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
+    bias_corrections: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> None:
     """Spec step 5, Adam on the touched rows, in place on the row blocks.
 
     ``step`` is ``[U]`` (or a scalar): the optimizer's global step count *including*
-    this step, for the bias corrections ``1 - beta**t``.
+    this step, for the bias corrections ``1 - beta**t``. ``bias_corrections``, if given,
+    are those corrections already computed (:func:`adam_bias_corrections`, ``[U]`` or
+    scalars) and ``step`` is not read.
     """
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    # Bias corrections in float64: beta2**t for t in the millions underflows float32
-    # precision well before it reaches zero.
-    t = step.to(torch.float64)
-    bias1 = (1.0 - torch.pow(beta1, t)).to(weight.dtype)
-    bias2 = (1.0 - torch.pow(beta2, t)).to(weight.dtype)
+    if bias_corrections is None:
+        if step is None:
+            raise ValueError("adam_rows_ needs the step count or its bias corrections")
+        bias_corrections = adam_bias_corrections(step, beta1, beta2, weight.dtype)
+    bias1, bias2 = bias_corrections
     if bias1.dim() == 1:
         bias1, bias2 = bias1.unsqueeze(1), bias2.unsqueeze(1)
     denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
@@ -318,6 +342,7 @@ def cowclip_row_update_(
     cowclip: Optional[CowClip] = None,
     clip_enabled: Optional[Tensor] = None,
     row_sums: Optional[RowSums] = None,
+    adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """One full CowClip step (spec steps 3-5) on a block of distinct rows, in place.
 
@@ -329,6 +354,8 @@ def cowclip_row_update_(
         state: the rows' optimizer state blocks, named as in :data:`STATE_LAYOUT`
             (``exp_avg``/``exp_avg_sq`` ``[U, D]``; ``sum`` ``[U]``); updated in place.
         step: ``[U]`` or scalar step count including this step (Adam only).
+        adam_bias: Adam's bias corrections for ``step``, precomputed
+            (:func:`adam_bias_corrections`); ``step`` is then not read.
         cowclip: the clip parameters, or None for no clipping.
         clip_enabled: optional ``[U]`` bool mask of rows that may be clipped.
         row_sums: sums over the WHOLE rows when ``weight``/``grad`` are one column shard
@@ -359,7 +386,7 @@ def cowclip_row_update_(
     if optimizer == "adam":
         adam_rows_(
             weight, grad, state["exp_avg"], state["exp_avg_sq"], step, lr,
-            betas[0], betas[1], eps,
+            betas[0], betas[1], eps, bias_corrections=adam_bias,
         )
     elif optimizer == "rowwise_adagrad":
         grad_sq_mean = (

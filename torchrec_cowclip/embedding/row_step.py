@@ -1,0 +1,182 @@
+"""Gather the touched rows, take the CowClip step, scatter them back: eagerly or as one
+TorchInductor-compiled kernel.
+
+:func:`gather_step_scatter_` is the whole per-row update of a table batch written once,
+over :func:`~torchrec_cowclip.optim.functional.cowclip_row_update_` (the spec's math).
+The *compiled* path is that same function through ``torch.compile``: Inductor fuses the
+row gathers, the clip, coupled L2, the optimizer rule and the scatters into one loop
+over the touched rows (C++/OpenMP on CPU, Triton on CUDA), so the weights and both Adam
+moments are read and written once per row instead of once per elementwise op.
+
+Measured on 2 cores, 167K distinct rows of dim 16 in a 2.6M-row table batch, Adam +
+CowClip: eager 45 ms, compiled 16.5 ms (gather + scatter alone: 7.4 ms).
+
+Which path runs (:func:`compiled_update_mode`):
+
+- ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build - on CPU when
+  a C++ compiler is on ``PATH``, on CUDA when Triton imports; eager otherwise;
+- ``=1``: compiled, and a failure to build is an error;
+- ``=0``: always eager.
+
+If a compile fails in ``auto`` mode, a warning names the error and that device type
+runs eagerly from then on; both paths compute the same update (tests compare both with
+the dense reference).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+import torch
+from torch import Tensor
+
+from torchrec_cowclip.optim.functional import CowClip, RowSums, cowclip_row_update_
+
+logger = logging.getLogger(__name__)
+
+COMPILE_ENV = "TORCHREC_COWCLIP_COMPILE"
+_MODES = ("auto", "1", "0")
+
+# Each (optimizer, clip on/off, mask or not, sharded sums or not, size-1 dims) is its
+# own graph; a run uses a few, a test process many. Raised only around our own calls.
+_RECOMPILE_LIMIT = 64
+
+_override: Optional[str] = None
+_failed_devices: Set[str] = set()
+
+
+def compiled_update_mode() -> str:
+    """``"auto"``, ``"1"`` or ``"0"``: :func:`set_compiled_update`'s value, else the
+    ``TORCHREC_COWCLIP_COMPILE`` environment variable, else ``"auto"``."""
+    mode = _override if _override is not None else os.environ.get(COMPILE_ENV, "auto")
+    mode = mode.strip().lower()
+    if mode not in _MODES:
+        raise ValueError(f"{COMPILE_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def set_compiled_update(mode: Optional[str]) -> None:
+    """Chooses the update path for this process: ``"auto"``, ``"1"`` (compiled),
+    ``"0"`` (eager), or None to go back to the environment variable.
+
+    Example::
+
+        >>> set_compiled_update("0")   # e.g. to compare against the compiled path
+        >>> compiled_update_mode()
+        '0'
+        >>> set_compiled_update(None)
+    """
+    global _override
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"compiled update mode {mode!r}: expected one of {', '.join(_MODES)}")
+    _override = mode
+    _failed_devices.clear()
+
+
+def _can_compile(device: torch.device) -> bool:
+    if device.type == "cpu":
+        compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+        return any(name and shutil.which(name) for name in compilers)
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return False
+
+
+def use_compiled_update(device: torch.device) -> bool:
+    """Whether updates of tensors on ``device`` take the compiled path now."""
+    mode = compiled_update_mode()
+    if mode == "0":
+        return False
+    if mode == "1":
+        return True
+    return device.type not in _failed_devices and _can_compile(device)
+
+
+def gather_step_scatter_(
+    weight_table: Tensor,
+    state_tables: Dict[str, Tensor],
+    rows: Tensor,
+    grad: Tensor,
+    counts: Tensor,
+    step: Optional[Tensor],
+    optimizer: str,
+    lr: float,
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    cowclip: Optional[CowClip],
+    clip_enabled: Optional[Tensor],
+    row_sums: Optional[RowSums],
+    adam_bias: Optional[Tuple[Tensor, Tensor]],
+) -> Tensor:
+    """One CowClip step on rows ``rows`` of ``weight_table`` and its ``state_tables``
+    (``[N, D]`` / ``[N]``), in place; returns the ``[U]`` clipped mask.
+
+    The remaining arguments are :func:`cowclip_row_update_`'s, for the ``U`` rows.
+    ``rows`` must be distinct: each row is read once and written once.
+    """
+    weight = weight_table.index_select(0, rows)
+    state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
+    clipped = cowclip_row_update_(
+        optimizer, weight, grad, counts, state, step,
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cowclip=cowclip,
+        clip_enabled=clip_enabled, row_sums=row_sums, adam_bias=adam_bias,
+    )
+    weight_table.index_copy_(0, rows, weight)
+    for name, table in state_tables.items():
+        table.index_copy_(0, rows, state[name])
+    return clipped
+
+
+_compiled: Optional[Callable[..., Tensor]] = None
+
+
+def _compiled_fn() -> Callable[..., Tensor]:
+    global _compiled
+    if _compiled is None:
+        # dynamic: the number of touched rows changes every step; one graph serves all.
+        _compiled = torch.compile(gather_step_scatter_, dynamic=True)
+    return _compiled
+
+
+def row_step_(*args: Any, **kwargs: Any) -> Tensor:
+    """:func:`gather_step_scatter_`, compiled where :func:`use_compiled_update` says so.
+
+    Example::
+
+        >>> w = torch.zeros(4, 2); rows = torch.tensor([1, 3])
+        >>> _ = row_step_(w, {}, rows, torch.ones(2, 2), torch.ones(2), None, "sgd", 0.5,
+        ...               (0.9, 0.999), 1e-8, 0.0, None, None, None, None)
+        >>> w[:, 0].tolist()
+        [0.0, -0.5, 0.0, -0.5]
+    """
+    weight_table: Tensor = args[0]
+    device = weight_table.device
+    if not use_compiled_update(device):
+        return gather_step_scatter_(*args, **kwargs)
+    try:
+        with torch._dynamo.config.patch(
+            recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        ):
+            return _compiled_fn()(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any build failure falls back in auto mode
+        if compiled_update_mode() == "1":
+            raise
+        _failed_devices.add(device.type)
+        warnings.warn(
+            f"torchrec_cowclip: compiling the fused CowClip update for {device.type} "
+            f"failed ({type(error).__name__}: {error}); updating eagerly from now on "
+            f"(same math, slower). Set {COMPILE_ENV}=0 to skip the attempt.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        logger.debug("compiled update failed", exc_info=True)
+        return gather_step_scatter_(*args, **kwargs)
