@@ -11,6 +11,9 @@ moments are read and written once per row instead of once per elementwise op.
 Measured on 2 cores, 167K distinct rows of dim 16 in a 2.6M-row table batch, Adam +
 CowClip: eager 45 ms, compiled 16.5 ms (gather + scatter alone: 7.4 ms).
 
+Row counts are dynamic, the embedding dim is not: a process compiles one graph per
+(optimizer, dim, clip on/off, clip mask or not, column shard or not) it meets.
+
 Which path runs (:func:`compiled_update_mode`):
 
 - ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build - on CPU when
@@ -142,9 +145,31 @@ _compiled: Optional[Callable[..., Tensor]] = None
 def _compiled_fn() -> Callable[..., Tensor]:
     global _compiled
     if _compiled is None:
-        # dynamic: the number of touched rows changes every step; one graph serves all.
+        # Dynamic: the touched-row count changes every step, tables differ in size, and
+        # lr changes every step of a warm-up; none of them may cost a recompile. The
+        # embedding dim is then marked static per call (_mark_embedding_dim_static).
         _compiled = torch.compile(gather_step_scatter_, dynamic=True)
     return _compiled
+
+
+def _mark_embedding_dim_static(args: Tuple[Any, ...]) -> None:
+    """Marks dim 1 (the embedding dim) of every 2-d tensor argument static, so that the
+    kernel's inner loop is a fixed-width vector op (15% faster than a symbolic dim at
+    D = 10 and 16 on 2 cores); a process compiles one graph per dim it meets."""
+    for arg in args:
+        if isinstance(arg, Tensor):
+            tensors: Tuple[Any, ...] = (arg,)
+        elif isinstance(arg, dict):
+            tensors = tuple(arg.values())
+        elif isinstance(arg, tuple):
+            tensors = arg
+        elif isinstance(arg, RowSums):
+            tensors = (arg.nonfinite, arg.grad_sq, arg.weight_sq, arg.grad_dot_weight, arg.dim)
+        else:
+            continue
+        for tensor in tensors:
+            if isinstance(tensor, Tensor) and tensor.dim() == 2:
+                torch._dynamo.mark_static(tensor, 1)
 
 
 def row_step_(*args: Any, **kwargs: Any) -> Tensor:
@@ -166,6 +191,7 @@ def row_step_(*args: Any, **kwargs: Any) -> Tensor:
         with torch._dynamo.config.patch(
             recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         ):
+            _mark_embedding_dim_static(args)
             return _compiled_fn()(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any build failure falls back in auto mode
         if compiled_update_mode() == "1":
