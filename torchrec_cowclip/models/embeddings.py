@@ -251,8 +251,12 @@ class FieldEmbeddings(nn.Module):
             # Table order (unsharded collections): two views, no copy.
             values = pooled.values()
             width = n_fields * self.embedding_dim
-            emb_values = values[:, :width]
-            first_order = values[:, width:] if self.with_first_order else None
+            if self.with_first_order:
+                # One split, not two slices: its backward is one cat, where each slice's
+                # is a zero-filled [B, F * (D + 1)] buffer plus an add.
+                emb_values, first_order = torch.split(values, [width, n_fields], dim=1)
+            else:
+                emb_values, first_order = values[:, :width], None
         else:
             # A sharded collection returns its keys in sharding order: regroup by name
             # with TorchRec's fused permute rather than trusting positions.
