@@ -1,0 +1,68 @@
+"""Where the time of our embedding step goes: torch.profiler over a few steps of
+``CowClipEmbeddingBagCollection`` (forward + backward + fused update) at the shape of
+``embedding_step.py``, self time per op, grouped by op and input shape.
+
+    .venv/bin/python benchmarks/profile_step.py                 # Adam + CowClip, 2 threads
+    .venv/bin/python benchmarks/profile_step.py --eager         # the eager update instead
+
+The table's total includes the benchmark's own loss (``values * grad``, the ``aten::mul``
+and ``aten::sum`` rows of shape [B, F * D]), which every variant of embedding_step.py pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch.profiler import profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import embedding_step as es  # noqa: E402
+
+from torchrec_cowclip.embedding.row_step import set_compiled_update  # noqa: E402
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16_384)
+    p.add_argument("--optimizer", default="adam", choices=("adam", "rowwise_adagrad", "sgd"))
+    p.add_argument("--steps", type=int, default=5, help="profiled steps")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--eager", action="store_true", help="profile the eager update")
+    p.add_argument("--rows-shown", type=int, default=25)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_compiled_update("0" if args.eager else None)
+
+    shape = es.Shape(args.tables, args.rows, args.dim, args.batch_size)
+    batches = es.make_batches(shape, 1.0, 4, es.SEED)
+    ebc = es.make_ours(shape, args.optimizer)
+    grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
+    step = es.ours_step(ebc, grad)
+    for i in range(5):  # compile and warm up
+        step(batches[i % len(batches)])
+    start = time.perf_counter()
+    for i in range(10):
+        step(batches[i % len(batches)])
+    ms = (time.perf_counter() - start) / 10 * 1e3
+    with profile(record_shapes=True) as prof:
+        for i in range(args.steps):
+            step(batches[i % len(batches)])
+    print(prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=args.rows_shown, max_name_column_width=40,
+        max_shapes_column_width=60))
+    print(f"{args.optimizer}{' (eager update)' if args.eager else ''}: {ms:.1f} ms/step "
+          f"unprofiled, {torch.get_num_threads()} threads, {args.tables} x {args.rows:,} rows, "
+          f"dim {args.dim}, batch {args.batch_size:,}; table: self CPU over {args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()
