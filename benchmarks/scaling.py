@@ -5,31 +5,41 @@ For one model (``--model deepfm|dcn|dcnv2|wdl``) and one data set (``--data``), 
 every batch size of ``--batch-sizes`` for the same number of ``--epochs``, with each method
 of ``--methods`` and each seed of ``--seeds``:
 
-- ``cowclip``: CowClip on (r, zeta from the trainer), the spec's scaling rule (the trainer's
-  defaults): embedding lr unchanged, dense lr * sqrt(s), L2 lambda * s, s = batch / base;
+- ``cowclip``: CowClip on, with a trainer recipe (``--recipe``, default ``paper``: the
+  spec's scaling rule, embedding lr unchanged, dense lr * sqrt(s), L2 lambda * s,
+  s = batch / base, r = 1, zeta = sqrt(D) * bound); ``--embed-lr-scaling``,
+  ``--l2-scaling``, ``--dense-lr-scaling``, ``--clip-r``, ``--clip-zeta`` change the
+  recipe for this method only (the recipe search of ``docs/scaling.md``);
 - ``sqrt``: no clipping, embedding AND dense lr * sqrt(s), L2 lambda * s;
 - ``linear``: no clipping, embedding AND dense lr * s, L2 lambda * s;
 - ``none``: no clipping, no scaling (the base batch's lrs and L2 at every batch).
 
-All methods keep the trainer's dense warm-up (``--warmup-epochs``, default 1 epoch) and
-the same initialisation (``--init-std``, default 1e-2; the spec's "When does the clip
+All methods keep the same dense warm-up (``--warmup-epochs``, default the recipe's: 1 epoch)
+and the same initialisation (``--init-std``, default 1e-2; the spec's "When does the clip
 actually bind?" predicts more clipping with a small init such as 1e-4). The base values
 (at ``--base-batch-size``) are the trainer's profile (Criteo's, or Avazu's for
 ``avazu:`` data) unless ``--base-lr`` / ``--base-lr-embed`` / ``--base-l2`` replace them.
 
-Per run it records the final and per-epoch test AUC / logloss, steps, wall time, train
-throughput, and how often the clip bound: overall (rows clipped / rows updated, all
-epochs) and early (the same ratio over the first epoch only, from the cumulative
-counters the trainer writes to each run's ``epochs.csv``). Counts per id-frequency
-bucket are NOT available: the trainer only counts updated/clipped rows per table, so the
-output reports per-table counts and says so; nothing here estimates buckets.
+Per run it records the final and per-epoch test AUC / logloss, and with ``--val-fraction``
+the test AUC / logloss of the epoch with the best validation AUC (the epoch a user would
+keep: CTR models on Criteo-like data overfit after one or two epochs, so the last epoch
+alone can rank methods by how little they trained), steps, wall time, train throughput,
+and how often the clip bound: overall (rows clipped / rows updated, all epochs) and early
+(the same ratio over the first epoch only, from the cumulative counters the trainer
+writes to each run's ``epochs.csv``). Counts per
+id-frequency bucket are NOT available: the fused update counts updated/clipped rows per
+table only and a trained model keeps no record of which rows were clipped, so the output
+reports per-table counts and says so; nothing here estimates buckets.
 
 Output (under ``--out``, default ``benchmarks/results/scaling``): one trainer run
 directory per (method, batch, seed) in ``runs/`` (``metrics.json``, ``epochs.csv``,
 ``steps.csv``), ``scaling.csv`` and ``scaling.json`` (one record per run), and
-``scaling_auc.png`` (AUC vs batch size per method, min/max over seeds as error bars) when
-matplotlib is installed. The table (batch x method) is printed last. All runs share one
-data cache (``--cache-dir``).
+``scaling_auc.png`` (AUC vs batch size per method: last epoch, best-validation epoch, and
+minus the base batch of the same seed; min/max over seeds as error bars) when matplotlib is
+installed. The table (batch x method) is printed last. All runs share one data cache
+(``--cache-dir``). ``--combine DIR ...`` merges earlier studies' outputs without training;
+``--label`` names a recipe variant so it can sit beside the paper's. The full study, with
+its commands and results, is ``docs/scaling.md``.
 
 Quick run (about 2-4 minutes on 2 CPU cores)::
 
@@ -60,11 +70,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -73,7 +83,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from torchrec_cowclip.train import TrainConfig, train  # noqa: E402
-from torchrec_cowclip.train.scaling import scale_hyperparameters  # noqa: E402
+from torchrec_cowclip.train.scaling import (  # noqa: E402
+    SCALINGS,
+    get_recipe,
+    scale_factor,
+    scale_hyperparameters,
+)
 
 METHODS = ("cowclip", "sqrt", "linear", "none")
 DEFAULT_BATCHES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -97,12 +112,18 @@ def method_hyperparameters(
     base_lr: Optional[float] = None,
     base_lr_embed: Optional[float] = None,
     base_l2: Optional[float] = None,
+    recipe: str = "paper",
+    rules: Optional[Dict[str, str]] = None,
+    clip_r: Optional[float] = None,
+    clip_zeta: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """The TrainConfig fields (lr, lr_embed, l2, cowclip) of one method at one batch size.
+    """The TrainConfig fields (lr, lr_embed, l2, cowclip, ...) of one method at one batch size.
 
     Base values default to the trainer's profile at the base batch
-    (:func:`scale_hyperparameters`); ``cowclip`` yields exactly the trainer's defaults when
-    no base value is overridden.
+    (:func:`scale_hyperparameters`); ``cowclip`` yields exactly the trainer's values for
+    ``recipe`` when no base value is overridden. ``rules`` (``dense_lr_scaling``,
+    ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear) and ``clip_r`` /
+    ``clip_zeta`` change the recipe for the ``cowclip`` method only.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -113,13 +134,36 @@ def method_hyperparameters(
     l20 = base.l2 if base_l2 is None else base_l2
     s = batch_size / base_batch_size
     if method == "cowclip":
-        return {"cowclip": True, "lr": lr0 * math.sqrt(s), "lr_embed": emb0, "l2": l20 * s}
+        rec = replace(get_recipe(recipe), **(rules or {}))
+        hp: Dict[str, Any] = {
+            "cowclip": True, "recipe": recipe,
+            "lr": lr0 * scale_factor(rec.dense_lr_scaling, s),
+            "lr_embed": emb0 * scale_factor(rec.embedding_lr_scaling, s),
+            "l2": l20 * scale_factor(rec.l2_scaling, s),
+        }
+        if clip_r is not None:
+            hp["clip_r"] = clip_r
+        if clip_zeta is not None:
+            hp["clip_zeta"] = clip_zeta
+        return hp
     if method == "sqrt":
-        return {"cowclip": False, "lr": lr0 * math.sqrt(s), "lr_embed": emb0 * math.sqrt(s),
-                "l2": l20 * s}
+        # scale_factor, as for the recipes: a cowclip run given the same rules gets the
+        # very same floats (the test suite compares such runs bit for bit).
+        return {"cowclip": False, "lr": lr0 * scale_factor("sqrt", s),
+                "lr_embed": emb0 * scale_factor("sqrt", s), "l2": l20 * s}
     if method == "linear":
         return {"cowclip": False, "lr": lr0 * s, "lr_embed": emb0 * s, "l2": l20 * s}
     return {"cowclip": False, "lr": lr0, "lr_embed": emb0, "l2": l20}
+
+
+def _val_selected(m: Dict[str, Any]) -> Dict[str, Any]:
+    """Test AUC / logloss at the epoch of best validation AUC (None without a val split)."""
+    val = list(m.get("epoch_val_auc") or [])
+    if not val or len(val) != len(m["epoch_auc"]):
+        return {"val_epoch": None, "val_auc": None, "val_sel_auc": None, "val_sel_logloss": None}
+    best = max(range(len(val)), key=val.__getitem__)
+    return {"val_epoch": best + 1, "val_auc": val[best], "val_sel_auc": m["epoch_auc"][best],
+            "val_sel_logloss": m["epoch_logloss"][best]}
 
 
 def _ratio(clipped: Optional[int], updated: Optional[int]) -> Optional[float]:
@@ -157,17 +201,28 @@ def run_one(
     base_lr_embed: Optional[float] = None,
     base_l2: Optional[float] = None,
     extra: Optional[Dict[str, Any]] = None,
+    method_options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Trains one (method, batch, seed) run in a fresh directory and returns its record."""
+    """Trains one (method, batch, seed) run in a fresh directory and returns its record.
+
+    ``method_options`` go to :func:`method_hyperparameters` (recipe, rules, clip_r, clip_zeta);
+    its ``label`` (if any) names the cowclip method in the record and tables instead of
+    ``cowclip``, so that a recipe variant can sit beside the paper's in one table.
+    """
+    method_options = dict(method_options or {})
+    label = method_options.pop("label", None)
     hp = method_hyperparameters(method, batch_size, base_batch_size=base_batch_size, data=data,
-                                base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2)
-    out = out_root / "runs" / f"{model}-{method}-b{batch_size}-s{seed}"
+                                base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2,
+                                **method_options)
+    name = label if (label and method == "cowclip") else method
+    out = out_root / "runs" / f"{model}-{name}-b{batch_size}-s{seed}"
     if out.exists():
         shutil.rmtree(out)  # epochs.csv appends: start clean
+    # Options given for the whole study (extra: warm-up, DNN, data) apply to every method.
     cfg = TrainConfig(
         model=model, data=data, out=str(out), cache_dir=cache_dir, batch_size=batch_size,
         base_batch_size=base_batch_size, epochs=epochs, init_std=init_std, seed=seed,
-        progress=False, **hp, **(extra or {}),
+        progress=False, **{**hp, **(extra or {})},
     )
     t0 = time.perf_counter()
     m = train(cfg)
@@ -177,11 +232,12 @@ def run_one(
     upd1, clip1 = _int_or_none(first.get("rows_updated")), _int_or_none(first.get("rows_clipped"))
     h = m["hyperparameters"]
     return {
-        "model": model, "method": method, "batch_size": batch_size, "seed": seed,
+        "model": model, "method": name, "batch_size": batch_size, "seed": seed,
         "data": data, "epochs": m["epochs"], "steps": m["steps"],
         "steps_per_epoch": m["steps"] // max(m["epochs"], 1),
         "auc": m["auc"], "logloss": m["logloss"],
         "epoch_auc": list(m["epoch_auc"]), "epoch_logloss": list(m["epoch_logloss"]),
+        **_val_selected(m),
         "wall_s": wall, "train_samples_per_s": m["train_samples_per_s"],
         "rows_updated": m["rows_updated"], "rows_clipped": m["rows_clipped"],
         "clipped_frac": _ratio(m["rows_clipped"], m["rows_updated"]),
@@ -191,7 +247,8 @@ def run_one(
         "clip_per_id_frequency_bucket": None,
         "dense_lr": h["dense_lr"], "embedding_lr": h["embedding_lr"], "l2": h["l2"],
         "cowclip": h["cowclip"], "init_std": init_std, "base_batch_size": base_batch_size,
-        "warmup_epochs": h["warmup_epochs"], "out": str(out),
+        "warmup_epochs": h["warmup_epochs"], "recipe": h.get("recipe"),
+        "clip_r": h["clip_r"], "clip_zeta": h["clip_zeta"], "out": str(out),
     }
 
 
@@ -211,6 +268,7 @@ def run_study(
     base_lr_embed: Optional[float] = None,
     base_l2: Optional[float] = None,
     extra: Optional[Dict[str, Any]] = None,
+    method_options: Optional[Dict[str, Any]] = None,
     verbose: bool = True,
 ) -> List[Dict[str, Any]]:
     """Every (batch, method, seed) run; returns the records in that order."""
@@ -226,7 +284,7 @@ def run_study(
                               epochs=epochs, out_root=out_root, cache_dir=cache_dir,
                               base_batch_size=base_batch_size, init_std=init_std,
                               base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2,
-                              extra=extra)
+                              extra=extra, method_options=method_options)
                 records.append(rec)
                 if verbose:
                     print(f"[{len(records)}/{total}] batch {b} {method} seed {seed}: "
@@ -240,23 +298,52 @@ def _pct(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{100 * x:.3g}%"
 
 
+def _method_rank(method: str) -> tuple:
+    """The four methods in their usual order, then labelled variants by name."""
+    return (METHODS.index(method), "") if method in METHODS else (len(METHODS), method)
+
+
+def _headline_auc(r: Dict[str, Any]) -> float:
+    """The val-best epoch's test AUC when there is a validation split, else the last epoch's."""
+    return r["val_sel_auc"] if r.get("val_sel_auc") is not None else r["auc"]
+
+
 def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One row per (batch, method): mean over seeds, and the seed spread of AUC."""
+    """One row per (batch, method): mean over seeds, the seed spread of AUC, and the AUC
+    minus the smallest batch's of the same seed ("delta": the method's own run there, else
+    cowclip's, which has every method's hyperparameters at the base batch). Each seed is
+    its own synthetic data set, so the paired delta is far less noisy than the raw AUC."""
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["batch_size"], r["method"]), []).append(r)
+    smallest = min((r["batch_size"] for r in records), default=0)
+    base: Dict[str, Dict[int, float]] = {}
+    for r in records:
+        if r["batch_size"] == smallest:
+            base.setdefault(r["method"], {})[r["seed"]] = _headline_auc(r)
     rows = []
-    order = {m: i for i, m in enumerate(METHODS)}
-    for (b, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+    for (b, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], _method_rank(kv[0][1]))):
         aucs = [r["auc"] for r in rs]
+        sel = [r["val_sel_auc"] for r in rs if r.get("val_sel_auc") is not None]
+        sel_ll = [r["val_sel_logloss"] for r in rs if r.get("val_sel_logloss") is not None]
         upd = sum(r["rows_updated"] or 0 for r in rs)
         clip = sum(r["rows_clipped"] or 0 for r in rs)
         upd1 = sum(r["epoch1_rows_updated"] or 0 for r in rs)
         clip1 = sum(r["epoch1_rows_clipped"] or 0 for r in rs)
+        ref = base.get(method) or base.get("cowclip") or {}
+        deltas = [_headline_auc(r) - ref[r["seed"]] for r in rs if r["seed"] in ref]
         rows.append({
             "batch_size": b, "method": method, "seeds": len(rs),
             "auc_mean": statistics.fmean(aucs), "auc_min": min(aucs), "auc_max": max(aucs),
             "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
+            "val_sel_auc_mean": statistics.fmean(sel) if len(sel) == len(rs) else None,
+            "val_sel_auc_min": min(sel) if len(sel) == len(rs) else None,
+            "val_sel_auc_max": max(sel) if len(sel) == len(rs) else None,
+            "val_sel_logloss_mean": statistics.fmean(sel_ll) if len(sel_ll) == len(rs) else None,
+            "val_epochs": [r.get("val_epoch") for r in rs],
+            "delta_mean": statistics.fmean(deltas) if deltas else None,
+            "delta_min": min(deltas) if deltas else None,
+            "delta_max": max(deltas) if deltas else None,
             "logloss_mean": statistics.fmean(r["logloss"] for r in rs),
             "steps": rs[0]["steps"],
             "clipped_frac": _ratio(clip, upd) if rs[0]["cowclip"] else None,
@@ -266,16 +353,28 @@ def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
+def _f4(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def format_table(summary: List[Dict[str, Any]]) -> str:
-    head = ("| batch | method | seeds | AUC (mean) | AUC min..max | logloss | steps | "
-            "clipped % (all) | clipped % (epoch 1) | wall s |")
-    lines = [head, "|" + "---|" * 10]
+    """The summary as a Markdown table: test AUC / logloss at the last epoch and, with a
+    validation split, at the epoch of best validation AUC ("val-best"), means over seeds."""
+    head = ("| batch | method | seeds | AUC last epoch | min..max | logloss last | AUC val-best "
+            "epoch | min..max | logloss val-best | val-best epochs | steps | clipped % (all) | "
+            "clipped % (epoch 1) | minus base batch, same seed | wall s |")
+    lines = [head, "|" + "---|" * 16]
     for r in summary:
         lines.append(
             f"| {r['batch_size']} | {r['method']} | {r['seeds']} | {r['auc_mean']:.4f} | "
-            f"{r['auc_min']:.4f}..{r['auc_max']:.4f} | {r['logloss_mean']:.4f} | {r['steps']} | "
+            f"{r['auc_min']:.4f}..{r['auc_max']:.4f} | {r['logloss_mean']:.4f} | "
+            f"{_f4(r.get('val_sel_auc_mean'))} | {_f4(r.get('val_sel_auc_min'))}.."
+            f"{_f4(r.get('val_sel_auc_max'))} | {_f4(r.get('val_sel_logloss_mean'))} | "
+            f"{','.join(str(e) for e in r.get('val_epochs', []) if e is not None) or '-'} | "
+            f"{r['steps']} | "
             f"{_pct(r['clipped_frac']) if r['clipped_frac'] is not None else '- (no clip)'} | "
             f"{_pct(r['epoch1_clipped_frac']) if r['epoch1_clipped_frac'] is not None else '-'} | "
+            f"{'-' if r.get('delta_mean') is None else format(r['delta_mean'], '+.4f')} | "
             f"{r['wall_s_mean']:.1f} |"
         )
     return "\n".join(lines)
@@ -283,10 +382,11 @@ def format_table(summary: List[Dict[str, Any]]) -> str:
 
 CSV_FIELDS = (
     "model", "method", "batch_size", "seed", "data", "epochs", "steps", "steps_per_epoch",
-    "auc", "logloss", "epoch_auc", "epoch_logloss", "wall_s", "train_samples_per_s",
+    "auc", "logloss", "val_epoch", "val_auc", "val_sel_auc", "val_sel_logloss", "epoch_auc", "epoch_logloss", "wall_s",
+    "train_samples_per_s",
     "rows_updated", "rows_clipped", "clipped_frac", "epoch1_rows_updated",
     "epoch1_rows_clipped", "epoch1_clipped_frac", "dense_lr", "embedding_lr", "l2",
-    "init_std", "base_batch_size", "warmup_epochs", "out",
+    "init_std", "base_batch_size", "warmup_epochs", "recipe", "clip_r", "clip_zeta", "out",
 )
 
 
@@ -313,7 +413,11 @@ def write_outputs(records: List[Dict[str, Any]], out_root: Path, meta: Dict[str,
 
 
 def plot_auc(summary: List[Dict[str, Any]], path: Path, title: str = "") -> Optional[Path]:
-    """AUC vs batch size per method, min..max over seeds as error bars; None without matplotlib."""
+    """AUC vs batch size per method, min..max over seeds as error bars; None without matplotlib.
+
+    A method with no run at the smallest batch starts from cowclip's point there (the
+    study runs only cowclip at the base batch, where all methods share hyperparameters).
+    """
     try:
         import matplotlib
 
@@ -323,24 +427,47 @@ def plot_auc(summary: List[Dict[str, Any]], path: Path, title: str = "") -> Opti
         print("matplotlib is not installed: skipping the plot "
               "(pip install matplotlib to get scaling_auc.png)", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for method in METHODS:
-        rows = [r for r in summary if r["method"] == method]
-        if not rows:
-            continue
-        xs = [r["batch_size"] for r in rows]
-        ys = [r["auc_mean"] for r in rows]
-        err = [[y - r["auc_min"] for y, r in zip(ys, rows)],
-               [r["auc_max"] - y for y, r in zip(ys, rows)]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("test AUC")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    # A second panel for the val-best epoch when every run has a validation split.
+    panels = [("auc", "test AUC, last epoch")]
+    val = bool(summary) and all(r.get("val_sel_auc_mean") is not None for r in summary)
+    if val:
+        panels.append(("val_sel_auc", "test AUC, best-validation epoch"))
+    if summary and all(r.get("delta_mean") is not None for r in summary):
+        panels.append(("delta", ("best-validation-epoch" if val else "last-epoch")
+                       + " AUC\nminus base batch, same seed"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        smallest = min(r["batch_size"] for r in summary)
+        shared = [r for r in summary if r["method"] == "cowclip" and r["batch_size"] == smallest]
+        for method in sorted({r["method"] for r in summary}, key=_method_rank):
+            rows = [r for r in summary if r["method"] == method]
+            # Every method has the base batch's hyperparameters at the base batch, so a study
+            # that ran only cowclip there draws each line from that one point.
+            if shared and rows[0]["batch_size"] != smallest:
+                rows = shared + rows
+            xs = [r["batch_size"] for r in rows]
+            ys = [r[f"{key}_mean"] for r in rows]
+            err = [[y - r[f"{key}_min"] for y, r in zip(ys, rows)],
+                   [r[f"{key}_max"] - y for y, r in zip(ys, rows)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
+        if key == "delta":
+            ax.axhline(0.0, color="grey", linewidth=0.8)
+            # Zoom on the region where methods hold AUC; a diverging method would otherwise
+            # flatten every other line (it stays in the table).
+            floor = -0.015
+            if min(r["delta_min"] for r in summary) < floor:
+                top = max(r["delta_max"] for r in summary)
+                ax.set_ylim(floor, max(top, 0.0) + 0.002)
+                ax.text(0.98, 0.97, f"zoomed: values below {floor} off scale", fontsize=7,
+                        ha="right", va="top", transform=ax.transAxes)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -366,16 +493,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--base-lr", type=float, default=None, help="dense lr at the base batch")
     p.add_argument("--base-lr-embed", type=float, default=None, help="embedding lr at the base batch")
     p.add_argument("--base-l2", type=float, default=None, help="L2 lambda at the base batch")
-    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--warmup-epochs", type=float, default=None,
+                   help="dense lr warm-up of every method (default: the recipe's, 1 epoch)")
+    p.add_argument("--recipe", default="paper", help="trainer recipe of the cowclip method")
+    for flag in ("--dense-lr-scaling", "--embed-lr-scaling", "--l2-scaling"):
+        p.add_argument(flag, choices=tuple(SCALINGS), default=None,
+                       help="cowclip method only: replaces the recipe's rule")
+    p.add_argument("--clip-r", type=float, default=None, help="cowclip method only: CowClip r")
+    p.add_argument("--label", default=None,
+                   help="name of the cowclip method in the outputs (default cowclip), e.g. "
+                        "cowclip+RECIPE to put a recipe beside the paper's with --combine")
+    p.add_argument("--clip-zeta", type=float, default=None, help="cowclip method only: CowClip zeta")
     p.add_argument("--hidden", default=None, help="DNN sizes, e.g. 400,400,400 (trainer default)")
     p.add_argument("--synthetic-scale", type=float, default=None)
     p.add_argument("--synthetic-max-cardinality", type=int, default=None)
     p.add_argument("--test-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="validation split carved from the training rows; the table then also "
+                        "shows the test AUC at the best validation epoch")
     p.add_argument("--eval-batch-size", type=int, default=65536)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scaling"))
     p.add_argument("--cache-dir", default=None, help="shared data cache (default OUT/cache)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="DIR",
+                   help="no training: merge the scaling.json of these earlier --out folders "
+                        "into --out (table, CSV, JSON, plot)")
+    p.add_argument("--title", default="", help="--combine: the plot's title")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in args.methods if m not in METHODS]
@@ -385,14 +529,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def combine(dirs: Sequence[str], out_root: Path, title: str = "") -> List[Dict[str, Any]]:
+    """Merges the runs of earlier studies (their ``scaling.json``) into one set of outputs
+    under ``out_root``, without training: e.g. the base batch and the large batches run as
+    two invocations, or seeds run one after another."""
+    records: List[Dict[str, Any]] = []
+    metas = []
+    for d in dirs:
+        data = json.loads((Path(d) / "scaling.json").read_text())
+        records += data["runs"]
+        metas.append(data["meta"])
+    out_root.mkdir(parents=True, exist_ok=True)
+    meta = {"combined_from": list(dirs), "title": title or metas[0].get("title", ""),
+            "total_wall_s": sum(m.get("total_wall_s", 0.0) for m in metas)}
+    write_outputs(records, out_root, meta)
+    return records
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    extra: Dict[str, Any] = {"warmup_epochs": args.warmup_epochs,
-                             "test_fraction": args.test_fraction,
+    if args.combine:
+        records = combine(args.combine, Path(args.out), args.title)
+        print(format_table(summarize(records)))
+        return 0
+    extra: Dict[str, Any] = {"test_fraction": args.test_fraction,
+                             "val_fraction": args.val_fraction,
                              "eval_batch_size": args.eval_batch_size,
                              "threads": args.threads, "device": args.device}
+    if args.warmup_epochs is not None:
+        extra["warmup_epochs"] = args.warmup_epochs
     if args.hidden:
         extra["hidden"] = tuple(_int_list(args.hidden))
+    rules = {name: value for name, value in (
+        ("dense_lr_scaling", args.dense_lr_scaling),
+        ("embedding_lr_scaling", args.embed_lr_scaling),
+        ("l2_scaling", args.l2_scaling)) if value is not None}
+    method_options = {"recipe": args.recipe, "rules": rules, "clip_r": args.clip_r,
+                      "clip_zeta": args.clip_zeta, "label": args.label}
     if args.synthetic_scale is not None:
         extra["synthetic_scale"] = args.synthetic_scale
     if args.synthetic_max_cardinality is not None:
@@ -404,12 +577,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seeds=args.seeds, epochs=args.epochs, out_root=out_root, cache_dir=args.cache_dir,
         base_batch_size=args.base_batch_size, init_std=args.init_std, base_lr=args.base_lr,
         base_lr_embed=args.base_lr_embed, base_l2=args.base_l2, extra=extra,
+        method_options=method_options,
     )
     meta = {k: (v if isinstance(v, (int, float, str, list, type(None))) else str(v))
             for k, v in vars(args).items()}
     meta["total_wall_s"] = time.perf_counter() - t0
+    changed = ", ".join(f"{k}={v}" for k, v in {**rules, "clip_r": args.clip_r,
+                                                  "clip_zeta": args.clip_zeta}.items()
+                        if v is not None)
     meta["title"] = (f"{args.model} on {args.data}, {args.epochs} epoch(s), "
-                     f"init_std {args.init_std:g}, seeds {args.seeds}")
+                     f"init_std {args.init_std:g}, seeds {args.seeds}, cowclip = recipe "
+                     f"{args.recipe}{' with ' + changed if changed else ''}")
     paths = write_outputs(records, out_root, meta)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     print(f"note: {BUCKET_NOTE}")

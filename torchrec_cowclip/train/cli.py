@@ -15,6 +15,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
+from torchrec_cowclip.train.scaling import RECIPES
 
 _DATA_HELP = (
     "training data: criteo:PATH[,PATH...] (raw Criteo TSV: Kaggle train.txt or 1TB "
@@ -75,13 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=d.batch_size)
     s.add_argument("--base-batch-size", type=int, default=d.base_batch_size)
     s.add_argument("--epochs", type=int, default=d.epochs)
-    s.add_argument("--lr", type=float, default=None, help="dense lr (default: 8e-4 * sqrt(batch/base))")
-    s.add_argument("--lr-embed", type=float, default=None, help="embedding lr (default: 1e-4, not scaled)")
-    s.add_argument("--l2", type=float, default=None, help="embedding L2 lambda (default: 1e-5 * batch/base)")
-    s.add_argument("--clip-r", type=float, default=d.clip_r)
+    s.add_argument("--recipe", choices=tuple(RECIPES), default=d.recipe,
+                   help="how every value below scales from --base-batch-size; "
+                        + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
+                        + ". Explicit options override the recipe")
+    s.add_argument("--lr", type=float, default=None,
+                   help="dense lr (default, recipe paper: 8e-4 * sqrt(batch/base))")
+    s.add_argument("--lr-embed", type=float, default=None,
+                   help="embedding lr (default, recipe paper: 1e-4, not scaled)")
+    s.add_argument("--l2", type=float, default=None,
+                   help="embedding L2 lambda (default, recipe paper: 1e-5 * batch/base)")
+    s.add_argument("--clip-r", type=float, default=None, help="default: the recipe's (paper: 1)")
     s.add_argument("--clip-zeta", type=float, default=None,
                    help="default: r^2 * sqrt(dim) * bound (1e-5 Criteo, 1e-4 Avazu)")
-    s.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)
+    s.add_argument("--warmup-epochs", type=float, default=None,
+                   help="dense lr warm-up (default: the recipe's; paper: 1 epoch)")
     s.add_argument("--no-cowclip", dest="cowclip", action="store_false",
                    help="no clipping (lazy optimizer on the same fused tables)")
     s.add_argument("--embedding-backend", choices=("cowclip", "torchrec"), default=d.embedding_backend,

@@ -17,8 +17,9 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Options of ``torchrec-cowclip train`` (see ``--help`` for each).
 
-    ``lr``, ``lr_embed``, ``l2``, ``clip_zeta`` left as None take the scaling rule's
-    values (:mod:`torchrec_cowclip.train.scaling`).
+    ``lr``, ``lr_embed``, ``l2``, ``clip_r``, ``clip_zeta``, ``warmup_epochs`` left as
+    None take the values of the scaling recipe ``recipe`` (default ``paper``, the paper's
+    rule; :mod:`torchrec_cowclip.train.scaling`).
 
     Example::
 
@@ -37,9 +38,10 @@ class TrainConfig:
     lr: Optional[float] = None
     lr_embed: Optional[float] = None
     l2: Optional[float] = None
-    clip_r: float = 1.0
+    clip_r: Optional[float] = None
     clip_zeta: Optional[float] = None
-    warmup_epochs: float = 1.0
+    warmup_epochs: Optional[float] = None
+    recipe: str = "paper"
     cowclip: bool = True
     embedding_backend: str = "cowclip"
     embedding_optimizer: str = "adam"
@@ -90,7 +92,7 @@ class TrainConfig:
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
         non_negative = {
-            "--warmup-epochs": self.warmup_epochs, "--early-stop-patience": self.early_stop_patience,
+            "--early-stop-patience": self.early_stop_patience,
             "--checkpoint-every": self.checkpoint_every, "--max-steps": self.max_steps,
             "--init-std": self.init_std, "--cross-layers": self.cross_layers,
         }
@@ -98,11 +100,16 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         for flag, value in {"--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
-                            "--clip-zeta": self.clip_zeta}.items():
+                            "--clip-zeta": self.clip_zeta,
+                            "--warmup-epochs": self.warmup_epochs}.items():
             if value is not None and value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
-        if self.clip_r <= 0:
+        if self.clip_r is not None and self.clip_r <= 0:
             raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
+        from torchrec_cowclip.train.scaling import RECIPES
+
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not 0.0 <= self.test_fraction < 1.0:
             raise ConfigError(f"--test-fraction must be in [0, 1), got {self.test_fraction}")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -1,10 +1,14 @@
-"""The paper's large-batch scaling rule (``../shared/docs/cowclip-spec.md``, "The
-scaling rule"): from the base batch (1024) to batch ``b``, with ``s = b / base``:
+"""Large-batch scaling rules ("recipes"). The default, ``paper``, is the paper's rule
+(``../shared/docs/cowclip-spec.md``, "The scaling rule"): from the base batch (1024) to
+batch ``b``, with ``s = b / base``:
 
 - embeddings: Adam, learning rate unchanged; L2 ``lambda`` scaled linearly (``* s``);
 - dense weights: Adam, learning rate scaled by ``sqrt(s)``, linear warm-up over the
   first epoch;
 - CowClip ``r = 1`` and ``zeta = r**2 * sqrt(D) * bound`` from the reference's bound.
+
+Other recipes (:data:`RECIPES`, the trainer's ``--recipe``) change how each value scales
+with ``s``, the warm-up and the clip; ``docs/scaling.md`` has the evidence for each.
 
 Example::
 
@@ -15,8 +19,91 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
+
+#: How a value grows with the batch scale ``s = batch / base``.
+SCALINGS: Dict[str, Any] = {
+    "fixed": lambda s: 1.0,
+    "sqrt": math.sqrt,
+    "linear": lambda s: s,
+}
+
+
+def scale_factor(rule: str, s: float) -> float:
+    """The factor a value is multiplied by at scale ``s`` under ``rule`` (fixed/sqrt/linear).
+
+    Example::
+
+        >>> scale_factor("fixed", 16.0), scale_factor("sqrt", 16.0), scale_factor("linear", 16.0)
+        (1.0, 4.0, 16.0)
+    """
+    if rule not in SCALINGS:
+        raise ValueError(f"scaling rule must be one of {', '.join(SCALINGS)}, got {rule!r}")
+    return float(SCALINGS[rule](s))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named large-batch recipe: how each hyperparameter scales from the base batch.
+
+    Attributes:
+        name: the ``--recipe`` name.
+        dense_lr_scaling, embedding_lr_scaling, l2_scaling: ``fixed``, ``sqrt`` or
+            ``linear`` in ``s = batch / base``.
+        warmup_epochs: linear warm-up of the dense lr, in epochs.
+        clip_r: CowClip's ratio ``r``.
+        bound: the reference's ``bound``, ``zeta = r**2 * sqrt(D) * bound``; None takes
+            the data profile's (1e-5 Criteo, 1e-4 Avazu).
+        summary: one line for ``--help`` and the README.
+    """
+
+    name: str
+    dense_lr_scaling: str = "sqrt"
+    embedding_lr_scaling: str = "fixed"
+    l2_scaling: str = "linear"
+    warmup_epochs: float = 1.0
+    clip_r: float = 1.0
+    bound: Optional[float] = None
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        for rule in (self.dense_lr_scaling, self.embedding_lr_scaling, self.l2_scaling):
+            scale_factor(rule, 1.0)  # validates the name
+        if self.clip_r <= 0 or self.warmup_epochs < 0:
+            raise ValueError(f"recipe {self.name}: clip_r must be > 0 and warmup_epochs >= 0")
+
+
+#: The trainer's ``--recipe`` choices; ``paper`` is the default.
+RECIPES: Dict[str, Recipe] = {
+    "paper": Recipe(
+        name="paper",
+        summary="the paper's rule: embedding lr fixed, dense lr x sqrt(s), L2 x s, "
+                "1 epoch warm-up, r = 1, zeta = sqrt(D) * bound",
+    ),
+    # docs/scaling.md, "Recipe search": on Criteo-like synthetic data at 32x the base batch,
+    # scaling L2 linearly cost the most AUC (likely because coupled L2 grows with s while a
+    # rare id's gradient shrinks with it, so the decay dominates rare rows' Adam steps; not
+    # measured separately), and the one-epoch warm-up covered the whole of epoch 1, where
+    # these runs peak.
+    "fixed-l2": Recipe(
+        name="fixed-l2",
+        l2_scaling="fixed",
+        warmup_epochs=0.0,
+        summary="the paper's rule with L2 NOT scaled and no warm-up: embedding lr fixed, "
+                "dense lr x sqrt(s), L2 unchanged, r = 1, zeta = sqrt(D) * bound "
+                "(docs/scaling.md)",
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``; ValueError naming the choices otherwise."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}") from None
 
 #: Base-batch settings of the reference README (DeepFM, batch 1024).
 PROFILES: Dict[str, Dict[str, float]] = {
@@ -43,6 +130,7 @@ class ScaledHyperparameters:
     clip_zeta: float
     warmup_epochs: float
     profile: str
+    recipe: str = "paper"
 
     @property
     def embedding_weight_decay(self) -> float:
@@ -63,35 +151,47 @@ def scale_hyperparameters(
     dense_lr: Optional[float] = None,
     embedding_lr: Optional[float] = None,
     l2: Optional[float] = None,
-    clip_r: float = 1.0,
+    clip_r: Optional[float] = None,
     clip_zeta: Optional[float] = None,
-    warmup_epochs: float = 1.0,
+    warmup_epochs: Optional[float] = None,
+    recipe: str = "paper",
 ) -> ScaledHyperparameters:
-    """Applies the scaling rule; any explicitly given value overrides the rule.
+    """Applies a recipe's scaling rule; any explicitly given value overrides the rule.
 
     Args:
         batch_size: the training batch.
         dataset: ``"criteo"`` or ``"avazu"`` base settings (any other data uses Criteo's).
         dense_lr, embedding_lr, l2: final values that replace the scaled ones.
+        clip_r, warmup_epochs: replace the recipe's.
         clip_zeta: replaces ``r**2 * sqrt(embedding_dim) * bound``.
+        recipe: a name of :data:`RECIPES` (default ``paper``).
+
+    Example::
+
+        >>> hp = scale_hyperparameters(8192, recipe="paper", warmup_epochs=0.5)
+        >>> hp.recipe, hp.warmup_epochs, hp.clip_r
+        ('paper', 0.5, 1.0)
     """
     if batch_size <= 0 or base_batch_size <= 0:
         raise ValueError(f"batch sizes must be > 0, got {batch_size} and {base_batch_size}")
+    rec = get_recipe(recipe)
     profile = dataset if dataset in PROFILES else "criteo"
     base = PROFILES[profile]
     s = batch_size / base_batch_size
+    r = rec.clip_r if clip_r is None else clip_r
+    bound = base["bound"] if rec.bound is None else rec.bound
     return ScaledHyperparameters(
         batch_size=batch_size,
         base_batch_size=base_batch_size,
         scale=s,
-        dense_lr=dense_lr if dense_lr is not None else base["dense_lr"] * s**0.5,
-        embedding_lr=embedding_lr if embedding_lr is not None else base["embedding_lr"],
-        l2=l2 if l2 is not None else base["l2"] * s,
-        clip_r=clip_r,
-        clip_zeta=(
-            clip_zeta if clip_zeta is not None
-            else clip_r * clip_r * embedding_dim**0.5 * base["bound"]
-        ),
-        warmup_epochs=warmup_epochs,
+        dense_lr=(dense_lr if dense_lr is not None
+                  else base["dense_lr"] * scale_factor(rec.dense_lr_scaling, s)),
+        embedding_lr=(embedding_lr if embedding_lr is not None
+                      else base["embedding_lr"] * scale_factor(rec.embedding_lr_scaling, s)),
+        l2=l2 if l2 is not None else base["l2"] * scale_factor(rec.l2_scaling, s),
+        clip_r=r,
+        clip_zeta=clip_zeta if clip_zeta is not None else r * r * embedding_dim**0.5 * bound,
+        warmup_epochs=rec.warmup_epochs if warmup_epochs is None else warmup_epochs,
         profile=profile,
+        recipe=rec.name,
     )

@@ -171,7 +171,7 @@ class Trainer:
             embedding_dim=config.embedding_dim,
             dense_lr=config.lr, embedding_lr=config.lr_embed, l2=config.l2,
             clip_r=config.clip_r, clip_zeta=config.clip_zeta,
-            warmup_epochs=config.warmup_epochs,
+            warmup_epochs=config.warmup_epochs, recipe=config.recipe,
         )
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
         self.model = build_model(
@@ -498,7 +498,7 @@ class Trainer:
         return (
             f"model {self.config.model} | data {self.config.data}: {len(self.train_idx):,} train, "
             f"{len(self.val_idx):,} val, {len(self.test_idx):,} test | batch {hp.batch_size} "
-            f"(x{hp.scale:g} of {hp.base_batch_size}) | dense lr {hp.dense_lr:.4g} "
+            f"(x{hp.scale:g} of {hp.base_batch_size}, recipe {hp.recipe}) | dense lr {hp.dense_lr:.4g} "
             f"(warm-up {hp.warmup_epochs:g} epoch) | embedding {self.config.embedding_backend}/"
             f"{self.config.embedding_optimizer} lr {hp.embedding_lr:.4g} | L2 lambda {hp.l2:.4g} "
             f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip} | device {self.device}"

@@ -1,0 +1,73 @@
+"""Trainer recipes (``--recipe``): each sets the hyperparameters documented for it in the
+README and ``docs/scaling.md``, explicit options still override them, and the trainer
+builds its optimizers from the recipe's values."""
+
+import math
+
+import pytest
+
+from torchrec_cowclip.train import TrainConfig
+from torchrec_cowclip.train.cli import build_parser, config_from_args
+from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.scaling import RECIPES, get_recipe, scale_hyperparameters
+from torchrec_cowclip.train.trainer import Trainer
+
+# What the documentation promises, Criteo profile (base batch 1024: dense lr 8e-4,
+# embedding lr 1e-4, L2 lambda 1e-5, bound 1e-5, D = 10), at s = 16 (batch 16384).
+S = 16
+DOCUMENTED = {
+    "paper": dict(dense_lr=8e-4 * math.sqrt(S), embedding_lr=1e-4, l2=1e-5 * S,
+                  warmup_epochs=1.0, clip_r=1.0, clip_zeta=math.sqrt(10) * 1e-5),
+    "fixed-l2": dict(dense_lr=8e-4 * math.sqrt(S), embedding_lr=1e-4, l2=1e-5,
+                     warmup_epochs=0.0, clip_r=1.0, clip_zeta=math.sqrt(10) * 1e-5),
+}
+
+
+def test_every_recipe_is_documented_here():
+    assert set(RECIPES) == set(DOCUMENTED)
+    assert get_recipe("paper") is RECIPES["paper"]
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        get_recipe("nope")
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_recipe_sets_the_documented_hyperparameters(name):
+    hp = scale_hyperparameters(1024 * S, dataset="criteo", embedding_dim=10, recipe=name)
+    assert hp.recipe == name
+    for field, value in DOCUMENTED[name].items():
+        assert getattr(hp, field) == pytest.approx(value, rel=1e-9), field
+    # At the base batch every rule gives the base values.
+    base = scale_hyperparameters(1024, recipe=name)
+    assert (base.dense_lr, base.embedding_lr, base.l2) == pytest.approx((8e-4, 1e-4, 1e-5))
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_explicit_options_override_the_recipe(name):
+    hp = scale_hyperparameters(1024 * S, recipe=name, dense_lr=1e-3, embedding_lr=2e-3, l2=0.0,
+                               clip_r=0.5, clip_zeta=1e-6, warmup_epochs=0.0)
+    assert (hp.dense_lr, hp.embedding_lr, hp.l2, hp.clip_r, hp.clip_zeta, hp.warmup_epochs) == (
+        1e-3, 2e-3, 0.0, 0.5, 1e-6, 0.0)
+
+
+def test_cli_recipe_reaches_the_trainer(tmp_path):
+    name = sorted(DOCUMENTED)[-1]
+    args = build_parser().parse_args([
+        "train", "--data", "synthetic:3000", "--synthetic-scale", "0.001",
+        "--synthetic-max-cardinality", "500", "--hidden", "8", "--batch-size", str(1024 * S),
+        "--recipe", name, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")])
+    cfg = config_from_args(args)
+    assert cfg.recipe == name and cfg.clip_r is None and cfg.warmup_epochs is None
+    cfg.validate()
+    trainer = Trainer(cfg)
+    for field, value in DOCUMENTED[name].items():
+        assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
+    assert trainer.cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
+    assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--data", "synthetic:10", "--recipe", "nope"])
+
+
+def test_config_rejects_an_unknown_recipe():
+    with pytest.raises(ConfigError, match="--recipe"):
+        TrainConfig(recipe="nope").validate()
+    assert TrainConfig().recipe == "paper"
