@@ -29,11 +29,16 @@ on 2 cores)::
 
     .venv/bin/python benchmarks/embedding_step.py
     .venv/bin/python benchmarks/embedding_step.py --steps 50 --threads 1 --json out.json
+
+Writes ``embedding_step.json``, ``embedding_step.csv`` (one row per variant) and
+``embedding_step.png`` (median ms per variant and the floor; with matplotlib) to ``--out``
+(default ``benchmarks/results``); ``--json PATH`` also writes the JSON there.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import json
 import logging
@@ -322,6 +327,59 @@ def cpu_model() -> str:
 # --- report ------------------------------------------------------------------------
 
 
+def csv_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per timed variant (and the backward + update part of ours with Adam)."""
+    parts = dict(result["variants"], **{"ours adam: backward + fused update": result["adam_backward_update"]})
+    return [
+        {
+            "variant": name, **{k: v for k, v in t.items() if k != "samples_ms"},
+            "vs_fbgemm_median": result["ratio_median_vs_fbgemm"].get(name),
+            "vs_fbgemm_paired": result["ratio_paired_vs_fbgemm"].get(name),
+            "floor_ms_adam": result["floor_ms_adam"],
+        }
+        for name, t in parts.items()
+    ]
+
+
+def plot(result: Dict[str, Any], path: str) -> None:
+    """Median ms per variant as bars, the memory-bandwidth floor of ours adam as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = csv_rows(result)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh([r["variant"] for r in rows], [r["median_ms"] for r in rows], color="tab:blue")
+    ax.axvline(result["floor_ms_adam"], color="tab:red", linestyle="--",
+               label=f"memory-bandwidth floor, ours adam ({result['floor_ms_adam']:.1f} ms)")
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms / step")
+    s = result["shape"]
+    ax.set_title(f"embedding step: {s['tables']} x {s['rows']:,} rows, dim {s['dim']}, batch {s['batch_size']:,}",
+                 fontsize=9)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(result: Dict[str, Any], out: str, json_path: Optional[str]) -> None:
+    """``embedding_step.{json,csv,png}`` in ``out`` (PNG only with matplotlib), and the
+    JSON also at ``json_path`` if given."""
+    os.makedirs(out, exist_ok=True)
+    for path in [os.path.join(out, "embedding_step.json")] + ([json_path] if json_path else []):
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    rows = csv_rows(result)
+    with open(os.path.join(out, "embedding_step.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib  # noqa: F401
+        plot(result, os.path.join(out, "embedding_step.png"))
+    except ImportError:
+        print("matplotlib is not installed: no PNG (CSV and JSON written)")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -343,6 +401,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=str, default=None, metavar="PATH", help="also write results here")
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        help="directory for embedding_step.{json,csv,png}",
+    )
     args = parser.parse_args(argv)
     for name in ("tables", "rows", "dim", "batch_size", "steps"):
         if getattr(args, name) <= 0:
@@ -414,6 +476,26 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     rounds_done = len(timings[FBGEMM_NAME].samples)
     slow = slow_rounds(timings)
 
+    result: Dict[str, Any] = {
+        "shape": asdict(shape),
+        "zipf_exponent": args.zipf,
+        "distinct_rows_per_step": {"mean": mean_unique, "per_batch": unique},
+        "steps_requested": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "variants": {name: t.summary() for name, t in timings.items()},
+        "adam_backward_update": adam_backward.summary(),
+        "rounds": rounds_done,
+        "slow_rounds": slow,
+        "ratio_median_vs_fbgemm": ratios,
+        "ratio_paired_vs_fbgemm": paired,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "floor_ms_adam": floor_ms,
+    }
+    write_outputs(result, args.out, args.json)
+
     print()
     print(f"memory-bandwidth floor (ours adam): {floor_bytes(shape, mean_unique) / 1e6:.1f} MB "
           f"per step / {bandwidth / 1e9:.1f} GB/s copy bandwidth (512 MB copy, read+write) "
@@ -441,27 +523,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"adam+cowclip / fbgemm rowwise_adagrad = {ratios[ADAM_NAME]:.2f}")
     print(f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad = {ratios[ADAGRAD_NAME]:.2f}")
 
-    result: Dict[str, Any] = {
-        "shape": asdict(shape),
-        "zipf_exponent": args.zipf,
-        "distinct_rows_per_step": {"mean": mean_unique, "per_batch": unique},
-        "steps_requested": args.steps,
-        "warmup": args.warmup,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "torch": torch.__version__,
-        "variants": {name: t.summary() for name, t in timings.items()},
-        "adam_backward_update": adam_backward.summary(),
-        "rounds": rounds_done,
-        "slow_rounds": slow,
-        "ratio_median_vs_fbgemm": ratios,
-        "ratio_paired_vs_fbgemm": paired,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "floor_ms_adam": floor_ms,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
     return result
 
 

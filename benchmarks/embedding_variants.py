@@ -41,7 +41,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -54,6 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 import embedding_step as es  # noqa: E402  (the existing benchmark: inputs and timing helpers)
+from proc_memory import child_memory, optimizer_state_bytes, vm_hwm_kib  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -203,10 +203,7 @@ def state_bytes_per_row(key: str, module: Any, total_rows: int) -> float:
     """Optimizer state (not weights, not gradients) bytes divided by the rows."""
     total = 0
     if key.startswith("ours"):
-        for state in module.fused_optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, Tensor):
-                    total += v.numel() * v.element_size()
+        total = optimizer_state_bytes(module.fused_optimizer)
     elif key.startswith("fbgemm"):
         # momentum1_host (row-wise Adagrad), row_counter_host / prev_iter_host (COWCLIP)
         for name in dir(module):
@@ -215,22 +212,11 @@ def state_bytes_per_row(key: str, module: Any, total_rows: int) -> float:
                     and buf.numel() >= total_rows):
                 total += buf.numel() * buf.element_size()
     else:
-        for state in module.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, Tensor):
-                    total += v.numel() * v.element_size()
+        total = optimizer_state_bytes(module.optimizer)
     return total / total_rows
 
 
 # --- memory (one subprocess per variant) -------------------------------------------
-
-
-def vm_hwm_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return -1
 
 
 def memory_child(args: argparse.Namespace) -> None:
@@ -255,13 +241,7 @@ def measure_memory(args: argparse.Namespace, key: str, dim: int, batch_size: int
     ] + (["--full"] if args.full else [])
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}"}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["delta_mib"] = (result["peak_kib"] - result["before_kib"]) / 1024
-    result["peak_mib"] = result["peak_kib"] / 1024
-    return result
+    return child_memory(cmd)
 
 
 # --- main --------------------------------------------------------------------------

@@ -18,6 +18,13 @@ interleaved: each round runs every variant once, order rotated per round, so oth
 on the machine slow all of them alike; ``deepctr fit`` runs once per round on
 ``--fit-steps`` batches. Reported: median samples/s and paired ratios.
 
+With ``--memory`` (the default) each variant then runs again in its own subprocess at the
+largest batch size (data, model, 3 steps) for its peak RSS (``VmHWM``), which also reports
+the optimizer-state bytes per embedding id (ours: the fused optimizer's state; stock and
+deepctr: Adam's moments of the tables; dense-only: none). Writes ``end_to_end.json``,
+``end_to_end.csv``, ``end_to_end_memory.csv`` and ``end_to_end.png`` (with matplotlib) to
+``--out``.
+
 deepctr-torch imports TensorFlow only for Keras' ``CallbackList``/``History``; when
 TensorFlow is absent this script installs a small stand-in for those two classes
 (no effect on the math of a training step).
@@ -32,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import gc
 import io
 import json
 import os
@@ -41,7 +50,7 @@ import tempfile
 import time
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
@@ -51,6 +60,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import embedding_step as es  # noqa: E402
+from proc_memory import child_memory, optimizer_state_bytes, vm_hwm_kib  # noqa: E402
 from torchrec_cowclip import CowClip  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
@@ -127,6 +137,175 @@ def build_deepctr(names: Sequence[str], cards: Sequence[int], n_dense: int) -> A
     return model
 
 
+OURS = "ours (cowclip backend)"
+STOCK = "stock (torchrec EBC + Adam)"
+DENSE = "dense-only (fixed embeddings)"
+FIT = "deepctr-torch fit()"
+LEAN = "deepctr-torch lean loop"
+MODEL_OF = {OURS: "ours", STOCK: "stock", DENSE: "dense", FIT: "deepctr", LEAN: "deepctr"}
+MEMORY_FIELDS = ["variant", "batch_size", "peak_mib", "delta_mib", "state_bytes_per_row", "error"]
+
+
+def build_models(kinds: Sequence[str], names: Sequence[str], cards: Sequence[int],
+                 n_dense: int) -> Dict[str, Tuple[Any, torch.optim.Optimizer, Any]]:
+    """``(model, optimizer, task or None)`` of each of ``kinds`` (ours, stock, dense,
+    deepctr), built in that order."""
+    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM,
+                  hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM))
+    built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
+    if "ours" in kinds:
+        ours = build_model("deepfm", embedding_backend="cowclip", **common)
+        built["ours"] = (ours, torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR), CTRTrainTask(ours))
+    if "stock" in kinds:
+        stock = build_model("deepfm", embedding_backend="torchrec", **common)
+        built["stock"] = (stock, torch.optim.Adam(stock.parameters(), lr=DENSE_LR), CTRTrainTask(stock))
+    if "dense" in kinds:
+        dense_model = build_model("deepfm", embedding_backend="cowclip", **common)
+        built["dense"] = (dense_model, torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR), None)
+    if "deepctr" in kinds:
+        deepctr = build_deepctr(names, cards, n_dense)
+        built["deepctr"] = (deepctr, deepctr.optim, None)
+    return built
+
+
+def task_step(task: Any, opt: torch.optim.Optimizer) -> Callable[[Any], None]:
+    """A trainer step through ``CTRTrainTask``: loss, backward, the dense optimizer."""
+
+    def step(b: Any) -> None:
+        loss, _ = task(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: Any, bs: int,
+                  fit_steps: int) -> Tuple[Dict[str, Callable[[Any], None]], List[Any]]:
+    """One training step per variant of the ``built`` models, and the two batches of
+    batch size ``bs`` they step on."""
+    batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]
+    by_id = {id(b): k for k, b in enumerate(batches)}
+    variants: Dict[str, Callable[[Any], None]] = {}
+    for kind, name in (("ours", OURS), ("stock", STOCK)):
+        if kind in built:
+            _, opt, task = built[kind]
+            variants[name] = task_step(task, opt)
+    if "dense" in built:
+        dense_model, dense_opt, _ = built["dense"]
+        fixed = []
+        with torch.no_grad():
+            for b in batches:
+                emb, first = dense_model.fields(b.sparse_features)
+                fixed.append((emb.clone(), first.clone()))
+
+        def dense_step(b: Any) -> None:
+            emb, first = fixed[by_id[id(b)]]
+            dense = b.dense_features
+            m = dense_model
+            logit = m.linear(first, dense) + fm_second_order(emb) + m.deep([emb, dense.unsqueeze(2)]).squeeze(1)
+            F.binary_cross_entropy_with_logits(logit, b.labels.float()).backward()
+            dense_opt.step()
+            dense_opt.zero_grad()
+
+        variants[DENSE] = dense_step
+    if "deepctr" in built:
+        deepctr = built["deepctr"][0]
+        n_sparse, n_dense = len(ds.schema.sparse_names), ds.schema.n_dense
+        sl = slice(0, fit_steps * bs)
+        x_dict = {f"C{i}": np.asarray(ds.sparse[sl, i]).astype(np.int64) for i in range(n_sparse)}
+        x_dict.update({f"I{i}": np.asarray(ds.dense[sl, i]) for i in range(n_dense)})
+        y = np.asarray(ds.labels[sl]).astype(np.float32)
+        # deepctr's own input layout, for the lean loop
+        order = sorted(deepctr.feature_index, key=lambda k: deepctr.feature_index[k][0])
+        lean_x = [
+            torch.from_numpy(np.stack([x_dict[k][k2 * bs:(k2 + 1) * bs].astype(np.float32) for k in order], 1))
+            for k2 in range(2)
+        ]
+        lean_y = [torch.from_numpy(y[k2 * bs:(k2 + 1) * bs]) for k2 in range(2)]
+
+        def deepctr_fit(b: Any) -> None:
+            with contextlib.redirect_stdout(io.StringIO()):
+                deepctr.fit(dict(x_dict), y, batch_size=bs, epochs=1, verbose=0, shuffle=True)
+
+        def deepctr_lean(b: Any) -> None:
+            k = by_id[id(b)]
+            pred = deepctr(lean_x[k]).squeeze()
+            loss = F.binary_cross_entropy(pred, lean_y[k], reduction="sum") + deepctr.get_regularization_loss()
+            deepctr.optim.zero_grad()
+            loss.backward()
+            deepctr.optim.step()
+
+        variants[FIT] = deepctr_fit
+        variants[LEAN] = deepctr_lean
+    return variants, batches
+
+
+def state_bytes_per_row(kind: str, model: Any, optimizer: torch.optim.Optimizer, rows: int) -> float:
+    """Optimizer-state bytes of the embedding tables per id (``rows``: ids of all
+    fields): its D-dim row and its first-order (dim 1) weight together; the dense
+    layers' state is left out."""
+    if kind == "ours":
+        total = optimizer_state_bytes(model.embedding_collection.fused_optimizer)
+    elif kind == "stock":
+        total = optimizer_state_bytes(optimizer, model.embedding_collection.parameters())
+    elif kind == "deepctr":
+        total = optimizer_state_bytes(optimizer, [p for n, p in model.named_parameters() if "embedding_dict" in n])
+    else:
+        total = 0  # dense-only: fixed embeddings, no embedding optimizer
+    return total / rows
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    """Peak RSS of one variant at one batch size: data, model, 3 steps; prints JSON."""
+    ds = open_dataset(f"synthetic:{args.rows}", args.cache_dir, max_cardinality=args.max_cardinality)
+    names, cards = list(ds.schema.sparse_names), list(ds.schema.cardinalities)
+    kind = MODEL_OF[args.memory_child]
+    torch.manual_seed(0)
+    gc.collect()
+    before = vm_hwm_kib()
+    built = build_models([kind], names, cards, ds.schema.n_dense)
+    variants, batches = variant_steps(built, ds, args.batch_sizes[0], args.fit_steps)
+    for k in range(3):
+        variants[args.memory_child](batches[k % len(batches)])
+    peak = vm_hwm_kib()
+    model, optimizer, _ = built[kind]
+    print(json.dumps({"before_kib": before, "peak_kib": peak,
+                      "state_bytes_per_row": state_bytes_per_row(kind, model, optimizer, sum(cards))}))
+
+
+def measure_memory(args: argparse.Namespace, variant: str, rows: int, bs: int) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--rows", str(rows),
+           "--batch-sizes", str(bs), "--max-cardinality", str(args.max_cardinality),
+           "--cache-dir", args.cache_dir, "--fit-steps", str(args.fit_steps)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return {"variant": variant, "batch_size": bs, **child_memory(cmd)}
+
+
+def plot(results: List[Dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["batch_size"] for r in results})
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    fig, ax = plt.subplots(figsize=(max(6, 2 * len(sizes)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ys = [next((r["samples_per_s_median"] for r in results if r["variant"] == name and r["batch_size"] == bs), 0)
+              for bs in sizes]
+        ax.bar([k + i * width for k in range(len(sizes))], ys, width, label=name)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))])
+    ax.set_xticklabels([f"batch {bs:,}" for bs in sizes])
+    ax.set_ylabel("samples / s (median)")
+    ax.set_yscale("log")
+    ax.set_title("DeepFM training throughput")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=300_000, help="synthetic rows generated")
@@ -142,12 +321,20 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         "step after step, so a variant is timed with warm caches rather than "
                         "right after another variant evicted them (1: strict alternation)")
     p.add_argument("--no-deepctr", action="store_true")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="peak RSS of each variant in its own subprocess at the largest batch "
+                        "size (data, model, 3 steps) and optimizer-state bytes per embedding row")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="directory for end_to_end.{json,csv,png} and end_to_end_memory.csv")
+    p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_child:
+        memory_child(args)
+        return {}
     sizes = args.batch_sizes + ([131072] if args.with_128k else [])
     torch.manual_seed(0)
 
@@ -160,109 +347,72 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
           f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set")
 
-    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM,
-                  hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM))
-    ours = build_model("deepfm", embedding_backend="cowclip", **common)
-    ours_opt = torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR)
-    ours_task = CTRTrainTask(ours)
-    stock = build_model("deepfm", embedding_backend="torchrec", **common)
-    stock_opt = torch.optim.Adam(stock.parameters(), lr=DENSE_LR)
-    stock_task = CTRTrainTask(stock)
-    dense_model = build_model("deepfm", embedding_backend="cowclip", **common)
-    dense_opt = torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR)
-    deepctr = None
+    built = build_models(["ours", "stock", "dense"], names, cards, n_dense)
     deepctr_error = None
     if not args.no_deepctr:
         try:
-            deepctr = build_deepctr(names, cards, n_dense)
+            built.update(build_models(["deepctr"], names, cards, n_dense))
         except Exception as e:  # noqa: BLE001
             deepctr_error = f"{type(e).__name__}: {e}"
             print(f"deepctr-torch unavailable: {deepctr_error}")
 
     results: List[Dict[str, Any]] = []
     for bs in sizes:
-        batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]
-        fixed = []
-        with torch.no_grad():
-            for b in batches:
-                emb, first = dense_model.fields(b.sparse_features)
-                fixed.append((emb.clone(), first.clone()))
-        by_id = {id(b): k for k, b in enumerate(batches)}
-
-        def ours_step(b: Any) -> None:
-            loss, _ = ours_task(b)
-            loss.backward()
-            ours_opt.step()
-            ours_opt.zero_grad()
-
-        def stock_step(b: Any) -> None:
-            loss, _ = stock_task(b)
-            loss.backward()
-            stock_opt.step()
-            stock_opt.zero_grad()
-
-        def dense_step(b: Any) -> None:
-            emb, first = fixed[by_id[id(b)]]
-            dense = b.dense_features
-            m = dense_model
-            logit = m.linear(first, dense) + fm_second_order(emb) + m.deep([emb, dense.unsqueeze(2)]).squeeze(1)
-            F.binary_cross_entropy_with_logits(logit, b.labels.float()).backward()
-            dense_opt.step()
-            dense_opt.zero_grad()
-
-        variants: Dict[str, Callable[[Any], None]] = {
-            "ours (cowclip backend)": ours_step,
-            "stock (torchrec EBC + Adam)": stock_step,
-            "dense-only (fixed embeddings)": dense_step,
-        }
-        if deepctr is not None:
-            sl = slice(0, args.fit_steps * bs)
-            x_dict = {f"C{i}": np.asarray(ds.sparse[sl, i]).astype(np.int64) for i in range(len(names))}
-            x_dict.update({f"I{i}": np.asarray(ds.dense[sl, i]) for i in range(n_dense)})
-            y = np.asarray(ds.labels[sl]).astype(np.float32)
-            # deepctr's own input layout, for the lean loop
-            order = sorted(deepctr.feature_index, key=lambda k: deepctr.feature_index[k][0])
-            lean_x = [
-                torch.from_numpy(np.stack([x_dict[k][k2 * bs:(k2 + 1) * bs].astype(np.float32) for k in order], 1))
-                for k2 in range(2)
-            ]
-            lean_y = [torch.from_numpy(y[k2 * bs:(k2 + 1) * bs]) for k2 in range(2)]
-
-            def deepctr_fit(b: Any) -> None:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    deepctr.fit(dict(x_dict), y, batch_size=bs, epochs=1, verbose=0, shuffle=True)
-
-            def deepctr_lean(b: Any) -> None:
-                k = by_id[id(b)]
-                pred = deepctr(lean_x[k]).squeeze()
-                loss = F.binary_cross_entropy(pred, lean_y[k], reduction="sum") + deepctr.get_regularization_loss()
-                deepctr.optim.zero_grad()
-                loss.backward()
-                deepctr.optim.step()
-
-            variants["deepctr-torch fit()"] = deepctr_fit
-            variants["deepctr-torch lean loop"] = deepctr_lean
+        variants, batches = variant_steps(built, ds, bs, args.fit_steps)
         print(f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
         k = max(args.steps_per_round, 1)
         blocks = {name: (lambda b, f=f: [f(b) for _ in range(k)]) for name, f in variants.items()}
         timings = es.run_interleaved(blocks, batches, args.rounds, args.warmup, args.time_limit)
         steps_per_call = {name: k * (args.fit_steps if "fit()" in name else 1) for name in variants}
         sps = {n: es.Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
-        ours_name = "ours (cowclip backend)"
         for name, t in sps.items():
             results.append({
                 "batch_size": bs, "variant": name, "samples_per_s_median": t.median,
                 "ms_per_step_median": statistics.median(timings[name].samples) / steps_per_call[name],
                 "rounds": len(t.samples),
-                "ours_over_this_paired": statistics.median(a / b for a, b in zip(sps[ours_name].samples, t.samples)),
+                "ours_over_this_paired": statistics.median(a / b for a, b in zip(sps[OURS].samples, t.samples)),
             })
+
+    memory: List[Dict[str, Any]] = []
+    if args.memory:
+        del batches, variants, blocks
+        gc.collect()
+        print(f"\npeak RSS per variant, own subprocess, batch {max(sizes):,} ...", flush=True)
+        for name in dict.fromkeys(r["variant"] for r in results):
+            memory.append(measure_memory(args, name, rows, max(sizes)))
+        if "deepctr" not in built:
+            print("deepctr-torch not measured: " + (deepctr_error or "--no-deepctr"))
 
     os.makedirs(args.out, exist_ok=True)
     out = {"cpu": es.cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
            "max_cardinality": args.max_cardinality, "total_rows": sum(cards),
-           "results": results, "deepctr_error": deepctr_error}
+           "results": results, "memory": memory, "deepctr_error": deepctr_error}
     with open(os.path.join(args.out, "end_to_end.json"), "w") as f:
         json.dump(out, f, indent=2)
+    with open(os.path.join(args.out, "end_to_end.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(results)
+    if memory:
+        with open(os.path.join(args.out, "end_to_end_memory.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=MEMORY_FIELDS, restval="", extrasaction="ignore")
+            w.writeheader()
+            w.writerows(memory)
+    try:
+        import matplotlib  # noqa: F401
+        plot(results, os.path.join(args.out, "end_to_end.png"))
+    except ImportError:
+        print("matplotlib is not installed: no PNG (CSV and JSON written)")
+
+    if memory:
+        mem = [["variant", "peak RSS MiB", "delta MiB", "state B/row"]]
+        for m in memory:
+            mem.append([m["variant"], f"{m['peak_mib']:.0f}", f"{m['delta_mib']:.0f}",
+                        f"{m['state_bytes_per_row']:.0f}"] if "error" not in m else [m["variant"], "error", m["error"][:60], ""])
+        print(f"\npeak RSS (VmHWM) of one variant per subprocess (data, model, 3 steps), batch {max(sizes):,} "
+              "(delta: over the peak before the model was built); state B/row: embedding optimizer "
+              "state per id (its D-dim row and first-order weight)")
+        print(es.format_table(mem))
     table = [["batch", "variant", "samples/s", "ms/step", "rounds", "ours/this"]]
     for r in results:
         table.append([f"{r['batch_size']:,}", r["variant"], f"{r['samples_per_s_median']:,.0f}",

@@ -1,0 +1,72 @@
+"""benchmarks/end_to_end.py and benchmarks/embedding_step.py at tiny sizes: the files
+each writes (JSON, CSV, PNG with matplotlib) and end_to_end's peak-RSS table, one entry
+per timed variant, each from its own subprocess."""
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
+    import end_to_end
+
+    out = tmp_path / "out"
+    result = end_to_end.main([
+        "--rows", "2048", "--batch-sizes", "256", "--rounds", "1", "--warmup", "0",
+        "--steps-per-round", "1", "--no-deepctr", "--max-cardinality", "1000", "--threads", "1",
+        "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+    ])
+    variants = [end_to_end.OURS, end_to_end.STOCK, end_to_end.DENSE]
+    assert json.loads((out / "end_to_end.json").read_text())["results"] == result["results"]
+    rows = _csv(out / "end_to_end.csv")
+    assert [r["variant"] for r in rows] == variants
+    assert list(rows[0]) == list(result["results"][0])
+    memory = {m["variant"]: m for m in result["memory"]}
+    assert list(memory) == variants
+    for name, m in memory.items():
+        assert "error" not in m, m
+        assert m["peak_mib"] > 0 and m["state_bytes_per_row"] >= 0
+    # Adam: two fp32 moments of the D = 10 row and the first-order weight per id
+    assert memory[end_to_end.OURS]["state_bytes_per_row"] == pytest.approx(88, abs=1)
+    assert memory[end_to_end.STOCK]["state_bytes_per_row"] == pytest.approx(88, abs=1)
+    assert memory[end_to_end.DENSE]["state_bytes_per_row"] == 0
+    mem_rows = _csv(out / "end_to_end_memory.csv")
+    assert [r["variant"] for r in mem_rows] == variants
+    assert list(mem_rows[0]) == end_to_end.MEMORY_FIELDS
+    assert (out / "end_to_end.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_embedding_step_writes_csv_json_png(bench, tmp_path):
+    import embedding_step
+
+    out, extra_json = tmp_path / "out", tmp_path / "copy.json"
+    result = embedding_step.main([
+        "--tables", "2", "--rows", "500", "--dim", "8", "--batch-size", "128", "--steps", "2",
+        "--warmup", "1", "--threads", "1", "--out", str(out), "--json", str(extra_json),
+    ])
+    assert json.loads((out / "embedding_step.json").read_text())["floor_ms_adam"] == result["floor_ms_adam"]
+    assert json.loads(extra_json.read_text())["variants"].keys() == result["variants"].keys()
+    rows = _csv(out / "embedding_step.csv")
+    assert [r["variant"] for r in rows] == [*result["variants"], "ours adam: backward + fused update"]
+    assert {"variant", "median_ms", "min_ms", "vs_fbgemm_paired", "floor_ms_adam"} <= set(rows[0])
+    assert (out / "embedding_step.png").exists() == HAVE_MATPLOTLIB
