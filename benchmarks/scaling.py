@@ -26,10 +26,10 @@ keep: CTR models on Criteo-like data overfit after one or two epochs, so the las
 alone can rank methods by how little they trained), steps, wall time, train throughput,
 and how often the clip bound: overall (rows clipped / rows updated, all epochs) and early
 (the same ratio over the first epoch only, from the cumulative counters the trainer
-writes to each run's ``epochs.csv``). Counts per
-id-frequency bucket are NOT available: the fused update counts updated/clipped rows per
-table only and a trained model keeps no record of which rows were clipped, so the output
-reports per-table counts and says so; nothing here estimates buckets.
+writes to each run's ``epochs.csv``). With ``--row-clip-stats`` each run also counts
+updates and clips per embedding row and reports them by id frequency in the training split
+(``clip_per_id_frequency_bucket`` in scaling.json; the trainer's ``--row-clip-stats``);
+without it, per-table counts only.
 
 Output (under ``--out``, default ``benchmarks/results/scaling``): one trainer run
 directory per (method, batch, seed) in ``runs/`` (``metrics.json``, ``epochs.csv``,
@@ -93,9 +93,8 @@ from torchrec_cowclip.train.scaling import (  # noqa: E402
 METHODS = ("cowclip", "sqrt", "linear", "none")
 DEFAULT_BATCHES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 BUCKET_NOTE = (
-    "clip counts per id-frequency bucket are not available: the trainer counts updated and "
-    "clipped rows per table only (clipped_per_table in scaling.json); no bucket figures are "
-    "reported or estimated"
+    "clip counts per id-frequency bucket: only with --row-clip-stats "
+    "(clip_per_id_frequency_bucket in scaling.json); per table always (clipped_per_table)"
 )
 
 
@@ -244,7 +243,7 @@ def run_one(
         "epoch1_rows_updated": upd1, "epoch1_rows_clipped": clip1,
         "epoch1_clipped_frac": _ratio(clip1, upd1),
         "clipped_per_table": m["clipped_per_table"],
-        "clip_per_id_frequency_bucket": None,
+        "clip_per_id_frequency_bucket": m.get("clip_by_frequency"),
         "dense_lr": h["dense_lr"], "embedding_lr": h["embedding_lr"], "l2": h["l2"],
         "cowclip": h["cowclip"], "init_std": init_std, "base_batch_size": base_batch_size,
         "warmup_epochs": h["warmup_epochs"], "recipe": h.get("recipe"),
@@ -513,6 +512,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "shows the test AUC at the best validation epoch")
     p.add_argument("--eval-batch-size", type=int, default=65536)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--row-clip-stats", action="store_true",
+                   help="per run, clip rates by id frequency (the trainer's --row-clip-stats)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scaling"))
     p.add_argument("--cache-dir", default=None, help="shared data cache (default OUT/cache)")
@@ -555,7 +556,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra: Dict[str, Any] = {"test_fraction": args.test_fraction,
                              "val_fraction": args.val_fraction,
                              "eval_batch_size": args.eval_batch_size,
-                             "threads": args.threads, "device": args.device}
+                             "threads": args.threads, "device": args.device,
+                             "row_clip_stats": args.row_clip_stats}
     if args.warmup_epochs is not None:
         extra["warmup_epochs"] = args.warmup_epochs
     if args.hidden:

@@ -164,6 +164,39 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(weighted
     assert hot_flags == [single_hot] * len(hot_flags) and hot_flags
 
 
+def test_row_clip_counts_match_the_reference_row_by_row():
+    """With tracking on, each row's (updated, clipped) counts are the number of steps whose
+    batch looked it up and of those whose reference step clipped it."""
+    gen = torch.Generator().manual_seed(5)
+    tables = _tables()
+    ebc, ref = _build(tables, gen, "adam", default_cowclip(), **HYPER)
+    with pytest.raises(RuntimeError, match="track_row_clips"):
+        ebc.row_clip_counts()
+    ebc.track_row_clips()
+    want_updated = {t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables}
+    want_clipped = {t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables}
+    for _ in range(4):
+        kjt = random_kjt(tables, batch_size=6, generator=gen)
+        _step_against_reference(ebc, ref, tables, kjt, gen)
+        features = kjt.to_dict()
+        for t in tables:
+            ids = torch.cat([features[f].values() for f in t.feature_names]).unique()
+            want_updated[t.name][ids] += 1
+            want_clipped[t.name][ref.clipped_rows[t.name]] += 1
+    counts = ebc.row_clip_counts()
+    assert sum(int(c.sum()) for _, c in counts.values()) > 0  # the clip bound somewhere
+    for t in tables:
+        updated, clipped = counts[t.name]
+        assert torch.equal(updated, want_updated[t.name]), t.name
+        assert torch.equal(clipped, want_clipped[t.name]), t.name
+        assert clipped.sum() == ebc.clip_stats()[t.name].total_rows_clipped
+    ebc.reset_clip_stats()
+    assert all(int(u.sum()) == 0 for u, _ in ebc.row_clip_counts().values())
+    ebc.track_row_clips(False)
+    with pytest.raises(RuntimeError):
+        ebc.row_clip_counts()
+
+
 def test_weighted_mean_pooling_divides_by_bag_length():
     table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
                                pooling=PoolingType.MEAN)

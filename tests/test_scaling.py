@@ -53,7 +53,8 @@ def study(tmp_path_factory):
         model="deepfm", data="synthetic:100000", seeds=[SEED], epochs=EPOCHS, out_root=out,
         cache_dir=str(out / "cache"), base_batch_size=SMALL, base_lr_embed=1e-2, base_lr=4e-3,
         extra=dict(hidden=(32, 32), synthetic_scale=0.01, synthetic_max_cardinality=5000,
-                   eval_batch_size=8192, log_every=1000),
+                   eval_batch_size=8192, log_every=1000,
+                   row_clip_stats=True),
         verbose=False,
     )
     # At the base batch every method has the same lrs; only CowClip is run there.
@@ -112,7 +113,6 @@ def test_every_run_is_finite_and_counters_are_consistent(study):
             assert 0 <= t["rows_clipped"] <= t["rows_updated"]
         if not method.startswith("cowclip"):
             assert r["rows_clipped"] == 0, (b, method)
-        assert r["clip_per_id_frequency_bucket"] is None  # not available, never faked
 
 
 def test_cowclip_that_never_binds_is_lazy_adam_to_the_bit(study):
@@ -138,3 +138,15 @@ def test_outputs_are_written(study, capsys):
     assert "| 4096 | cowclip-sqrt |" in table
     merged = scaling.combine([str(out)], out / "combined")
     assert len(merged) == 6 and (out / "combined" / "scaling.csv").exists()
+
+
+def test_clip_counts_by_id_frequency_cover_every_clipped_table_update(study):
+    """--row-clip-stats: the id-frequency buckets of each run add up to the per-table
+    counters of its clipped (D-dim) tables."""
+    _, records = study
+    for key, r in records.items():
+        buckets = r["clip_per_id_frequency_bucket"]
+        assert buckets and [b["low"] for b in buckets] == [1, 2, 11, 101, 1001], key
+        per_table = {t: v for t, v in r["clipped_per_table"].items() if t.startswith("emb_")}
+        assert sum(b["rows_updated"] for b in buckets) == sum(v["rows_updated"] for v in per_table.values())
+        assert sum(b["rows_clipped"] for b in buckets) == sum(v["rows_clipped"] for v in per_table.values())

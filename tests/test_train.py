@@ -194,3 +194,24 @@ def test_stock_torchrec_backend_trains_with_dense_adam(tmp_path):
     metrics = Trainer(_config(tmp_path, embedding_backend="torchrec", cowclip=False, max_steps=4)).run()
     assert metrics["steps"] == 4 and metrics["rows_updated"] is None
     assert math.isfinite(metrics["logloss"])
+
+
+def test_row_clip_stats_report_clip_rates_by_id_frequency(tmp_path):
+    """--row-clip-stats: a small init makes the clip bind; the per-frequency buckets cover
+    every update of the clipped tables and agree with the per-table counters."""
+    cfg = _config(tmp_path, init_std=1e-4, row_clip_stats=True, epochs=1, max_steps=6)
+    metrics = Trainer(cfg).run()
+    buckets = metrics["clip_by_frequency"]
+    assert [b["low"] for b in buckets] == [1, 2, 11, 101, 1001]
+    clipped_tables = {k: v for k, v in metrics["clipped_per_table"].items() if k.startswith("emb_")}
+    assert sum(b["rows_updated"] for b in buckets) == sum(v["rows_updated"] for v in clipped_tables.values())
+    assert sum(b["rows_clipped"] for b in buckets) == sum(v["rows_clipped"] for v in clipped_tables.values())
+    assert sum(b["rows_clipped"] for b in buckets) > 0
+    assert all(0.0 <= b["clip_rate"] <= 1.0 for b in buckets)
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk["clip_by_frequency"] == buckets
+
+
+def test_row_clip_stats_need_the_cowclip_backend(tmp_path):
+    with pytest.raises(ConfigError, match="--row-clip-stats"):
+        _config(tmp_path, row_clip_stats=True, embedding_backend="torchrec", cowclip=False).validate()

@@ -293,6 +293,47 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         """Zeroes all counters (the step counts, which are optimizer state, stay)."""
         for batch in self._batches:
             batch.reset_stats()
+            if batch.row_counters is not None:
+                batch.row_counters.zero_()
+
+    def track_row_clips(self, enabled: bool = True) -> None:
+        """Starts (or stops) counting, for every row of every table, how many steps
+        updated it and how many of those clipped its gradient (:meth:`row_clip_counts`).
+
+        It costs two int64 counters per row and two ``index_add_`` per step; the counts
+        start at zero and are not saved in checkpoints. Use it to see *which* rows the
+        clip binds on, e.g. by id frequency (:func:`~torchrec_cowclip.embedding.row_clip_stats.clip_rates_by_frequency`).
+
+        Example::
+
+            >>> ebc.track_row_clips()
+            >>> ...  # train
+            >>> updated, clipped = ebc.row_clip_counts()["t_user"]
+        """
+        for batch in self._batches:
+            if not enabled:
+                batch.row_counters = None
+            elif batch.row_counters is None:
+                batch.row_counters = torch.zeros(
+                    2, batch.weight.shape[0], dtype=torch.int64, device=batch.weight.device
+                )
+
+    def row_clip_counts(self) -> Dict[str, Tuple[Tensor, Tensor]]:
+        """Per table, ``(updated, clipped)``: ``[num_embeddings]`` int64 counts of the steps
+        that updated each row and of those that clipped it, since :meth:`track_row_clips`
+        (or the last :meth:`reset_clip_stats`).
+
+        Raises:
+            RuntimeError: :meth:`track_row_clips` was not called.
+        """
+        counts: Dict[str, Tuple[Tensor, Tensor]] = {}
+        for batch in self._batches:
+            if batch.row_counters is None:
+                raise RuntimeError("row clip counts are off: call track_row_clips() before training")
+            for i, name in enumerate(batch.table_names):
+                lo, hi = batch.row_offsets_list[i], batch.row_offsets_list[i + 1]
+                counts[name] = (batch.row_counters[0, lo:hi], batch.row_counters[1, lo:hi])
+        return {t.name: counts[t.name] for t in self._embedding_bag_configs}
 
     # --- Module plumbing -----------------------------------------------------------
 

@@ -83,6 +83,11 @@ def apply_fused_update_(
     else:
         clipped = torch.zeros(0, dtype=torch.bool, device=rows.device)
 
+    if batch.row_counters is not None:
+        batch.row_counters[0].index_add_(0, rows, torch.ones_like(rows))
+        clipped_rows = rows[clipped]
+        batch.row_counters[1].index_add_(0, clipped_rows, torch.ones_like(clipped_rows))
+
     updated_per_table = torch.bincount(table_of_row, minlength=num_tables)
     clipped_per_table = torch.bincount(table_of_row[clipped], minlength=num_tables)
     last = torch.stack([updated_per_table, clipped_per_table, nonfinite_per_table])

@@ -10,7 +10,7 @@ tensors that ``state_dict()`` and the fused optimizer expose are views into it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -117,6 +117,8 @@ class TableBatch:
             len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
         )
         self._bag_rows_cache: Dict[Tuple[int, torch.device], Tensor] = {}
+        # Optional per-row [2, R] int64 (updated, clipped) counts; None unless asked for.
+        self.row_counters: Optional[Tensor] = None
         # Batches equal in this look up the same row ids for the same KJT.
         self.lookup_layout: Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]] = (
             tuple(self.feature_names),
@@ -184,6 +186,8 @@ class TableBatch:
         ):
             setattr(self, attr, fn(getattr(self, attr)))
         self.state = {name: fn(t) for name, t in self.state.items()}
+        if self.row_counters is not None:
+            self.row_counters = fn(self.row_counters)
         self._bag_rows_cache = {}
 
     def stats(self) -> Dict[str, TableClipStats]:

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds any collective may wait (a dead rank fails the job after this)")
     r.add_argument("--no-progress", dest="progress", action="store_false")
     r.add_argument("--log-every", type=int, default=d.log_every)
+    r.add_argument("--row-clip-stats", action="store_true",
+                   help="count clipped updates per embedding row and report the clip rate by "
+                        "id frequency in the training split (clip_by_frequency.json; one process)")
     return parser
 
 

@@ -71,6 +71,7 @@ class TrainConfig:
     threads: int = 0
     progress: bool = True
     log_every: int = 20
+    row_clip_stats: bool = False
     sharding: str = "auto"
     dist_timeout_s: float = 300.0
 
@@ -78,6 +79,9 @@ class TrainConfig:
         """Raises :class:`ConfigError` naming the first bad option."""
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.row_clip_stats and self.embedding_backend != "cowclip":
+            raise ConfigError("--row-clip-stats counts the CowClip update's clips: use "
+                              "--embedding-backend cowclip")
         if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(
                 f"--embedding-optimizer must be one of {', '.join(EMBEDDING_OPTIMIZERS)}, "

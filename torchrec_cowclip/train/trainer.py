@@ -28,7 +28,9 @@ from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipeline
 
 from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.models import build_model
+from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.train.checkpoint import load_checkpoint, save_checkpoint
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
@@ -191,6 +193,10 @@ class Trainer:
             device=self.device,
         )
         self.task = CTRTrainTask(self.model)
+        if config.row_clip_stats:
+            if self.ctx is not None:
+                raise ConfigError("--row-clip-stats counts rows of unsharded tables: run one process")
+            self.model.embedding_collection.track_row_clips()
         if self.ctx is None:
             self.train_module: torch.nn.Module = self.task
             self.steps_per_epoch = math.ceil(len(self.train_idx) / config.batch_size)
@@ -485,11 +491,29 @@ class Trainer:
                         "rows": len(self.dataset), "train": len(self.train_idx),
                         "val": len(self.val_idx), "test": len(self.test_idx)},
         }
+        if cfg.row_clip_stats:
+            metrics["clip_by_frequency"] = self._clip_by_frequency()
         if self.ctx is None or self.ctx.is_main:
             tmp = self.out / "metrics.json.tmp"
             tmp.write_text(json.dumps(metrics, indent=2, default=str))
             os.replace(tmp, self.out / "metrics.json")
         return metrics
+
+    def _clip_by_frequency(self) -> List[Dict[str, float]]:
+        """Clip rate of the clipped tables' row updates, by each id's number of occurrences
+        in the training split (since the start of this process: the per-row counts are
+        not checkpointed)."""
+        schema = self.dataset.schema
+        counts = self.model.embedding_collection.row_clip_counts()
+        train_rows = np.sort(np.asarray(self.train_idx))
+        frequency = {
+            embedding_table_name(name): torch.from_numpy(np.bincount(
+                np.asarray(self.dataset.sparse[train_rows, i], dtype=np.int64), minlength=int(card)
+            ))
+            for i, (name, card) in enumerate(zip(schema.sparse_names, schema.cardinalities))
+            if embedding_table_name(name) in counts  # the D-dim tables; not first-order ones
+        }
+        return [b.as_dict() for b in clip_rates_by_frequency(counts, frequency)]
 
     def _banner(self) -> str:
         hp = self.hp
