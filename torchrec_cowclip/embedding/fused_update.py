@@ -48,8 +48,10 @@ def apply_fused_update_(
     # an element-wise isfinite pass (6.5 ms -> 0.7 ms at 167K x 16 rows on 2 cores).
     # A finite row whose sum overflows float32 is skipped too (its norm overflows as well).
     finite = torch.isfinite(grad.sum(dim=1)) if row_sums is None else row_sums.finite
-    nonfinite_per_table = torch.bincount(table_of_row[~finite], minlength=num_tables)
-    if not bool(finite.all()):
+    if bool(finite.all()):
+        nonfinite_per_table = torch.zeros(num_tables, dtype=torch.int64, device=rows.device)
+    else:
+        nonfinite_per_table = torch.bincount(table_of_row[~finite], minlength=num_tables)
         rows, counts, grad, table_of_row = (
             rows[finite], counts[finite], grad[finite], table_of_row[finite]
         )
@@ -61,8 +63,9 @@ def apply_fused_update_(
         adam_bias = None
         if batch.optimizer == "adam":
             # Per table, then gathered per row: no float64 pow per row in the kernel.
-            per_table = adam_bias_corrections(batch.step, betas[0], betas[1], grad.dtype)
-            adam_bias = (per_table[0][table_of_row], per_table[1][table_of_row])
+            corrections = adam_bias_corrections(batch.step, betas[0], betas[1], grad.dtype)
+            per_row = torch.stack(corrections, dim=1)[table_of_row]  # one gather for both
+            adam_bias = (per_row[:, 0], per_row[:, 1])
         clipped = row_step_(
             batch.weight,
             batch.state,
@@ -88,8 +91,12 @@ def apply_fused_update_(
         clipped_rows = rows[clipped]
         batch.row_counters[1].index_add_(0, clipped_rows, torch.ones_like(clipped_rows))
 
-    updated_per_table = torch.bincount(table_of_row, minlength=num_tables)
-    clipped_per_table = torch.bincount(table_of_row[clipped], minlength=num_tables)
-    last = torch.stack([updated_per_table, clipped_per_table, nonfinite_per_table])
+    # One pass for both counts: bin 2t holds table t's unclipped rows, 2t + 1 its clipped.
+    per_table_and_clip = torch.bincount(
+        table_of_row * 2 + clipped.to(table_of_row.dtype), minlength=2 * num_tables
+    ).view(num_tables, 2)
+    last = torch.stack(
+        [per_table_and_clip.sum(dim=1), per_table_and_clip[:, 1], nonfinite_per_table]
+    )
     batch.counters[:3] = last
     batch.counters[3:] += last
