@@ -28,6 +28,7 @@ the dense reference).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -81,10 +82,16 @@ def set_compiled_update(mode: Optional[str]) -> None:
 
 
 def _can_compile(device: torch.device) -> bool:
-    if device.type == "cpu":
+    return _toolchain_available(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain_available(device_type: str) -> bool:
+    # Cached: asked on every update, and a PATH search per step is wasted work.
+    if device_type == "cpu":
         compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
         return any(name and shutil.which(name) for name in compilers)
-    if device.type == "cuda":
+    if device_type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:

@@ -107,16 +107,13 @@ class TableBatch:
         self.clip_enabled = torch.tensor(list(clipped), dtype=torch.bool, device=device)
         self.feature_row_offset_list: List[int] = [offsets[i] for i in feature_table]
         self.feature_num_rows_list: List[int] = [rows[i] for i in feature_table]
-        self.feature_row_offset = torch.tensor(
-            self.feature_row_offset_list, dtype=torch.int64, device=device
-        )
         self.feature_num_rows = torch.tensor(
             self.feature_num_rows_list, dtype=torch.int64, device=device
         )
         self.counters = torch.zeros(
             len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
         )
-        self._bag_rows_cache: Dict[Tuple[int, torch.device], Tensor] = {}
+        self._index_cache: Dict[Tuple[str, int], Tensor] = {}
         # Optional per-row [2, R] int64 (updated, clipped) counts; None unless asked for.
         self.row_counters: Optional[Tensor] = None
         # Batches equal in this look up the same row ids for the same KJT.
@@ -152,26 +149,29 @@ class TableBatch:
         Cached per batch size: it depends on nothing else, and computing it per step
         was 3 full passes over the ids.
         """
-        key = (batch_size, self.weight.device)
-        cached = self._bag_rows_cache.get(key)
-        if cached is None:
+
+        def build() -> Tensor:
             bag = torch.arange(self.num_features * batch_size, device=self.weight.device)
-            cached = (bag % batch_size) * self.num_features + bag // batch_size
-            # A training run sees one or two batch sizes (train, eval, a last partial one).
-            if len(self._bag_rows_cache) >= 8:
-                self._bag_rows_cache.clear()
-            self._bag_rows_cache[key] = cached
-        return cached
+            return (bag % batch_size) * self.num_features + bag // batch_size
+
+        return self._cached_index("bag_gradient_rows", batch_size, build)
 
     def unit_offsets(self, num_bags: int) -> Tensor:
         """``arange(num_bags + 1)``: offsets of ``num_bags`` bags of one id each (cached)."""
-        key = (-num_bags, self.weight.device)  # negative: apart from bag_gradient_rows'
-        cached = self._bag_rows_cache.get(key)
+        return self._cached_index(
+            "unit_offsets", num_bags,
+            lambda: torch.arange(num_bags + 1, device=self.weight.device),
+        )
+
+    def _cached_index(self, kind: str, size: int, build: Callable[[], Tensor]) -> Tensor:
+        """Index tensors that depend only on a batch size, built once per size (a run
+        sees a few: train, eval, a last partial batch); dropped on device moves."""
+        key = (kind, size)
+        cached = self._index_cache.get(key)
         if cached is None:
-            cached = torch.arange(num_bags + 1, device=self.weight.device)
-            if len(self._bag_rows_cache) >= 8:
-                self._bag_rows_cache.clear()
-            self._bag_rows_cache[key] = cached
+            if len(self._index_cache) >= 8:
+                self._index_cache.clear()
+            cached = self._index_cache[key] = build()
         return cached
 
     def table_of_rows(self, rows: Tensor) -> Tensor:
@@ -181,14 +181,13 @@ class TableBatch:
     def apply_(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Applies a ``Module._apply`` function (device or dtype move) to every tensor."""
         for attr in (
-            "weight", "step", "row_offsets", "clip_enabled", "feature_row_offset",
-            "feature_num_rows", "counters",
+            "weight", "step", "row_offsets", "clip_enabled", "feature_num_rows", "counters",
         ):
             setattr(self, attr, fn(getattr(self, attr)))
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self.row_counters is not None:
             self.row_counters = fn(self.row_counters)
-        self._bag_rows_cache = {}
+        self._index_cache = {}
 
     def stats(self) -> Dict[str, TableClipStats]:
         counters = self.counters.tolist()

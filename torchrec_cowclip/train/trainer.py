@@ -505,14 +505,18 @@ class Trainer:
         not checkpointed)."""
         schema = self.dataset.schema
         counts = self.model.embedding_collection.row_clip_counts()
+        # The D-dim tables; not the first-order ones.
+        fields = [(i, embedding_table_name(name), int(card))
+                  for i, (name, card) in enumerate(zip(schema.sparse_names, schema.cardinalities))
+                  if embedding_table_name(name) in counts]
+        occurrences = {table: np.zeros(card, dtype=np.int64) for _, table, card in fields}
+        # One pass over the memory-mapped training rows, in bounded blocks, for all fields.
         train_rows = np.sort(np.asarray(self.train_idx))
-        frequency = {
-            embedding_table_name(name): torch.from_numpy(np.bincount(
-                np.asarray(self.dataset.sparse[train_rows, i], dtype=np.int64), minlength=int(card)
-            ))
-            for i, (name, card) in enumerate(zip(schema.sparse_names, schema.cardinalities))
-            if embedding_table_name(name) in counts  # the D-dim tables; not first-order ones
-        }
+        for start in range(0, len(train_rows), 1 << 20):
+            block = np.asarray(self.dataset.sparse[train_rows[start:start + (1 << 20)]])
+            for i, table, card in fields:
+                occurrences[table] += np.bincount(block[:, i].astype(np.int64), minlength=card)
+        frequency = {table: torch.from_numpy(n) for table, n in occurrences.items()}
         return [b.as_dict() for b in clip_rates_by_frequency(counts, frequency)]
 
     def _banner(self) -> str:
