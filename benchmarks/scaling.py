@@ -121,8 +121,8 @@ def method_hyperparameters(
     Base values default to the trainer's profile at the base batch
     (:func:`scale_hyperparameters`); ``cowclip`` yields exactly the trainer's values for
     ``recipe`` when no base value is overridden. ``rules`` (``dense_lr_scaling``,
-    ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear) and ``clip_r`` /
-    ``clip_zeta`` change the recipe for the ``cowclip`` method only.
+    ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear; ``count_lr_power`` ->
+    a float) and ``clip_r`` / ``clip_zeta`` change the recipe for the ``cowclip`` method only.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -139,6 +139,7 @@ def method_hyperparameters(
             "lr": lr0 * scale_factor(rec.dense_lr_scaling, s),
             "lr_embed": emb0 * scale_factor(rec.embedding_lr_scaling, s),
             "l2": l20 * scale_factor(rec.l2_scaling, s),
+            "count_lr_power": rec.count_lr_power,
         }
         if clip_r is not None:
             hp["clip_r"] = clip_r
@@ -247,7 +248,8 @@ def run_one(
         "dense_lr": h["dense_lr"], "embedding_lr": h["embedding_lr"], "l2": h["l2"],
         "cowclip": h["cowclip"], "init_std": init_std, "base_batch_size": base_batch_size,
         "warmup_epochs": h["warmup_epochs"], "recipe": h.get("recipe"),
-        "clip_r": h["clip_r"], "clip_zeta": h["clip_zeta"], "out": str(out),
+        "clip_r": h["clip_r"], "clip_zeta": h["clip_zeta"],
+        "count_lr_power": h.get("count_lr_power", 0.0), "out": str(out),
     }
 
 
@@ -269,8 +271,15 @@ def run_study(
     extra: Optional[Dict[str, Any]] = None,
     method_options: Optional[Dict[str, Any]] = None,
     verbose: bool = True,
+    equal_steps: bool = False,
 ) -> List[Dict[str, Any]]:
-    """Every (batch, method, seed) run; returns the records in that order."""
+    """Every (batch, method, seed) run; returns the records in that order.
+
+    ``equal_steps``: batch ``b`` trains ``epochs * b / base_batch_size`` epochs (rounded),
+    i.e. as many steps as the base batch takes in ``epochs``; with the trainer's
+    ``early_stop_patience`` (in ``extra``) a run stops once validation AUC has not improved
+    for that many epochs, which selects the same epoch as the full run would.
+    """
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or str(out_root / "cache")
@@ -279,8 +288,10 @@ def run_study(
     for b in batch_sizes:
         for method in methods:
             for seed in seeds:
+                run_epochs = (max(1, round(epochs * b / base_batch_size)) if equal_steps
+                              else epochs)
                 rec = run_one(method=method, batch_size=b, seed=seed, model=model, data=data,
-                              epochs=epochs, out_root=out_root, cache_dir=cache_dir,
+                              epochs=run_epochs, out_root=out_root, cache_dir=cache_dir,
                               base_batch_size=base_batch_size, init_std=init_std,
                               base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2,
                               extra=extra, method_options=method_options)
@@ -488,6 +499,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0: one seed)")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--equal-steps", action="store_true",
+                   help="train batch b for EPOCHS * b / base epochs: the base batch's number "
+                        "of steps (use with --early-stop-patience to stop overfit runs early)")
+    p.add_argument("--early-stop-patience", type=int, default=0,
+                   help="the trainer's: stop after this many epochs without a better "
+                        "validation AUC (needs --val-fraction; 0: never)")
     p.add_argument("--init-std", type=float, default=1e-2)
     p.add_argument("--base-lr", type=float, default=None, help="dense lr at the base batch")
     p.add_argument("--base-lr-embed", type=float, default=None, help="embedding lr at the base batch")
@@ -499,6 +516,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.add_argument(flag, choices=tuple(SCALINGS), default=None,
                        help="cowclip method only: replaces the recipe's rule")
     p.add_argument("--clip-r", type=float, default=None, help="cowclip method only: CowClip r")
+    p.add_argument("--count-lr-power", type=float, default=None,
+                   help="cowclip method only: per-id-frequency embedding lr, "
+                        "lr * min(count in batch, batch/base) ** POWER (replaces the recipe's)")
     p.add_argument("--label", default=None,
                    help="name of the cowclip method in the outputs (default cowclip), e.g. "
                         "cowclip+RECIPE to put a recipe beside the paper's with --combine")
@@ -557,7 +577,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "val_fraction": args.val_fraction,
                              "eval_batch_size": args.eval_batch_size,
                              "threads": args.threads, "device": args.device,
-                             "row_clip_stats": args.row_clip_stats}
+                             "row_clip_stats": args.row_clip_stats,
+                             "early_stop_patience": args.early_stop_patience}
     if args.warmup_epochs is not None:
         extra["warmup_epochs"] = args.warmup_epochs
     if args.hidden:
@@ -565,7 +586,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rules = {name: value for name, value in (
         ("dense_lr_scaling", args.dense_lr_scaling),
         ("embedding_lr_scaling", args.embed_lr_scaling),
-        ("l2_scaling", args.l2_scaling)) if value is not None}
+        ("l2_scaling", args.l2_scaling),
+        ("count_lr_power", args.count_lr_power)) if value is not None}
     method_options = {"recipe": args.recipe, "rules": rules, "clip_r": args.clip_r,
                       "clip_zeta": args.clip_zeta, "label": args.label}
     if args.synthetic_scale is not None:
@@ -579,7 +601,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seeds=args.seeds, epochs=args.epochs, out_root=out_root, cache_dir=args.cache_dir,
         base_batch_size=args.base_batch_size, init_std=args.init_std, base_lr=args.base_lr,
         base_lr_embed=args.base_lr_embed, base_l2=args.base_l2, extra=extra,
-        method_options=method_options,
+        method_options=method_options, equal_steps=args.equal_steps,
     )
     meta = {k: (v if isinstance(v, (int, float, str, list, type(None))) else str(v))
             for k, v in vars(args).items()}

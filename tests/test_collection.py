@@ -19,6 +19,7 @@ from cowclip_testing import (
     random_kjt,
 )
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip.optim.functional import CountLR
 from torchrec_cowclip.embedding.row_step import set_compiled_update
 
 
@@ -112,6 +113,20 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_pa
         assert sum(s.total_rows_updated for s in stats.values()) > total_clipped
     else:
         assert total_clipped == 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_count_lr_matches_dense_reference(optimizer, update_path):
+    """The per-id-frequency lr (CountLR) in the fused update equals the reference's, with
+    repeated ids so that counts reach past the cap."""
+    gen = torch.Generator().manual_seed(11)
+    tables = _tables()
+    ebc, ref = _build(tables, gen, optimizer, default_cowclip(), **HYPER,
+                      count_lr=CountLR(power=0.5, cap=3.0))
+    assert ebc.fused_optimizer.hyperparameters["count_lr"] == CountLR(power=0.5, cap=3.0)
+    for _ in range(3):
+        kjt = random_kjt(tables, batch_size=12, generator=gen)
+        _step_against_reference(ebc, ref, tables, kjt, gen)
 
 
 def test_weighted_features_match_reference(update_path):

@@ -23,7 +23,7 @@ from torchrec import EmbeddingBagConfig, PoolingType
 import distributed_cases as cases
 from distributed_harness import run_ranks, start_ranks
 from torchrec_cowclip import CowClip
-from torchrec_cowclip.optim.functional import cowclip_row_update_
+from torchrec_cowclip.optim.functional import CountLR, cowclip_row_update_
 
 RTOL = 1e-5
 
@@ -129,7 +129,8 @@ def planner_scenario() -> cases.Scenario:
 SCENARIOS = {
     "adam": mixed("adam"),
     "rowwise_adagrad": mixed("rowwise_adagrad", seed=1),
-    "sgd": mixed("sgd", seed=2),
+    # SGD with the per-id-frequency lr: every sharding type must see the global counts.
+    "sgd": mixed("sgd", seed=2, hyper={**cases.HYPER, "count_lr": CountLR(power=0.5, cap=2.0)}),
     "norms": norm_scenario(),
     # The module is a CowClipEmbeddingBagCollection (rowwise_adagrad, lr 0.05, "lin"
     # unclipped); the sharder's own options differ and must not be used.

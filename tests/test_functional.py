@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchrec_cowclip.optim.functional import (
+    CountLR,
     CowClip,
     adam_rows_,
     cowclip_clip,
@@ -137,3 +138,58 @@ def test_cowclip_validation_and_reference_mapping():
 def test_unknown_optimizer_is_rejected():
     with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
         cowclip_row_update_("adamw", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), {}, torch.tensor(1), lr=1.0)
+
+
+def test_count_lr_multiplier_and_validation():
+    rule = CountLR(power=0.5, cap=16)
+    assert rule.multiplier(torch.tensor([1, 4, 9, 16, 1000])).tolist() == [1.0, 2.0, 3.0, 4.0, 4.0]
+    assert CountLR(power=1.0, cap=8).multiplier(torch.tensor([3, 20])).tolist() == [3.0, 8.0]
+    assert CountLR(power=0.0, cap=8).multiplier(torch.tensor([3, 20])).tolist() == [1.0, 1.0]
+    assert CountLR(power=-1.0, cap=4).multiplier(torch.tensor([2, 9])).tolist() == [0.5, 0.25]
+    for bad in (dict(cap=0.5), dict(power=float("nan")), dict(cap=float("inf"))):
+        with pytest.raises(ValueError, match="CountLR"):
+            CountLR(**bad)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
+    """A per-row rate from the count is the same as stepping each row alone at
+    ``lr * min(c, cap) ** power``; the clip still uses the count as before."""
+    gen = torch.Generator().manual_seed(4)
+    n, d = 9, 5
+    weight = torch.randn(n, d, generator=gen, dtype=torch.float64) * 0.1
+    weight[:2] *= 1e-3  # the clip binds here
+    grad = torch.randn(n, d, generator=gen, dtype=torch.float64) * 0.05
+    counts = torch.tensor([1, 7, 1, 2, 3, 5, 8, 13, 40])
+    rule = CountLR(power=0.5, cap=8.0)
+
+    def fresh_state():
+        if optimizer == "adam":
+            return {"exp_avg": torch.full((n, d), 0.01, dtype=torch.float64),
+                    "exp_avg_sq": torch.full((n, d), 0.002, dtype=torch.float64)}
+        if optimizer == "rowwise_adagrad":
+            return {"sum": torch.full((n,), 0.3, dtype=torch.float64)}
+        return {}
+
+    kw = dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.02, cowclip=CowClip(r=1.0, zeta=1e-5))
+    w_all, s_all = weight.clone(), fresh_state()
+    clipped = cowclip_row_update_(optimizer, w_all, grad, counts, s_all, torch.tensor(3),
+                                  lr=0.1, count_lr=rule, **kw)
+    assert bool(clipped.any()) and not bool(clipped.all())
+    for j in range(n):
+        w_j, s_full = weight[j:j + 1].clone(), fresh_state()
+        s_j = {k: v[j:j + 1].clone() for k, v in s_full.items()}
+        lr_j = 0.1 * min(float(counts[j]), 8.0) ** 0.5
+        clipped_j = cowclip_row_update_(optimizer, w_j, grad[j:j + 1], counts[j:j + 1], s_j,
+                                        torch.tensor(3), lr=lr_j, **kw)
+        torch.testing.assert_close(w_all[j:j + 1], w_j, rtol=1e-12, atol=1e-15)
+        for k in s_j:
+            torch.testing.assert_close(s_all[k][j:j + 1], s_j[k], rtol=1e-12, atol=1e-15)
+        assert bool(clipped_j[0]) == bool(clipped[j])
+    # cap 1 (the base batch) is the plain update to the bit.
+    w_one, s_one = weight.clone(), fresh_state()
+    w_plain, s_plain = weight.clone(), fresh_state()
+    cowclip_row_update_(optimizer, w_one, grad, counts, s_one, torch.tensor(3), lr=0.1,
+                        count_lr=CountLR(power=1.0, cap=1.0), **kw)
+    cowclip_row_update_(optimizer, w_plain, grad, counts, s_plain, torch.tensor(3), lr=0.1, **kw)
+    assert torch.equal(w_one, w_plain)

@@ -71,3 +71,20 @@ def test_config_rejects_an_unknown_recipe():
     with pytest.raises(ConfigError, match="--recipe"):
         TrainConfig(recipe="nope").validate()
     assert TrainConfig().recipe == "paper"
+
+
+def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
+    hp = scale_hyperparameters(1024 * S, count_lr_power=0.5)
+    assert hp.count_lr is not None
+    assert (hp.count_lr.power, hp.count_lr.cap) == (0.5, float(S))
+    assert scale_hyperparameters(1024 * S).count_lr is None  # off in the paper's recipe
+    assert scale_hyperparameters(512, count_lr_power=1.0).count_lr.cap == 1.0  # never below 1
+    cfg = TrainConfig(data="synthetic:3000", synthetic_scale=0.001, synthetic_max_cardinality=500,
+                      hidden=(8,), batch_size=1024 * S, count_lr_power=1.0,
+                      cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "run"))
+    cfg.validate()
+    trainer = Trainer(cfg)
+    hyper = trainer.model.embedding_collection.fused_optimizer.hyperparameters
+    assert hyper["count_lr"].cap == float(S) and hyper["count_lr"].power == 1.0
+    with pytest.raises(ConfigError, match="--count-lr-power"):
+        TrainConfig(count_lr_power=0.5, embedding_backend="torchrec", cowclip=False).validate()

@@ -15,6 +15,7 @@ from torchrec_cowclip.embedding.row_step import (
     use_compiled_update,
 )
 from torchrec_cowclip.optim.functional import (
+    CountLR,
     CowClip,
     RowSums,
     adam_bias_corrections,
@@ -178,3 +179,26 @@ def test_gather_step_scatter_touches_only_the_given_rows():
     assert not torch.equal(weight[rows], before_w[rows])
     for key in state:
         assert torch.equal(state[key][untouched], before_s[key][untouched])
+
+
+@pytest.mark.parametrize("mode", [pytest.param("1", marks=needs_compiler), "0"],
+                         ids=["compiled", "eager"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
+    set_compiled_update(mode)
+    weight, state, rows, grad, counts, step, mask = _problem(optimizer)
+    counts = counts * 3  # counts 3..9 against cap 4: both sides of the cap
+    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01,
+              cowclip=CowClip(r=1.0, zeta=1e-5), clip_enabled=mask,
+              count_lr=CountLR(power=1.0, cap=4.0))
+    want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad, counts, step, **kw)
+    plain_w, _, _ = _expected(optimizer, weight, state, rows, grad, counts, step,
+                              **{**kw, "count_lr": None})
+    bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
+    clipped = row_step_(weight, state, rows, grad, counts, step, optimizer, kw["lr"], kw["betas"],
+                        kw["eps"], 0.01, kw["cowclip"], mask, None, bias, kw["count_lr"])
+    torch.testing.assert_close(weight, want_w, rtol=1e-5, atol=1e-7)
+    for key in state:
+        torch.testing.assert_close(state[key], want_s[key], rtol=1e-5, atol=1e-7)
+    assert torch.equal(clipped, want_clipped)
+    assert not torch.allclose(want_w, plain_w)  # the rule changed the step

@@ -150,3 +150,23 @@ def test_clip_counts_by_id_frequency_cover_every_clipped_table_update(study):
         per_table = {t: v for t, v in r["clipped_per_table"].items() if t.startswith("emb_")}
         assert sum(b["rows_updated"] for b in buckets) == sum(v["rows_updated"] for v in per_table.values())
         assert sum(b["rows_clipped"] for b in buckets) == sum(v["rows_clipped"] for v in per_table.values())
+
+
+def test_equal_steps_trains_each_batch_the_base_batch_number_of_steps(monkeypatch, tmp_path):
+    """--equal-steps: batch b runs epochs * b / base epochs; the rule's count_lr_power and
+    the trainer's early stopping reach the runs."""
+    seen = []
+
+    def fake_run_one(**kw):
+        seen.append((kw["batch_size"], kw["epochs"], kw["extra"].get("early_stop_patience")))
+        return {"auc": 0.5, "logloss": 0.7, "clipped_frac": None, "wall_s": 0.0}
+
+    monkeypatch.setattr(scaling, "run_one", fake_run_one)
+    scaling.run_study(data="synthetic:10", batch_sizes=[512, 2048, 32768], methods=["cowclip"],
+                      epochs=3, out_root=tmp_path, base_batch_size=512, equal_steps=True,
+                      extra={"early_stop_patience": 2}, verbose=False)
+    assert seen == [(512, 3, 2), (2048, 12, 2), (32768, 192, 2)]
+    cc = scaling.method_hyperparameters("cowclip", 8192, base_batch_size=512,
+                                        rules={"count_lr_power": 0.5})
+    assert cc["count_lr_power"] == 0.5
+    assert "count_lr_power" not in scaling.method_hyperparameters("none", 8192, base_batch_size=512)

@@ -12,10 +12,11 @@ Example::
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.table_batch import TableClipStats
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 
 __all__ = [
+    "CountLR",
     "CowClip",
     "CowClipEmbeddingBagCollection",
     "CowClipFusedOptimizer",

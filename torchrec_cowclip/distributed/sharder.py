@@ -29,7 +29,7 @@ from torchrec_cowclip.distributed.sharded_collection import (
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -41,7 +41,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     backward. The planner sees the optimizer state in its memory estimate.
 
     Args:
-        optimizer, lr, betas, eps, weight_decay, cowclip, unclipped_tables: as for
+        optimizer, lr, betas, eps, weight_decay, cowclip, unclipped_tables, count_lr: as for
             :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`; used for plain
             ``EmbeddingBagCollection`` modules. A ``CowClipEmbeddingBagCollection`` keeps
             its own options.
@@ -78,6 +78,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         module_type: Type[nn.Module] = EmbeddingBagCollection,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        count_lr: Optional[CountLR] = None,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         if module_type not in (EmbeddingBagCollection, CowClipEmbeddingBagCollection):
@@ -94,6 +95,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             weight_decay=weight_decay,
             cowclip=cowclip,
             unclipped_tables=frozenset(unclipped_tables),
+            count_lr=count_lr,
         )
 
     @property

@@ -24,7 +24,7 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer, CowClipOptions
 
 
@@ -61,6 +61,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             (``2 * lambda`` of the TF reference's ``--l2``).
         cowclip: clip parameters; None turns clipping off (plain lazy optimizer).
         unclipped_tables: names of tables that are updated but never clipped.
+        count_lr: optional per-row learning rate from the row's count in the batch,
+            ``lr * min(c_j, cap) ** power`` (:class:`~torchrec_cowclip.optim.functional.CountLR`;
+            not in the paper, see ``docs/scaling.md``); None: one ``lr`` for all rows.
         is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``).
         device: where the tables live (default CPU).
 
@@ -91,13 +94,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         unclipped_tables: Iterable[str] = (),
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
+        count_lr: Optional[CountLR] = None,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
         options = CowClipOptions(optimizer, lr, betas, eps, weight_decay, cowclip,
-                                 frozenset(unclipped_tables))
+                                 frozenset(unclipped_tables), count_lr)
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
@@ -289,6 +293,24 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for batch, saved in zip(self._batches, counters):
             batch.counters.copy_(saved)
 
+    def row_clip_counters_state(self) -> Optional[List[Tensor]]:
+        """The per-row counters of :meth:`track_row_clips`, for checkpoints; None when
+        they are off."""
+        if any(batch.row_counters is None for batch in self._batches):
+            return None
+        return [batch.row_counters.clone() for batch in self._batches]  # type: ignore[union-attr]
+
+    def load_row_clip_counters_state(self, counters: List[Tensor]) -> None:
+        """Turns per-row counting on and restores counters saved by
+        :meth:`row_clip_counters_state`."""
+        shapes = [(2, batch.weight.shape[0]) for batch in self._batches]
+        got = [tuple(c.shape) for c in counters]
+        if got != shapes:
+            raise ValueError(f"row clip counters: expected shapes {shapes}, got {got}")
+        self.track_row_clips()
+        for batch, saved in zip(self._batches, counters):
+            batch.row_counters.copy_(saved)  # type: ignore[union-attr]
+
     def reset_clip_stats(self) -> None:
         """Zeroes all counters (the step counts, which are optimizer state, stay)."""
         for batch in self._batches:
@@ -301,7 +323,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         updated it and how many of those clipped its gradient (:meth:`row_clip_counts`).
 
         It costs two int64 counters per row and two ``index_add_`` per step; the counts
-        start at zero and are not saved in checkpoints. Use it to see *which* rows the
+        start at zero, and :meth:`row_clip_counters_state` saves them (the trainer's
+        checkpoints do, so ``--resume`` keeps them). Use it to see *which* rows the
         clip binds on, e.g. by id frequency (:func:`~torchrec_cowclip.embedding.row_clip_stats.clip_rates_by_frequency`).
 
         Example::

@@ -29,7 +29,8 @@ def apply_fused_update_(
     """Applies one optimizer step to the rows in ``row_grads``, in place on ``batch``.
 
     ``hyper`` is the fused optimizer's param group: ``lr``, ``betas``, ``eps``,
-    ``weight_decay`` and ``cowclip`` (a :class:`CowClip` or None), read at every step
+    ``weight_decay``, ``cowclip`` (a :class:`CowClip` or None) and optionally
+    ``count_lr`` (a :class:`CountLR` or None), read at every step
     so that schedules which edit ``param_groups[0]`` take effect.
 
     Rows whose gradient is not finite keep their weight and state and are counted in
@@ -82,6 +83,7 @@ def apply_fused_update_(
             None if batch.all_clipped else batch.clip_enabled[table_of_row],
             row_sums,
             adam_bias,
+            hyper.get("count_lr"),
         )
     else:
         clipped = torch.zeros(0, dtype=torch.bool, device=rows.device)

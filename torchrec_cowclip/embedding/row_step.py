@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.functional import CowClip, RowSums, cowclip_row_update_
+from torchrec_cowclip.optim.functional import CountLR, CowClip, RowSums, cowclip_row_update_
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def gather_step_scatter_(
     clip_enabled: Optional[Tensor],
     row_sums: Optional[RowSums],
     adam_bias: Optional[Tuple[Tensor, Tensor]],
+    count_lr: Optional[CountLR] = None,
 ) -> Tensor:
     """One CowClip step on rows ``rows`` of ``weight_table`` and its ``state_tables``
     (``[N, D]`` / ``[N]``), in place; returns the ``[U]`` clipped mask.
@@ -139,6 +140,7 @@ def gather_step_scatter_(
         optimizer, weight, grad, counts, state, step,
         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cowclip=cowclip,
         clip_enabled=clip_enabled, row_sums=row_sums, adam_bias=adam_bias,
+        count_lr=count_lr,
     )
     weight_table.index_copy_(0, rows, weight)
     for name, table in state_tables.items():

@@ -39,7 +39,7 @@ from torchrec_cowclip.models.embeddings import (
     linear_table_name,
 )
 from torchrec_cowclip.models.wide_deep import WideAndDeep
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip
 
 
 def _field_model(cls: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
@@ -91,6 +91,7 @@ def build_model(
     embedding_weight_decay: float = 0.0,
     cowclip: Optional[CowClip] = CowClip(),
     device: DeviceLike = None,
+    embedding_count_lr: Optional[CountLR] = None,
     **model_options: Any,
 ) -> CTRModel:
     """Builds one of :data:`MODELS` with the spec's defaults (D 10, DNN 400-400-400,
@@ -117,6 +118,8 @@ def build_model(
             r = 1, zeta = 1e-5; the reference's Criteo setting is
             ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``.
         device: where tables and layers live.
+        embedding_count_lr: per-row embedding lr from the row's count in the batch
+            (:class:`~torchrec_cowclip.optim.functional.CountLR`), or None.
         model_options: passed to the model: ``cross_parameterization`` (DCN),
             ``low_rank`` and ``num_experts`` (DCNv2), ``dense_arch_layer_sizes``,
             ``over_arch_layer_sizes`` and ``dcn_low_rank_dim`` (DLRMs).
@@ -142,6 +145,7 @@ def build_model(
         weight_decay=embedding_weight_decay,
         cowclip=cowclip,
         init_std=init_std,
+        count_lr=embedding_count_lr,
     )
     return MODELS[name](
         sparse_names=list(sparse_names),

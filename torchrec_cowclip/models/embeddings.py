@@ -28,7 +28,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip
 
 EmbeddingBackend = Literal["cowclip", "torchrec"]
 EMBEDDING_BACKENDS: Tuple[str, ...] = ("cowclip", "torchrec")
@@ -64,6 +64,8 @@ class EmbeddingOptions:
             Criteo setting is ``CowClip.from_reference(r=1.0, bound=1e-5,
             embedding_dim=10)``.
         init_std: tables start as N(0, init_std); the reference CowClip runs use 1e-2.
+        count_lr: per-row lr from the row's count in the batch (:class:`CountLR`), or
+            None (the paper's single lr).
 
     Example::
 
@@ -79,6 +81,7 @@ class EmbeddingOptions:
     weight_decay: float = 0.0
     cowclip: Optional[CowClip] = CowClip()
     init_std: float = 1e-2
+    count_lr: Optional[CountLR] = None
 
     def __post_init__(self) -> None:
         if self.backend not in EMBEDDING_BACKENDS:
@@ -182,6 +185,7 @@ def build_embedding_collection(
         cowclip=options.cowclip,
         unclipped_tables=unclipped_tables,
         device=device,
+        count_lr=options.count_lr,
     )
 
 

@@ -10,7 +10,9 @@ step"):
    after clipping (the TF reference adds 2*lambda*W *before* clipping and to every row;
    this project's ``weight_decay`` equals that ``2 * lambda``, applied only to rows the
    batch touched);
-3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - spec step 5.
+3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - spec step 5,
+   with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
+   the paper; off by default).
 
 :func:`cowclip_row_update_` composes the three. A row split into column shards (TorchRec
 column-wise sharding) is handled by the same functions: each shard computes its
@@ -32,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
@@ -91,6 +94,47 @@ class CowClip:
         i.e. ``cnt * max(r * ||w||, r**2 * sqrt(D) * bound)``.
         """
         return cls(r=r, zeta=r * r * (embedding_dim**0.5) * bound)
+
+
+@dataclass(frozen=True)
+class CountLR:
+    """Per-id-frequency embedding learning rate: ``lr_j = lr * min(c_j, cap) ** power``.
+
+    Not in the paper or the TF reference (spec step 5 uses one ``lr`` for every row); an
+    extension searched in ``docs/scaling.md``. The reasoning: one step at batch ``s * b``
+    replaces ``s`` steps at batch ``b``. An id seen ``c_j >= s`` times in the large batch
+    would have been updated in about every one of those ``s`` small steps, an id seen once
+    in only one of them; Adam moves a row by about ``lr`` per update whatever its
+    gradient's size, so at a fixed ``lr`` the large batch slows frequent ids down by up to
+    ``s`` and leaves rare ids as they were. ``power = 1`` gives a row back ``min(c_j, s)``
+    updates' worth of movement (for gradients that agree from step to step), ``0.5`` the
+    random-walk ``sqrt`` of it; ``cap = s`` (the batch scale) keeps ``lr_j = lr`` at the
+    base batch and never exceeds ``s`` small steps. ``c_j`` is the same count the clip uses.
+
+    Args:
+        power: the exponent; 0 turns the scaling off, a negative one slows frequent ids.
+        cap: the count above which the rate stops growing, ``>= 1``.
+
+    Example::
+
+        >>> CountLR(power=0.5, cap=16).multiplier(torch.tensor([1, 4, 100])).tolist()
+        [1.0, 2.0, 4.0]
+    """
+
+    power: float = 0.5
+    cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("power", "cap"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"CountLR.{name} must be a finite number, got {value!r}")
+        if self.cap < 1:
+            raise ValueError(f"CountLR.cap must be >= 1 (a row is seen at least once), got {self.cap}")
+
+    def multiplier(self, counts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``[U]`` ``min(c_j, cap) ** power`` for the rows' counts ``c_j``."""
+        return counts.to(dtype).clamp(max=float(self.cap)).pow(float(self.power))
 
 
 #: Columns of :func:`partial_row_sums`.
@@ -245,6 +289,14 @@ def cowclip_scale(
     return scale, was_clipped
 
 
+LearningRate = Union[float, Tensor]
+
+
+def _per_row(lr: LearningRate) -> LearningRate:
+    """A ``[U]`` per-row rate as a ``[U, 1]`` column; a scalar as is."""
+    return lr.unsqueeze(1) if isinstance(lr, Tensor) and lr.dim() == 1 else lr
+
+
 def couple_weight_decay(grad: Tensor, weight: Tensor, weight_decay: float) -> Tensor:
     """Spec step 4: coupled L2 after clipping, ``g_j + weight_decay * W[j]``."""
     if weight_decay == 0.0:
@@ -279,7 +331,7 @@ def adam_rows_(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     step: Optional[Tensor],
-    lr: float,
+    lr: LearningRate,
     beta1: float,
     beta2: float,
     eps: float,
@@ -290,7 +342,7 @@ def adam_rows_(
     ``step`` is ``[U]`` (or a scalar): the optimizer's global step count *including*
     this step, for the bias corrections ``1 - beta**t``. ``bias_corrections``, if given,
     are those corrections already computed (:func:`adam_bias_corrections`, ``[U]`` or
-    scalars) and ``step`` is not read.
+    scalars) and ``step`` is not read. ``lr`` is a scalar or ``[U]`` (one per row).
     """
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -302,14 +354,14 @@ def adam_rows_(
     if bias1.dim() == 1:
         bias1, bias2 = bias1.unsqueeze(1), bias2.unsqueeze(1)
     denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
-    weight.sub_(lr * (exp_avg / bias1) / denom)
+    weight.sub_(_per_row(lr) * (exp_avg / bias1) / denom)
 
 
 def rowwise_adagrad_rows_(
     weight: Tensor,
     grad: Tensor,
     sum_sq: Tensor,
-    lr: float,
+    lr: LearningRate,
     eps: float,
     grad_sq_mean: Optional[Tensor] = None,
 ) -> None:
@@ -319,12 +371,12 @@ def rowwise_adagrad_rows_(
     of its columns (a column shard); default: the mean over ``grad``'s columns.
     """
     sum_sq.add_(grad.square().mean(dim=1) if grad_sq_mean is None else grad_sq_mean)
-    weight.sub_(lr * grad / (sum_sq.sqrt() + eps).unsqueeze(1))
+    weight.sub_(_per_row(lr) * grad / (sum_sq.sqrt() + eps).unsqueeze(1))
 
 
-def sgd_rows_(weight: Tensor, grad: Tensor, lr: float) -> None:
-    """Spec step 5, SGD: ``W -= lr * g``."""
-    weight.sub_(lr * grad)
+def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
+    """Spec step 5, SGD: ``W -= lr * g`` (``lr`` a scalar or ``[U]``)."""
+    weight.sub_(_per_row(lr) * grad)
 
 
 def cowclip_row_update_(
@@ -343,6 +395,7 @@ def cowclip_row_update_(
     clip_enabled: Optional[Tensor] = None,
     row_sums: Optional[RowSums] = None,
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
+    count_lr: Optional[CountLR] = None,
 ) -> Tensor:
     """One full CowClip step (spec steps 3-5) on a block of distinct rows, in place.
 
@@ -362,6 +415,8 @@ def cowclip_row_update_(
             of them (:class:`RowSums`): the clip then uses the whole rows' norms and
             row-wise Adagrad the whole rows' ``mean(g_j**2)``, so every shard takes the
             step the unsplit row would. Default: the rows are whole.
+        count_lr: optional per-row learning rate ``lr * min(c_j, cap) ** power``
+            (:class:`CountLR`); default one ``lr`` for every row, as in the spec.
 
     Returns:
         ``[U]`` bool, True for rows whose gradient was clipped.
@@ -383,18 +438,21 @@ def cowclip_row_update_(
         scale = torch.ones(grad.shape[0], dtype=grad.dtype, device=grad.device)
         was_clipped = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
     grad = couple_weight_decay(grad, weight, weight_decay)
+    row_lr: LearningRate = lr
+    if count_lr is not None and count_lr.power != 0.0:
+        row_lr = lr * count_lr.multiplier(counts, grad.dtype)
     if optimizer == "adam":
         adam_rows_(
-            weight, grad, state["exp_avg"], state["exp_avg_sq"], step, lr,
+            weight, grad, state["exp_avg"], state["exp_avg_sq"], step, row_lr,
             betas[0], betas[1], eps, bias_corrections=adam_bias,
         )
     elif optimizer == "rowwise_adagrad":
         grad_sq_mean = (
             None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
         )
-        rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
+        rowwise_adagrad_rows_(weight, grad, state["sum"], row_lr, eps, grad_sq_mean)
     elif optimizer == "sgd":
-        sgd_rows_(weight, grad, lr)
+        sgd_rows_(weight, grad, row_lr)
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     return was_clipped

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torchrec.optim.fused import FusedOptimizer
 
-from torchrec_cowclip.optim.functional import OPTIMIZERS, CowClip
+from torchrec_cowclip.optim.functional import OPTIMIZERS, CountLR, CowClip
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
@@ -37,6 +37,7 @@ def validate_hyperparameters(
     eps: float,
     weight_decay: float,
     cowclip: Optional[CowClip],
+    count_lr: Optional[CountLR] = None,
 ) -> None:
     """Raises ValueError naming the first bad hyperparameter."""
     if not (lr >= 0.0):
@@ -49,6 +50,8 @@ def validate_hyperparameters(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
         raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
+    if count_lr is not None and not isinstance(count_lr, CountLR):
+        raise TypeError(f"count_lr must be a CountLR or None, got {type(count_lr).__name__}")
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,16 @@ class CowClipOptions:
     weight_decay: float = 0.0
     cowclip: Optional[CowClip] = CowClip()
     unclipped_tables: FrozenSet[str] = field(default_factory=frozenset)
+    count_lr: Optional[CountLR] = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         object.__setattr__(self, "unclipped_tables", frozenset(self.unclipped_tables))
-        validate_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay, self.cowclip)
+        validate_hyperparameters(
+            self.lr, self.betas, self.eps, self.weight_decay, self.cowclip, self.count_lr
+        )
 
     @classmethod
     def from_module(cls, module: "CowClipEmbeddingBagCollection") -> "CowClipOptions":
@@ -92,6 +98,7 @@ class CowClipOptions:
             weight_decay=float(hyper["weight_decay"]),
             cowclip=hyper["cowclip"],
             unclipped_tables=frozenset(module.unclipped_tables),
+            count_lr=hyper.get("count_lr"),
         )
 
     def hyperparameters(self) -> Dict[str, Any]:
@@ -102,6 +109,7 @@ class CowClipOptions:
             "eps": self.eps,
             "weight_decay": self.weight_decay,
             "cowclip": self.cowclip,
+            "count_lr": self.count_lr,
         }
 
     def check_tables(self, table_names: Iterable[str]) -> None:
@@ -122,8 +130,8 @@ class CowClipFusedOptimizer(FusedOptimizer):
         state: per parameter, its optimizer state views (``exp_avg``/``exp_avg_sq`` for
             Adam, ``sum`` for row-wise Adagrad) and ``step``.
         optimizer: the update rule's name.
-        hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``;
-            kept in ``param_groups[0]`` and read at every backward.
+        hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``,
+            ``count_lr``; kept in ``param_groups[0]`` and read at every backward.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.functional import STATE_LAYOUT, CowClip, cowclip_row_update_
+from torchrec_cowclip.optim.functional import STATE_LAYOUT, CountLR, CowClip, cowclip_row_update_
 
 
 def occurrence_counts(ids: Tensor, num_rows: int) -> Tensor:
@@ -60,6 +60,7 @@ def reference_cowclip_step_(
     weight_decay: float = 0.0,
     cowclip: Optional[CowClip] = None,
     clip_table: bool = True,
+    count_lr: Optional[CountLR] = None,
 ) -> Tensor:
     """One CowClip step on a table, in place on ``weight`` and ``state``.
 
@@ -69,6 +70,7 @@ def reference_cowclip_step_(
         counts: ``[N]`` occurrences of each row in the batch (:func:`occurrence_counts`).
         state: from :func:`init_reference_state`; its ``step`` advances by one.
         clip_table: False for tables that opt out of clipping.
+        count_lr: optional per-row rate from the row's count (:class:`CountLR`).
 
     Returns:
         the ids of the rows whose gradient was clipped.
@@ -89,6 +91,7 @@ def reference_cowclip_step_(
         eps=eps,
         weight_decay=weight_decay,
         cowclip=cowclip if clip_table else None,
+        count_lr=count_lr,
     )
     weight[rows] = row_weight
     for name, _ in STATE_LAYOUT[optimizer]:

@@ -41,6 +41,7 @@ class TrainConfig:
     clip_r: Optional[float] = None
     clip_zeta: Optional[float] = None
     warmup_epochs: Optional[float] = None
+    count_lr_power: Optional[float] = None
     recipe: str = "paper"
     cowclip: bool = True
     embedding_backend: str = "cowclip"
@@ -79,6 +80,9 @@ class TrainConfig:
         """Raises :class:`ConfigError` naming the first bad option."""
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.count_lr_power and self.embedding_backend != "cowclip":
+            raise ConfigError("--count-lr-power sets the fused update's per-row lr: use "
+                              "--embedding-backend cowclip")
         if self.row_clip_stats and self.embedding_backend != "cowclip":
             raise ConfigError("--row-clip-stats counts the CowClip update's clips: use "
                               "--embedding-backend cowclip")

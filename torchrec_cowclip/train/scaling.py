@@ -23,6 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
+from torchrec_cowclip.optim.functional import CountLR
+
 #: How a value grows with the batch scale ``s = batch / base``.
 SCALINGS: Dict[str, Any] = {
     "fixed": lambda s: 1.0,
@@ -56,6 +58,9 @@ class Recipe:
         clip_r: CowClip's ratio ``r``.
         bound: the reference's ``bound``, ``zeta = r**2 * sqrt(D) * bound``; None takes
             the data profile's (1e-5 Criteo, 1e-4 Avazu).
+        count_lr_power: per-id-frequency embedding lr, ``lr * min(c_j, s) ** power`` for
+            a row seen ``c_j`` times in the batch (:class:`~torchrec_cowclip.optim.functional.CountLR`,
+            not in the paper); 0 = one lr for every row.
         summary: one line for ``--help`` and the README.
     """
 
@@ -66,6 +71,7 @@ class Recipe:
     warmup_epochs: float = 1.0
     clip_r: float = 1.0
     bound: Optional[float] = None
+    count_lr_power: float = 0.0
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -131,10 +137,18 @@ class ScaledHyperparameters:
     warmup_epochs: float
     profile: str
     recipe: str = "paper"
+    count_lr_power: float = 0.0
 
     @property
     def embedding_weight_decay(self) -> float:
         return 2.0 * self.l2
+
+    @property
+    def count_lr(self) -> Optional[CountLR]:
+        """The fused update's per-row lr rule (cap = the batch scale ``s``), or None."""
+        if self.count_lr_power == 0.0:
+            return None
+        return CountLR(power=self.count_lr_power, cap=max(1.0, self.scale))
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -155,6 +169,7 @@ def scale_hyperparameters(
     clip_zeta: Optional[float] = None,
     warmup_epochs: Optional[float] = None,
     recipe: str = "paper",
+    count_lr_power: Optional[float] = None,
 ) -> ScaledHyperparameters:
     """Applies a recipe's scaling rule; any explicitly given value overrides the rule.
 
@@ -162,7 +177,7 @@ def scale_hyperparameters(
         batch_size: the training batch.
         dataset: ``"criteo"`` or ``"avazu"`` base settings (any other data uses Criteo's).
         dense_lr, embedding_lr, l2: final values that replace the scaled ones.
-        clip_r, warmup_epochs: replace the recipe's.
+        clip_r, warmup_epochs, count_lr_power: replace the recipe's.
         clip_zeta: replaces ``r**2 * sqrt(embedding_dim) * bound``.
         recipe: a name of :data:`RECIPES` (default ``paper``).
 
@@ -194,4 +209,5 @@ def scale_hyperparameters(
         warmup_epochs=rec.warmup_epochs if warmup_epochs is None else warmup_epochs,
         profile=profile,
         recipe=rec.name,
+        count_lr_power=rec.count_lr_power if count_lr_power is None else count_lr_power,
     )

@@ -174,6 +174,7 @@ class Trainer:
             dense_lr=config.lr, embedding_lr=config.lr_embed, l2=config.l2,
             clip_r=config.clip_r, clip_zeta=config.clip_zeta,
             warmup_epochs=config.warmup_epochs, recipe=config.recipe,
+            count_lr_power=config.count_lr_power,
         )
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
         self.model = build_model(
@@ -191,6 +192,7 @@ class Trainer:
             embedding_weight_decay=self.hp.embedding_weight_decay,
             cowclip=self.cowclip,
             device=self.device,
+            embedding_count_lr=self.hp.count_lr if config.embedding_backend == "cowclip" else None,
         )
         self.task = CTRTrainTask(self.model)
         if config.row_clip_stats:
@@ -255,6 +257,7 @@ class Trainer:
             "progress": copy.deepcopy(self.progress.__dict__),
             "best_state": self.best_state,
             "clip_counters": self._clip_counters(),
+            "row_clip_counters": self._row_clip_counters(),
             "rng": _rng_state(),
             "config": self.config.as_dict(),
         }
@@ -263,6 +266,12 @@ class Trainer:
         ebc = self.model.embedding_collection
         if isinstance(ebc, CowClipEmbeddingBagCollection):
             return ebc.clip_counters_state()
+        return None
+
+    def _row_clip_counters(self) -> Optional[List[torch.Tensor]]:
+        ebc = self.model.embedding_collection
+        if self.config.row_clip_stats and isinstance(ebc, CowClipEmbeddingBagCollection):
+            return ebc.row_clip_counters_state()
         return None
 
     def save(self) -> None:
@@ -330,6 +339,9 @@ class Trainer:
         ebc = self.model.embedding_collection
         if counters is not None and isinstance(ebc, CowClipEmbeddingBagCollection):
             ebc.load_clip_counters_state(counters)
+        row_counters = ckpt.get("row_clip_counters")
+        if row_counters is not None and self.config.row_clip_stats:
+            ebc.load_row_clip_counters_state(row_counters)
         _set_rng_state(ckpt["rng"])
 
     # --- the loop ----------------------------------------------------------------------
@@ -528,7 +540,9 @@ class Trainer:
             f"{len(self.val_idx):,} val, {len(self.test_idx):,} test | batch {hp.batch_size} "
             f"(x{hp.scale:g} of {hp.base_batch_size}, recipe {hp.recipe}) | dense lr {hp.dense_lr:.4g} "
             f"(warm-up {hp.warmup_epochs:g} epoch) | embedding {self.config.embedding_backend}/"
-            f"{self.config.embedding_optimizer} lr {hp.embedding_lr:.4g} | L2 lambda {hp.l2:.4g} "
+            f"{self.config.embedding_optimizer} lr {hp.embedding_lr:.4g}"
+            + (f" x min(count, {hp.count_lr.cap:g})^{hp.count_lr.power:g}" if hp.count_lr else "")
+            + f" | L2 lambda {hp.l2:.4g} "
             f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip} | device {self.device}"
         )
 
