@@ -63,6 +63,9 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
         assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
     assert trainer.cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
     assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
+    power = DOCUMENTED[name].get("count_lr_power", 0.0)
+    count_lr = trainer.model.embedding_collection.fused_optimizer.hyperparameters["count_lr"]
+    assert (count_lr is None) if power == 0 else ((count_lr.power, count_lr.cap) == (power, float(S)))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--data", "synthetic:10", "--recipe", "nope"])
 
