@@ -101,7 +101,8 @@ class CountLR:
     """Per-id-frequency embedding learning rate: ``lr_j = lr * min(c_j, cap) ** power``.
 
     Not in the paper or the TF reference (spec step 5 uses one ``lr`` for every row); an
-    extension searched in ``docs/scaling.md``. The reasoning: one step at batch ``s * b``
+    extension searched in ``docs/scaling.md``, where it did not beat one ``lr`` for every
+    row on average, so no recipe uses it. The reasoning: one step at batch ``s * b``
     replaces ``s`` steps at batch ``b``. An id seen ``c_j >= s`` times in the large batch
     would have been updated in about every one of those ``s`` small steps, an id seen once
     in only one of them; Adam moves a row by about ``lr`` per update whatever its
