@@ -8,11 +8,16 @@ of ``--methods`` and each seed of ``--seeds``:
 - ``cowclip``: CowClip on, with a trainer recipe (``--recipe``, default ``paper``: the
   spec's scaling rule, embedding lr unchanged, dense lr * sqrt(s), L2 lambda * s,
   s = batch / base, r = 1, zeta = sqrt(D) * bound); ``--embed-lr-scaling``,
-  ``--l2-scaling``, ``--dense-lr-scaling``, ``--clip-r``, ``--clip-zeta`` change the
-  recipe for this method only (the recipe search of ``docs/scaling.md``);
+  ``--l2-scaling``, ``--dense-lr-scaling``, ``--count-lr-power``, ``--clip-r``,
+  ``--clip-zeta`` change the recipe for this method only (the recipe search of
+  ``docs/scaling.md``);
 - ``sqrt``: no clipping, embedding AND dense lr * sqrt(s), L2 lambda * s;
 - ``linear``: no clipping, embedding AND dense lr * s, L2 lambda * s;
 - ``none``: no clipping, no scaling (the base batch's lrs and L2 at every batch).
+
+``--equal-steps`` trains batch ``b`` for ``epochs * b / base`` epochs instead (the base
+batch's number of steps); with ``--early-stop-patience N`` a run stops once validation AUC
+has not improved for N epochs.
 
 All methods keep the same dense warm-up (``--warmup-epochs``, default the recipe's: 1 epoch)
 and the same initialisation (``--init-std``, default 1e-2; the spec's "When does the clip
