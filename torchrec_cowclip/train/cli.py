@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count-lr-power", type=float, default=None,
                    help="per-id-frequency embedding lr: a row seen c times in the batch "
                         "steps with lr * min(c, batch/base) ** POWER (not in the paper; "
-                        "default: the recipe's, paper: 0 = off; docs/scaling.md)"),
+                        "default: the recipe's, paper: 0 = off; docs/scaling.md)")
     s.add_argument("--no-cowclip", dest="cowclip", action="store_false",
                    help="no clipping (lazy optimizer on the same fused tables)")
     s.add_argument("--embedding-backend", choices=("cowclip", "torchrec"), default=d.embedding_backend,

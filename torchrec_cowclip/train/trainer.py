@@ -513,8 +513,8 @@ class Trainer:
 
     def _clip_by_frequency(self) -> List[Dict[str, float]]:
         """Clip rate of the clipped tables' row updates, by each id's number of occurrences
-        in the training split (since the start of this process: the per-row counts are
-        not checkpointed)."""
+        in the training split (over the whole run: the per-row counts are checkpointed, so a
+        ``--resume`` continues them)."""
         schema = self.dataset.schema
         counts = self.model.embedding_collection.row_clip_counts()
         # The D-dim tables; not the first-order ones.
@@ -532,7 +532,7 @@ class Trainer:
         return [b.as_dict() for b in clip_rates_by_frequency(counts, frequency)]
 
     def _banner(self) -> str:
-        hp = self.hp
+        hp, count_lr = self.hp, self.hp.count_lr
         clip = (f"CowClip r={hp.clip_r:g} zeta={hp.clip_zeta:.3g}" if self.cowclip
                 else "no clipping")
         return (
@@ -541,7 +541,7 @@ class Trainer:
             f"(x{hp.scale:g} of {hp.base_batch_size}, recipe {hp.recipe}) | dense lr {hp.dense_lr:.4g} "
             f"(warm-up {hp.warmup_epochs:g} epoch) | embedding {self.config.embedding_backend}/"
             f"{self.config.embedding_optimizer} lr {hp.embedding_lr:.4g}"
-            + (f" x min(count, {hp.count_lr.cap:g})^{hp.count_lr.power:g}" if hp.count_lr else "")
+            + (f" x min(count, {count_lr.cap:g})^{count_lr.power:g}" if count_lr else "")
             + f" | L2 lambda {hp.l2:.4g} "
             f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip} | device {self.device}"
         )
