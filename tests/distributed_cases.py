@@ -11,6 +11,7 @@ the test process to assert on.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -419,3 +420,70 @@ def failing_rank_case(rank: int, world: int, mode: str) -> None:
         # backward has run; the lookup's kernels and its update come after.
         column_lookup.register_forward_hook(hook_output)
     train_sharded(dmp, s, batches, rank, world)
+
+
+# --- meta construction and world-size-invariant initialisation ----------------------------
+
+
+def init_tables() -> List[EmbeddingBagConfig]:
+    """One table per sharding type; TorchRec's default init (uniform) on some, the
+    models' N(0, std) on others, a dim-1 table and a table smaller than some worlds."""
+    normal = functools.partial(nn.init.normal_, mean=0.0, std=0.05)
+    return [
+        EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=5000, feature_names=["fa"]),
+        EmbeddingBagConfig(name="cw", embedding_dim=12, num_embeddings=4500, feature_names=["fb"],
+                           init_fn=normal),
+        EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=9001, feature_names=["fc"],
+                           init_fn=normal),
+        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=300, feature_names=["fd"]),
+        EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=4099, feature_names=["fe"]),
+        EmbeddingBagConfig(name="tiny", embedding_dim=1, num_embeddings=2, feature_names=["ff"],
+                           init_fn=normal),
+    ]
+
+
+def init_plan(world: int) -> Dict[str, Tuple[str, List[int]]]:
+    last = world - 1
+    return {
+        "tw": ("table_wise", [last]),
+        "cw": ("column_wise", list(range(world)) if world > 1 else [0, 0]),
+        "rw": ("row_wise", []),
+        "dp": ("data_parallel", []),
+        "twrw": ("table_row_wise", []),
+        "tiny": ("row_wise", []),
+    }
+
+
+def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -> None:
+    """Shards a meta-device CowClip collection and writes, on rank 0, the full initial
+    weights gathered from all ranks and every rank's table storage against its shards."""
+    # A different global RNG state per rank: the start must not depend on it.
+    torch.manual_seed(100 + rank)
+    tables = init_tables()
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer=optimizer, device="meta", init_seed=17
+    )
+    meta_only = all(t.device.type == "meta" for b in ebc._batches
+                    for t in (b.weight, *b.state.values()))
+    s = Scenario(tables=tables, plan=init_plan(world), optimizer=optimizer, cowclip_module=True)
+    sharder = sharder_for(s)
+    model = Model(ebc)
+    dmp = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        sharders=[sharder], plan=plan_for(s, ebc, sharder, world),
+    )
+    weights = gather_full({k.removeprefix("ebc."): v for k, v in dmp.state_dict().items()})
+    sharded = next(m for m in dmp.modules() if hasattr(m, "table_storage_bytes"))
+    held, expected = sharded.table_storage_bytes(), 0
+    per_value = {"adam": 3, "rowwise_adagrad": 1, "sgd": 1}[optimizer]
+    for kernel in sharded._kernels():
+        for shard in kernel._config.embedding_tables:
+            cells = shard.local_rows * shard.local_cols
+            expected += 4 * cells * per_value
+            if optimizer == "rowwise_adagrad":
+                expected += 4 * shard.local_rows
+    assert expected > 0 or world > 1, "one process holds every table"
+    storage = [None] * world
+    dist.all_gather_object(storage, (held, expected))
+    if rank == 0:
+        torch.save({"weights": weights, "storage": storage, "meta_only": meta_only}, out_path)

@@ -20,6 +20,7 @@ from cowclip_testing import (
 )
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.functional import CountLR
+from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.embedding.row_step import set_compiled_update
 
 
@@ -434,10 +435,46 @@ def test_constructor_arguments_are_validated():
         CowClipEmbeddingBagCollection([replace(table)], optimizer="adamw")
     with pytest.raises(ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"):
         CowClipEmbeddingBagCollection([replace(table)], unclipped_tables=["nope"])
-    with pytest.raises(ValueError, match="lr must be >= 0"):
-        CowClipEmbeddingBagCollection([replace(table)], lr=-1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+            CowClipEmbeddingBagCollection([replace(table)], lr=bad)
+    with pytest.raises(ValueError, match="weight_decay must be finite"):
+        CowClipEmbeddingBagCollection([replace(table)], weight_decay=float("inf"))
     with pytest.raises(ValueError, match="Duplicate table name"):
         CowClipEmbeddingBagCollection([replace(table), replace(table)])
+    with pytest.raises(ValueError, match=r"give options= or the keyword arguments \['lr'\], not both"):
+        CowClipEmbeddingBagCollection([replace(table)], lr=0.1, options=CowClipOptions(lr=0.2))
+
+
+def test_options_object_and_keywords_build_the_same_module():
+    tables = _tables()
+    options = CowClipOptions(optimizer="rowwise_adagrad", lr=0.05, weight_decay=0.01,
+                             cowclip=CowClip(r=0.5, zeta=1e-4), unclipped_tables=frozenset({"linear"}))
+    by_object = CowClipEmbeddingBagCollection([replace(t) for t in tables], options=options, init_seed=1)
+    by_keywords = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer="rowwise_adagrad", lr=0.05, weight_decay=0.01,
+        cowclip=CowClip(r=0.5, zeta=1e-4), unclipped_tables=["linear"], init_seed=1)
+    assert CowClipOptions.from_module(by_object) == CowClipOptions.from_module(by_keywords) == options
+
+
+@pytest.mark.parametrize("key,value", [("lr", float("inf")), ("lr", float("nan")), ("lr", -0.1),
+                                       ("weight_decay", float("nan")), ("eps", 0.0)])
+def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
+    tables = _tables()
+    gen = torch.Generator().manual_seed(3)
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], lr=0.1)
+    ebc(random_kjt(tables, 4, gen)).values().sum().backward()
+    before = copy.deepcopy(ebc.state_dict())
+    state_before = copy.deepcopy(ebc.fused_optimizer.state_dict()["state"])
+    ebc.fused_optimizer.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"{key} must be"):
+        ebc(random_kjt(tables, 4, gen)).values().sum().backward()
+    for k, v in ebc.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    after = ebc.fused_optimizer.state_dict()["state"]
+    for param_key, state in state_before.items():
+        for name, tensor in state.items():
+            torch.testing.assert_close(after[param_key][name], tensor, rtol=0, atol=0)
 
 
 def test_module_moves_and_copies_keep_tables_and_views_together():

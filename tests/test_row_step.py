@@ -27,6 +27,10 @@ HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for Inductor")
 
 
+#: The row step's hyperparameters for a plain SGD step at lr 0.1.
+SGD_0_1 = dict(optimizer="sgd", lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
+
+
 @pytest.fixture(autouse=True)
 def _reset_mode():
     yield
@@ -94,9 +98,10 @@ def test_row_step_matches_the_functional_math(mode, optimizer, cowclip, weight_d
             want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad,
                                                      counts, step, **kw)
             bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-        clipped = row_step_(weight, state, rows, grad, counts, step, optimizer, kw["lr"],
-                            kw["betas"], kw["eps"], weight_decay, cowclip, kw["clip_enabled"],
-                            None, bias)
+        clipped = row_step_(weight, state, rows, grad, counts, step=step, optimizer=optimizer,
+                            lr=kw["lr"], betas=kw["betas"], eps=kw["eps"],
+                            weight_decay=weight_decay, cowclip=cowclip,
+                            clip_enabled=kw["clip_enabled"], adam_bias=bias)
         torch.testing.assert_close(weight, want_w, rtol=1e-5, atol=1e-7)
         for key in state:
             torch.testing.assert_close(state[key], want_s[key], rtol=1e-5, atol=1e-7)
@@ -118,9 +123,9 @@ def test_compiled_column_shard_step_uses_whole_row_sums(optimizer):
     for mode in ("0", "1"):
         set_compiled_update(mode)
         w, s = shard_w.clone(), {k: v.clone() for k, v in shard_state.items()}
-        clipped = row_step_(w, s, rows, grad[:, cols].contiguous(), counts, step, optimizer,
-                            0.05, (0.8, 0.99), 1e-6, 0.01, CowClip(r=1.0, zeta=1e-5), None,
-                            sums, None)
+        clipped = row_step_(w, s, rows, grad[:, cols].contiguous(), counts, step=step,
+                            optimizer=optimizer, lr=0.05, betas=(0.8, 0.99), eps=1e-6,
+                            weight_decay=0.01, cowclip=CowClip(r=1.0, zeta=1e-5), row_sums=sums)
         results.append((w, s, clipped))
     (w0, s0, c0), (w1, s1, c1) = results
     torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-7)
@@ -153,26 +158,23 @@ def test_a_failed_build_falls_back_to_eager_once_with_a_warning(monkeypatch):
     weight, state, rows, grad, counts, step, _ = _problem("sgd")
     want_w, _, _ = _expected("sgd", weight, state, rows, grad, counts, step, lr=0.1)
     with pytest.warns(RuntimeWarning, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, step, "sgd", 0.1, (0.9, 0.999), 1e-8, 0.0,
-                  None, None, None, None)
+        row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
     torch.testing.assert_close(weight, want_w)
     assert not use_compiled_update(torch.device("cpu"))
-    row_step_(weight, {}, rows, grad, counts, step, "sgd", 0.1, (0.9, 0.999), 1e-8, 0.0,
-              None, None, None, None)
+    row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
     assert len(calls) == 1  # not retried
 
     # Forced compilation surfaces the error instead.
     set_compiled_update("1")
     with pytest.raises(RuntimeError, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, step, "sgd", 0.1, (0.9, 0.999), 1e-8, 0.0,
-                  None, None, None, None)
+        row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
 
 
 def test_gather_step_scatter_touches_only_the_given_rows():
     weight, state, rows, grad, counts, step, _ = _problem("adam")
     before_w, before_s = weight.clone(), {k: v.clone() for k, v in state.items()}
-    gather_step_scatter_(weight, state, rows, grad, counts, step, "adam", 0.05, (0.8, 0.99),
-                         1e-6, 0.01, CowClip(1.0, 1e-5), None, None, None)
+    gather_step_scatter_(weight, state, rows, grad, counts, step=step, optimizer="adam", lr=0.05,
+                         betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, cowclip=CowClip(1.0, 1e-5))
     untouched = torch.ones(weight.shape[0], dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(weight[untouched], before_w[untouched])
@@ -195,8 +197,10 @@ def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
     plain_w, _, _ = _expected(optimizer, weight, state, rows, grad, counts, step,
                               **{**kw, "count_lr": None})
     bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-    clipped = row_step_(weight, state, rows, grad, counts, step, optimizer, kw["lr"], kw["betas"],
-                        kw["eps"], 0.01, kw["cowclip"], mask, None, bias, kw["count_lr"])
+    clipped = row_step_(weight, state, rows, grad, counts, step=step, optimizer=optimizer,
+                        lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=0.01,
+                        cowclip=kw["cowclip"], clip_enabled=mask, adam_bias=bias,
+                        count_lr=kw["count_lr"])
     torch.testing.assert_close(weight, want_w, rtol=1e-5, atol=1e-7)
     for key in state:
         torch.testing.assert_close(state[key], want_s[key], rtol=1e-5, atol=1e-7)

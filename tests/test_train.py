@@ -10,7 +10,7 @@ import torch
 
 from torchrec_cowclip.data import open_dataset, rank_auc
 from torchrec_cowclip.train import TrainConfig, scale_hyperparameters
-from torchrec_cowclip.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrec_cowclip.train.checkpoint import CheckpointMismatchError, CheckpointStore
 from torchrec_cowclip.train.cli import main
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
@@ -103,19 +103,35 @@ def test_resume_after_interruption_gives_the_uninterrupted_metrics(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt.pt"
-    save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    import torch.distributed.checkpoint as dcp
 
-    def crash(obj, f, *args, **kwargs):
-        f.write(b"partial")
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save("latest", "s1", {"model": {"w": torch.ones(3)}}, {"step": 1})
+    real_save = dcp.save
+
+    def killed_mid_write(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # files on disk, pointer not moved
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(torch, "save", crash)
+    monkeypatch.setattr(dcp, "save", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint({"step": 2}, path)
+        store.save("latest", "s2", {"model": {"w": torch.full((3,), 2.0)}}, {"step": 2})
     monkeypatch.undo()
-    assert load_checkpoint(path)["step"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"], "no temp file left behind"
+    restored = {"model": {"w": torch.zeros(3)}}
+    assert store.load("latest", restored)["step"] == 1
+    assert restored["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    # The next save removes the killed write's directory.
+    store.save("latest", "s3", {"model": {"w": torch.full((3,), 3.0)}}, {"step": 3})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "latest-s3"]
+
+
+def test_checkpoint_refuses_a_model_of_another_shape(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save("latest", "s1", {"model": {"emb": torch.ones(10, 4)}}, {"step": 1})
+    with pytest.raises(CheckpointMismatchError, match=r"'model.emb' is \[10, 4\] there and \[12, 4\] here"):
+        store.load("latest", {"model": {"emb": torch.zeros(12, 4)}})
+    with pytest.raises(CheckpointMismatchError, match="not in it"):
+        store.load("latest", {"model": {"emb": torch.zeros(10, 4), "other": torch.zeros(2)}})
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
@@ -137,9 +153,11 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypa
     monkeypatch.setattr(task_module.CTRTrainTask, "forward", poisoned)
     with pytest.raises(NonFiniteLossError, match="loss became nan at step 5"):
         trainer.run()
-    ckpt = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    assert ckpt["progress"]["global_step"] == 3
-    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    assert store.trainer_state("latest")["progress"]["global_step"] == 3
+    tensors = trainer.runtime.tensors()
+    store.load("latest", tensors)
+    assert all(torch.isfinite(v).all() for v in tensors["model"].values())
 
 
 def test_early_stopping_restores_the_best_epoch(tmp_path):
@@ -183,7 +201,14 @@ def test_config_validation():
         TrainConfig(test_fraction=0.0).validate()
 
 
-@pytest.mark.parametrize("model", ["wdl", "dcn", "dcnv2", "dlrm"])
+def test_cli_model_choices_are_the_factory_registry():
+    from torchrec_cowclip.models import MODELS as FACTORIES
+    from torchrec_cowclip.train.config import MODELS
+
+    assert set(MODELS) == set(FACTORIES) and "dlrm_dcn" in MODELS
+
+
+@pytest.mark.parametrize("model", ["wdl", "dcn", "dcnv2", "dlrm", "dlrm_dcn"])
 def test_every_model_trains_through_the_cli_path(tmp_path, model):
     metrics = Trainer(_config(tmp_path, model=model, max_steps=4)).run()
     assert metrics["steps"] == 4 and 0.0 <= metrics["auc"] <= 1.0

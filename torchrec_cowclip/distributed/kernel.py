@@ -13,7 +13,7 @@ lookup (:mod:`.deferred_update`), which may need to talk to other ranks first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer,
 from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding.collection import _output_permutation, _prepare_lookup
 from torchrec_cowclip.embedding.lookup import BatchLookup, lookup_row_gradients, pooled_lookup
+from torchrec_cowclip.embedding.row_init import RowInit
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
@@ -41,7 +42,8 @@ from torchrec_cowclip.embedding.table_batch import (
 
 
 def _initialised_by_torchrec(weight: Tensor) -> None:
-    """No-op ``init_fn`` of the local shard configs (see their construction)."""
+    """No-op ``init_fn`` of the local table batches' configs: shards are filled by
+    :meth:`CowClipBatchedEmbeddingBag.initialise_shards`."""
 
 
 class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
@@ -107,9 +109,10 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                 embedding_dim=shard.local_cols,
                 feature_names=list(shard.feature_names),
                 pooling=pooling,
-                # TorchRec initialises shard weights itself (init_parameters); and a
-                # row-wise shard of a table smaller than the world has no rows, for which
-                # the config's default bounds (+-sqrt(1/rows)) do not exist.
+                # The sharded collection initialises the shards from the whole tables'
+                # initialisers (initialise_shards); and a row-wise shard of a table
+                # smaller than the world has no rows, for which the config's default
+                # bounds (+-sqrt(1/rows)) do not exist.
                 init_fn=_initialised_by_torchrec,
             )
             for shard in shards
@@ -141,12 +144,13 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         self._batch_feature_starts: List[int] = [0]
         for batch in self._batches:
             self._batch_feature_starts.append(self._batch_feature_starts[-1] + batch.num_features)
-        self._output_permutation = _output_permutation(
-            self._batches, [str(p) for p in range(num_features)], device
+        columns = _output_permutation(self._batches, [str(p) for p in range(num_features)])
+        self._output_permutation = (
+            None if columns is None else torch.tensor(columns, dtype=torch.int64, device=device)
         )
         self._param_per_table = self._table_parameters()
         self._optim = ShardedCowClipFusedOptimizer(
-            self._shard_views(), options.optimizer, options.hyperparameters(), pg
+            self._shard_views(), options, pg
         )
         self.init_parameters()
 
@@ -236,6 +240,47 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
 
     def pooled(self, batch_index: int, lookup: BatchLookup) -> Tensor:
         return pooled_lookup(self._batches[batch_index], lookup)
+
+    def initialise_shards(self, row_inits: Mapping[str, Optional[RowInit]]) -> None:
+        """Fills every local shard with its table's initial rows and zeroes its
+        optimizer state and counters.
+
+        A table with a :class:`~torchrec_cowclip.embedding.row_init.RowInit` gets, in
+        each shard, exactly the rows and columns the whole table would hold at the
+        shard's global offsets, so the start does not depend on the plan or the world
+        size. Any other ``init_fn`` is called on the local shard, as TorchRec does; a
+        data-parallel replica is then broadcast from rank 0 (TorchRec's rule).
+        """
+        with torch.no_grad():
+            for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+                weight = self._batches[b].table_weight(i)
+                row_init = row_inits.get(shard.name)
+                if row_init is not None:
+                    offsets = shard.local_metadata.shard_offsets if shard.local_metadata else [0, 0]
+                    row_init.fill_(weight, int(offsets[0]), int(offsets[1]), shard.embedding_dim)
+                    continue
+                assert shard.init_fn is not None  # TorchRec's configs always carry one
+                shard.init_fn(weight)
+                if shard.global_metadata is None and self._pg is not None:
+                    dist.broadcast(weight, src=0, group=self._pg)
+            for batch in self._batches:
+                batch.reset_state()
+
+    def storage_bytes(self) -> int:
+        """Bytes of this kernel's shard weights and optimizer state."""
+        return sum(batch.storage_bytes() for batch in self._batches)
+
+    def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
+        """Sets each local shard's clip counters from its table's global ones: a shard
+        that starts at row 0 takes them, the other row shards zero (row shards' counts
+        add up over ranks; column shards and replicas each report one copy)."""
+        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+            first_row = int(shard.local_metadata.shard_offsets[0]) if shard.local_metadata else 0
+            counters_of_batch = self._batches[b].counters
+            if first_row == 0:
+                counters_of_batch[:, i] = counters[shard.name].to(counters_of_batch.device)
+            else:
+                counters_of_batch[:, i] = 0
 
     def clip_stats(self) -> Dict[str, TableClipStats]:
         """Per table, what the update did to this rank's shards. Column shards of one

@@ -35,6 +35,7 @@ from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_cowclip.optim.functional import STATE_LAYOUT
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 @dataclass
@@ -64,8 +65,7 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
     Args:
         shards: the kernel's local shards, grouped by table name (a table has several
             local shards when more than one of its column shards is on this rank).
-        optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``.
-        hyperparameters: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``.
+        options: the update rule and its hyperparameters.
         pg: the process group the tables are sharded over.
 
     Example::
@@ -78,8 +78,7 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
     def __init__(
         self,
         shards: Mapping[str, List[ShardViews]],
-        optimizer: str,
-        hyperparameters: Mapping[str, Any],
+        options: CowClipOptions,
         pg: Optional[dist.ProcessGroup],
     ) -> None:
         self._shards = {name: list(views) for name, views in shards.items()}
@@ -88,7 +87,7 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
         for name, views in self._shards.items():
             weight = _global_view([v.weight for v in views], views, pg)
             table_state: Dict[str, Tensor] = {}
-            for state_name, per_row in STATE_LAYOUT[optimizer]:
+            for state_name, per_row in STATE_LAYOUT[options.optimizer]:
                 if per_row == "D":
                     table_state[state_name] = _global_view(
                         [v.state[state_name] for v in views], views, pg
@@ -101,7 +100,7 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
             params[f"{name}.weight"] = weight
             state[weight] = table_state
         # step()/zero_grad()/init_state() are the unsharded handle's no-ops.
-        super().__init__(params, state, optimizer, hyperparameters)
+        super().__init__(params, state, options)
 
     def post_load_state_dict(self) -> None:
         """Copies the loaded per-row state and step of a table into its other local

@@ -1,6 +1,6 @@
 """The CowClip training options a sharded collection is built with.
 
-One frozen :class:`~torchrec_cowclip.optim.fused.CowClipOptions` travels from the sharder
+One frozen :class:`~torchrec_cowclip.optim.options.CowClipOptions` travels from the sharder
 to every sharded kernel, so that all shards of all tables of a module step with the same
 rule. For a :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` the options are read
 from the module itself (:meth:`CowClipOptions.from_module`): sharding it keeps its
@@ -15,7 +15,7 @@ from typing import Dict, Type
 import torch
 import torchrec.optim as torchrec_optim
 
-from torchrec_cowclip.optim.fused import CowClipOptions
+from torchrec_cowclip.optim.options import CowClipOptions
 
 __all__ = ["PLANNER_OPTIMIZER_CLASS", "CowClipOptions"]
 

@@ -19,6 +19,7 @@ from dataclasses import fields, replace
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch import Tensor
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
@@ -45,7 +46,9 @@ from torchrec_cowclip.distributed.lookup import (
     ReplicatedLookup,
 )
 from torchrec_cowclip.distributed.options import CowClipOptions
-from torchrec_cowclip.embedding.table_batch import TableClipStats
+from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
+from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
 #: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).
@@ -96,8 +99,10 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         plan = _checked_plan(table_name_to_parameter_sharding, env)
         options.check_tables(t.name for t in module.embedding_bag_configs())
         # TorchRec's constructor creates the lookups (`_create_lookups`), which need the
-        # options; plain attributes may be set before nn.Module.__init__.
+        # options, and initialises the tables (`reset_parameters`), which needs the
+        # initialisers; plain attributes may be set before nn.Module.__init__.
         self._cowclip_options = options
+        self._row_inits = _agreed_row_initializers(module, env)
         super().__init__(
             module=module,
             table_name_to_parameter_sharding=plan,
@@ -160,7 +165,46 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     raise RuntimeError(f"ranks disagree on the clip counts of table '{name}'")
         return {t.name: merged[t.name] for t in self._embedding_bag_configs if t.name in merged}
 
-    # --- the two steps of TorchRec's construction this class replaces --------------------
+    def table_counters(self) -> Dict[str, Tensor]:
+        """Per table, its global ``[6]`` clip counters (the unsharded module's
+        :meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.table_counters` layout):
+        a collective, call it on every rank."""
+        return {
+            name: torch.tensor([getattr(stats, c) for c in COUNTER_NAMES], dtype=torch.int64)
+            for name, stats in self.global_clip_stats().items()
+        }
+
+    def load_table_counters(self, counters: Dict[str, Tensor]) -> None:
+        """Restores :meth:`table_counters` (saved at any world size) into this rank's
+        shards."""
+        names = sorted(t.name for t in self._embedding_bag_configs)
+        if sorted(counters) != names:
+            raise ValueError(f"clip counters are for tables {sorted(counters)}, this module has {names}")
+        for kernel in self._kernels():
+            kernel.load_table_counters(counters)
+
+    def table_storage_bytes(self) -> int:
+        """Bytes of table weights and optimizer state this rank holds (its shards only)."""
+        return sum(kernel.storage_bytes() for kernel in self._kernels())
+
+    def _kernels(self) -> List[Any]:
+        kernels = []
+        for lookup in self._lookups:
+            inner = lookup.module if isinstance(lookup, ReplicatedLookup) else lookup
+            kernels.extend(inner._emb_modules)
+        return kernels
+
+    def reset_parameters(self) -> None:
+        """Initialises this rank's shards: each holds exactly the rows and columns of the
+        unsharded module's initial tables (see
+        :meth:`~torchrec_cowclip.distributed.kernel.CowClipBatchedEmbeddingBag.initialise_shards`),
+        whatever the plan and world size; optimizer state and counters start at zero."""
+        if self._device is not None and self._device.type == "meta":
+            return
+        for kernel in self._kernels():
+            kernel.initialise_shards(self._row_inits)
+
+    # --- the steps of TorchRec's construction this class replaces ------------------------
 
     def _create_lookups(self) -> None:
         for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
@@ -199,6 +243,23 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for i, sharding in enumerate(self._embedding_shardings):
             if isinstance(sharding, DpPooledEmbeddingSharding):
                 self._lookups[i] = ReplicatedLookup(self._lookups[i])
+
+
+def _agreed_row_initializers(
+    module: EmbeddingBagCollectionInterface, env: ShardingEnv
+) -> Dict[str, Optional[RowInit]]:
+    """The tables' initialisers as rank 0 has them (a CowClip module's own; for a stock
+    EBC, its configs' ``init_fn`` under rank 0's seed), so that ranks that were seeded
+    differently still start from one model."""
+    if isinstance(module, CowClipEmbeddingBagCollection):
+        inits: Dict[str, Optional[RowInit]] = module.row_initializers
+    else:
+        inits = row_initializers(module.embedding_bag_configs(), torch.initial_seed())
+    if env.process_group is not None and torch.distributed.is_initialized():
+        box: List[Any] = [inits]
+        torch.distributed.broadcast_object_list(box, src=0, group=env.process_group)
+        inits = box[0]
+    return inits
 
 
 def _add_stats(a: TableClipStats, b: TableClipStats) -> TableClipStats:

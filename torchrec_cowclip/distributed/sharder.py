@@ -41,10 +41,12 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     backward. The planner sees the optimizer state in its memory estimate.
 
     Args:
-        optimizer, lr, betas, eps, weight_decay, cowclip, unclipped_tables, count_lr: as for
-            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`; used for plain
-            ``EmbeddingBagCollection`` modules. A ``CowClipEmbeddingBagCollection`` keeps
-            its own options.
+        options: how plain ``EmbeddingBagCollection`` modules are trained, as one
+            :class:`~torchrec_cowclip.optim.options.CowClipOptions`; or the separate
+            keywords ``optimizer, lr, betas, eps, weight_decay, cowclip,
+            unclipped_tables, count_lr`` (as for
+            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`). A
+            ``CowClipEmbeddingBagCollection`` keeps its own options.
         module_type: the module class this sharder shards (TorchRec matches sharders to
             modules by exact type): ``torchrec.EmbeddingBagCollection`` (default) or
             :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`. Pass one sharder of
@@ -79,6 +81,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         count_lr: Optional[CountLR] = None,
+        options: Optional[CowClipOptions] = None,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         if module_type not in (EmbeddingBagCollection, CowClipEmbeddingBagCollection):
@@ -87,7 +90,8 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"CowClipEmbeddingBagCollection, got {module_type!r}"
             )
         self._module_type = module_type
-        self._options = CowClipOptions(
+        self._options = CowClipOptions.resolve(
+            options,
             optimizer=optimizer,
             lr=lr,
             betas=betas,

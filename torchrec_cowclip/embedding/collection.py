@@ -19,13 +19,15 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.embedding.lookup import BatchLookup, FusedCowClipLookup
+from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
     group_into_table_batches,
 )
 from torchrec_cowclip.optim.functional import CountLR, CowClip
-from torchrec_cowclip.optim.fused import CowClipFusedOptimizer, CowClipOptions
+from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 class TableWeight(nn.Module):
@@ -55,6 +57,10 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     Args:
         tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, several
             features per table (shared tables), mixed dims; FP32 only.
+        options: how the tables are trained, as one
+            :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the sharder,
+            the model factory and the trainer pass on); or, equivalently, the separate
+            keywords below (give one or the other).
         optimizer: ``"adam"`` (the paper's), ``"rowwise_adagrad"`` or ``"sgd"``.
         lr, betas, eps: optimizer hyperparameters (``betas`` used by Adam only).
         weight_decay: coupled L2 added to clipped gradients of touched rows
@@ -65,7 +71,19 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             ``lr * min(c_j, cap) ** power`` (:class:`~torchrec_cowclip.optim.functional.CountLR`;
             not in the paper, see ``docs/scaling.md``); None: one ``lr`` for all rows.
         is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``).
-        device: where the tables live (default CPU).
+        device: where the tables live (default CPU). ``"meta"`` allocates no storage:
+            shard such a module with ``DistributedModelParallel`` and the
+            :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`
+            (each rank then allocates and initialises only its own shards and their
+            optimizer state), or materialise it with ``to_empty(device=...)`` followed by
+            :meth:`reset_parameters`.
+        init_seed: seed of the counter-based initialisation
+            (:class:`~torchrec_cowclip.embedding.row_init.RowInit`): a table whose
+            ``init_fn`` is a ``RowInit`` keeps its own seed; one whose ``init_fn`` is a
+            ``functools.partial`` of ``torch.nn.init.uniform_``/``normal_`` (TorchRec's
+            default is one) is drawn from this seed, so it starts from the same weights
+            unsharded and under any sharding plan or world size. None:
+            ``torch.initial_seed()``.
 
     Example::
 
@@ -95,18 +113,24 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
         count_lr: Optional[CountLR] = None,
+        init_seed: Optional[int] = None,
+        options: Optional[CowClipOptions] = None,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
-        options = CowClipOptions(optimizer, lr, betas, eps, weight_decay, cowclip,
-                                 frozenset(unclipped_tables), count_lr)
+        options = CowClipOptions.resolve(
+            options, optimizer=optimizer, lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, cowclip=cowclip, unclipped_tables=unclipped_tables,
+            count_lr=count_lr,
+        )
+        optimizer = options.optimizer
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        if self._device.type == "meta":
-            raise ValueError("CowClipEmbeddingBagCollection does not support the meta device")
+        seed = torch.initial_seed() if init_seed is None else int(init_seed)
+        self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
         self._embedding_bag_configs = tables
         self._is_weighted = is_weighted
@@ -144,9 +168,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         self._batched_feature_order: List[str] = [
             f for batch in self._slot_batches for f in batch.feature_names
         ]
-        self._output_permutation = _output_permutation(
-            self._batches, self._embedding_names, self._device
-        )
+        self._output_columns = _output_permutation(self._batches, self._embedding_names)
+        self._output_permutation = _as_index(self._output_columns, self._device)
         self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
 
@@ -161,12 +184,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 self.embedding_bags[name] = TableWeight(param)
         for table in tables:
             params[f"embedding_bags.{table.name}.weight"] = self.embedding_bags[table.name].weight
-        self._fused_optimizer = CowClipFusedOptimizer(
-            params,
-            state={},
-            optimizer=optimizer,
-            hyperparameters=options.hyperparameters(),
-        )
+        self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._bind_views()
         self.reset_parameters()
 
@@ -203,6 +221,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             IndexError: an id is outside ``[0, num_embeddings)`` of its table (raised
                 in forward, so no weight has changed).
         """
+        if self._device.type == "meta":
+            raise RuntimeError(
+                "this CowClipEmbeddingBagCollection is on the meta device (no storage): "
+                "shard it with DistributedModelParallel, or call to_empty(device=...) and "
+                "reset_parameters() first"
+            )
         features = self._in_batched_order(features)
         b = features.stride()
         values, offsets = features.values(), features.offsets()
@@ -260,9 +284,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         return tuple(
             name
             for batch in self._batches
-            for name, clipped in zip(batch.table_names, batch.clip_enabled.tolist())
+            for name, clipped in zip(batch.table_names, batch.clip_enabled_list)
             if not clipped
         )
+
+    def table_storage_bytes(self) -> int:
+        """Bytes of table weights and optimizer state this module holds (0 on meta)."""
+        return sum(batch.storage_bytes() for batch in self._batches)
 
     # --- FusedOptimizerModule ------------------------------------------------------
 
@@ -292,6 +320,22 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             raise ValueError(f"expected {len(self._batches)} counter tensors, got {len(counters)}")
         for batch, saved in zip(self._batches, counters):
             batch.counters.copy_(saved)
+
+    def table_counters(self) -> Dict[str, Tensor]:
+        """Per table, its ``[6]`` int64 clip counters (:data:`COUNTER_NAMES` order), the
+        layout checkpoints keep for unsharded and sharded modules alike."""
+        return {
+            name: batch.counters[:, i].clone()
+            for batch in self._batches
+            for i, name in enumerate(batch.table_names)
+        }
+
+    def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
+        """Restores counters saved by :meth:`table_counters` (the sharded module's too)."""
+        _check_counter_tables(counters, [t.name for t in self._embedding_bag_configs])
+        for batch in self._batches:
+            for i, name in enumerate(batch.table_names):
+                batch.counters[:, i] = counters[name].to(batch.counters.device)
 
     def row_clip_counters_state(self) -> Optional[List[Tensor]]:
         """The per-row counters of :meth:`track_row_clips`, for checkpoints; None when
@@ -360,13 +404,30 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     # --- Module plumbing -----------------------------------------------------------
 
+    @property
+    def row_initializers(self) -> Dict[str, Optional[RowInit]]:
+        """Per table, the counter-based initialisation its weights start from (None: the
+        config's own ``init_fn``, called as given); the sharder initialises each shard
+        from these."""
+        return dict(self._row_inits)
+
     def reset_parameters(self) -> None:
-        """Initialises each table with its config's ``init_fn`` (TorchRec's default:
-        uniform in ``+-sqrt(1 / num_embeddings)``)."""
-        for table in self._embedding_bag_configs:
-            assert table.init_fn is not None
-            with torch.no_grad():
-                table.init_fn(self.embedding_bags[table.name].weight)
+        """Initialises every table (:attr:`row_initializers`, else the config's
+        ``init_fn``) and zeroes the optimizer state and counters. Nothing happens on the
+        meta device."""
+        if self._device.type == "meta":
+            return
+        with torch.no_grad():
+            for table in self._embedding_bag_configs:
+                weight = self.embedding_bags[table.name].weight
+                row_init = self._row_inits[table.name]
+                if row_init is not None:
+                    row_init(weight)
+                else:
+                    assert table.init_fn is not None  # EmbeddingBagConfig always sets one
+                    table.init_fn(weight)
+            for batch in self._batches:
+                batch.reset_state()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # Device and dtype moves must move the table batches and re-point the per-table
@@ -375,10 +436,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             batch.apply_(fn)
         self._device = self._batches[0].weight.device
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
-        if self._output_permutation is not None:
-            self._output_permutation = self._output_permutation.to(self._device)
+        self._output_permutation = _as_index(self._output_columns, self._device)
         self._bind_views()
-        return super()._apply(fn, recurse)
+        views = {id(p) for p in self.parameters()}
+        # The per-table parameters now view the moved batches: leave them as they are.
+        return super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # deepcopy and unpickling clone each per-table parameter on its own; re-point
@@ -391,7 +453,15 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for batch in self._batches:
             for i, name in enumerate(batch.table_names):
                 param = self.embedding_bags[name].weight
-                param.data = batch.table_weight(i)
+                view = batch.table_weight(i)
+                if param.device == view.device:
+                    param.data = view
+                else:
+                    # `.data` cannot change a parameter's device type (meta -> cpu):
+                    # swap the contents, keeping the object the optimizer holds.
+                    marks = dict(param.__dict__)
+                    torch.utils.swap_tensors(param, nn.Parameter(view, param.requires_grad))
+                    param.__dict__.update(marks)
                 state[param] = batch.table_state(i)  # type: ignore[index]
 
     def _hyperparameters(self) -> Mapping[str, Any]:
@@ -431,6 +501,14 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
 
 
+def _check_counter_tables(counters: Mapping[str, Tensor], tables: List[str]) -> None:
+    """Raises ValueError unless ``counters`` has exactly ``tables``."""
+    if set(counters) != set(tables):
+        raise ValueError(
+            f"clip counters are for tables {sorted(counters)}, this module has {sorted(tables)}"
+        )
+
+
 def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[int]]:
     """KJT key indices in table-batch order (a feature shared by tables repeats)."""
     expected = sorted(set(wanted))
@@ -447,10 +525,9 @@ def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[
     return None if permutation == list(range(len(keys))) else permutation
 
 
-def _output_permutation(
-    batches: List[TableBatch], embedding_names: List[str], device: torch.device
-) -> Optional[Tensor]:
-    """Columns of the concatenated batch outputs in TorchRec's (table) order."""
+def _output_permutation(batches: List[TableBatch], embedding_names: List[str]) -> Optional[List[int]]:
+    """Columns of the concatenated batch outputs in TorchRec's (table) order (None: the
+    identity)."""
     column_ranges: Dict[str, range] = {}
     col = 0
     for batch in batches:
@@ -458,9 +535,11 @@ def _output_permutation(
             column_ranges[name] = range(col, col + batch.dim)
             col += batch.dim
     permutation = [c for name in embedding_names for c in column_ranges[name]]
-    if permutation == list(range(col)):
-        return None
-    return torch.tensor(permutation, dtype=torch.int64, device=device)
+    return None if permutation == list(range(col)) else permutation
+
+
+def _as_index(columns: Optional[List[int]], device: torch.device) -> Optional[Tensor]:
+    return None if columns is None else torch.tensor(columns, dtype=torch.int64, device=device)
 
 
 def _check_structure(

@@ -17,6 +17,7 @@ from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.embedding.row_step import row_step_
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 @torch.no_grad()
@@ -28,10 +29,10 @@ def apply_fused_update_(
 ) -> None:
     """Applies one optimizer step to the rows in ``row_grads``, in place on ``batch``.
 
-    ``hyper`` is the fused optimizer's param group: ``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``cowclip`` (a :class:`CowClip` or None) and optionally
-    ``count_lr`` (a :class:`CountLR` or None), read at every step
-    so that schedules which edit ``param_groups[0]`` take effect.
+    ``hyper`` is the fused optimizer's param group (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``cowclip``, ``count_lr``), read and validated at every step
+    (:meth:`CowClipOptions.from_param_group`), so that schedules which edit
+    ``param_groups[0]`` take effect and a bad value raises before any row changes.
 
     Rows whose gradient is not finite keep their weight and state and are counted in
     ``rows_nonfinite``; the step count of every table in the batch advances by one.
@@ -40,6 +41,7 @@ def apply_fused_update_(
     the batch's tables are column shards of larger tables: finiteness, the clip norms and
     row-wise Adagrad's row mean are then those of the whole rows, identical on every shard.
     """
+    options = CowClipOptions.from_param_group(hyper, batch.optimizer)
     rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
     num_tables = batch.num_tables
     table_of_row = batch.table_of_rows(rows)
@@ -60,30 +62,20 @@ def apply_fused_update_(
             row_sums = row_sums.select(finite)
 
     if rows.numel() > 0:
-        betas = tuple(hyper["betas"])
         adam_bias = None
         if batch.optimizer == "adam":
             # Per table, then gathered per row: no float64 pow per row in the kernel.
-            corrections = adam_bias_corrections(batch.step, betas[0], betas[1], grad.dtype)
+            beta1, beta2 = options.betas
+            corrections = adam_bias_corrections(batch.step, beta1, beta2, grad.dtype)
             per_row = torch.stack(corrections, dim=1)[table_of_row]  # one gather for both
             adam_bias = (per_row[:, 0], per_row[:, 1])
         clipped = row_step_(
-            batch.weight,
-            batch.state,
-            rows,
-            grad,
-            counts,
-            None,
-            batch.optimizer,
-            float(hyper["lr"]),
-            betas,
-            float(hyper["eps"]),
-            float(hyper["weight_decay"]),
-            hyper["cowclip"],
-            None if batch.all_clipped else batch.clip_enabled[table_of_row],
-            row_sums,
-            adam_bias,
-            hyper.get("count_lr"),
+            batch.weight, batch.state, rows, grad, counts,
+            optimizer=batch.optimizer,
+            **options.hyperparameters(),
+            clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
+            row_sums=row_sums,
+            adam_bias=adam_bias,
         )
     else:
         clipped = torch.zeros(0, dtype=torch.bool, device=rows.device)

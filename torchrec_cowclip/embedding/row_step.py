@@ -116,23 +116,26 @@ def gather_step_scatter_(
     rows: Tensor,
     grad: Tensor,
     counts: Tensor,
-    step: Optional[Tensor],
+    *,
     optimizer: str,
     lr: float,
     betas: Tuple[float, float],
     eps: float,
     weight_decay: float,
     cowclip: Optional[CowClip],
-    clip_enabled: Optional[Tensor],
-    row_sums: Optional[RowSums],
-    adam_bias: Optional[Tuple[Tensor, Tensor]],
     count_lr: Optional[CountLR] = None,
+    step: Optional[Tensor] = None,
+    clip_enabled: Optional[Tensor] = None,
+    row_sums: Optional[RowSums] = None,
+    adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """One CowClip step on rows ``rows`` of ``weight_table`` and its ``state_tables``
     (``[N, D]`` / ``[N]``), in place; returns the ``[U]`` clipped mask.
 
-    The remaining arguments are :func:`cowclip_row_update_`'s, for the ``U`` rows.
-    ``rows`` must be distinct: each row is read once and written once.
+    The keyword arguments are :func:`cowclip_row_update_`'s, for the ``U`` rows (the
+    hyperparameters are :meth:`CowClipOptions.hyperparameters
+    <torchrec_cowclip.optim.options.CowClipOptions.hyperparameters>`). ``rows`` must be
+    distinct: each row is read once and written once.
     """
     weight = weight_table.index_select(0, rows)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
@@ -187,8 +190,8 @@ def row_step_(*args: Any, **kwargs: Any) -> Tensor:
     Example::
 
         >>> w = torch.zeros(4, 2); rows = torch.tensor([1, 3])
-        >>> _ = row_step_(w, {}, rows, torch.ones(2, 2), torch.ones(2), None, "sgd", 0.5,
-        ...               (0.9, 0.999), 1e-8, 0.0, None, None, None, None)
+        >>> _ = row_step_(w, {}, rows, torch.ones(2, 2), torch.ones(2), optimizer="sgd",
+        ...               lr=0.5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
         >>> w[:, 0].tolist()
         [0.0, -0.5, 0.0, -0.5]
     """
@@ -200,7 +203,7 @@ def row_step_(*args: Any, **kwargs: Any) -> Tensor:
         with torch._dynamo.config.patch(
             recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         ):
-            _mark_embedding_dim_static(args)
+            _mark_embedding_dim_static((*args, *kwargs.values()))
             return _compiled_fn()(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any build failure falls back in auto mode
         if compiled_update_mode() == "1":

@@ -95,6 +95,7 @@ class TableBatch:
         feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
         self.feature_table_list: List[int] = feature_table
         self.all_clipped: bool = all(clipped)
+        self.clip_enabled_list: List[bool] = [bool(c) for c in clipped]
 
         total = offsets[-1]
         self.weight = torch.empty(total, self.dim, dtype=torch.float32, device=device)
@@ -179,7 +180,11 @@ class TableBatch:
         return torch.bucketize(rows, self.row_offsets[1:], right=True)
 
     def apply_(self, fn: Callable[[Tensor], Tensor]) -> None:
-        """Applies a ``Module._apply`` function (device or dtype move) to every tensor."""
+        """Applies a ``Module._apply`` function (device or dtype move, ``to_empty``) to
+        every tensor. Leaving the meta device rebuilds the index tensors from their
+        Python lists and zeroes the optimizer state and counters (``to_empty`` leaves
+        them uninitialised); the weights are then :meth:`reset_parameters`' to fill."""
+        from_meta = self.weight.device.type == "meta"
         for attr in (
             "weight", "step", "row_offsets", "clip_enabled", "feature_num_rows", "counters",
         ):
@@ -188,6 +193,29 @@ class TableBatch:
         if self.row_counters is not None:
             self.row_counters = fn(self.row_counters)
         self._index_cache = {}
+        if from_meta and self.weight.device.type != "meta":
+            device = self.weight.device
+            self.row_offsets = torch.tensor(self.row_offsets_list, dtype=torch.int64, device=device)
+            self.clip_enabled = torch.tensor(self.clip_enabled_list, dtype=torch.bool, device=device)
+            self.feature_num_rows = torch.tensor(
+                self.feature_num_rows_list, dtype=torch.int64, device=device
+            )
+            self.reset_state()
+
+    def storage_bytes(self) -> int:
+        """Bytes of the weight and optimizer-state tensors (0 on the meta device)."""
+        if self.weight.device.type == "meta":
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.weight, *self.state.values()))
+
+    def reset_state(self) -> None:
+        """Zeroes the optimizer state, step counts and clip counters (a fresh table)."""
+        for tensor in self.state.values():
+            tensor.zero_()
+        self.step.zero_()
+        self.counters.zero_()
+        if self.row_counters is not None:
+            self.row_counters.zero_()
 
     def stats(self) -> Dict[str, TableClipStats]:
         counters = self.counters.tolist()

@@ -40,6 +40,7 @@ from torchrec_cowclip.models.embeddings import (
 )
 from torchrec_cowclip.models.wide_deep import WideAndDeep
 from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _field_model(cls: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
@@ -92,6 +93,9 @@ def build_model(
     cowclip: Optional[CowClip] = CowClip(),
     device: DeviceLike = None,
     embedding_count_lr: Optional[CountLR] = None,
+    init_seed: Optional[int] = None,
+    table_device: DeviceLike = None,
+    embedding_options: Optional[CowClipOptions] = None,
     **model_options: Any,
 ) -> CTRModel:
     """Builds one of :data:`MODELS` with the spec's defaults (D 10, DNN 400-400-400,
@@ -111,6 +115,10 @@ def build_model(
         embedding_backend: ``"cowclip"`` (fused, in backward) or ``"torchrec"`` (stock
             EBC whose weights a dense optimizer trains; the ``embedding_*`` optimizer
             arguments and ``cowclip`` are then unused).
+        embedding_options: the in-backward optimizer, its hyperparameters and the clip
+            as one :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the
+            trainer passes); or the separate keywords that follow (give one or the
+            other).
         embedding_optimizer, embedding_lr, embedding_betas, embedding_eps,
             embedding_weight_decay: the in-backward optimizer (weight decay is
             ``2 * lambda`` of the reference's ``--l2``).
@@ -120,6 +128,10 @@ def build_model(
         device: where tables and layers live.
         embedding_count_lr: per-row embedding lr from the row's count in the batch
             (:class:`~torchrec_cowclip.optim.functional.CountLR`), or None.
+        init_seed: seed of the tables' counter-based initial weights (None:
+            ``torch.initial_seed()``): the same for every sharding plan and world size.
+        table_device: where the tables are built, if not ``device``: ``"meta"`` for
+            ``DistributedModelParallel`` to allocate only each rank's shards.
         model_options: passed to the model: ``cross_parameterization`` (DCN),
             ``low_rank`` and ``num_experts`` (DCNv2), ``dense_arch_layer_sizes``,
             ``over_arch_layer_sizes`` and ``dcn_low_rank_dim`` (DLRMs).
@@ -136,16 +148,22 @@ def build_model(
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names are {sorted(MODELS)}")
     n_dense = _resolve_num_dense(num_dense, dense_names)
-    embedding = EmbeddingOptions(
-        backend=embedding_backend,
+    training = CowClipOptions.resolve(
+        embedding_options,
         optimizer=embedding_optimizer,
         lr=embedding_lr,
         betas=embedding_betas,
         eps=embedding_eps,
         weight_decay=embedding_weight_decay,
         cowclip=cowclip,
-        init_std=init_std,
         count_lr=embedding_count_lr,
+    )
+    embedding = EmbeddingOptions(
+        backend=embedding_backend,
+        training=training,
+        init_std=init_std,
+        init_seed=init_seed,
+        table_device=None if table_device is None else str(table_device),
     )
     return MODELS[name](
         sparse_names=list(sparse_names),

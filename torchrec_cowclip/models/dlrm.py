@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Sequence
 
+import torch
 from torch import Tensor
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -164,7 +165,7 @@ def build_dlrm(
     )
     check_dlrm_tables(tables, num_dense, bottom[-1])  # before allocating the tables
     collection = build_embedding_collection(tables, embedding, device=device)
-    dense_device = None if device is None else collection.device
+    dense_device = None if device is None else torch.device(device)
     if interaction == "dot":
         dlrm: DLRM = DLRM(
             embedding_bag_collection=collection,  # type: ignore[arg-type]

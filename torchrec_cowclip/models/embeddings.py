@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.options import CowClipOptions
 
 EmbeddingBackend = Literal["cowclip", "torchrec"]
 EMBEDDING_BACKENDS: Tuple[str, ...] = ("cowclip", "torchrec")
@@ -45,51 +45,66 @@ def linear_table_name(feature: str) -> str:
     return f"linear_{feature}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EmbeddingOptions:
-    """How the embedding tables are initialised and trained.
+    """How the embedding tables are built and trained.
 
     Args:
         backend: ``"cowclip"``: a :class:`CowClipEmbeddingBagCollection` updated inside
-            backward by the options below; ``"torchrec"``: a stock
+            backward as ``training`` says; ``"torchrec"``: a stock
             ``torchrec.EmbeddingBagCollection`` whose weights are ordinary parameters
-            for a dense optimizer (``optimizer``, ``lr``, ``betas``, ``eps``,
-            ``weight_decay`` and ``cowclip`` are then unused).
-        optimizer: ``"adam"`` (the paper's), ``"rowwise_adagrad"`` or ``"sgd"``.
-        lr, betas, eps: in-backward optimizer hyperparameters.
-        weight_decay: coupled L2 on touched rows (``2 * lambda`` of the reference's
-            ``--l2``), applied to first-order tables too, as the reference's
-            ``l2_reg_linear`` is the same ``--l2``.
-        cowclip: clip parameters, None for a plain lazy optimizer. The reference's
-            Criteo setting is ``CowClip.from_reference(r=1.0, bound=1e-5,
-            embedding_dim=10)``.
+            for a dense optimizer (``training`` is then unused).
+        training: the in-backward optimizer, its hyperparameters and the clip, as one
+            :class:`~torchrec_cowclip.optim.options.CowClipOptions` (coupled L2 is
+            ``weight_decay``, ``2 * lambda`` of the reference's ``--l2``, applied to
+            the first-order tables too, as the reference's ``l2_reg_linear`` is the
+            same ``--l2``). The reference's Criteo clip is ``CowClip.from_reference(r=1.0,
+            bound=1e-5, embedding_dim=10)``.
         init_std: tables start as N(0, init_std); the reference CowClip runs use 1e-2.
-        count_lr: per-row lr from the row's count in the batch (:class:`CountLR`), or
-            None (the paper's single lr).
+        init_seed: seed of the tables' counter-based initial weights (None:
+            ``torch.initial_seed()``); the same seed gives the same tables unsharded and
+            under any sharding plan.
+        table_device: where the tables are built when not where the dense layers are:
+            ``"meta"`` builds them without storage, for
+            ``DistributedModelParallel`` to allocate each rank's shards only.
+        **training_keywords: instead of ``training``, its fields one by one
+            (``optimizer``, ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``,
+            ``count_lr``), the older spelling.
 
     Example::
 
-        >>> EmbeddingOptions(backend="cowclip", lr=1e-4, weight_decay=2e-5,
-        ...                  cowclip=CowClip.from_reference(1.0, 1e-5, 10))
+        >>> from torchrec_cowclip.optim.options import CowClipOptions
+        >>> opts = EmbeddingOptions(training=CowClipOptions(lr=1e-4, weight_decay=2e-5))
+        >>> opts == EmbeddingOptions(lr=1e-4, weight_decay=2e-5)
+        True
     """
 
-    backend: EmbeddingBackend = "cowclip"
-    optimizer: str = "adam"
-    lr: float = 1e-4
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    cowclip: Optional[CowClip] = CowClip()
-    init_std: float = 1e-2
-    count_lr: Optional[CountLR] = None
+    backend: EmbeddingBackend
+    training: CowClipOptions
+    init_std: float
+    init_seed: Optional[int]
+    table_device: Optional[str]
 
-    def __post_init__(self) -> None:
-        if self.backend not in EMBEDDING_BACKENDS:
+    def __init__(
+        self,
+        backend: EmbeddingBackend = "cowclip",
+        training: Optional[CowClipOptions] = None,
+        init_std: float = 1e-2,
+        init_seed: Optional[int] = None,
+        table_device: Optional[str] = None,
+        **training_keywords: Any,
+    ) -> None:
+        if backend not in EMBEDDING_BACKENDS:
             raise ValueError(
-                f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {self.backend!r}"
+                f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}"
             )
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        if not init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {init_std}")
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "training", CowClipOptions.resolve(training, **training_keywords))
+        object.__setattr__(self, "init_std", float(init_std))
+        object.__setattr__(self, "init_seed", init_seed)
+        object.__setattr__(self, "table_device", table_device)
 
 
 def validate_sparse_features(sparse_names: Sequence[str], cardinalities: Sequence[int]) -> None:
@@ -171,21 +186,17 @@ def build_embedding_collection(
         >>> ebc = build_embedding_collection(emb + lin, EmbeddingOptions(),
         ...                                  unclipped_tables=[t.name for t in lin])
     """
+    if options.table_device is not None:
+        device = options.table_device
     if options.backend == "torchrec":
         return EmbeddingBagCollection(
             tables=tables, device=None if device is None else torch.device(device)
         )
+    training = options.training.replace(
+        unclipped_tables=options.training.unclipped_tables | frozenset(unclipped_tables)
+    )
     return CowClipEmbeddingBagCollection(
-        tables,
-        optimizer=options.optimizer,
-        lr=options.lr,
-        betas=options.betas,
-        eps=options.eps,
-        weight_decay=options.weight_decay,
-        cowclip=options.cowclip,
-        unclipped_tables=unclipped_tables,
-        device=device,
-        count_lr=options.count_lr,
+        tables, options=training, device=device, init_seed=options.init_seed
     )
 
 

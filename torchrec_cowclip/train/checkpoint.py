@@ -1,46 +1,203 @@
-"""Atomic checkpoints: a crash while writing leaves the previous checkpoint intact.
+"""The trainer's checkpoints: one ``torch.distributed.checkpoint`` format for one process
+and for N, written atomically.
 
-The file is written next to its destination and moved into place with ``os.replace``,
-which is atomic on POSIX file systems; a reader sees either the old or the new file.
+A checkpoint is a directory under ``<out>/checkpoints/``: the tensors (model, fused and
+dense optimizer states) as a DCP checkpoint, each rank writing its own shards, plus
+``trainer_state.pt`` (progress, configuration, RNG states, clip counters) from rank 0. A
+small pointer file names the current one and is replaced with ``os.replace`` only after
+every rank has finished writing, so a kill at any moment leaves the previous checkpoint
+named and loadable; directories no pointer names are removed at the next save. Sharded
+tensors are saved with their global layout, so a checkpoint written by N processes loads
+on M under any plan (DCP re-shards on load).
 
 Example::
 
-    >>> save_checkpoint({"step": 3}, "runs/x/checkpoint.pt")
-    >>> load_checkpoint("runs/x/checkpoint.pt")["step"]
-    3
+    >>> import torch
+    >>> from torchrec_cowclip.train.checkpoint import CheckpointStore
+    >>> store = CheckpointStore("runs/ckpt-doc")
+    >>> weights = {"w": torch.arange(4.0)}
+    >>> store.save("latest", "s3", {"model": weights}, {"step": 3})
+    >>> restored = {"model": {"w": torch.zeros(4)}}
+    >>> store.load("latest", restored)["step"], restored["model"]["w"].tolist()
+    (3, [0.0, 1.0, 2.0, 3.0])
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+TRAINER_STATE = "trainer_state.pt"
+CHECKPOINTS_DIR = "checkpoints"
 
 
-def save_checkpoint(payload: Dict[str, Any], path: Union[str, Path]) -> None:
-    """Writes ``payload`` with ``torch.save`` to a temporary file, fsyncs, then renames."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model or optimizer it is loaded into."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _flat_tensors(state: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """``{"a.b.c": tensor}`` for every tensor in nested dicts, keyed as DCP keys them."""
+    flat: Dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flat_tensors(value, name + "."))
+        elif isinstance(value, (torch.Tensor, ShardedTensor)):
+            flat[name] = value
+    return flat
+
+
+def _size(value: Any) -> Tuple[int, ...]:
+    return tuple(value.size())
+
+
+class CheckpointStore:
+    """Named, atomically replaced checkpoints in one directory.
+
+    Args:
+        root: the directory (``<out>/checkpoints`` for the trainer).
+
+    Each name (``"latest"``, ``"best"``) is a pointer file holding the directory of the
+    checkpoint it names; :meth:`save` writes a new directory and then moves the pointer.
+    Every rank of a multi-process run calls every method (they are collective).
+    """
+
+    def __init__(self, root: Union[str, Path]) -> None:
+        self.root = Path(root)
+
+    def path_of(self, name: str) -> Optional[Path]:
+        """The checkpoint directory ``name`` points at, or None."""
+        pointer = self.root / name
+        if not pointer.is_file():
+            return None
+        target = self.root / pointer.read_text().strip()
+        return target if (target / TRAINER_STATE).is_file() else None
+
+    def save(self, name: str, tag: str, tensors: Dict[str, Any], trainer_state: Dict[str, Any]) -> Path:
+        """Writes ``tensors`` (nested dicts of tensors / ShardedTensors and plain values)
+        and ``trainer_state`` (rank 0's) as checkpoint ``name``, in directory ``tag``."""
+        target = self.root / f"{name}-{tag}"
+        if _is_main():
+            self.root.mkdir(parents=True, exist_ok=True)
+            if target.exists():  # a write of this very checkpoint that was killed
+                shutil.rmtree(target)
+        _barrier()
+        dcp.save(tensors, checkpoint_id=str(target))
+        if _is_main():
+            _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
+        _barrier()
+        if _is_main():
+            _atomic_write(self.root / name, lambda f: f.write(target.name.encode()))
+            self.remove_unnamed()
+        _barrier()
+        return target
+
+    def load(self, name: str, tensors: Dict[str, Any]) -> Dict[str, Any]:
+        """Loads checkpoint ``name`` in place into ``tensors`` and returns its trainer
+        state.
+
+        Raises:
+            FileNotFoundError: no such checkpoint.
+            CheckpointMismatchError: a tensor of ``tensors`` is missing from the
+                checkpoint or has another shape there (nothing is loaded then).
+        """
+        path = self.path_of(name)
+        if path is None:
+            raise FileNotFoundError(f"no '{name}' checkpoint in {self.root}")
+        self.check_fits(path, tensors)
+        dcp.load(tensors, checkpoint_id=str(path))
+        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+    def trainer_state(self, name: str) -> Optional[Dict[str, Any]]:
+        """The trainer state of checkpoint ``name`` (None if there is none), without
+        loading its tensors."""
+        path = self.path_of(name)
+        if path is None:
+            return None
+        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+    @staticmethod
+    def check_fits(path: Path, tensors: Mapping[str, Any]) -> None:
+        """Raises :class:`CheckpointMismatchError` naming the first tensor that the
+        checkpoint at ``path`` lacks or holds with another shape."""
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        wanted = _flat_tensors(tensors)
+        missing: List[str] = []
+        for key, value in wanted.items():
+            meta = saved.get(key)
+            if meta is None:
+                missing.append(key)
+                continue
+            size = getattr(meta, "size", None)
+            if size is not None and tuple(size) != _size(value):
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} does not fit: '{key}' is {list(size)} there and "
+                    f"{list(_size(value))} here"
+                )
+        # Under sharding a rank holds some tables only: compare against every rank's keys.
+        everyone = set(wanted)
+        if _distributed():
+            gathered: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(wanted))
+            everyone = {k for keys in gathered for k in keys}
+        groups = {k.split(".")[0] for k in everyone}
+        extra = sorted(k for k, m in saved.items()
+                       if hasattr(m, "size") and k not in everyone and k.split(".")[0] in groups)
+        if missing or extra:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit: {len(missing)} tensor(s) of this run are "
+                f"not in it (first: {missing[:3]}), {len(extra)} of its tensors are not in "
+                f"this run (first: {extra[:3]})"
+            )
+
+    def remove_unnamed(self) -> List[Path]:
+        """Removes checkpoint directories and temporary files no pointer names (left by
+        a killed write, or superseded); returns what it removed. Rank 0 only."""
+        named = {self.root / (self.root / n).read_text().strip()
+                 for n in ("latest", "best") if (self.root / n).is_file()}
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for entry in self.root.iterdir():
+            if entry.is_dir() and entry not in named:
+                shutil.rmtree(entry)
+                removed.append(entry)
+            elif entry.is_file() and entry.name.endswith(".tmp"):
+                entry.unlink()
+                removed.append(entry)
+        return removed
+
+
+def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
+    """Writes a file through a temporary sibling, fsynced, then ``os.replace``."""
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp.exists():
+            tmp.unlink()
         raise
-
-
-def load_checkpoint(path: Union[str, Path]) -> Dict[str, Any]:
-    """Loads a checkpoint written by :func:`save_checkpoint`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    # Our own files: they hold optimizer configs (CowClip dataclasses), not only tensors.
-    return torch.load(path, map_location="cpu", weights_only=False)

@@ -14,7 +14,9 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
+from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
 
 _DATA_HELP = (
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the recipe's, paper: 0 = off; docs/scaling.md)")
     s.add_argument("--no-cowclip", dest="cowclip", action="store_false",
                    help="no clipping (lazy optimizer on the same fused tables)")
-    s.add_argument("--embedding-backend", choices=("cowclip", "torchrec"), default=d.embedding_backend,
+    s.add_argument("--embedding-backend", choices=EMBEDDING_BACKENDS, default=d.embedding_backend,
                    help="torchrec: stock EmbeddingBagCollection + torch.optim.Adam (needs --no-cowclip)")
     s.add_argument("--embedding-optimizer", choices=EMBEDDING_OPTIMIZERS, default=d.embedding_optimizer)
 
@@ -106,13 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=d.seed)
     r.add_argument("--early-stop-patience", type=int, default=d.early_stop_patience)
     r.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only")
-    r.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out/checkpoints (any number of processes)")
     r.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (0: no limit)")
     r.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     r.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     r.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
     r.add_argument("--sharding", default=d.sharding,
-                   choices=("auto", "table_wise", "column_wise", "data_parallel", "row_wise"),
+                   choices=SHARDING_CHOICES,
                    help="under torchrun/torchx: how the embedding tables are sharded "
                         "(auto: TorchRec's planner); ignored on one process")
     r.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,

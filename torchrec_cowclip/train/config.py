@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-MODELS = ("deepfm", "wdl", "dcn", "dcnv2", "dlrm")
-EMBEDDING_OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
+from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.optim.functional import OPTIMIZERS
+
+#: The CLI's choices, read from the registries they select from.
+MODELS = tuple(MODEL_FACTORIES)
+EMBEDDING_OPTIMIZERS = tuple(OPTIMIZERS)
 
 
 class ConfigError(ValueError):

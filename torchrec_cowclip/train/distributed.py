@@ -101,28 +101,6 @@ def sharding_constraints(
     return {name: ParameterConstraints(sharding_types=[sharding]) for name in table_names}
 
 
-def load_full_tensors(sharded: nn.Module, full: Dict[str, torch.Tensor]) -> None:
-    """Copies whole (unsharded) tensors into a sharded model's local shards, in place.
-
-    TorchRec initialises sharded tables with its own uniform init; this carries the
-    unsharded model's initialisation (e.g. the reference's N(0, 1e-2)) over, so a run on N
-    processes starts from the same weights as a run on one.
-    """
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    with torch.no_grad():
-        for key, value in sharded.state_dict().items():
-            if key not in full:
-                continue
-            source = full[key]
-            if isinstance(value, ShardedTensor):
-                for shard in value.local_shards():
-                    (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    shard.tensor.copy_(source[r : r + h, c : c + w])
-            else:
-                value.copy_(source)
-
-
 def shard_model(
     module: nn.Module,
     table_names: List[str],

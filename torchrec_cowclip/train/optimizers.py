@@ -68,7 +68,13 @@ def build_optimizer(
     if fused is not None:
         parts.append(("embedding", fused))
     elif isinstance(embedding_collection, CowClipEmbeddingBagCollection):
-        parts.append(("embedding", embedding_collection.fused_optimizer))
+        # Keyed by the tables' full names in `model`, as DistributedModelParallel keys
+        # its fused optimizer: one checkpoint layout for one process and for N.
+        path = next(name for name, m in model.named_modules() if m is embedding_collection)
+        fused_part: KeyedOptimizer = embedding_collection.fused_optimizer
+        if path:
+            fused_part = CombinedOptimizer([(path, fused_part)])
+        parts.append(("embedding", fused_part))
     elif embedding_params:
         parts.append((
             "embedding",

@@ -19,37 +19,22 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
-from torchrec.datasets.utils import Batch
-from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
-from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset, parse_spec
+from torchrec_cowclip.data import open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
-from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
-from torchrec_cowclip.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.evaluate import evaluate
 from torchrec_cowclip.train.run_log import RunLog
+from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
-from torchrec_cowclip.train.distributed import (
-    DistContext,
-    init_distributed,
-    load_full_tensors,
-    rank_rows_for_eval,
-    rank_rows_of_epoch,
-    shard_model,
-)
-from torchrec_cowclip.train.optimizers import build_optimizer
-from torchrec_cowclip.train.task import CTRTrainTask
-
-CHECKPOINT_NAME = "checkpoint.pt"
-SHARDED_CHECKPOINT_DIR = "checkpoint_sharded"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -74,40 +59,19 @@ class Progress:
     stopped_early: bool = False
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def _rng_state() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def clip_counts(embedding_collection: torch.nn.Module, ctx: Optional[DistContext]) -> Dict[str, Any]:
+def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     """Totals and per-table counts of row updates, clipped rows and skipped rows
-    (over all ranks when sharded)."""
+    (over all ranks when sharded: then a collective)."""
     if not hasattr(embedding_collection, "clip_stats"):
         return {"rows_updated": None, "rows_clipped": None, "rows_nonfinite": None, "per_table": {}}
-    if ctx is not None:
-        stats = embedding_collection.global_clip_stats()  # collective: every rank calls it
+    if hasattr(embedding_collection, "global_clip_stats"):
+        stats = embedding_collection.global_clip_stats()
     else:
         stats = embedding_collection.clip_stats()
     return {
@@ -122,16 +86,17 @@ def clip_counts(embedding_collection: torch.nn.Module, ctx: Optional[DistContext
 
 
 class Trainer:
-    """One training run as configured by :class:`TrainConfig`."""
+    """One training run as configured by :class:`TrainConfig`.
+
+    The loop is the same for one process and for several: a
+    :class:`~torchrec_cowclip.train.runtime.Runtime` owns where the model lives and
+    how batches are split (:func:`~torchrec_cowclip.train.runtime.make_runtime`).
+    """
 
     def __init__(self, config: TrainConfig) -> None:
         config.validate()
         self.config = config
         self.out = Path(config.out)
-        self.ctx = init_distributed(config.device, config.dist_timeout_s)
-        self.device = self.ctx.device if self.ctx else _device(config.device)
-        if self.ctx and config.embedding_backend != "cowclip":
-            raise ConfigError("multi-process runs shard the CowClip tables: use --embedding-backend cowclip")
         if config.threads:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
@@ -165,7 +130,6 @@ class Trainer:
         if len(self.train_idx) == 0:
             raise ValueError(f"no training rows in {config.data} after the split")
 
-        schema = self.dataset.schema
         self.hp: ScaledHyperparameters = scale_hyperparameters(
             config.batch_size,
             dataset="avazu" if config.data.startswith("avazu:") else "criteo",
@@ -177,172 +141,64 @@ class Trainer:
             count_lr_power=config.count_lr_power,
         )
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
-        self.model = build_model(
-            config.model,
-            num_dense=len(schema.dense_names),
-            sparse_names=list(schema.sparse_names),
-            cardinalities=list(schema.cardinalities),
-            embedding_dim=config.embedding_dim,
-            hidden=tuple(config.hidden),
-            cross_layers=config.cross_layers,
-            init_std=config.init_std,
-            embedding_backend=config.embedding_backend,
-            embedding_optimizer=config.embedding_optimizer,
-            embedding_lr=self.hp.embedding_lr,
-            embedding_weight_decay=self.hp.embedding_weight_decay,
-            cowclip=self.cowclip,
-            device=self.device,
-            embedding_count_lr=self.hp.count_lr if config.embedding_backend == "cowclip" else None,
-        )
-        self.task = CTRTrainTask(self.model)
+        self.runtime: Runtime = make_runtime(config, self.dataset, self.train_idx, self.hp, self.cowclip)
+        self.device = self.runtime.device
+        self.model = self.runtime.model
+        self.optimizer = self.runtime.optimizer
+        self.steps_per_epoch = self.runtime.steps_per_epoch
         if config.row_clip_stats:
-            if self.ctx is not None:
-                raise ConfigError("--row-clip-stats counts rows of unsharded tables: run one process")
             self.model.embedding_collection.track_row_clips()
-        if self.ctx is None:
-            self.train_module: torch.nn.Module = self.task
-            self.steps_per_epoch = math.ceil(len(self.train_idx) / config.batch_size)
-            self.optimizer = build_optimizer(
-                self.model, self.model.embedding_collection, self.hp, self.steps_per_epoch
-            )
-        else:
-            from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
-
-            ebc = self.model.embedding_collection
-            initial_tables = {k: v.detach().clone() for k, v in self.task.state_dict().items()
-                              if ".embedding_bags." in k}
-            sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
-            self.train_module = shard_model(
-                self.task, [t.name for t in ebc.embedding_bag_configs()], [sharder],
-                config.sharding, self.ctx, config.batch_size,
-            )
-            load_full_tensors(self.train_module, initial_tables)
-            self.steps_per_epoch = len(self.train_idx) // config.batch_size
-            self.optimizer = build_optimizer(
-                self.train_module, None, self.hp, self.steps_per_epoch,
-                fused=self.train_module.fused_optimizer,
-            )
+        self.checkpoints = CheckpointStore(self.out / CHECKPOINTS_DIR)
         self.progress = Progress()
-        self.best_state: Optional[Dict[str, Any]] = None
-
-    # --- data ------------------------------------------------------------------------
-
-    def _train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        # Order from (seed, epoch) alone, so a resumed run sees the same batches.
-        if self.ctx is None:
-            return iter(BatchIterator(
-                self.dataset, self.train_idx, self.config.batch_size, shuffle=True,
-                seed=self.config.seed, epoch=epoch, start_batch=start_batch, prefetch=2,
-            ))
-        order = epoch_order(self.train_idx, True, self.config.seed, epoch)
-        rows = rank_rows_of_epoch(order, self.config.batch_size, self.ctx)
-        return iter(BatchIterator(
-            self.dataset, rows, self.config.batch_size // self.ctx.world_size,
-            start_batch=start_batch, prefetch=2,
-        ))
-
-    def _eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
-        size = self.config.eval_batch_size
-        if self.ctx is not None:
-            indices = rank_rows_for_eval(indices, self.ctx)
-            size = max(size // self.ctx.world_size, 1)
-        return iter(BatchIterator(self.dataset, indices, size, prefetch=2))
 
     # --- checkpoints -----------------------------------------------------------------
 
-    def _checkpoint_payload(self) -> Dict[str, Any]:
+    def _trainer_state(self) -> Dict[str, Any]:
+        ebc = self.model.embedding_collection
+        row_counters = None
+        if self.config.row_clip_stats and isinstance(ebc, CowClipEmbeddingBagCollection):
+            row_counters = ebc.row_clip_counters_state()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "progress": copy.deepcopy(self.progress.__dict__),
-            "best_state": self.best_state,
-            "clip_counters": self._clip_counters(),
-            "row_clip_counters": self._row_clip_counters(),
-            "rng": _rng_state(),
             "config": self.config.as_dict(),
+            "world_size": self.runtime.world_size,
+            "rng": self.runtime.all_rng_states(),
+            "table_counters": self.runtime.table_counters(),
+            "row_clip_counters": row_counters,
         }
 
-    def _clip_counters(self) -> Optional[List[torch.Tensor]]:
-        ebc = self.model.embedding_collection
-        if isinstance(ebc, CowClipEmbeddingBagCollection):
-            return ebc.clip_counters_state()
-        return None
-
-    def _row_clip_counters(self) -> Optional[List[torch.Tensor]]:
-        ebc = self.model.embedding_collection
-        if self.config.row_clip_stats and isinstance(ebc, CowClipEmbeddingBagCollection):
-            return ebc.row_clip_counters_state()
-        return None
-
     def save(self) -> None:
-        if self.ctx is None:
-            save_checkpoint(self._checkpoint_payload(), self.out / CHECKPOINT_NAME)
-        else:
-            self._save_sharded()
+        """Checkpoints the run as it is now ("latest"), on every rank."""
+        p = self.progress
+        self.checkpoints.save(
+            "latest", f"e{p.epoch}-s{p.global_step}", self.runtime.tensors(), self._trainer_state()
+        )
 
-    def _sharded_state(self) -> Dict[str, Any]:
-        return {"model": self.train_module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def _save_sharded(self) -> None:
-        """``torch.distributed.checkpoint`` of the sharded model and optimizers into a
-        temporary directory, renamed into place by rank 0 once every rank has written:
-        a crash mid-write leaves the previous checkpoint directory intact."""
-        import shutil
-
-        import torch.distributed.checkpoint as dcp
-
-        assert self.ctx is not None
-        final, tmp = self.out / SHARDED_CHECKPOINT_DIR, self.out / (SHARDED_CHECKPOINT_DIR + ".tmp")
-        if self.ctx.is_main and tmp.exists():
-            shutil.rmtree(tmp)
-        torch.distributed.barrier()
-        dcp.save(self._sharded_state(), checkpoint_id=str(tmp))
-        if self.ctx.is_main:
-            torch.save({"progress": copy.deepcopy(self.progress.__dict__),
-                        "config": self.config.as_dict()}, tmp / "trainer_state.pt")
-        torch.distributed.barrier()
-        if self.ctx.is_main:
-            old = self.out / (SHARDED_CHECKPOINT_DIR + ".old")
-            if final.exists():
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old.exists():
-                shutil.rmtree(old)
-        torch.distributed.barrier()
-
-    def _restore_sharded(self) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        final = self.out / SHARDED_CHECKPOINT_DIR
-        if not final.is_dir():
-            raise FileNotFoundError(f"no sharded checkpoint at {final}")
-        self.optimizer.init_state()  # dcp loads in place into existing state tensors
-        state = self._sharded_state()
-        dcp.load(state, checkpoint_id=str(final))
-        self.train_module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        extra = torch.load(final / "trainer_state.pt", weights_only=False)
-        self.progress = Progress(**extra["progress"])
+    def _save_best(self) -> None:
+        """Early stopping's best weights, as their own checkpoint (not kept in memory)."""
+        self.checkpoints.save("best", f"e{self.progress.epoch}", self.runtime.model_tensors(),
+                              {"epoch": self.progress.epoch})
 
     def restore(self) -> None:
-        if self.ctx is not None:
-            self._restore_sharded()
-            return
-        ckpt = load_checkpoint(self.out / CHECKPOINT_NAME)
-        self.model.load_state_dict(ckpt["model"])
-        # KeyedOptimizer loads in place into initialised state only.
-        self.optimizer.init_state()
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.progress = Progress(**ckpt["progress"])
-        self.best_state = ckpt["best_state"]
-        counters = ckpt.get("clip_counters")
-        ebc = self.model.embedding_collection
-        if counters is not None and isinstance(ebc, CowClipEmbeddingBagCollection):
-            ebc.load_clip_counters_state(counters)
-        row_counters = ckpt.get("row_clip_counters")
+        """Loads the "latest" checkpoint of ``--out`` into the model, optimizers,
+        counters, progress and RNG, at this run's world size."""
+        self.runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors
+        tensors = self.runtime.tensors()
+        state = self.checkpoints.load("latest", tensors)
+        self.runtime.load_tensors(tensors)
+        self.progress = Progress(**state["progress"])
+        if state.get("table_counters") is not None:
+            self.runtime.load_table_counters(state["table_counters"])
+        row_counters = state.get("row_clip_counters")
         if row_counters is not None and self.config.row_clip_stats:
-            ebc.load_row_clip_counters_state(row_counters)
-        _set_rng_state(ckpt["rng"])
+            self.model.embedding_collection.load_row_clip_counters_state(row_counters)
+        rng = state["rng"]
+        set_rng_state(rng[self.runtime.rank] if self.runtime.rank < len(rng) else rng[0])
+
+    def _load_best(self) -> None:
+        tensors = self.runtime.model_tensors()
+        self.checkpoints.load("best", tensors)
+        self.runtime.train_module.load_state_dict(tensors["model"])
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -351,7 +207,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.restore()
-        main = self.ctx is None or self.ctx.is_main
+        main = self.runtime.is_main
         log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
         log.info(self._banner())
         try:
@@ -368,12 +224,9 @@ class Trainer:
 
     def _train_epoch(self, log: RunLog) -> bool:
         cfg, p = self.config, self.progress
-        if self.ctx is None:
-            pipeline = TrainPipelineBase(self.train_module, self.optimizer, self.device)
-        else:
-            pipeline = TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
-        batches = self._train_batches(p.epoch, p.batch_in_epoch)
-        self.train_module.train()
+        pipeline = self.runtime.pipeline()
+        batches = self.runtime.train_batches(p.epoch, p.batch_in_epoch)
+        self.runtime.train_module.train()
         bar = log.progress_bar(total=self.steps_per_epoch, initial=p.batch_in_epoch,
                                desc=f"epoch {p.epoch + 1}/{cfg.epochs}")
         running = None
@@ -392,7 +245,7 @@ class Trainer:
                     raise NonFiniteLossError(
                         f"loss became {loss_value} at step {p.global_step + 1} (epoch "
                         f"{p.epoch + 1}, batch {p.batch_in_epoch + 1}); stopping. The last good "
-                        f"checkpoint, if any, is {self.out / CHECKPOINT_NAME}. Lower --lr / "
+                        f"checkpoint, if any, is {self._last_good_checkpoint()}. Lower --lr / "
                         f"--lr-embed or check the data."
                     )
                 n = int(labels.numel())
@@ -416,48 +269,43 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
-            if isinstance(pipeline, TrainPipelineSparseDist):
-                # Restore the sharded modules' own forwards for evaluation and the next
-                # epoch's pipeline.
-                pipeline.detach()
+            self.runtime.end_pipeline(pipeline)
         return True
 
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.config, self.progress
-        test = evaluate(self.train_module, self._eval_batches(self.test_idx), self.device)
+        test = self._evaluate(self.test_idx)
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
         row: Dict[str, Any] = {"epoch": p.epoch + 1, "test_auc": test["auc"],
                                "test_logloss": test["logloss"]}
         if len(self.val_idx):
-            val = evaluate(self.train_module, self._eval_batches(self.val_idx), self.device)
+            val = self._evaluate(self.val_idx)
             p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
             if val["auc"] > p.best_val_auc:
                 p.best_val_auc, p.best_epoch = val["auc"], p.epoch
                 p.epochs_without_improvement = 0
                 if cfg.early_stop_patience:
-                    self.best_state = copy.deepcopy(self.model.state_dict())
+                    self._save_best()
             else:
                 p.epochs_without_improvement += 1
                 if cfg.early_stop_patience and p.epochs_without_improvement >= cfg.early_stop_patience:
                     p.stopped_early = True
         else:
             p.best_epoch = p.epoch
-        counts = clip_counts(self._embedding_module(), self.ctx)
+        counts = clip_counts(self.runtime.embedding_module())
         row.update(rows_updated=counts["rows_updated"], rows_clipped=counts["rows_clipped"])
         log.epoch(row)
         p.epoch += 1
         p.batch_in_epoch = 0
 
-    def _embedding_module(self) -> torch.nn.Module:
-        """The (possibly sharded) embedding collection of the model."""
-        if self.ctx is None:
-            return self.model.embedding_collection
-        from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
+    def _evaluate(self, indices: np.ndarray) -> Dict[str, float]:
+        return evaluate(self.runtime.train_module, self.runtime.eval_batches(indices), self.device)
 
-        return next(m for m in self.train_module.modules()
-                    if isinstance(m, ShardedCowClipEmbeddingBagCollection))
+    def _last_good_checkpoint(self) -> str:
+        path = self.checkpoints.path_of("latest")
+        return "none: this run wrote no checkpoint yet" if path is None else str(path)
 
     def _dense_lr(self) -> float:
         for name, opt in self.optimizer.optimizers:
@@ -467,17 +315,16 @@ class Trainer:
 
     def _finish(self) -> Dict[str, Any]:
         cfg, p = self.config, self.progress
-        if p.stopped_early or (cfg.early_stop_patience and self.best_state is not None):
+        if cfg.early_stop_patience and self.checkpoints.path_of("best") is not None:
             # Early stopping: the final model is the best validation epoch's.
-            if self.best_state is not None:
-                self.model.load_state_dict(self.best_state)
+            self._load_best()
         final_epoch = p.best_epoch if (cfg.early_stop_patience and p.best_epoch >= 0) else len(p.epoch_auc) - 1
         if p.epoch_auc:
             auc, logloss = p.epoch_auc[final_epoch], p.epoch_logloss[final_epoch]
         else:  # --max-steps ended the run before the first epoch finished
-            test = evaluate(self.train_module, self._eval_batches(self.test_idx), self.device)
+            test = self._evaluate(self.test_idx)
             auc, logloss = test["auc"], test["logloss"]
-        counts = clip_counts(self._embedding_module(), self.ctx)
+        counts = clip_counts(self.runtime.embedding_module())
         metrics: Dict[str, Any] = {
             "auc": auc,
             "logloss": logloss,
@@ -497,15 +344,15 @@ class Trainer:
             "clipped_per_table": counts["per_table"],
             "hyperparameters": {**cfg.as_dict(), **self.hp.as_dict(),
                                 "cowclip": None if self.cowclip is None else vars(self.cowclip)},
-            "world_size": 1 if self.ctx is None else self.ctx.world_size,
-            "sharding": None if self.ctx is None else cfg.sharding,
+            "world_size": self.runtime.world_size,
+            "sharding": self.runtime.sharding,
             "dataset": {"source": str(getattr(self.dataset, "source", cfg.data)),
                         "rows": len(self.dataset), "train": len(self.train_idx),
                         "val": len(self.val_idx), "test": len(self.test_idx)},
         }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
-        if self.ctx is None or self.ctx.is_main:
+        if self.runtime.is_main:
             tmp = self.out / "metrics.json.tmp"
             tmp.write_text(json.dumps(metrics, indent=2, default=str))
             os.replace(tmp, self.out / "metrics.json")

@@ -1,0 +1,89 @@
+"""One checkpoint format for one process and for N: exact resume under every sharding
+type, N -> M resume, and a rank killed in the middle of writing a checkpoint.
+
+Each job runs the real :class:`Trainer` in spawned gloo ranks (``trainer_cases``), with
+the environment ``torchrun`` would give it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainer_cases as cases
+from distributed_harness import JobFailed, run_ranks
+from torchrec_cowclip.train.trainer import Trainer
+
+
+SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """Per sharding type, an uninterrupted 2-process run and one stopped mid-epoch 1 and
+    resumed (two jobs in all)."""
+    root = tmp_path_factory.mktemp("two_process")
+    full = [(str(root / f"full-{s}"), {"sharding": s}) for s in SHARDINGS]
+    part = [(str(root / f"part-{s}"), {"sharding": s, "max_steps": 4}) for s in SHARDINGS]
+    resumed = [(r, {"sharding": o["sharding"], "resume": True}) for r, o in part]
+    run_ranks(cases.train_phases, 2, full, timeout_s=300)
+    run_ranks(cases.train_phases, 2, part + resumed, timeout_s=400)
+    return root
+
+
+def test_one_process_resume_is_exact(tmp_path):
+    full = Trainer(cases.tiny_config(str(tmp_path / "full"))).run()
+    Trainer(cases.tiny_config(str(tmp_path / "part"), max_steps=5)).run()
+    Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True)).run()
+    resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
+    assert resumed == {k: full[k] for k in cases.EXACT}
+    assert full["best_epoch"] is not None and len(full["epoch_auc"]) == 2
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_two_process_resume_is_exact(two_process_runs, sharding):
+    resumed = cases.exact_metrics(str(two_process_runs / f"part-{sharding}" / "run"))
+    assert resumed == cases.exact_metrics(str(two_process_runs / f"full-{sharding}" / "run"))
+    assert resumed["steps"] > 4 and resumed["rows_updated"] > 0
+
+
+@pytest.mark.parametrize("first,second", [(1, 2), (2, 1), (2, 3)])
+def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
+    root = str(tmp_path)
+    opts = {"max_steps": 5, "sharding": "row_wise" if first > 1 else "auto"}
+    if first == 1:
+        Trainer(cases.tiny_config(root, **opts)).run()
+    else:
+        run_ranks(cases.train_phases, first, [(root, opts)], timeout_s=240)
+    reference = cases.local_restored_state(root, {})
+    if second == 1:
+        restored = reference
+    else:
+        out = str(tmp_path / "restored.pt")
+        run_ranks(cases.restored_state, second, root, {"sharding": "table_wise"}, out, timeout_s=240)
+        restored = torch.load(out, weights_only=False)
+    assert restored["progress"]["global_step"] == 5
+    assert set(restored["tensors"]) == set(reference["tensors"])
+    for key, value in reference["tensors"].items():
+        assert torch.equal(restored["tensors"][key], value), key
+    assert {k: v.tolist() for k, v in restored["counters"].items()} == {
+        k: v.tolist() for k, v in reference["counters"].items()
+    }
+    assert sum(int(v[3]) for v in reference["counters"].values()) > 0  # rows were updated
+    # Training went on from there at the new world size.
+    if second == 1:
+        Trainer(cases.tiny_config(root, resume=True)).run()
+    assert cases.exact_metrics(root + "/run")["steps"] > 5
+
+
+def test_rank_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    opts = {"sharding": "column_wise", "checkpoint_every": 4}
+    run_ranks(cases.train_phases, 2, [(full, opts)], timeout_s=240)
+    with pytest.raises(JobFailed):  # rank 1 died; rank 0 fails at the checkpoint's barrier
+        run_ranks(cases.die_in_second_checkpoint, 2, killed, opts, timeout_s=240, pg_timeout_s=15)
+    run_ranks(cases.train_phases, 2, [(killed, {**opts, "resume": True})], timeout_s=240)
+    assert cases.exact_metrics(killed + "/run") == cases.exact_metrics(full + "/run")
+    leftovers = sorted(p.name for p in (tmp_path / "killed" / "run" / "checkpoints").iterdir())
+    # The killed write's directory is gone: one checkpoint per pointer, no temp files.
+    assert [n.split("-")[0] for n in leftovers] == ["best", "best", "latest", "latest"], leftovers

@@ -1,0 +1,146 @@
+"""How CowClip tables are trained: one options object for every layer.
+
+:class:`CowClipOptions` is what :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`,
+its sharder, the model factory and the trainer accept and pass on, validated once where it
+is built; the fused optimizer's ``param_groups[0]`` is its live, editable form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
+
+from torchrec_cowclip.optim.functional import OPTIMIZERS, CountLR, CowClip
+
+
+def validate_hyperparameters(
+    lr: float,
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    cowclip: Optional[CowClip],
+    count_lr: Optional[CountLR] = None,
+) -> None:
+    """Raises ValueError naming the first bad hyperparameter: NaN and infinity are
+    refused everywhere (an infinite lr turns every touched row non-finite)."""
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"eps must be finite and > 0, got {eps!r}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay!r}")
+    if cowclip is not None and not isinstance(cowclip, CowClip):
+        raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
+    if count_lr is not None and not isinstance(count_lr, CountLR):
+        raise TypeError(f"count_lr must be a CountLR or None, got {type(count_lr).__name__}")
+
+
+@dataclass(frozen=True)
+class CowClipOptions:
+    """How CowClip tables are trained: the arguments of
+    :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`, minus the tables.
+
+    Example::
+
+        >>> from torchrec_cowclip.optim.functional import CowClip
+        >>> opts = CowClipOptions(optimizer="adam", lr=1e-4, cowclip=CowClip(1.0, 3.2e-5),
+        ...                       unclipped_tables=frozenset({"lin"}))
+        >>> opts.hyperparameters()["lr"]
+        0.0001
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    cowclip: Optional[CowClip] = CowClip()
+    unclipped_tables: FrozenSet[str] = field(default_factory=frozenset)
+    count_lr: Optional[CountLR] = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        object.__setattr__(self, "unclipped_tables", frozenset(self.unclipped_tables))
+        validate_hyperparameters(
+            self.lr, self.betas, self.eps, self.weight_decay, self.cowclip, self.count_lr
+        )
+
+    @classmethod
+    def resolve(cls, options: Optional["CowClipOptions"], **keywords: Any) -> "CowClipOptions":
+        """``options`` itself, or, when None, the options the separate ``keywords``
+        (``optimizer``, ``lr``, ...: the constructors' older spelling) describe.
+
+        Raises:
+            ValueError: both are given (a keyword differs from its default).
+        """
+        if options is None:
+            return cls(**keywords)
+        if not isinstance(options, CowClipOptions):
+            raise TypeError(f"options must be a CowClipOptions, got {type(options).__name__}")
+        defaults = cls()
+        given = sorted(
+            k for k, v in keywords.items()
+            if (frozenset(v) if k == "unclipped_tables" else v) != getattr(defaults, k)
+        )
+        if given:
+            raise ValueError(f"give options= or the keyword arguments {given}, not both")
+        return options
+
+    @classmethod
+    def from_param_group(
+        cls, group: Mapping[str, Any], optimizer: str, unclipped_tables: Iterable[str] = ()
+    ) -> "CowClipOptions":
+        """The options a fused optimizer's live ``param_groups[0]`` holds now (a schedule
+        may have edited ``lr``), validated: a NaN, infinite or negative value raises
+        ValueError naming it, before any row is updated."""
+        betas = group["betas"]
+        return cls(
+            optimizer=optimizer,
+            lr=float(group["lr"]),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            cowclip=group["cowclip"],
+            unclipped_tables=frozenset(unclipped_tables),
+            count_lr=group.get("count_lr"),
+        )
+
+    @classmethod
+    def from_module(cls, module: Any) -> "CowClipOptions":
+        """The options a CowClip collection is trained with now (its fused optimizer's
+        live hyperparameters, so an ``lr`` changed by a schedule is kept)."""
+        fused = module.fused_optimizer
+        return cls.from_param_group(fused.hyperparameters, fused.optimizer_name,
+                                    module.unclipped_tables)
+
+    def replace(self, **changes: Any) -> "CowClipOptions":
+        """A copy with ``changes`` (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The fused optimizer's param group entries (``lr``, ``betas``, ``eps``,
+        ``weight_decay``, ``cowclip``, ``count_lr``), which are also the row step's
+        hyperparameter keywords (:func:`~torchrec_cowclip.embedding.row_step.row_step_`)."""
+        return {
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "cowclip": self.cowclip,
+            "count_lr": self.count_lr,
+        }
+
+    def check_tables(self, table_names: Iterable[str]) -> None:
+        """Raises ValueError if ``unclipped_tables`` names a table the module lacks."""
+        names = list(table_names)
+        unknown = sorted(self.unclipped_tables - set(names))
+        if unknown:
+            raise ValueError(
+                f"unclipped_tables names tables that do not exist: {unknown}; tables are {names}"
+            )

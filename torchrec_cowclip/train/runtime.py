@@ -1,0 +1,302 @@
+"""Where a training run executes: one process, or several with sharded tables.
+
+The training loop (:mod:`.trainer`) talks to one small interface, :class:`Runtime`: build
+and wrap the model, produce this process's batches, run a step through TorchRec's train
+pipeline, evaluate, and give or take the state a checkpoint holds. Two implementations:
+
+* :class:`LocalRuntime`: the whole model in this process;
+* :class:`ShardedRuntime`: under ``torchrun``/torchx, the tables are built on the meta
+  device and ``DistributedModelParallel`` with the CowClip sharder allocates and
+  initialises each rank's shards only, so no rank ever holds a whole table; every
+  global batch is split over the ranks.
+
+Both give checkpoints the same keys, so a run checkpointed by one resumes on the other.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.optim.keyed import CombinedOptimizer
+
+from torchrec_cowclip.data import BatchIterator, epoch_order
+from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.models import build_model
+from torchrec_cowclip.models.base import CTRModel
+from torchrec_cowclip.optim.functional import CowClip
+from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.distributed import (
+    DistContext,
+    init_distributed,
+    rank_rows_for_eval,
+    rank_rows_of_epoch,
+    shard_model,
+)
+from torchrec_cowclip.train.optimizers import build_optimizer
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
+from torchrec_cowclip.train.task import CTRTrainTask
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's Python, NumPy and torch RNG states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restores :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Runtime(ABC):
+    """One process's share of a training run (see the module docstring).
+
+    Attributes:
+        model: the CTR model (its tables sharded under :class:`ShardedRuntime`).
+        train_module: what the train pipeline runs (``model`` with its loss).
+        optimizer: dense Adam with warm-up plus the tables' fused optimizer.
+        steps_per_epoch: optimizer steps in one epoch.
+    """
+
+    device: torch.device
+    world_size: int = 1
+    rank: int = 0
+    sharding: Optional[str] = None
+    model: CTRModel
+    train_module: nn.Module
+    optimizer: CombinedOptimizer
+    steps_per_epoch: int
+
+    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
+                 hp: ScaledHyperparameters, cowclip: Optional[CowClip]) -> None:
+        self.config, self.dataset, self.train_idx, self.hp = config, dataset, train_idx, hp
+        # The tables' training, built once from the scaled hyperparameters and passed
+        # on as is to the model factory, the collection and the sharder.
+        self.embedding_options = CowClipOptions(
+            optimizer=config.embedding_optimizer, lr=hp.embedding_lr,
+            weight_decay=hp.embedding_weight_decay, cowclip=cowclip,
+            count_lr=hp.count_lr if config.embedding_backend == "cowclip" else None,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _build_model(self, table_device: Optional[str]) -> CTRModel:
+        cfg, schema = self.config, self.dataset.schema
+        return build_model(
+            cfg.model,
+            num_dense=len(schema.dense_names),
+            sparse_names=list(schema.sparse_names),
+            cardinalities=list(schema.cardinalities),
+            embedding_dim=cfg.embedding_dim,
+            hidden=tuple(cfg.hidden),
+            cross_layers=cfg.cross_layers,
+            init_std=cfg.init_std,
+            embedding_backend=cfg.embedding_backend,
+            embedding_options=self.embedding_options,
+            device=self.device,
+            init_seed=cfg.seed,
+            table_device=table_device,
+        )
+
+    # --- data ------------------------------------------------------------------------
+
+    @abstractmethod
+    def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        """This process's batches of ``epoch`` from batch ``start_batch`` on; the order
+        is a function of (seed, epoch) alone, so a resumed run sees the same batches."""
+
+    @abstractmethod
+    def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
+        """This process's share of the evaluation rows ``indices``."""
+
+    # --- steps -------------------------------------------------------------------------
+
+    @abstractmethod
+    def pipeline(self) -> Any:
+        """A TorchRec train pipeline over :attr:`train_module` for one epoch."""
+
+    def end_pipeline(self, pipeline: Any) -> None:
+        """Releases what :meth:`pipeline` attached to the model."""
+
+    @abstractmethod
+    def embedding_module(self) -> nn.Module:
+        """The (possibly sharded) embedding collection."""
+
+    # --- state ---------------------------------------------------------------------------
+
+    def tensors(self) -> Dict[str, Any]:
+        """What a checkpoint holds as tensors, keyed alike in every runtime."""
+        return {"model": self.train_module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_tensors(self, tensors: Dict[str, Any]) -> None:
+        """Applies :meth:`tensors` after a checkpoint was loaded into them."""
+        self.train_module.load_state_dict(tensors["model"])
+        self.optimizer.load_state_dict(tensors["optimizer"])
+
+    def model_tensors(self) -> Dict[str, Any]:
+        """The model's weights alone (early stopping's best epoch)."""
+        return {"model": self.train_module.state_dict()}
+
+    def prepare_optimizer_state(self) -> None:
+        """Creates the dense optimizer's state tensors, for a checkpoint to load into."""
+        self.optimizer.init_state()
+
+    @abstractmethod
+    def table_counters(self) -> Optional[Dict[str, Tensor]]:
+        """Per table, its global clip counters (None without CowClip tables)."""
+
+    @abstractmethod
+    def load_table_counters(self, counters: Dict[str, Tensor]) -> None:
+        """Restores :meth:`table_counters`."""
+
+    def all_rng_states(self) -> List[Dict[str, Any]]:
+        """Every rank's RNG states, in rank order."""
+        return [rng_state()]
+
+    def barrier(self) -> None:
+        """Waits for every rank."""
+
+
+class LocalRuntime(Runtime):
+    """The whole model in this process."""
+
+    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
+                 hp: ScaledHyperparameters, cowclip: Optional[CowClip], device: torch.device) -> None:
+        super().__init__(config, dataset, train_idx, hp, cowclip)
+        self.device = device
+        self.model = self._build_model(table_device=None)
+        self.train_module = CTRTrainTask(self.model)
+        self.steps_per_epoch = math.ceil(len(train_idx) / config.batch_size)
+        self.optimizer = build_optimizer(
+            self.train_module, self.model.embedding_collection, hp, self.steps_per_epoch
+        )
+
+    def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        return iter(BatchIterator(
+            self.dataset, self.train_idx, self.config.batch_size, shuffle=True,
+            seed=self.config.seed, epoch=epoch, start_batch=start_batch, prefetch=2,
+        ))
+
+    def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
+        return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
+
+    def pipeline(self) -> Any:
+        return TrainPipelineBase(self.train_module, self.optimizer, self.device)
+
+    def embedding_module(self) -> nn.Module:
+        return self.model.embedding_collection
+
+    def table_counters(self) -> Optional[Dict[str, Tensor]]:
+        ebc = self.model.embedding_collection
+        return ebc.table_counters() if isinstance(ebc, CowClipEmbeddingBagCollection) else None
+
+    def load_table_counters(self, counters: Dict[str, Tensor]) -> None:
+        self.model.embedding_collection.load_table_counters(counters)
+
+
+class ShardedRuntime(Runtime):
+    """This rank's shards of the tables and a replica of the dense layers.
+
+    The tables are built on the meta device and materialised by
+    ``DistributedModelParallel`` shard by shard (counter-based initialisation: the
+    same start as one process), so per rank only its shards and their optimizer state
+    are ever allocated.
+    """
+
+    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
+                 hp: ScaledHyperparameters, cowclip: Optional[CowClip], ctx: DistContext) -> None:
+        super().__init__(config, dataset, train_idx, hp, cowclip)
+        if config.embedding_backend != "cowclip":
+            raise ConfigError("multi-process runs shard the CowClip tables: use --embedding-backend cowclip")
+        if config.row_clip_stats:
+            raise ConfigError("--row-clip-stats counts rows of unsharded tables: run one process")
+        from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+
+        self.ctx = ctx
+        self.device, self.world_size, self.rank = ctx.device, ctx.world_size, ctx.rank
+        self.sharding = config.sharding
+        self.model = self._build_model(table_device="meta")
+        ebc = self.model.embedding_collection
+        sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
+        self.train_module = shard_model(
+            CTRTrainTask(self.model), [t.name for t in ebc.embedding_bag_configs()], [sharder],
+            config.sharding, ctx, config.batch_size,
+        )
+        self.steps_per_epoch = len(train_idx) // config.batch_size
+        self.optimizer = build_optimizer(
+            self.train_module, None, hp, self.steps_per_epoch,
+            fused=self.train_module.fused_optimizer,
+        )
+
+    def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        order = epoch_order(self.train_idx, True, self.config.seed, epoch)
+        rows = rank_rows_of_epoch(order, self.config.batch_size, self.ctx)
+        return iter(BatchIterator(
+            self.dataset, rows, self.config.batch_size // self.world_size,
+            start_batch=start_batch, prefetch=2,
+        ))
+
+    def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
+        size = max(self.config.eval_batch_size // self.world_size, 1)
+        return iter(BatchIterator(self.dataset, rank_rows_for_eval(indices, self.ctx), size, prefetch=2))
+
+    def pipeline(self) -> Any:
+        return TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
+
+    def end_pipeline(self, pipeline: Any) -> None:
+        # Restores the sharded modules' own forwards for evaluation and the next epoch.
+        pipeline.detach()
+
+    def embedding_module(self) -> nn.Module:
+        from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
+
+        return next(m for m in self.train_module.modules()
+                    if isinstance(m, ShardedCowClipEmbeddingBagCollection))
+
+    def table_counters(self) -> Optional[Dict[str, Tensor]]:
+        return self.embedding_module().table_counters()
+
+    def load_table_counters(self, counters: Dict[str, Tensor]) -> None:
+        self.embedding_module().load_table_counters(counters)
+
+    def all_rng_states(self) -> List[Dict[str, Any]]:
+        states: List[Any] = [None] * self.world_size
+        dist.all_gather_object(states, rng_state())
+        return states
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def make_runtime(config: TrainConfig, dataset: Any, train_idx: np.ndarray,
+                 hp: ScaledHyperparameters, cowclip: Optional[CowClip]) -> Runtime:
+    """A :class:`ShardedRuntime` under a multi-process launcher, else a :class:`LocalRuntime`."""
+    ctx = init_distributed(config.device, config.dist_timeout_s)
+    if ctx is not None:
+        return ShardedRuntime(config, dataset, train_idx, hp, cowclip, ctx)
+    return LocalRuntime(config, dataset, train_idx, hp, cowclip, resolve_device(config.device))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
