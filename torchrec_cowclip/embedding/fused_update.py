@@ -17,6 +17,7 @@ from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.embedding.row_step import row_step_
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
+from torchrec_cowclip.optim.fused import validate_param_group
 
 
 @torch.no_grad()
@@ -31,7 +32,8 @@ def apply_fused_update_(
     ``hyper`` is the fused optimizer's param group: ``lr``, ``betas``, ``eps``,
     ``weight_decay``, ``cowclip`` (a :class:`CowClip` or None) and optionally
     ``count_lr`` (a :class:`CountLR` or None), read at every step
-    so that schedules which edit ``param_groups[0]`` take effect.
+    so that schedules which edit ``param_groups[0]`` take effect; a NaN, inf or negative
+    value there raises ValueError before anything changes.
 
     Rows whose gradient is not finite keep their weight and state and are counted in
     ``rows_nonfinite``; the step count of every table in the batch advances by one.
@@ -40,6 +42,7 @@ def apply_fused_update_(
     the batch's tables are column shards of larger tables: finiteness, the clip norms and
     row-wise Adagrad's row mean are then those of the whole rows, identical on every shard.
     """
+    validate_param_group(hyper)  # before any weight, state or step count changes
     rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
     num_tables = batch.num_tables
     table_of_row = batch.table_of_rows(rows)

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, Mapping, Optional, Set, Tuple
 
@@ -39,19 +40,38 @@ def validate_hyperparameters(
     cowclip: Optional[CowClip],
     count_lr: Optional[CountLR] = None,
 ) -> None:
-    """Raises ValueError naming the first bad hyperparameter."""
-    if not (lr >= 0.0):
-        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    """Raises ValueError naming the first bad hyperparameter (NaN, inf and negative
+    values included: ``inf >= 0`` holds, so finiteness is checked on its own)."""
+    for name, value, low_ok in (("lr", lr, True), ("eps", eps, False),
+                                ("weight_decay", weight_decay, True)):
+        if not (math.isfinite(value) and (value >= 0.0 if low_ok else value > 0.0)):
+            raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not (eps > 0.0):
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-    if not (weight_decay >= 0.0):
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
         raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
     if count_lr is not None and not isinstance(count_lr, CountLR):
         raise TypeError(f"count_lr must be a CountLR or None, got {type(count_lr).__name__}")
+
+
+def validate_param_group(group: Mapping[str, Any]) -> None:
+    """Checks a live fused-optimizer param group before an update reads it.
+
+    A schedule or a user may edit ``param_groups[0]`` between steps; a NaN, inf or
+    negative value there would silently write non-finite weights. A few Python float
+    comparisons per step, run before any row changes.
+
+    Raises:
+        ValueError: naming the param group key and its value.
+    """
+    try:
+        validate_hyperparameters(
+            float(group["lr"]), tuple(float(b) for b in group["betas"]),  # type: ignore[arg-type]
+            float(group["eps"]), float(group["weight_decay"]), group["cowclip"],
+            group.get("count_lr"),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"fused optimizer param_groups[0]: {e}") from None
 
 
 @dataclass(frozen=True)
