@@ -32,9 +32,16 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
-from torchrec_cowclip.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrec_cowclip.train.checkpoint import (
+    describe_last_checkpoint,
+    load_checkpoint,
+    require_finite,
+    save_checkpoint,
+)
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.evaluate import evaluate
+from torchrec_cowclip.train.resume_guard import check_resume, resumed_message, run_record
+from torchrec_cowclip.train.run_dir import claim_run_dir
 from torchrec_cowclip.train.run_log import RunLog
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
 from torchrec_cowclip.train.distributed import (
@@ -130,6 +137,8 @@ class Trainer:
         self.out = Path(config.out)
         self.ctx = init_distributed(config.device, config.dist_timeout_s)
         self.device = self.ctx.device if self.ctx else _device(config.device)
+        self.run_dir = claim_run_dir(self.out, config.resume, config.overwrite,
+                                     main=self.ctx is None or self.ctx.is_main)
         if self.ctx and config.embedding_backend != "cowclip":
             raise ConfigError("multi-process runs shard the CowClip tables: use --embedding-backend cowclip")
         if config.threads:
@@ -176,6 +185,7 @@ class Trainer:
             warmup_epochs=config.warmup_epochs, recipe=config.recipe,
             count_lr_power=config.count_lr_power,
         )
+        self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
         self.model = build_model(
             config.model,
@@ -224,6 +234,7 @@ class Trainer:
             )
         self.progress = Progress()
         self.best_state: Optional[Dict[str, Any]] = None
+        self.checkpoint_step: Optional[int] = None  # of the last checkpoint this run wrote or resumed
 
     # --- data ------------------------------------------------------------------------
 
@@ -260,6 +271,7 @@ class Trainer:
             "row_clip_counters": self._row_clip_counters(),
             "rng": _rng_state(),
             "config": self.config.as_dict(),
+            "run_record": self.run_record,
         }
 
     def _clip_counters(self) -> Optional[List[torch.Tensor]]:
@@ -276,9 +288,12 @@ class Trainer:
 
     def save(self) -> None:
         if self.ctx is None:
-            save_checkpoint(self._checkpoint_payload(), self.out / CHECKPOINT_NAME)
+            payload, path = self._checkpoint_payload(), self.out / CHECKPOINT_NAME
+            require_finite(payload, path, describe_last_checkpoint(path, self.checkpoint_step))
+            save_checkpoint(payload, path)
         else:
             self._save_sharded()
+        self.checkpoint_step = self.progress.global_step
 
     def _sharded_state(self) -> Dict[str, Any]:
         return {"model": self.train_module.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -299,7 +314,8 @@ class Trainer:
         dcp.save(self._sharded_state(), checkpoint_id=str(tmp))
         if self.ctx.is_main:
             torch.save({"progress": copy.deepcopy(self.progress.__dict__),
-                        "config": self.config.as_dict()}, tmp / "trainer_state.pt")
+                        "config": self.config.as_dict(), "run_record": self.run_record},
+                       tmp / "trainer_state.pt")
         torch.distributed.barrier()
         if self.ctx.is_main:
             old = self.out / (SHARDED_CHECKPOINT_DIR + ".old")
@@ -316,12 +332,13 @@ class Trainer:
         final = self.out / SHARDED_CHECKPOINT_DIR
         if not final.is_dir():
             raise FileNotFoundError(f"no sharded checkpoint at {final}")
+        extra = torch.load(final / "trainer_state.pt", weights_only=False)
+        check_resume(extra, self.run_record, self.out)
         self.optimizer.init_state()  # dcp loads in place into existing state tensors
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(final))
         self.train_module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        extra = torch.load(final / "trainer_state.pt", weights_only=False)
         self.progress = Progress(**extra["progress"])
 
     def restore(self) -> None:
@@ -329,6 +346,7 @@ class Trainer:
             self._restore_sharded()
             return
         ckpt = load_checkpoint(self.out / CHECKPOINT_NAME)
+        check_resume(ckpt, self.run_record, self.out)  # before any state is loaded
         self.model.load_state_dict(ckpt["model"])
         # KeyedOptimizer loads in place into initialised state only.
         self.optimizer.init_state()
@@ -347,13 +365,23 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> Dict[str, Any]:
+        try:
+            return self._run()
+        finally:
+            self.run_dir.release()
+
+    def _run(self) -> Dict[str, Any]:
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.restore()
+            self.checkpoint_step = self.progress.global_step
         main = self.ctx is None or self.ctx.is_main
         log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
         log.info(self._banner())
+        if cfg.resume:
+            p = self.progress
+            log.info(resumed_message(p.global_step, p.epoch, p.batch_in_epoch,
+                                     self.steps_per_epoch, self.out / CHECKPOINT_NAME))
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
@@ -391,9 +419,9 @@ class Trainer:
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(
                         f"loss became {loss_value} at step {p.global_step + 1} (epoch "
-                        f"{p.epoch + 1}, batch {p.batch_in_epoch + 1}); stopping. The last good "
-                        f"checkpoint, if any, is {self.out / CHECKPOINT_NAME}. Lower --lr / "
-                        f"--lr-embed or check the data."
+                        f"{p.epoch + 1}, batch {p.batch_in_epoch + 1}); stopping: "
+                        f"{describe_last_checkpoint(self.out / CHECKPOINT_NAME, self.checkpoint_step)}. "
+                        f"Lower --lr / --lr-embed or check the data."
                     )
                 n = int(labels.numel())
                 p.train_seconds += time.perf_counter() - t0
@@ -501,7 +529,8 @@ class Trainer:
             "sharding": None if self.ctx is None else cfg.sharding,
             "dataset": {"source": str(getattr(self.dataset, "source", cfg.data)),
                         "rows": len(self.dataset), "train": len(self.train_idx),
-                        "val": len(self.val_idx), "test": len(self.test_idx)},
+                        "val": len(self.val_idx), "test": len(self.test_idx),
+                        "bad_rows_skipped": self.dataset.bad_rows},
         }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
