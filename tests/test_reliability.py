@@ -161,6 +161,19 @@ def test_resume_with_a_harmless_change_is_accepted(interrupted, tmp_path, capsys
     assert metrics["steps"] == override.get("max_steps", 11 * override.get("epochs", 1))
 
 
+def test_resume_drops_the_log_rows_written_after_the_checkpoint(interrupted, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(interrupted / "run", out)
+    steps = (out / "steps.csv").read_text().splitlines(keepends=True)
+    assert len(steps) == 5  # header + steps 1-4, the checkpoint's step
+    # What a run killed at step 6 leaves: two rows the checkpoint does not cover.
+    (out / "steps.csv").write_text("".join(steps) + "5,0.5,0.5,1.0,1e-4\n6,0.5,0.5,1.0,1e-4\n")
+    Trainer(_config(out, interrupted / "cache", resume=True)).run()
+    assert "dropped 2 log rows written after the checkpoint" in capsys.readouterr().err
+    logged = [row.split(",")[0] for row in (out / "steps.csv").read_text().splitlines()[1:]]
+    assert logged == [str(i) for i in range(1, 12)]
+
+
 # --- one run per --out -------------------------------------------------------------------
 
 _HOLD_LOCK = (

@@ -382,6 +382,7 @@ class Trainer:
             p = self.progress
             log.info(resumed_message(p.global_step, p.epoch, p.batch_in_epoch,
                                      self.steps_per_epoch, self.out / CHECKPOINT_NAME))
+            log.rewind(p.global_step, p.epoch)
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
