@@ -260,7 +260,7 @@ def test_a_sharded_checkpoint_killed_between_its_renames_is_restored(tmp_path, c
                                         ("eps", math.inf), ("weight_decay", math.nan)])
 def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
-    with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+    with pytest.raises(ValueError, match=f"{key} must be >=? 0 and finite, got {value}"):
         validate_hyperparameters(**{**kw, key: value})
 
 

@@ -45,7 +45,7 @@ def validate_hyperparameters(
     for name, value, low_ok in (("lr", lr, True), ("eps", eps, False),
                                 ("weight_decay", weight_decay, True)):
         if not (math.isfinite(value) and (value >= 0.0 if low_ok else value > 0.0)):
-            raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
+            raise ValueError(f"{name} must be {'>=' if low_ok else '>'} 0 and finite, got {value!r}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
