@@ -436,9 +436,9 @@ def test_constructor_arguments_are_validated():
     with pytest.raises(ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"):
         CowClipEmbeddingBagCollection([replace(table)], unclipped_tables=["nope"])
     for bad in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        with pytest.raises(ValueError, match="lr must be >= 0 and finite"):
             CowClipEmbeddingBagCollection([replace(table)], lr=bad)
-    with pytest.raises(ValueError, match="weight_decay must be finite"):
+    with pytest.raises(ValueError, match="weight_decay must be >= 0 and finite"):
         CowClipEmbeddingBagCollection([replace(table)], weight_decay=float("inf"))
     with pytest.raises(ValueError, match="Duplicate table name"):
         CowClipEmbeddingBagCollection([replace(table), replace(table)])
@@ -467,7 +467,7 @@ def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
     before = copy.deepcopy(ebc.state_dict())
     state_before = copy.deepcopy(ebc.fused_optimizer.state_dict()["state"])
     ebc.fused_optimizer.param_groups[0][key] = value
-    with pytest.raises(ValueError, match=f"{key} must be"):
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]: {key} must be"):
         ebc(random_kjt(tables, 4, gen)).values().sum().backward()
     for k, v in ebc.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)

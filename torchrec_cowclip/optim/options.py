@@ -23,16 +23,14 @@ def validate_hyperparameters(
     cowclip: Optional[CowClip],
     count_lr: Optional[CountLR] = None,
 ) -> None:
-    """Raises ValueError naming the first bad hyperparameter: NaN and infinity are
-    refused everywhere (an infinite lr turns every touched row non-finite)."""
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+    """Raises ValueError naming the first bad hyperparameter (NaN, inf and negative
+    values included: ``inf >= 0`` holds, so finiteness is checked on its own)."""
+    for name, value, zero_ok in (("lr", lr, True), ("eps", eps, False),
+                                 ("weight_decay", weight_decay, True)):
+        if not (math.isfinite(value) and (value >= 0.0 if zero_ok else value > 0.0)):
+            raise ValueError(f"{name} must be {'>=' if zero_ok else '>'} 0 and finite, got {value!r}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not (math.isfinite(eps) and eps > 0.0):
-        raise ValueError(f"eps must be finite and > 0, got {eps!r}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
-        raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
         raise TypeError(f"cowclip must be a CowClip or None, got {type(cowclip).__name__}")
     if count_lr is not None and not isinstance(count_lr, CountLR):
@@ -100,16 +98,19 @@ class CowClipOptions:
         may have edited ``lr``), validated: a NaN, infinite or negative value raises
         ValueError naming it, before any row is updated."""
         betas = group["betas"]
-        return cls(
-            optimizer=optimizer,
-            lr=float(group["lr"]),
-            betas=(float(betas[0]), float(betas[1])),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            cowclip=group["cowclip"],
-            unclipped_tables=frozenset(unclipped_tables),
-            count_lr=group.get("count_lr"),
-        )
+        try:
+            return cls(
+                optimizer=optimizer,
+                lr=float(group["lr"]),
+                betas=(float(betas[0]), float(betas[1])),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                cowclip=group["cowclip"],
+                unclipped_tables=frozenset(unclipped_tables),
+                count_lr=group.get("count_lr"),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"fused optimizer param_groups[0]: {e}") from None
 
     @classmethod
     def from_module(cls, module: Any) -> "CowClipOptions":

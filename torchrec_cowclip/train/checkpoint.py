@@ -42,6 +42,10 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model or optimizer it is loaded into."""
 
 
+class NonFiniteStateError(RuntimeError):
+    """A checkpoint would hold NaN/inf tensors; it is not written (the previous one stays)."""
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -95,8 +99,14 @@ class CheckpointStore:
 
     def save(self, name: str, tag: str, tensors: Dict[str, Any], trainer_state: Dict[str, Any]) -> Path:
         """Writes ``tensors`` (nested dicts of tensors / ShardedTensors and plain values)
-        and ``trainer_state`` (rank 0's) as checkpoint ``name``, in directory ``tag``."""
+        and ``trainer_state`` (rank 0's) as checkpoint ``name``, in directory ``tag``.
+
+        Raises:
+            NonFiniteStateError: a tensor holds a NaN or inf (on any rank); nothing is
+                written and ``name`` still points at its previous checkpoint.
+        """
         target = self.root / f"{name}-{tag}"
+        require_finite(tensors, target, self.describe(name))
         if _is_main():
             self.root.mkdir(parents=True, exist_ok=True)
             if target.exists():  # a write of this very checkpoint that was killed
@@ -127,6 +137,15 @@ class CheckpointStore:
         self.check_fits(path, tensors)
         dcp.load(tensors, checkpoint_id=str(path))
         return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+    def describe(self, name: str) -> str:
+        """How a stop message names checkpoint ``name`` of this directory."""
+        path = self.path_of(name)
+        if path is None:
+            return "this run wrote no checkpoint (none to resume from)"
+        state = self.trainer_state(name) or {}
+        step = state.get("progress", {}).get("global_step", "?")
+        return f"the last good checkpoint is {path} (step {step}; --resume continues from it)"
 
     def trainer_state(self, name: str) -> Optional[Dict[str, Any]]:
         """The trainer state of checkpoint ``name`` (None if there is none), without
@@ -201,3 +220,58 @@ def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
         if tmp.exists():
             tmp.unlink()
         raise
+
+
+def nonfinite_tensors(state: Any, prefix: str = "") -> List[str]:
+    """Dotted keys of the floating-point tensors in a nested state (dicts, lists,
+    tuples) that hold a NaN or an inf.
+
+    One reduction per tensor: the sum of a finite tensor is finite unless it overflows,
+    so only a tensor whose sum is not finite is checked element-wise (which also clears
+    a finite tensor whose sum overflowed).
+
+    Example::
+
+        >>> nonfinite_tensors({"model": {"w": torch.ones(2), "b": torch.tensor([float("nan")])}})
+        ['model.b']
+    """
+    if isinstance(state, torch.Tensor):
+        # Sharded tensors (ShardedTensor, DTensor): only this process's pieces are here.
+        if hasattr(state, "local_shards"):
+            pieces = [shard.tensor for shard in state.local_shards()]
+        else:
+            pieces = [state.to_local() if hasattr(state, "to_local") else state]
+        for t in pieces:
+            if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+                continue
+            if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+                return [prefix or "<tensor>"]
+        return []
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return []
+    found: List[str] = []
+    for key, value in items:
+        found += nonfinite_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    return found
+
+
+def require_finite(tensors: Dict[str, Any], path: Union[str, Path], previous: str) -> None:
+    """Raises :class:`NonFiniteStateError` on every rank, before anything is written to
+    ``path``, if any rank's tensors are not all finite; ``previous`` says which
+    checkpoint is kept. One reduction per tensor, one collective."""
+    bad = nonfinite_tensors(tensors)
+    count = len(bad)
+    if _distributed():
+        flag = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(flag)
+        count = int(flag)
+    if count:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise NonFiniteStateError(
+            f"refusing to write {path}: non-finite values in {shown or 'another rank'}; "
+            f"{previous}. Lower --lr / --lr-embed or check the data."
+        )

@@ -108,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=d.seed)
     r.add_argument("--early-stop-patience", type=int, default=d.early_stop_patience)
     r.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only")
-    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out/checkpoints (any number of processes)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out/checkpoints (any number of "
+                        "processes); refused if a setting that changes "
+                        "the result differs from the checkpoint's (README, Reliability)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="delete the previous run's files in --out first (without it, or "
+                        "--resume, an --out holding a run is refused)")
     r.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (0: no limit)")
     r.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     r.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
@@ -116,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sharding", default=d.sharding,
                    choices=SHARDING_CHOICES,
                    help="under torchrun/torchx: how the embedding tables are sharded "
-                        "(auto: TorchRec's planner); ignored on one process")
+                        "(auto: TorchRec's planner); refused on one process")
     r.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,
                    help="seconds any collective may wait (a dead rank fails the job after this)")
     r.add_argument("--no-progress", dest="progress", action="store_false")
@@ -137,6 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
+    from torchrec_cowclip.train.checkpoint import NonFiniteStateError
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
 
     try:
@@ -145,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         metrics = train(config)
     except (ConfigError, DataError, FileNotFoundError) as e:
         parser.exit(2, f"torchrec-cowclip: error: {e}\n")
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, NonFiniteStateError) as e:
         parser.exit(3, f"torchrec-cowclip: {e}\n")
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for a multi-process run

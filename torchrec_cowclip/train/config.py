@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -61,6 +63,7 @@ class TrainConfig:
     early_stop_patience: int = 0
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     max_steps: int = 0
     eval_batch_size: int = 65536
     cache_dir: str = "data_cache"
@@ -112,13 +115,13 @@ class TrainConfig:
         for flag, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
-        for flag, value in {"--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
-                            "--clip-zeta": self.clip_zeta,
-                            "--warmup-epochs": self.warmup_epochs}.items():
-            if value is not None and value < 0:
-                raise ConfigError(f"{flag} must be >= 0, got {value}")
-        if self.clip_r is not None and self.clip_r <= 0:
-            raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
+        self._validate_numbers()
+        if not self.cowclip:
+            for flag, value in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
+                if value is not None:
+                    raise ConfigError(f"{flag} {value:g} has no effect with --no-cowclip: drop one")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --out, --overwrite deletes it: give one")
         from torchrec_cowclip.train.scaling import RECIPES
 
         if self.recipe not in RECIPES:
@@ -153,6 +156,56 @@ class TrainConfig:
             raise ConfigError(f"--dist-timeout must be > 0, got {self.dist_timeout_s}")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
+        self._validate_placement()
+
+    def _validate_numbers(self) -> None:
+        # NaN passes every ordered comparison's negation and inf every lower bound, so
+        # finiteness is checked first, for every float option.
+        floats = {
+            "--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
+            "--clip-r": self.clip_r, "--clip-zeta": self.clip_zeta,
+            "--warmup-epochs": self.warmup_epochs, "--count-lr-power": self.count_lr_power,
+            "--init-std": self.init_std, "--test-fraction": self.test_fraction,
+            "--val-fraction": self.val_fraction, "--synthetic-scale": self.synthetic_scale,
+            "--dist-timeout": self.dist_timeout_s,
+        }
+        for flag, value in floats.items():
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{flag} must be a finite number, got {value}")
+        for flag, value in {"--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
+                            "--clip-zeta": self.clip_zeta,
+                            "--warmup-epochs": self.warmup_epochs}.items():
+            if value is not None and value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if self.clip_r is not None and self.clip_r <= 0:
+            raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
+
+    def _validate_placement(self) -> None:
+        """Options that depend on the machine and the launcher: the device must exist and
+        ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun)."""
+        if self.sharding != "auto" and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            raise ConfigError(
+                f"--sharding {self.sharding} shards tables over processes: this is one process "
+                "(launch with torchrun/torchx, or drop --sharding)"
+            )
+        if self.device == "auto":
+            return
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}") from None
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise ConfigError(f"--device {self.device}: this machine has no CUDA device "
+                                  "(use --device cpu or auto)")
+            if device.index is not None and device.index >= count:
+                raise ConfigError(f"--device {self.device}: this machine has {count} CUDA "
+                                  f"device(s), cuda:0 to cuda:{count - 1}")
+        elif device.type != "cpu":
+            raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import csv
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
@@ -43,6 +44,26 @@ class _CsvLog:
         if self._file is not None:
             self._file.close()
 
+    def truncate(self, column: str, last: int) -> int:
+        """Drops the rows whose ``column`` is past ``last`` (written by a run killed after
+        its last checkpoint, which a resumed run writes again); returns how many. The file
+        is rewritten beside itself and renamed, so a kill leaves the old or the new one."""
+        if self._writer is not None or not self.path.exists():
+            return 0
+        with self.path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, list(reader)
+        kept = [r for r in rows if r.get(column, "").isdigit() and int(r[column]) <= last]
+        if fields is None or len(kept) == len(rows):
+            return 0
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(tmp, self.path)
+        return len(rows) - len(kept)
+
 
 class RunLog:
     """Where a training run reports: CSV, TensorBoard and the terminal."""
@@ -55,6 +76,17 @@ class RunLog:
         self._steps = _CsvLog(out / "steps.csv")
         self._epochs = _CsvLog(out / "epochs.csv")
         self._tb = SummaryWriter(str(out / "tb")) if enabled else None
+
+    def rewind(self, step: int, epoch: int) -> None:
+        """A resumed run continues from ``step`` (and ``epoch`` finished epochs): the CSV
+        rows past them, logged after the checkpoint by the run that was stopped, are
+        dropped so that each step and epoch appears once."""
+        if not self.enabled:
+            return
+        dropped = self._steps.truncate("step", step) + self._epochs.truncate("epoch", epoch)
+        if dropped:
+            self.info(f"dropped {dropped} log rows written after the checkpoint (logged again as "
+                      "the run repeats those steps)")
 
     def info(self, message: str) -> None:
         if self.enabled:

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.evaluate import evaluate
+from torchrec_cowclip.train.resume_guard import check_resume, resumed_message, run_record
+from torchrec_cowclip.train.run_dir import claim_run_dir
 from torchrec_cowclip.train.run_log import RunLog
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
@@ -97,6 +100,10 @@ class Trainer:
         config.validate()
         self.config = config
         self.out = Path(config.out)
+        # Rank 0 (the environment names it before the process group exists) holds the
+        # output directory's lock for the run's life.
+        self.run_dir = claim_run_dir(self.out, config.resume, config.overwrite,
+                                     main=int(os.environ.get("RANK", "0")) == 0)
         if config.threads:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
@@ -140,6 +147,7 @@ class Trainer:
             warmup_epochs=config.warmup_epochs, recipe=config.recipe,
             count_lr_power=config.count_lr_power,
         )
+        self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
         self.runtime: Runtime = make_runtime(config, self.dataset, self.train_idx, self.hp, self.cowclip)
         self.device = self.runtime.device
@@ -149,6 +157,11 @@ class Trainer:
         if config.row_clip_stats:
             self.model.embedding_collection.track_row_clips()
         self.checkpoints = CheckpointStore(self.out / CHECKPOINTS_DIR)
+        if self.runtime.is_main:
+            # A checkpoint write killed last time: its directory and temp files go.
+            for stale in self.checkpoints.remove_unnamed():
+                print(f"removed {stale}, left by an interrupted checkpoint write",
+                      file=sys.stderr, flush=True)
         self.progress = Progress()
 
     # --- checkpoints -----------------------------------------------------------------
@@ -161,6 +174,7 @@ class Trainer:
         return {
             "progress": copy.deepcopy(self.progress.__dict__),
             "config": self.config.as_dict(),
+            "run_record": self.run_record,
             "world_size": self.runtime.world_size,
             "rng": self.runtime.all_rng_states(),
             "table_counters": self.runtime.table_counters(),
@@ -182,6 +196,10 @@ class Trainer:
     def restore(self) -> None:
         """Loads the "latest" checkpoint of ``--out`` into the model, optimizers,
         counters, progress and RNG, at this run's world size."""
+        saved = self.checkpoints.trainer_state("latest")
+        if saved is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.root}")
+        check_resume(saved, self.run_record, self.out)  # before any state is loaded
         self.runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors
         tensors = self.runtime.tensors()
         state = self.checkpoints.load("latest", tensors)
@@ -203,13 +221,25 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> Dict[str, Any]:
+        """Trains to the end (or ``--max-steps``), checkpointing at every epoch's end,
+        and returns the metrics written to ``out/metrics.json``."""
+        try:
+            return self._run()
+        finally:
+            self.run_dir.release()
+
+    def _run(self) -> Dict[str, Any]:
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.restore()
         main = self.runtime.is_main
         log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
         log.info(self._banner())
+        if cfg.resume:
+            p = self.progress
+            log.info(resumed_message(p.global_step, p.epoch, p.batch_in_epoch,
+                                     self.steps_per_epoch, self.checkpoints.path_of("latest")))
+            log.rewind(p.global_step, p.epoch)
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
@@ -244,9 +274,9 @@ class Trainer:
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(
                         f"loss became {loss_value} at step {p.global_step + 1} (epoch "
-                        f"{p.epoch + 1}, batch {p.batch_in_epoch + 1}); stopping. The last good "
-                        f"checkpoint, if any, is {self._last_good_checkpoint()}. Lower --lr / "
-                        f"--lr-embed or check the data."
+                        f"{p.epoch + 1}, batch {p.batch_in_epoch + 1}); stopping: "
+                        f"{self.checkpoints.describe('latest')}. "
+                        f"Lower --lr / --lr-embed or check the data."
                     )
                 n = int(labels.numel())
                 p.train_seconds += time.perf_counter() - t0
@@ -303,10 +333,6 @@ class Trainer:
     def _evaluate(self, indices: np.ndarray) -> Dict[str, float]:
         return evaluate(self.runtime.train_module, self.runtime.eval_batches(indices), self.device)
 
-    def _last_good_checkpoint(self) -> str:
-        path = self.checkpoints.path_of("latest")
-        return "none: this run wrote no checkpoint yet" if path is None else str(path)
-
     def _dense_lr(self) -> float:
         for name, opt in self.optimizer.optimizers:
             if name == "dense":
@@ -348,7 +374,8 @@ class Trainer:
             "sharding": self.runtime.sharding,
             "dataset": {"source": str(getattr(self.dataset, "source", cfg.data)),
                         "rows": len(self.dataset), "train": len(self.train_idx),
-                        "val": len(self.val_idx), "test": len(self.test_idx)},
+                        "val": len(self.val_idx), "test": len(self.test_idx),
+                        "bad_rows_skipped": self.dataset.bad_rows},
         }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()

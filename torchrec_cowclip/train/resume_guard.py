@@ -1,0 +1,160 @@
+"""What a checkpoint was trained with, and the check that ``--resume`` continues the
+same run.
+
+A checkpoint carries a *run record*: the run's settings with every recipe default
+resolved (so ``--lr 8e-4`` and the recipe's 8e-4 are the same setting) and a fingerprint
+of its data (source spec, data options, row count and binary-cache entry). On
+``--resume`` the record of the new command must match, except for the settings in
+:data:`RESUMABLE_SETTINGS`; every other difference is named with both values in one
+:class:`ResumeRefused` line, raised before any state is loaded or written.
+
+Example::
+
+    >>> data = {"rows": 30000, "cache_entry": "synthetic-5f1c"}
+    >>> saved = {"settings": {"batch_size": 1024, "seed": 0, "epochs": 2}, "data": data}
+    >>> now = {"settings": {"batch_size": 2048, "seed": 1, "epochs": 3}, "data": data}
+    >>> resume_differences(saved, now)  # more --epochs is allowed
+    [('--batch-size', '1024', '2048'), ('--seed', '0', '1')]
+    >>> check_resume({"run_record": saved}, now, "runs/x")
+    Traceback (most recent call last):
+    ...
+    torchrec_cowclip.train.resume_guard.ResumeRefused: --resume refused: the checkpoint in runs/x was trained with --batch-size 1024, this command has 2048; --seed 0 vs 1
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
+
+from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
+
+# Settings a resumed run may change, because they change no number the run produces
+# (weights, metrics.json): how often it logs, checkpoints or shows progress, where it
+# stops (--max-steps; --epochs only upwards, see check_resume), how it was started, where
+# it writes, where the binary cache lives (the data itself is compared by fingerprint),
+# and how long a collective may wait. Everything else - including --threads, --device and
+# --eval-batch-size, which can move the last bits of float sums, and --init-std, which
+# metrics.json reports - must be the checkpoint's.
+RESUMABLE_SETTINGS: FrozenSet[str] = frozenset({
+    "epochs", "progress", "log_every", "checkpoint_every", "max_steps", "resume",
+    "overwrite", "out", "cache_dir", "dist_timeout_s",
+})
+
+# Config fields a scaling recipe fills in when left None -> the resolved value's field
+# in ScaledHyperparameters.
+_RESOLVED: Dict[str, str] = {
+    "lr": "dense_lr", "lr_embed": "embedding_lr", "l2": "l2", "clip_r": "clip_r",
+    "clip_zeta": "clip_zeta", "warmup_epochs": "warmup_epochs",
+    "count_lr_power": "count_lr_power",
+}
+
+# Config fields whose flag is not "--" + the field name with dashes.
+_FLAGS: Dict[str, str] = {"cowclip": "CowClip (--no-cowclip)", "dist_timeout_s": "--dist-timeout"}
+
+
+class ResumeRefused(ConfigError):
+    """``--resume`` with settings or data that differ from the checkpoint's."""
+
+
+def run_record(
+    config: TrainConfig,
+    hp: ScaledHyperparameters,
+    dataset: Any,
+    data_options: Mapping[str, Any],
+) -> Dict[str, Any]:
+    """The record a checkpoint keeps of its run: ``{"settings", "data"}``, plain JSON
+    types only (so it loads without unpickling classes).
+
+    Args:
+        config: the run's options.
+        hp: the scaled hyperparameters the recipe resolved them to.
+        dataset: the opened dataset (``source``, ``len``, and ``meta`` with the cache
+            entry's ``kind`` and ``key`` where it has them).
+        data_options: the options the dataset was opened with.
+    """
+    settings = config.as_dict()
+    for field, resolved in _RESOLVED.items():
+        settings[field] = getattr(hp, resolved)
+    meta = getattr(dataset, "meta", {}) or {}
+    entry = f"{meta['kind']}-{meta['key']}" if "kind" in meta and "key" in meta else None
+    data = {
+        "source": str(getattr(dataset, "source", config.data)),
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in data_options.items()},
+        "rows": len(dataset),
+        "cache_entry": entry,
+    }
+    return {"settings": settings, "data": data}
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "cowclip":
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def resume_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> List[Tuple[str, str, str]]:
+    """``(setting, checkpoint's value, this command's value)`` for every difference
+    between two run records that :data:`RESUMABLE_SETTINGS` does not allow, in the
+    config's field order, then the data's content."""
+    old, new = saved["settings"], current["settings"]
+    found: List[Tuple[str, str, str]] = []
+    for field, value in new.items():
+        if field not in old:
+            continue  # a setting newer than the checkpoint: nothing recorded to compare
+        if field == "epochs":
+            if value < old[field]:  # a resumed run may only add epochs
+                found.append((_flag(field), _shown(field, old[field]),
+                              f"{_shown(field, value)} (a resumed run may only add epochs)"))
+            continue
+        if field not in RESUMABLE_SETTINGS and old[field] != value:
+            found.append((_flag(field), _shown(field, old[field]), _shown(field, value)))
+    old_data, new_data = saved["data"], current["data"]
+    if (old_data["rows"], old_data["cache_entry"]) != (new_data["rows"], new_data["cache_entry"]):
+        def content(d: Mapping[str, Any]) -> str:
+            return f"{d['rows']} rows in cache entry {d['cache_entry']}"
+
+        found.append(("--data content", content(old_data), content(new_data)))
+    return found
+
+
+def check_resume(
+    checkpoint: Mapping[str, Any], current: Mapping[str, Any], out: Union[str, Path]
+) -> None:
+    """Raises :class:`ResumeRefused` naming each setting (with both values) in which
+    the command ``current`` differs from the run that wrote ``checkpoint`` (a loaded
+    checkpoint payload with its ``"run_record"``); ``out`` names the run directory."""
+    saved = checkpoint.get("run_record")
+    if saved is None:
+        raise ResumeRefused(
+            f"--resume refused: the checkpoint in {out} has no run record (written by an "
+            "older version), so its settings cannot be checked; start anew with --overwrite"
+        )
+    diffs = resume_differences(saved, current)
+    if not diffs:
+        return
+    (flag, old, new), rest = diffs[0], diffs[1:]
+    message = f"--resume refused: the checkpoint in {out} was trained with {flag} {old}, this command has {new}"
+    message += "".join(f"; {f} {o} vs {n}" for f, o, n in rest)
+    raise ResumeRefused(message)
+
+
+def resumed_message(
+    global_step: int, epoch: int, batch_in_epoch: int, steps_per_epoch: int, path: Union[str, Path]
+) -> str:
+    """The line a resumed run logs at start (``epoch`` counts finished epochs, as in the
+    trainer's progress; the message numbers epochs from 1)."""
+    return (f"resumed from step {global_step} of epoch {epoch + 1} (batch {batch_in_epoch} of "
+            f"{steps_per_epoch}) from {path}")

@@ -1,0 +1,188 @@
+"""One run per ``--out``: an exclusive lock for the run's life, refusal of a directory
+that holds another run, ``--overwrite``, and removal of what a killed run left half-done.
+
+The lock is ``fcntl.flock`` on ``<out>/.lock``, which holds the holder's pid. flock
+belongs to the open file, so a process that dies (even by SIGKILL) frees it; a lock file
+left behind by a dead run is simply taken over. A clean exit removes the file, while
+still holding the lock, so that a process waiting on the old file notices (the inode
+check in :meth:`RunDirLock.acquire`) instead of locking a file nobody else sees.
+
+Example::
+
+    >>> lock = claim_run_dir(Path("runs/x"), resume=False, overwrite=False)
+    >>> (Path("runs/x") / LOCK_NAME).read_text() == str(os.getpid())
+    True
+    >>> lock.release()
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import weakref
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+from torchrec_cowclip.train.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+# What a training run writes into --out (trainer.py: checkpoints and metrics.json;
+# run_log.py: the CSVs and TensorBoard's tb/). Only these, and their temporary forms
+# (see stale_temp_files), are ever deleted; anything else in --out is left alone.
+RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb")
+
+
+class RunDirError(ConfigError):
+    """``--out`` is in use by another process, or holds another run's files."""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _unlock(fd: int, path: str, inode: int) -> None:
+    # Unlink first (only our own file), then close: closing drops the lock.
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+class RunDirLock:
+    """An exclusive hold on a run directory; released by :meth:`release`, when garbage
+    collected, at interpreter exit, or by the OS when the process dies."""
+
+    def __init__(self, path: Optional[Path], fd: int = -1, inode: int = 0) -> None:
+        self.path = path
+        self._finalizer = (weakref.finalize(self, _unlock, fd, str(path), inode)
+                           if path is not None else None)
+
+    @classmethod
+    def acquire(cls, out: Path) -> "RunDirLock":
+        """Takes the lock of ``out`` (which must exist) at once or raises
+        :class:`RunDirError` naming the holder's pid."""
+        path = out / LOCK_NAME
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunDirError(
+                    f"--out {out} is in use by another run (pid {holder}, holding {path}): "
+                    "wait for it, stop it, or choose another --out"
+                ) from None
+            inode = os.fstat(fd).st_ino
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = -1
+            if current == inode:
+                break
+            os.close(fd)  # the holder removed this file as we locked it: take the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return cls(path, fd, inode)
+
+    @classmethod
+    def not_held(cls) -> "RunDirLock":
+        """A stand-in for processes that do not own the directory (ranks other than 0)."""
+        return cls(None)
+
+    def release(self) -> None:
+        """Removes the lock file and frees the lock (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def lock_holder(out: Path) -> Optional[int]:
+    """The pid written in ``out``'s lock file if some process holds it, else None."""
+    path = out / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)
+    return None
+
+
+def run_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
+    """The files and directories of a run present in ``out``, their temporary forms
+    included (not the lock file)."""
+    present = [out / n for n in names if (out / n).exists()]
+    return present + stale_temp_files(out, names)
+
+
+def stale_temp_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
+    """Temporary forms of ``names`` that only a killed write leaves behind (``NAME.tmp``,
+    e.g. ``metrics.json.tmp``). Inside ``checkpoints/``,
+    :meth:`~torchrec_cowclip.train.checkpoint.CheckpointStore.remove_unnamed` removes a
+    killed checkpoint write."""
+    return [out / f"{name}.tmp" for name in names if (out / f"{name}.tmp").exists()]
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def claim_run_dir(
+    out: Path,
+    resume: bool,
+    overwrite: bool,
+    main: bool = True,
+    say: Callable[[str], None] = _say,
+) -> RunDirLock:
+    """Makes ``out`` this run's: creates it, takes its lock, refuses another run's files
+    unless resuming or ``overwrite`` (which deletes them, saying what), and removes the
+    temporary files a killed run left (saying which).
+
+    Args:
+        out: the run directory.
+        resume: ``--resume``: the files present are this run's own.
+        overwrite: ``--overwrite``: delete a previous run's files first.
+        main: False on ranks other than 0 of a multi-process run, which share rank 0's
+            directory and claim nothing.
+        say: where the notes go (stderr by default).
+
+    Raises:
+        RunDirError: ``out`` is locked by another process (naming its pid), or holds a
+            run's files and neither ``resume`` nor ``overwrite`` is set.
+    """
+    if not main:
+        return RunDirLock.not_held()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock.acquire(out)
+    try:
+        previous = run_files(out)
+        if previous and overwrite:
+            _remove(previous)
+            say(f"--overwrite: removed {', '.join(p.name for p in previous)} from {out}")
+        elif previous and not resume:
+            raise RunDirError(
+                f"--out {out} holds another run's files ({', '.join(p.name for p in previous)}): "
+                "add --resume to continue that run or --overwrite to delete them"
+            )
+        stale = stale_temp_files(out)
+        if stale:
+            _remove(stale)
+            say(f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
