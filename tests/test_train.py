@@ -176,6 +176,20 @@ def test_cli_rejects_unknown_model(capsys):
     assert "invalid choice: 'resnet'" in capsys.readouterr().err
 
 
+def test_cli_run_prints_no_torch_fx_deprecation_notice(tmp_path, capsys, caplog):
+    # torch logs the notice once per process, at the first KJT built: reset that.
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    symbolic_trace.is_fx_tracing_warning.cache_clear()
+    assert main(["train", "--data", "synthetic:3000", "--synthetic-scale", "0.01",
+                 "--synthetic-max-cardinality", "500", "--hidden", "8", "--batch-size", "512",
+                 "--max-steps", "2", "--no-progress", "--out", str(tmp_path / "o"),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert '"steps": 2' in capsys.readouterr().out
+    notices = [r for r in caplog.records if "is_fx_tracing" in r.getMessage()]
+    assert notices == []
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="--test-fraction"):
         TrainConfig(test_fraction=1.5).validate()

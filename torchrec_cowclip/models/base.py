@@ -22,7 +22,7 @@ from typing import ContextManager, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.modules.mlp import MLP
 from torchrec.optim.fused import FusedOptimizerModule
@@ -78,7 +78,7 @@ class CTRModel(nn.Module):
     def _check_inputs(self, dense: Tensor) -> None:
         # TorchRec's TrainPipelineSparseDist FX-traces the model to find its sparse
         # modules; shapes are proxies then, and the check belongs to real runs only.
-        if is_fx_tracing():
+        if is_fx_symbolic_tracing():
             return
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
             raise ValueError(

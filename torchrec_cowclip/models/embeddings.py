@@ -21,7 +21,7 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import EmbeddingBagCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
@@ -251,7 +251,7 @@ class FieldEmbeddings(nn.Module):
         pooled = self.collection(sparse)
         n_fields = len(self.sparse_feature_names)
         # (Under TorchRec's pipeline tracing the keys are not known: take the general path.)
-        if not is_fx_tracing() and pooled.keys() == self._expected_keys:
+        if not is_fx_symbolic_tracing() and pooled.keys() == self._expected_keys:
             # Table order (unsharded collections): two views, no copy.
             values = pooled.values()
             width = n_fields * self.embedding_dim
