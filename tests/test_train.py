@@ -15,7 +15,7 @@ from torchrec_cowclip.train.cli import main
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
-# The spec's table (Criteo, DeepFM): batch -> (dense lr, L2 lambda).
+# The paper's table (Criteo, DeepFM; docs/algorithm.md): batch -> (dense lr, L2 lambda).
 SPEC_TABLE = {
     1024: (8e-4, 1e-5), 2048: (11.31e-4, 2e-5), 4096: (16e-4, 4e-5), 8192: (22.62e-4, 8e-5),
     16384: (32e-4, 16e-5), 32768: (45.25e-4, 32e-5), 65536: (64e-4, 64e-5),
@@ -199,8 +199,10 @@ def test_config_validation():
 
 @pytest.mark.parametrize("model", ["wdl", "dcn", "dcnv2", "dlrm"])
 def test_every_model_trains_through_the_cli_path(tmp_path, model):
-    metrics = Trainer(_config(tmp_path, model=model, max_steps=4)).run()
-    assert metrics["steps"] == 4 and 0.0 <= metrics["auc"] <= 1.0
+    # 16 steps give test AUC 0.61-0.65 over these models; with lr 0 (nothing learned) the
+    # same models score 0.53-0.58 from their random initialisation alone.
+    metrics = Trainer(_config(tmp_path, model=model, max_steps=16, lr=1e-2)).run()
+    assert metrics["steps"] == 16 and metrics["auc"] > 0.595, metrics["auc"]
     assert math.isfinite(metrics["logloss"]) and metrics["rows_updated"] > 0
 
 
