@@ -10,7 +10,12 @@ Example::
     >>> from torchrec_cowclip.models.embeddings import EmbeddingOptions, FieldEmbeddings
     >>> fields = FieldEmbeddings(["C1", "C2"], [100, 50], embedding_dim=10,
     ...                          options=EmbeddingOptions(lr=1e-4))
-    >>> emb, first_order = fields(kjt)          # [B, 2, 10], [B, 2]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> emb, first_order = fields(kjt)
+    >>> emb.shape, first_order.shape             # [B, F, D], [B, F]
+    (torch.Size([2, 2, 10]), torch.Size([2, 2]))
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ class EmbeddingOptions:
 
     Example::
 
-        >>> EmbeddingOptions(backend="cowclip", lr=1e-4, weight_decay=2e-5,
-        ...                  cowclip=CowClip.from_reference(1.0, 1e-5, 10))
+        >>> options = EmbeddingOptions(backend="cowclip", lr=1e-4, weight_decay=2e-5,
+        ...                            cowclip=CowClip.from_reference(1.0, 1e-5, 10))
+        >>> options.optimizer, round(options.cowclip.zeta, 7), options.init_std
+        ('adam', 3.16e-05, 0.01)
     """
 
     backend: EmbeddingBackend = "cowclip"

@@ -5,8 +5,9 @@ which is atomic on POSIX file systems; a reader sees either the old or the new f
 
 Example::
 
-    >>> save_checkpoint({"step": 3}, "runs/x/checkpoint.pt")
-    >>> load_checkpoint("runs/x/checkpoint.pt")["step"]
+    >>> path = Path(tempfile.mkdtemp()) / "run" / "checkpoint.pt"
+    >>> save_checkpoint({"step": 3}, path)
+    >>> load_checkpoint(path)["step"]
     3
 """
 
