@@ -12,8 +12,9 @@ demo: .venv/.installed
 	$(PY) -m torchrec_cowclip train --model deepfm --data synthetic:2000000 \
 		--batch-size 16384 --epochs 2 --out runs/demo
 
+# The test suite and every docstring example (>>>) in the package.
 test: .venv/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --doctest-modules tests torchrec_cowclip
 
 bench: .venv/.installed
 	$(PY) benchmarks/embedding_step.py

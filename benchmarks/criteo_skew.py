@@ -1,7 +1,7 @@
 """How close is the synthetic generator's id skew to Criteo's, on the evidence we have?
 
 The only real Criteo rows in reach are the 200 Kaggle rows of
-``../shared/data/criteo_sample.tsv``. Two hundred rows cannot measure a Zipf exponent or
+``tests/data/criteo_sample.tsv``. Two hundred rows cannot measure a Zipf exponent or
 the share of a field's top 1% of ids, but they do measure the *head* of each field: how
 many distinct values 200 draws produce, and the share of the most common value. Both
 depend on the collision probability ``sum_i p_i**2``, which is dominated by the frequent
@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES, CRITEO_SPARSE_NAMES  # noqa: E402
 from torchrec_cowclip.data.synthetic import PlantedModel, SyntheticConfig  # noqa: E402
 
-SAMPLE = REPO.parent / "shared" / "data" / "criteo_sample.tsv"
+SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
 
 
 def real_columns(path: Path) -> List[List[str]]:

@@ -6,7 +6,7 @@ every batch size of ``--batch-sizes`` for the same number of ``--epochs``, with 
 of ``--methods`` and each seed of ``--seeds``:
 
 - ``cowclip``: CowClip on, with a trainer recipe (``--recipe``, default ``paper``: the
-  spec's scaling rule, embedding lr unchanged, dense lr * sqrt(s), L2 lambda * s,
+  paper's scaling rule, embedding lr unchanged, dense lr * sqrt(s), L2 lambda * s,
   s = batch / base, r = 1, zeta = sqrt(D) * bound); ``--embed-lr-scaling``,
   ``--l2-scaling``, ``--dense-lr-scaling``, ``--count-lr-power``, ``--clip-r``,
   ``--clip-zeta`` change the recipe for this method only (the recipe search of
@@ -20,8 +20,8 @@ batch's number of steps); with ``--early-stop-patience N`` a run stops once vali
 has not improved for N epochs.
 
 All methods keep the same dense warm-up (``--warmup-epochs``, default the recipe's: 1 epoch)
-and the same initialisation (``--init-std``, default 1e-2; the spec's "When does the clip
-actually bind?" predicts more clipping with a small init such as 1e-4). The base values
+and the same initialisation (``--init-std``, default 1e-2; docs/algorithm.md, "When does
+the clip bind?", predicts more clipping with a small init such as 1e-4). The base values
 (at ``--base-batch-size``) are the trainer's profile (Criteo's, or Avazu's for
 ``avazu:`` data) unless ``--base-lr`` / ``--base-lr-embed`` / ``--base-l2`` replace them.
 

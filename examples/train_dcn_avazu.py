@@ -4,7 +4,7 @@
 
 The Avazu profile of the scaling rule applies (dense lr 1e-4 * sqrt(batch/1024), L2
 1e-5 * batch/1024, CowClip bound 1e-4). Without a path it runs on the 100 sample rows
-in ../shared/data (pipeline check only).
+shipped in tests/data (pipeline check only).
 """
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torchrec_cowclip.train import TrainConfig, train
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "avazu_sample.csv"
+SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "avazu_sample.csv"
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 Works on the Kaggle ``train.txt`` or on 1TB ``day_N`` files (comma-separate several);
 the first run converts them to a memory-mapped cache in ``data_cache/``, later runs
-reuse it. Without a path it trains on the 200 sample rows shipped in ../shared/data,
+reuse it. Without a path it trains on the 200 sample rows shipped in tests/data,
 which only shows that the pipeline runs (too small for an AUC claim).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torchrec_cowclip.train import TrainConfig, train
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_sample.tsv"
+SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "criteo_sample.tsv"
 
 
 def main() -> None:

@@ -6,7 +6,10 @@
 # fbgemm: the CUDA build (fbgemm-gpu) where an NVIDIA GPU is visible, else the CPU build
 # (fbgemm-gpu-cpu). Override with FBGEMM_VARIANT=cpu|cuda.
 # torchrec 1.8.0 declares the CUDA fbgemm-gpu as a dependency, so it is installed with
-# --no-deps and its real needs come from requirements.txt.
+# --no-deps and its real needs come from requirements.txt. It goes in after them: a later
+# install with dependency checks would see it and print pip's resolver "ERROR: torchrec
+# 1.8.0 requires fbgemm-gpu, which is not installed" (harmless where fbgemm-gpu-cpu is
+# there, alarming to read); an install with --no-deps checks nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,9 +36,8 @@ esac
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-"${PIP[@]}" "torch==$TORCH_VERSION" "$fbgemm_pkg"
+"${PIP[@]}" "torch==$TORCH_VERSION" "$fbgemm_pkg" -r requirements.txt
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION"
-"${PIP[@]}" -r requirements.txt
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, torchrec_cowclip; print('setup_venv: torch', torch.__version__, '| fbgemm $variant | torchrec', torchrec.__version__)"
 touch "$VENV/.installed"

@@ -66,7 +66,8 @@ def mixed_scale_weights(num_rows: int, dim: int, generator: torch.Generator) -> 
 
 
 class DenseReference:
-    """Plain autograd on a ``torchrec.EmbeddingBagCollection`` + the spec's reference step."""
+    """Plain autograd on a ``torchrec.EmbeddingBagCollection`` + the reference step
+    (docs/algorithm.md)."""
 
     def __init__(
         self,

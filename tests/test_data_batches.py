@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ from torchrec_cowclip.data import (
     split_indices,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
 def _toy(n: int = 103, n_dense: int = 3, n_sparse: int = 4) -> ArrayDataset:
@@ -120,11 +123,25 @@ def test_start_batch_resumes_exactly(start: int) -> None:
     assert all(_same(x, y) for x, y in zip(full[start:], resumed))
 
 
-def test_prefetch_stops_when_abandoned() -> None:
-    ds = _toy()
-    it = iter(BatchIterator(ds, batch_size=5, prefetch=1))
+def test_prefetch_stops_when_abandoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: List[int] = []
+    make = BatchIterator._batch
+
+    def counted(self: BatchIterator, order: np.ndarray, k: int) -> Batch:
+        made.append(k)
+        return make(self, order, k)
+
+    monkeypatch.setattr(BatchIterator, "_batch", counted)
+    batches = BatchIterator(_toy(), batch_size=5, prefetch=1)
+    before = set(threading.enumerate())
+    it = iter(batches)
     next(it)
-    it.close()  # must not hang
+    (producer,) = set(threading.enumerate()) - before
+    it.close()  # the consumer walks away after one of 21 batches
+    assert not producer.is_alive()
+    assert len(made) <= 3 < len(batches), made  # the one consumed + at most depth 1 + one in hand
+    time.sleep(0.3)
+    assert len(made) <= 3, made
 
 
 def test_batches_from_cached_criteo(tmp_path: Path) -> None:

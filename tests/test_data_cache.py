@@ -19,7 +19,7 @@ from torchrec_cowclip.data import (
 )
 from torchrec_cowclip.data.rows import TextRowSource
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"
 
 

@@ -30,7 +30,7 @@ from torchrec_cowclip.data import (
     parse_spec,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"
 CRITEO_CSV = DATA / "criteo_sample.csv"
 AVAZU_CSV = DATA / "avazu_sample.csv"

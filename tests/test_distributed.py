@@ -228,7 +228,7 @@ def test_column_shards_clip_with_whole_row_norms(results):
     counts = {3: 2, 6: 1}
     sharded = r["sharded"]["embedding_bags.cw.weight"]
 
-    # What the spec gives for whole rows (SGD, no weight decay).
+    # What docs/algorithm.md gives for whole rows (SGD, no weight decay).
     expected = w0.clone()
     for j, g in grads.items():
         tau = counts[j] * max(w0[j].norm().item(), NORM_ZETA)

@@ -1,4 +1,4 @@
-"""The CowClip math (optim/functional.py) against hand computations of the spec."""
+"""The CowClip math (optim/functional.py) against hand computations of docs/algorithm.md."""
 
 import math
 
@@ -18,7 +18,7 @@ from torchrec_cowclip.optim.functional import (
 
 
 def _scalar_clip(g, w, c, r, zeta):
-    """The spec's step 3 for one row, with Python floats."""
+    """Step 3 of docs/algorithm.md for one row, with Python floats."""
     gn = math.sqrt(sum(x * x for x in g))
     wn = math.sqrt(sum(x * x for x in w))
     tau = c * max(r * wn, zeta)

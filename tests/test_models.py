@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import List, Sequence, Tuple
 
 import pytest
@@ -156,6 +157,21 @@ def test_wrong_dense_width_is_refused() -> None:
     _, kjt, _ = make_batch(5, 4)
     with pytest.raises(ValueError, match=r"dense must be \[B, 4\]"):
         model(torch.rand(5, 3), kjt)
+
+
+def test_forward_avoids_the_deprecated_fx_tracing_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's is_fx_tracing() is deprecated (it logs a notice); the models ask
+    # is_fx_symbolic_tracing(). torch.fx itself still calls it when a KJT is built.
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    callers: List[str] = []
+    monkeypatch.setattr(symbolic_trace, "is_fx_tracing_warning",
+                        lambda: callers.append(sys._getframe(2).f_code.co_filename))
+    for name in FIELD_MODELS:
+        dense, kjt, _ = make_batch(5, 4)
+        small_model(name)(dense, kjt)
+    assert callers, "is_fx_tracing() was not reached at all: the probe is broken"
+    assert [c for c in callers if "torchrec_cowclip" in c] == []
 
 
 # --- the factory -------------------------------------------------------------------------

@@ -69,10 +69,10 @@ class ColumnShardGroups:
         table_ranks: per column-sharded table, the ranks (in ``pg``) holding its shards.
         pg: the sharding environment's process group.
 
-    Example::
+    Example (on every rank of ``pg``; needs an initialised process group)::
 
-        >>> groups = ColumnShardGroups({"t": [0, 1], "u": [1, 1]}, pg)   # doctest: +SKIP
-        >>> totals = groups.all_reduce_by_table({"t": partial_t, "u": partial_u})
+        groups = ColumnShardGroups({"t": [0, 1], "u": [1, 1]}, pg)
+        totals = groups.all_reduce_by_table({"t": partial_t, "u": partial_u})
     """
 
     def __init__(self, table_ranks: Mapping[str, Sequence[int]], pg: dist.ProcessGroup) -> None:

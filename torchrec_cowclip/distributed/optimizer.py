@@ -68,11 +68,11 @@ class ShardedCowClipFusedOptimizer(CowClipFusedOptimizer):
         options: the update rule and its hyperparameters.
         pg: the process group the tables are sharded over.
 
-    Example::
+    Example (inside a ``DistributedModelParallel`` run)::
 
-        >>> opt = sharded_ebc.fused_optimizer       # CombinedOptimizer of these
-        >>> state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
-        >>> torch.distributed.checkpoint.save(state, checkpoint_id=path)
+        opt = sharded_ebc.fused_optimizer       # CombinedOptimizer of these
+        state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+        torch.distributed.checkpoint.save(state, checkpoint_id=path)
     """
 
     def __init__(

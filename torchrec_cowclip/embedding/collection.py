@@ -50,7 +50,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     distinct rows the batch touched - clip each row's gradient against
     ``count * max(r * ||W[j]||, zeta)``, add coupled L2, take an Adam / row-wise Adagrad /
     SGD step - with no dense gradient and no Python loop over tables or ids
-    (``../shared/docs/cowclip-spec.md``). There is no separate ``step()``: calling
+    (``docs/algorithm.md``). There is no separate ``step()``: calling
     ``loss.backward()`` updates the tables. A forward without a backward (evaluation,
     ``torch.no_grad()``) changes nothing.
 
@@ -199,8 +199,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
         Example::
 
+            >>> import torchrec
+            >>> tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+            ...                              feature_names=["f"])]
             >>> ebc = torchrec.EmbeddingBagCollection(tables=tables)
             >>> cowclip_ebc = CowClipEmbeddingBagCollection.from_ebc(ebc, lr=1e-4)
+            >>> key = "embedding_bags.t.weight"
+            >>> torch.equal(cowclip_ebc.state_dict()[key], ebc.state_dict()[key])
+            True
         """
         options.setdefault("is_weighted", ebc.is_weighted())
         options.setdefault("device", ebc.device)
@@ -373,9 +379,16 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
         Example::
 
+            >>> ebc = CowClipEmbeddingBagCollection(
+            ...     [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10,
+            ...                         feature_names=["user"])], lr=1e-2)
             >>> ebc.track_row_clips()
-            >>> ...  # train
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # bags [3, 3] and [7]
+            ...     keys=["user"], values=torch.tensor([3, 3, 7]), lengths=torch.tensor([2, 1]))
+            >>> ebc(kjt).values().sum().backward()           # one training step
             >>> updated, clipped = ebc.row_clip_counts()["t_user"]
+            >>> updated.tolist(), int(clipped.sum()) <= 2
+            ([0, 0, 0, 1, 0, 0, 0, 1, 0, 0], True)
         """
         for batch in self._batches:
             if not enabled:

@@ -3,8 +3,8 @@
 The backward of a sum-pooled lookup is itself a sum-pooled lookup over the transposed
 incidence: after sorting the looked-up row ids, each distinct row is a "bag" whose
 members are the output rows (bag gradients) of the positions that looked it up. So the
-per-row gradient ``g_j`` (spec step 2) is one ``embedding_bag`` call over the bag
-gradients - the same FBGEMM-backed CPU kernel that serves the forward - and no dense
+per-row gradient ``g_j`` (step 2 of ``docs/algorithm.md``) is one ``embedding_bag`` call
+over the bag gradients - the same FBGEMM-backed CPU kernel that serves the forward - and no dense
 ``[N, D]`` gradient is ever formed: memory is proportional to the rows the batch touches.
 
 Measured on 2 cores (26 tables x 100K rows, dim 16, batch 16,384, power-law ids, 426K

@@ -2,7 +2,7 @@
 TorchInductor-compiled kernel.
 
 :func:`gather_step_scatter_` is the whole per-row update of a table batch written once,
-over :func:`~torchrec_cowclip.optim.functional.cowclip_row_update_` (the spec's math).
+over :func:`~torchrec_cowclip.optim.functional.cowclip_row_update_` (docs/algorithm.md's math).
 The *compiled* path is that same function through ``torch.compile``: Inductor fuses the
 row gathers, the clip, coupled L2, the optimizer rule and the scatters into one loop
 over the touched rows (C++/OpenMP on CPU, Triton on CUDA), so the weights and both Adam

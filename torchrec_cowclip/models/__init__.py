@@ -9,15 +9,23 @@ what a dense optimizer must train in ``model.dense_parameters()``.
 Example::
 
     >>> import torch, torch.nn.functional as F
+    >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec_cowclip import CowClip
     >>> from torchrec_cowclip.models import build_model
-    >>> model = build_model("deepfm", num_dense=13, sparse_names=[f"C{i}" for i in range(26)],
-    ...                     cardinalities=[1000] * 26, embedding_lr=1e-4,
+    >>> model = build_model("deepfm", num_dense=13, sparse_names=["C1", "C2"],
+    ...                     cardinalities=[100, 50], embedding_lr=1e-4,
     ...                     cowclip=CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10))
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> dense, labels = torch.rand(2, 13), torch.tensor([0.0, 1.0])
     >>> dense_opt = torch.optim.Adam(model.dense_parameters(), lr=8e-4)
+    >>> row = model.embedding_collection.embedding_bags["emb_C1"].weight[5].clone()
     >>> loss = F.binary_cross_entropy_with_logits(model(dense, kjt), labels)
     >>> loss.backward()                 # the embedding tables are updated here
     >>> dense_opt.step(); dense_opt.zero_grad()
+    >>> bool((model.embedding_collection.embedding_bags["emb_C1"].weight[5] != row).any())
+    True
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ def build_model(
     embedding_options: Optional[CowClipOptions] = None,
     **model_options: Any,
 ) -> CTRModel:
-    """Builds one of :data:`MODELS` with the spec's defaults (D 10, DNN 400-400-400,
+    """Builds one of :data:`MODELS` with the paper's defaults (D 10, DNN 400-400-400,
     3 cross layers, N(0, 1e-2) embeddings, Adam lr 1e-4 on the tables).
 
     Args:

@@ -7,12 +7,11 @@ is the one place that decides what a dense optimizer trains.
 
 Example::
 
-    >>> model = build_model("deepfm", num_dense=13, sparse_names=names,
-    ...                     cardinalities=cards)
-    >>> dense_opt = torch.optim.Adam(model.dense_parameters(), lr=8e-4)
-    >>> loss = F.binary_cross_entropy_with_logits(model(dense, kjt), labels)
-    >>> loss.backward()          # CowClip has updated the embedding tables here
-    >>> dense_opt.step(); dense_opt.zero_grad()
+    >>> from torchrec_cowclip.models import build_model
+    >>> model = build_model("wdl", num_dense=13, sparse_names=["C1", "C2"], cardinalities=[100, 50])
+    >>> tables = {id(p) for p in model.embedding_collection.parameters()}
+    >>> len(tables), any(id(p) in tables for p in model.dense_parameters())
+    (4, False)
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import ContextManager, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.modules.mlp import MLP
 from torchrec.optim.fused import FusedOptimizerModule
@@ -78,7 +77,7 @@ class CTRModel(nn.Module):
     def _check_inputs(self, dense: Tensor) -> None:
         # TorchRec's TrainPipelineSparseDist FX-traces the model to find its sparse
         # modules; shapes are proxies then, and the check belongs to real runs only.
-        if is_fx_tracing():
+        if is_fx_symbolic_tracing():
             return
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
             raise ValueError(
@@ -95,7 +94,8 @@ class FirstOrderLogit(nn.Module):
     Example::
 
         >>> linear = FirstOrderLogit(num_dense=13)
-        >>> linear(first_order, dense)          # [B, F], [B, 13] -> [B]
+        >>> linear(torch.rand(4, 2), torch.rand(4, 13)).shape   # [B, F], [B, 13] -> [B]
+        torch.Size([4])
     """
 
     def __init__(self, num_dense: int) -> None:

@@ -9,10 +9,17 @@ builds them with ``cross_num=3``):
 
 Example::
 
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec_cowclip.models import DCN, DCNv2
     >>> dcn = DCN(["C1", "C2"], [100, 50], num_dense=13)             # 3 cross layers
     >>> dcn_mix = DCNv2(["C1", "C2"], [100, 50], num_dense=13)       # 3 MoE layers
-    >>> logits = dcn(dense, kjt)                                     # [B]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> dense = torch.rand(2, 13)
+    >>> dcn(dense, kjt).shape, dcn_mix(dense, kjt).shape             # logits [B]
+    (torch.Size([2]), torch.Size([2]))
 """
 
 from __future__ import annotations
@@ -70,9 +77,9 @@ class DCN(_DeepAndCross):
         sparse_names: sparse feature names (the KJT's keys, in any order).
         cardinalities: rows per feature.
         num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (spec: 10).
-        hidden: DNN layer sizes, ReLU (spec: 400-400-400); empty for cross-only.
-        cross_layers: cross layers (spec: 3).
+        embedding_dim: D of the clipped tables (paper: 10).
+        hidden: DNN layer sizes, ReLU (paper: 400-400-400); empty for cross-only.
+        cross_layers: cross layers (paper: 3).
         cross_parameterization: ``"vector"`` - ``x_{l+1} = x0 (x_l . w_l) + b_l + x_l``,
             TorchRec's ``VectorCrossNet``, the original DCN and the default of the
             reference's DeepCTR ``DCN`` (its ``train.py`` does not change it); or
@@ -85,8 +92,10 @@ class DCN(_DeepAndCross):
 
         >>> model = DCN(["C1"], [100], num_dense=0, hidden=(16,), cross_layers=3,
         ...             cross_parameterization="matrix")
-        >>> model(torch.zeros(4, 0), kjt).shape
-        torch.Size([4])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id each
+        ...     keys=["C1"], values=torch.tensor([5, 99]), lengths=torch.ones(2, dtype=torch.int64))
+        >>> model(torch.zeros(2, 0), kjt).shape
+        torch.Size([2])
     """
 
     def __init__(
@@ -129,9 +138,9 @@ class DCNv2(_DeepAndCross):
         sparse_names: sparse feature names (the KJT's keys, in any order).
         cardinalities: rows per feature.
         num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (spec: 10).
-        hidden: DNN layer sizes, ReLU (spec: 400-400-400); empty for cross-only.
-        cross_layers: mixture cross layers (spec: 3).
+        embedding_dim: D of the clipped tables (paper: 10).
+        hidden: DNN layer sizes, ReLU (paper: 400-400-400); empty for cross-only.
+        cross_layers: mixture cross layers (paper: 3).
         low_rank: r of each expert (reference default 32).
         num_experts: experts per layer (reference default 4).
         embedding: backend, in-backward optimizer, CowClip and init of the tables.
@@ -140,8 +149,10 @@ class DCNv2(_DeepAndCross):
     Example::
 
         >>> model = DCNv2(["C1"], [100], num_dense=2, hidden=(16,), low_rank=4)
-        >>> model(torch.rand(4, 2), kjt).shape
-        torch.Size([4])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id each
+        ...     keys=["C1"], values=torch.tensor([5, 99]), lengths=torch.ones(2, dtype=torch.int64))
+        >>> model(torch.rand(2, 2), kjt).shape
+        torch.Size([2])
     """
 
     def __init__(

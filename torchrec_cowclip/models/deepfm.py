@@ -6,10 +6,16 @@ logit = first-order (dim-1 sparse weights + ``w . dense`` + bias)
 
 Example::
 
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec_cowclip.models import DeepFM, EmbeddingOptions
     >>> model = DeepFM(sparse_names=["C1", "C2"], cardinalities=[100, 50], num_dense=13,
     ...                embedding=EmbeddingOptions(lr=1e-4))
-    >>> logits = model(dense, kjt)              # [B]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> model(torch.rand(2, 13), kjt).shape     # logits [B]
+    torch.Size([2])
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def fm_second_order(embeddings: Tensor) -> Tensor:
 
     Example::
 
+        >>> import torch
         >>> v = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])   # <v_0, v_1> = 11
         >>> fm_second_order(v)
         tensor([11.])
@@ -52,16 +59,21 @@ class DeepFM(FieldCTRModel):
         sparse_names: sparse feature names (the KJT's keys, in any order).
         cardinalities: rows per feature.
         num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (spec: 10).
-        hidden: DNN layer sizes, ReLU (spec: 400-400-400).
+        embedding_dim: D of the clipped tables (paper: 10).
+        hidden: DNN layer sizes, ReLU (paper: 400-400-400).
         embedding: backend, in-backward optimizer, CowClip and init of the tables.
         device: where tables and layers live.
 
     Example::
 
+        >>> import torch
+        >>> from torchrec import KeyedJaggedTensor
         >>> model = DeepFM(["C1", "C2"], [100, 50], num_dense=0, hidden=(32, 32))
-        >>> model(torch.zeros(4, 0), kjt).shape
-        torch.Size([4])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+        ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+        ...     lengths=torch.ones(4, dtype=torch.int64))
+        >>> model(torch.zeros(2, 0), kjt).shape
+        torch.Size([2])
     """
 
     def __init__(

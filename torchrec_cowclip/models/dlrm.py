@@ -14,10 +14,16 @@ feature's key is ``feature@table``). So DLRM has no first-order tables.
 
 Example::
 
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec_cowclip.models import build_dlrm
     >>> model = build_dlrm(["C1", "C2"], [100, 50], num_dense=13, embedding_dim=16,
     ...                    dense_arch_layer_sizes=(64, 16), over_arch_layer_sizes=(64, 1))
-    >>> logits = model(dense, kjt)              # [B]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> model(torch.rand(2, 13), kjt).shape     # logits [B]
+    torch.Size([2])
 """
 
 from __future__ import annotations
@@ -52,9 +58,13 @@ class DLRMModel(CTRModel):
 
     Example::
 
-        >>> model = DLRMModel(torchrec.models.dlrm.DLRM(embedding_bag_collection=ebc,
-        ...     dense_in_features=13, dense_arch_layer_sizes=[32, 8],
-        ...     over_arch_layer_sizes=[16, 1]), num_dense=13)
+        >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+        >>> ebc = CowClipEmbeddingBagCollection([EmbeddingBagConfig(
+        ...     name="t_C1", embedding_dim=8, num_embeddings=100, feature_names=["C1"])], lr=1e-4)
+        >>> model = DLRMModel(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+        ...     dense_arch_layer_sizes=[32, 8], over_arch_layer_sizes=[16, 1]), num_dense=13)
+        >>> model.embedding_collection is ebc
+        True
     """
 
     def __init__(self, dlrm: DLRM, num_dense: int) -> None:
@@ -82,7 +92,12 @@ def check_dlrm_tables(
 
     Example::
 
-        >>> check_dlrm_tables(ebc.embedding_bag_configs(), num_dense=13, bottom_out=10)
+        >>> tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=10, num_embeddings=100,
+        ...                              feature_names=[f]) for f in ("C1", "C2")]
+        >>> check_dlrm_tables(tables, num_dense=13, bottom_out=10)     # fine: no error
+        >>> check_dlrm_tables(tables, num_dense=13, bottom_out=16)     # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: ...
     """
     if num_dense <= 0:
         raise ValueError(
@@ -141,10 +156,15 @@ def build_dlrm(
 
     Example::
 
+        >>> import torch
+        >>> from torchrec import KeyedJaggedTensor
         >>> model = build_dlrm(["C1", "C2"], [100, 50], num_dense=13,
         ...                    interaction="dcn", dcn_low_rank_dim=8)
-        >>> model(dense, kjt).shape
-        torch.Size([B])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+        ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+        ...     lengths=torch.ones(4, dtype=torch.int64))
+        >>> model(torch.rand(2, 13), kjt).shape
+        torch.Size([2])
     """
     if interaction not in ("dot", "dcn"):
         raise ValueError(f"interaction must be 'dot' or 'dcn', got {interaction!r}")

@@ -10,7 +10,12 @@ Example::
     >>> from torchrec_cowclip.models.embeddings import EmbeddingOptions, FieldEmbeddings
     >>> fields = FieldEmbeddings(["C1", "C2"], [100, 50], embedding_dim=10,
     ...                          options=EmbeddingOptions(lr=1e-4))
-    >>> emb, first_order = fields(kjt)          # [B, 2, 10], [B, 2]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> emb, first_order = fields(kjt)
+    >>> emb.shape, first_order.shape             # [B, F, D], [B, F]
+    (torch.Size([2, 2, 10]), torch.Size([2, 2]))
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import EmbeddingBagCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
@@ -262,7 +267,7 @@ class FieldEmbeddings(nn.Module):
         pooled = self.collection(sparse)
         n_fields = len(self.sparse_feature_names)
         # (Under TorchRec's pipeline tracing the keys are not known: take the general path.)
-        if not is_fx_tracing() and pooled.keys() == self._expected_keys:
+        if not is_fx_symbolic_tracing() and pooled.keys() == self._expected_keys:
             # Table order (unsharded collections): two views, no copy.
             values = pooled.values()
             width = n_fields * self.embedding_dim

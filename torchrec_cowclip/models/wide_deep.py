@@ -5,9 +5,15 @@ logit = wide part (dim-1 sparse weights + ``w . dense`` + bias)
 
 Example::
 
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec_cowclip.models import WideAndDeep
     >>> model = WideAndDeep(["C1", "C2"], [100, 50], num_dense=13)
-    >>> logits = model(dense, kjt)              # [B]
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
+    ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
+    ...     lengths=torch.ones(4, dtype=torch.int64))
+    >>> model(torch.rand(2, 13), kjt).shape     # logits [B]
+    torch.Size([2])
 """
 
 from __future__ import annotations
@@ -32,16 +38,20 @@ class WideAndDeep(FieldCTRModel):
         sparse_names: sparse feature names (the KJT's keys, in any order).
         cardinalities: rows per feature.
         num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (spec: 10).
-        hidden: DNN layer sizes, ReLU (spec: 400-400-400).
+        embedding_dim: D of the clipped tables (paper: 10).
+        hidden: DNN layer sizes, ReLU (paper: 400-400-400).
         embedding: backend, in-backward optimizer, CowClip and init of the tables.
         device: where tables and layers live.
 
     Example::
 
+        >>> import torch
+        >>> from torchrec import KeyedJaggedTensor
         >>> model = WideAndDeep(["C1"], [100], num_dense=2, hidden=(16,))
-        >>> model(torch.rand(4, 2), kjt).shape
-        torch.Size([4])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id each
+        ...     keys=["C1"], values=torch.tensor([5, 99]), lengths=torch.ones(2, dtype=torch.int64))
+        >>> model(torch.rand(2, 2), kjt).shape
+        torch.Size([2])
     """
 
     def __init__(

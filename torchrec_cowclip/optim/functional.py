@@ -1,16 +1,16 @@
 """The CowClip update as a functional core: the one place where the math lives.
 
 Everything here acts on a block of embedding rows that a batch touched, one row per
-distinct id (``../shared/docs/cowclip-spec.md``, "The update, per embedding table, per
-step"):
+distinct id (``docs/algorithm.md``, "One step, for each table"; the step numbers below
+are that section's):
 
-1. :func:`cowclip_clip` - spec step 3, the per-row adaptive clip
+1. :func:`cowclip_clip` - step 3, the per-row adaptive clip
    ``g_j <- g_j * min(1, c_j * max(r * ||W[j]||, zeta) / ||g_j||)``;
-2. :func:`couple_weight_decay` - spec step 4, ``g_j <- g_j + weight_decay * W[j]``
+2. :func:`couple_weight_decay` - step 4, ``g_j <- g_j + weight_decay * W[j]``
    after clipping (the TF reference adds 2*lambda*W *before* clipping and to every row;
    this project's ``weight_decay`` equals that ``2 * lambda``, applied only to rows the
    batch touched);
-3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - spec step 5,
+3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - step 5,
    with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
    the paper; off by default).
 
@@ -100,7 +100,7 @@ class CowClip:
 class CountLR:
     """Per-id-frequency embedding learning rate: ``lr_j = lr * min(c_j, cap) ** power``.
 
-    Not in the paper or the TF reference (spec step 5 uses one ``lr`` for every row); an
+    Not in the paper or the TF reference (step 5 uses one ``lr`` for every row); an
     extension searched in ``docs/scaling.md``, where it did not beat one ``lr`` for every
     row on average, so no recipe uses it. The reasoning: one step at batch ``s * b``
     replaces ``s`` steps at batch ``b``. An id seen ``c_j >= s`` times in the large batch
@@ -219,7 +219,7 @@ class RowSums:
 
     def mean_square_after(self, scale: Tensor, weight_decay: float) -> Tensor:
         """``mean(g'_j**2)`` over the whole row of ``g'_j = scale_j * g_j + weight_decay * W[j]``
-        (the clipped gradient with coupled L2, spec steps 3-4), expanded as
+        (the clipped gradient with coupled L2, steps 3-4), expanded as
         ``scale**2 ||g||**2 + 2 scale wd (g . W) + wd**2 ||W||**2``, divided by ``D``."""
         total = (
             scale.square() * self.grad_sq
@@ -239,7 +239,7 @@ def cowclip_clip(
     clip_enabled: Optional[Tensor] = None,
     norms: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Spec step 3: clips each row's gradient against its own norm and count.
+    """Step 3: clips each row's gradient against its own norm and count.
 
     Args:
         grad: ``[U, D]`` summed gradient ``g_j`` of each distinct row.
@@ -299,7 +299,7 @@ def _per_row(lr: LearningRate) -> LearningRate:
 
 
 def couple_weight_decay(grad: Tensor, weight: Tensor, weight_decay: float) -> Tensor:
-    """Spec step 4: coupled L2 after clipping, ``g_j + weight_decay * W[j]``."""
+    """Step 4: coupled L2 after clipping, ``g_j + weight_decay * W[j]``."""
     if weight_decay == 0.0:
         return grad
     return grad + weight_decay * weight
@@ -338,7 +338,7 @@ def adam_rows_(
     eps: float,
     bias_corrections: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> None:
-    """Spec step 5, Adam on the touched rows, in place on the row blocks.
+    """Step 5, Adam on the touched rows, in place on the row blocks.
 
     ``step`` is ``[U]`` (or a scalar): the optimizer's global step count *including*
     this step, for the bias corrections ``1 - beta**t``. ``bias_corrections``, if given,
@@ -366,7 +366,7 @@ def rowwise_adagrad_rows_(
     eps: float,
     grad_sq_mean: Optional[Tensor] = None,
 ) -> None:
-    """Spec step 5, row-wise Adagrad: ``s_j += mean(g_j**2)``; ``W -= lr*g/(sqrt(s)+eps)``.
+    """Step 5, row-wise Adagrad: ``s_j += mean(g_j**2)``; ``W -= lr*g/(sqrt(s)+eps)``.
 
     ``grad_sq_mean`` is ``mean(g_j**2)`` over the WHOLE row when ``grad`` holds only some
     of its columns (a column shard); default: the mean over ``grad``'s columns.
@@ -376,7 +376,7 @@ def rowwise_adagrad_rows_(
 
 
 def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
-    """Spec step 5, SGD: ``W -= lr * g`` (``lr`` a scalar or ``[U]``)."""
+    """Step 5, SGD: ``W -= lr * g`` (``lr`` a scalar or ``[U]``)."""
     weight.sub_(_per_row(lr) * grad)
 
 
@@ -398,7 +398,7 @@ def cowclip_row_update_(
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
     count_lr: Optional[CountLR] = None,
 ) -> Tensor:
-    """One full CowClip step (spec steps 3-5) on a block of distinct rows, in place.
+    """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
     Args:
         optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``.
@@ -417,7 +417,7 @@ def cowclip_row_update_(
             row-wise Adagrad the whole rows' ``mean(g_j**2)``, so every shard takes the
             step the unsplit row would. Default: the rows are whole.
         count_lr: optional per-row learning rate ``lr * min(c_j, cap) ** power``
-            (:class:`CountLR`); default one ``lr`` for every row, as in the spec.
+            (:class:`CountLR`); default one ``lr`` for every row, as in the paper.
 
     Returns:
         ``[U]`` bool, True for rows whose gradient was clipped.

@@ -10,10 +10,17 @@ optimizer, and LR schedules (``torch.optim.lr_scheduler``, TorchRec's
 
 Example::
 
-    >>> ebc = CowClipEmbeddingBagCollection(tables, optimizer="adam", lr=1e-4)
+    >>> from torchrec import EmbeddingBagConfig
+    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+    >>> ebc = CowClipEmbeddingBagCollection(
+    ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
+    ...     optimizer="adam", lr=1e-4)
     >>> opt = ebc.fused_optimizer
     >>> opt.param_groups[0]["lr"] = 5e-5          # takes effect at the next backward
-    >>> torch.save(opt.state_dict(), "fused_opt.pt")
+    >>> sorted(opt.state_dict()["state"]["embedding_bags.t.weight"])
+    ['exp_avg', 'exp_avg_sq', 'step']
+    >>> import os, tempfile
+    >>> torch.save(opt.state_dict(), os.path.join(tempfile.mkdtemp(), "fused_opt.pt"))
 """
 
 from __future__ import annotations

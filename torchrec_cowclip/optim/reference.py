@@ -1,6 +1,6 @@
 """Readable reference of the CowClip step on one whole table, from a dense gradient.
 
-This is the spec (``../shared/docs/cowclip-spec.md``) written as plainly as possible:
+This is the update of ``docs/algorithm.md`` written as plainly as possible:
 it takes the table's dense gradient ``dL/dW`` (as plain autograd produces it on an
 ordinary ``torch.nn.EmbeddingBag``) and the count of each row in the batch, and updates
 exactly the rows that occur. It is slow on purpose - it materialises a dense gradient -
@@ -76,7 +76,7 @@ def reference_cowclip_step_(
         the ids of the rows whose gradient was clipped.
     """
     state["step"] += 1
-    rows = torch.nonzero(counts, as_tuple=True)[0]  # spec 5: only rows in I move
+    rows = torch.nonzero(counts, as_tuple=True)[0]  # step 5: only rows in I move
     row_weight = weight[rows].clone()
     row_state = {name: state[name][rows].clone() for name, _ in STATE_LAYOUT[optimizer]}
     clipped = cowclip_row_update_(

@@ -12,11 +12,12 @@ on M under any plan (DCP re-shards on load).
 
 Example::
 
-    >>> import torch
+    >>> import tempfile, torch
     >>> from torchrec_cowclip.train.checkpoint import CheckpointStore
-    >>> store = CheckpointStore("runs/ckpt-doc")
+    >>> store = CheckpointStore(tempfile.mkdtemp())
     >>> weights = {"w": torch.arange(4.0)}
-    >>> store.save("latest", "s3", {"model": weights}, {"step": 3})
+    >>> store.save("latest", "s3", {"model": weights}, {"step": 3}).name
+    'latest-s3'
     >>> restored = {"model": {"w": torch.zeros(4)}}
     >>> store.load("latest", restored)["step"], restored["model"]["w"].tolist()
     (3, [0.0, 1.0, 2.0, 3.0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -139,7 +140,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+class _TorchFxTracingNotice(logging.Filter):
+    """Drops torch's one-time notice that ``is_fx_tracing()`` is deprecated.
+
+    torch.fx's own ``ProxyableClassMeta`` calls that function whenever a
+    ``KeyedJaggedTensor`` or ``KeyedTensor`` is built, so a run cannot avoid it, and it
+    advises the user about a call they never made (this package asks
+    ``is_fx_symbolic_tracing()``).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
+_FX_TRACING_NOTICE = _TorchFxTracingNotice()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.getLogger("torch.fx._symbolic_trace").addFilter(_FX_TRACING_NOTICE)  # idempotent
     parser = build_parser()
     args = parser.parse_args(argv)
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast

@@ -5,8 +5,19 @@ gathers the states across ranks in ``compute()``, so every rank gets the global 
 
 Example::
 
-    >>> metrics = evaluate(task, batches, device)   # task: CTRTrainTask (or its DMP wrap)
-    >>> metrics["auc"], metrics["logloss"]
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
+    >>> from torchrec.datasets.utils import Batch
+    >>> from torchrec_cowclip.models import build_model
+    >>> from torchrec_cowclip.train.task import CTRTrainTask
+    >>> task = CTRTrainTask(build_model("dcn", num_dense=1, sparse_names=["C1"],
+    ...                                 cardinalities=[10], hidden=(4,)))   # or its DMP wrap
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(keys=["C1"], values=torch.tensor([1, 2]),
+    ...                                           lengths=torch.tensor([1, 1]))
+    >>> test_batches = [Batch(torch.rand(2, 1), kjt, torch.tensor([0.0, 1.0]))]
+    >>> metrics = evaluate(task, test_batches, torch.device("cpu"))
+    >>> sorted(metrics)
+    ['auc', 'logloss']
 """
 
 from __future__ import annotations

@@ -37,8 +37,19 @@ def build_optimizer(
 
     Example::
 
+        >>> import torch, torch.nn.functional as F
+        >>> from torchrec import KeyedJaggedTensor
+        >>> from torchrec_cowclip.models import build_model
+        >>> from torchrec_cowclip.train.scaling import scale_hyperparameters
+        >>> model = build_model("deepfm", num_dense=1, sparse_names=["C1"], cardinalities=[10],
+        ...                     hidden=(4,))
+        >>> hp = scale_hyperparameters(4096)      # dense lr 1.6e-3 after a 1-epoch warm-up
         >>> opt = build_optimizer(model, model.embedding_collection, hp, steps_per_epoch=100)
-        >>> loss.backward(); opt.step(); opt.zero_grad()
+        >>> sparse = KeyedJaggedTensor.from_lengths_sync(keys=["C1"], values=torch.tensor([1, 2]),
+        ...                                              lengths=torch.tensor([1, 1]))
+        >>> logits = model(torch.rand(2, 1), sparse)
+        >>> F.binary_cross_entropy_with_logits(logits, torch.tensor([0.0, 1.0])).backward()
+        >>> opt.step(); opt.zero_grad()
     """
     embedding_ids = (
         {id(p) for p in embedding_collection.parameters()} if embedding_collection is not None else set()

@@ -3,10 +3,14 @@
 
 Example::
 
-    >>> log = RunLog(Path("runs/x"))
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp()) / "run"
+    >>> log = RunLog(out)
     >>> log.step(10, {"loss": 0.45, "samples_per_s": 1.2e5})
     >>> log.epoch({"epoch": 1, "test_auc": 0.79})
     >>> log.close()
+    >>> (out / "epochs.csv").read_text().splitlines()
+    ['epoch,test_auc', '1,0.79']
 """
 
 from __future__ import annotations

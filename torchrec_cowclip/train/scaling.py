@@ -1,5 +1,5 @@
 """Large-batch scaling rules ("recipes"). The default, ``paper``, is the paper's rule
-(``../shared/docs/cowclip-spec.md``, "The scaling rule"): from the base batch (1024) to
+(``docs/algorithm.md``, "The scaling rule and the recipes"): from the base batch (1024) to
 batch ``b``, with ``s = b / base``:
 
 - embeddings: Adam, learning rate unchanged; L2 ``lambda`` scaled linearly (``* s``);

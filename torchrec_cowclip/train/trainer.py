@@ -3,10 +3,15 @@ evaluation, early stopping, atomic checkpoints with exact resume, and run logs.
 
 Example::
 
+    >>> import tempfile
     >>> from torchrec_cowclip.train import TrainConfig, train
-    >>> metrics = train(TrainConfig(model="deepfm", data="synthetic:200000",
-    ...                             batch_size=8192, epochs=1, out="runs/demo"))
-    >>> metrics["auc"], metrics["train_samples_per_s"]
+    >>> tmp = tempfile.mkdtemp()
+    >>> metrics = train(TrainConfig(model="deepfm", data="synthetic:3000", synthetic_scale=0.01,
+    ...                             synthetic_max_cardinality=500, hidden=(8,), batch_size=512,
+    ...                             epochs=1, progress=False, out=f"{tmp}/run",
+    ...                             cache_dir=f"{tmp}/cache"))
+    >>> metrics["steps"], sorted(metrics["epoch_auc"]) == [metrics["auc"]]
+    (6, True)
 """
 
 from __future__ import annotations
