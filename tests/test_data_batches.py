@@ -19,7 +19,7 @@ from torchrec_cowclip.data import (
     split_indices,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def _toy(n: int = 103, n_dense: int = 3, n_sparse: int = 4) -> ArrayDataset:
