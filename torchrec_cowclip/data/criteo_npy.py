@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from torchrec_cowclip.data.cache import fingerprint
-from torchrec_cowclip.data.encode import Conversion, HashSize, NoCounting, json_sizes
+from torchrec_cowclip.data.encode import Conversion, HashSize, SparseEncoding, json_sizes
 from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import SourceOptions, option_field
@@ -187,7 +187,7 @@ def _negative_ids(sparse: np.ndarray) -> Optional[Tuple[np.ndarray, str, List[st
     return bad, BAD_SPARSE_ID, details
 
 
-class StoredIds:
+class StoredIds(SparseEncoding):
     """Ids kept as stored; each table has ``max id + 1`` rows over every day (test included)."""
 
     counts = True
@@ -222,7 +222,7 @@ class StoredIds:
         return {"ids": "as stored"}
 
 
-class ModuloIds(NoCounting):
+class ModuloIds(SparseEncoding):
     """Ids hashed into ``hash_size`` rows per table with ``id % hash_size``."""
 
     def __init__(self, hash_size: HashSize) -> None:
@@ -242,9 +242,6 @@ class ModuloIds(NoCounting):
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": "hash", "method": "mod"}
-
-    def stats_key(self) -> Dict[str, Any]:
-        return {"ids": "mod"}
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -107,38 +108,15 @@ class EncodedOptions(SourceOptions):
         return d
 
 
-class SparseEncoding(Protocol):
+class SparseEncoding(ABC):
     """How a source's raw categoricals become ids in ``[0, cardinality)``.
 
-    ``counts``: the statistics pass must see the blocks (``update``), over the test
-    parts too if ``count_test``; ``save``/``load`` keep what it learnt in the
-    statistics entry. ``start(sparse_names)`` is called once before either pass.
+    ``start(sparse_names)`` is called once before either pass. An encoding that
+    ``counts`` sees the statistics pass's blocks (``update``), over the test parts too
+    if ``count_test``, and keeps what it learnt in the statistics entry
+    (``save``/``load``); the defaults here learn nothing. ``check()`` returns the
+    check of the rows it cannot encode (bad rows), if any.
     """
-
-    counts: bool
-    count_test: bool
-
-    def start(self, sparse_names: Sequence[str]) -> None: ...
-
-    def check(self) -> Optional[SparseCheck]: ...
-
-    def update(self, sparse: Any) -> None: ...
-
-    def save(self, directory: Path) -> None: ...
-
-    def load(self, directory: Path) -> None: ...
-
-    def cardinalities(self) -> Tuple[int, ...]: ...
-
-    def encode(self, sparse: Any) -> np.ndarray: ...
-
-    def describe(self) -> Dict[str, Any]: ...
-
-    def stats_key(self) -> Dict[str, Any]: ...
-
-
-class NoCounting:
-    """Base of the encodings that learn nothing in the statistics pass."""
 
     counts = False
     count_test = False
@@ -158,38 +136,49 @@ class NoCounting:
     def load(self, directory: Path) -> None:
         pass
 
+    @abstractmethod
+    def cardinalities(self) -> Tuple[int, ...]:
+        """Rows of each feature's table (after the statistics pass, if any)."""
 
-class VocabularyEncoding(NoCounting):
+    @abstractmethod
+    def encode(self, sparse: Any) -> np.ndarray:
+        """Ids ``[n, n_sparse]`` of one block's categoricals."""
+
+    @abstractmethod
+    def describe(self) -> Dict[str, Any]:
+        """``meta["encoding"]``."""
+
+    def stats_key(self) -> Dict[str, Any]:
+        """What the encoding contributes to the statistics entry's key."""
+        return {}
+
+
+class VocabularyEncoding(SparseEncoding):
     """Exact label encoding by a vocabulary over the training parts (see ``vocab``)."""
 
     counts = True
+    vocab: Vocabulary
 
     def __init__(self, min_count: int) -> None:
         self.min_count = int(min_count)
-        self._vocab: Optional[Vocabulary] = None
 
     def start(self, sparse_names: Sequence[str]) -> None:
-        self._vocab = Vocabulary(sparse_names)
-
-    def _vocabulary(self) -> Vocabulary:
-        if self._vocab is None:
-            raise RuntimeError("VocabularyEncoding.start() was not called")
-        return self._vocab
+        self.vocab = Vocabulary(sparse_names)
 
     def update(self, sparse: Any) -> None:
-        self._vocabulary().update(sparse)
+        self.vocab.update(sparse)
 
     def save(self, directory: Path) -> None:
-        self._vocabulary().save(directory / "vocab.npz")
+        self.vocab.save(directory / "vocab.npz")
 
     def load(self, directory: Path) -> None:
-        self._vocab = Vocabulary.load(directory / "vocab.npz")
+        self.vocab = Vocabulary.load(directory / "vocab.npz")
 
     def cardinalities(self) -> Tuple[int, ...]:
-        return self._vocabulary().cardinalities(self.min_count)
+        return self.vocab.cardinalities(self.min_count)
 
     def encode(self, sparse: Any) -> np.ndarray:
-        return self._vocabulary().encode(sparse, self.min_count)
+        return self.vocab.encode(sparse, self.min_count)
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": "vocabulary", "min_count": self.min_count, "oov_id": 0, "missing_id": 1}
@@ -198,30 +187,26 @@ class VocabularyEncoding(NoCounting):
         return {"hash_check": None, "vocabulary": True}
 
 
-class HashingEncoding(NoCounting):
+class HashingEncoding(SparseEncoding):
     """Hashing of text categoricals into fixed table sizes (see ``hashing``)."""
+
+    hasher: HashEncoder
 
     def __init__(self, hash_size: HashSize, method: HashMethod) -> None:
         self.hash_size, self.method = hash_size, method
-        self._hasher: Optional[HashEncoder] = None
 
     def start(self, sparse_names: Sequence[str]) -> None:
         sizes = resolve_sizes(self.hash_size, sparse_names)  # type: ignore[arg-type]
-        self._hasher = HashEncoder(sizes, self.method, names=sparse_names)
-
-    def _encoder(self) -> HashEncoder:
-        if self._hasher is None:
-            raise RuntimeError("HashingEncoding.start() was not called")
-        return self._hasher
+        self.hasher = HashEncoder(sizes, self.method, names=sparse_names)
 
     def check(self) -> Optional[SparseCheck]:
-        return self._encoder().check
+        return self.hasher.check
 
     def cardinalities(self) -> Tuple[int, ...]:
-        return self._encoder().cardinalities
+        return self.hasher.cardinalities
 
     def encode(self, sparse: Any) -> np.ndarray:
-        return self._encoder().encode(sparse)
+        return self.hasher.encode(sparse)
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": "hash", "method": self.method, "missing_id": 0}

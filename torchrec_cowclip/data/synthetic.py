@@ -73,7 +73,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.encode import Conversion, NoCounting
+from torchrec_cowclip.data.encode import Conversion, SparseEncoding
 from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
 from torchrec_cowclip.data.options import SourceOptions, option_field
 from torchrec_cowclip.data.registry import SourceKind, register_source
@@ -410,7 +410,7 @@ class _SyntheticRows:
             first += n
 
 
-class PlantedIds(NoCounting):
+class PlantedIds(SparseEncoding):
     """The generator's ids, already in ``[0, cardinality)``."""
 
     def __init__(self, cardinalities: Sequence[int]) -> None:
@@ -424,9 +424,6 @@ class PlantedIds(NoCounting):
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": "synthetic ids"}
-
-    def stats_key(self) -> Dict[str, Any]:
-        return {"ids": "synthetic"}
 
 
 def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
