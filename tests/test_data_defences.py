@@ -83,6 +83,25 @@ def test_same_size_in_range_corruption_is_detected_and_rebuilt(
         caplog.clear()
 
 
+def test_corrupt_statistics_entry_is_rebuilt_and_a_killed_build_cleaned_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = _copy(tmp_path)
+    first = open_dataset(f"criteo:{src}", tmp_path / "c")
+    (stats,) = [p for p in (tmp_path / "c").iterdir() if p.name.startswith("stats-")]
+    vocab = stats / "vocab.npz"
+    vocab.write_bytes(vocab.read_bytes()[:-10])
+    stale = tmp_path / "c" / f".tmp-{first.path.name}-killed"
+    stale.mkdir()
+    with caplog.at_level(logging.WARNING):
+        again = open_dataset(f"criteo:{src}", tmp_path / "c", min_count=2)  # re-encodes from the statistics
+    assert "vocab.npz is corrupt (size" in caplog.text
+    assert again.schema.cardinalities != first.schema.cardinalities
+    assert "vocab.npz" in json.loads((stats / "meta.json").read_text())["checks"]
+    open_dataset(f"criteo:{src}", tmp_path / "c", rebuild=True)
+    assert not stale.exists()
+
+
 def test_opening_a_corrupt_entry_directly_fails_in_one_line(tmp_path: Path) -> None:
     src = _copy(tmp_path)
     entry = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000).path

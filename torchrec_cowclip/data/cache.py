@@ -15,7 +15,8 @@ absolute paths, sizes and modification times, and every option. A touched file o
 changed option therefore lands in a new directory and nothing stale is ever read. An
 entry is built in a temporary directory next to its final place and renamed into
 place, so a crash leaves no half-written entry; a lock file makes concurrent
-processes (e.g. one per rank) wait for the first builder instead of all converting.
+processes (e.g. one per rank) wait for the first builder instead of all converting,
+and the next builder removes what a killed one left in its temporary directory.
 
 Opening an entry verifies it: every file's size and header on every open (a ``stat``
 and a 128-byte read per file), the checksums on the first open in a process and
@@ -253,6 +254,8 @@ def build_entry(
             logger.warning("%s; rebuilding it from its source", why)
         if entry.exists():
             shutil.rmtree(entry)
+        for stale in root.glob(f".tmp-{kind}-{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a killed builder's (this lock is held)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-{key}-", dir=root))
         try:
             start = time.time()

@@ -150,12 +150,12 @@ def parse_spec(spec: str) -> Tuple[str, List[str]]:
     kind, sep, rest = spec.partition(":")
     kind = kind.strip().lower()
     kinds = source_kinds()
-    if not sep or kind not in kinds or not rest.strip():
+    args = [p.strip() for p in rest.split(",") if p.strip()]
+    if not sep or kind not in kinds or not args:
         raise DataOptionError(
             f"bad dataset spec {spec!r}: expected KIND:ARG with KIND one of {', '.join(kinds)} "
             f"({', '.join(source_kind(k).usage for k in kinds)})"
         )
-    args = [p.strip() for p in rest.split(",") if p.strip()]
     source_kind(kind).check_args(spec, args)
     return kind, args
 

@@ -75,6 +75,7 @@ import numpy as np
 from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
 from torchrec_cowclip.data.encode import Conversion, SparseEncoding
 from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
+from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import SourceOptions, option_field
 from torchrec_cowclip.data.registry import SourceKind, register_source
 from torchrec_cowclip.data.rows import RowBlock, SparseCheck
@@ -314,7 +315,7 @@ def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
         0.75
     """
     labels = np.asarray(labels)
-    if not np.isin(labels, (0, 1)).all():
+    if check_labels(labels)[1].any():
         raise ValueError("rank_auc(labels, scores): labels must be 0/1 (were the arguments swapped?)")
     labels = labels > 0.5
     order = np.argsort(scores, kind="mergesort")
