@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from torchrec_cowclip.data.batches import BatchIterator
 from torchrec_cowclip.data.cache import build_entry, read_meta, verify_entry
 from torchrec_cowclip.data.encode import convert
 from torchrec_cowclip.data.errors import DataError, DataOptionError
-from torchrec_cowclip.data.options import flag_of
+from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
 from torchrec_cowclip.data.splits import split_indices
@@ -160,43 +160,38 @@ def parse_spec(spec: str) -> Tuple[str, List[str]]:
     return kind, args
 
 
-def _defaults() -> Dict[str, Any]:
-    """Every option some kind takes, with its default: passing that value (or None) to
-    a kind that does not take the option is the same as not passing it."""
-    out: Dict[str, Any] = {}
+def _known_options() -> Dict[str, Tuple[Any, Optional[str], List[str]]]:
+    """Every option some kind takes: ``(default, CLI flag, the kinds taking it)``."""
+    known: Dict[str, Tuple[Any, Optional[str], List[str]]] = {}
     for name in source_kinds():
         for f in fields(source_kind(name).options):
-            out.setdefault(f.name, None if f.default is MISSING else f.default)
-    return out
+            default = None if f.default is MISSING else f.default
+            known.setdefault(f.name, (default, f.metadata.get("flag"), []))[2].append(name)
+    return known
 
 
-def _takers(option: str) -> str:
-    return ", ".join(f"{k}:" for k in source_kinds() if option in {f.name for f in fields(source_kind(k).options)})
-
-
-def kind_options(kind: SourceKind, options: Dict[str, Any]) -> Any:
+def kind_options(kind: SourceKind, options: Mapping[str, Any]) -> SourceOptions:
     """The kind's options dataclass from ``open_dataset``'s keyword options.
 
-    None means "not given"; an option of another kind given with a value other than
-    its default is refused (naming it, its flag and the kinds that take it).
+    None means "not given", and so does another kind's option at its default (the
+    trainer passes every kind's options); another kind's option set otherwise is
+    refused, naming it, its flag and the kinds that take it.
     """
+    known = _known_options()
     own = {f.name for f in fields(kind.options)}
-    defaults = _defaults()
     given: Dict[str, Any] = {}
     for name, value in options.items():
-        if name not in defaults:
+        if name not in known:
             raise TypeError(f"open_dataset() got an unexpected keyword argument {name!r}")
-        if value is None:
+        default, flag, takers = known[name]
+        if value is None or (name not in own and value == default):
             continue
-        if name in own:
-            given[name] = value
-        elif value != defaults[name]:
-            flag = next((flag_of(source_kind(k).options, name) for k in source_kinds()
-                         if flag_of(source_kind(k).options, name)), None)
+        if name not in own:
             raise DataOptionError(
                 f"{kind.name}: does not take {name}" + (f" ({flag})" if flag else "")
-                + f"; it applies to {_takers(name)} only"
+                + f"; it applies to {', '.join(k + ':' for k in takers)} only"
             )
+        given[name] = value
     return kind.options(**given)
 
 
@@ -236,8 +231,8 @@ def open_dataset(
     """
     kind_name, args = parse_spec(spec)
     kind = source_kind(kind_name)
-    own = {f.name for f in fields(kind.options)}
-    opts = kind_options(kind, {**options, **({"seed": seed} if "seed" in own else {})})
+    takes_seed = any(f.name == "seed" for f in fields(kind.options))
+    opts = kind_options(kind, {**options, "seed": seed} if takes_seed else options)
     tests = [str(p) for p in (test_paths or [])]
     kind.check_test_paths(tests)
     payload = kind.payload(args, tests, opts)

@@ -43,7 +43,7 @@ import numpy as np
 
 from torchrec_cowclip.data.cache import build_entry, fingerprint
 from torchrec_cowclip.data.dense import DENSE_CLIP, DenseStats, transform_dense
-from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
+from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.hashing import HashEncoder, HashMethod
 from torchrec_cowclip.data.options import SourceOptions, option_field
 from torchrec_cowclip.data.rows import RowSource, SparseCheck, TextLayout, TextRowSource
@@ -254,10 +254,8 @@ def _names(c: Conversion) -> Tuple[List[str], List[str]]:
     for p in parts[1:]:
         other = c.source.names(p)
         if other != names:
-            first = c.source.part_name(parts[0])
-            raise DataOptionError(
-                f"{c.source.part_name(p)}: columns {other} differ from {first}'s {names}"
-            )
+            name, first = c.source.part_name(p), c.source.part_name(parts[0])
+            raise DataError(f"{name}: columns {other} differ from {first}'s {names}", path=name)
     return names
 
 

@@ -1,11 +1,13 @@
 """Keyword options of data sources: the base every source kind's options dataclass extends.
 
-Each field may name the training CLI flag that sets it (:func:`option_field`), so an
-error about an option can name both (``min_count (--min-count)``).
+Each field may name the training CLI flag that sets it (:func:`option_field`, in the
+field's ``metadata["flag"]``), so an error about an option can name both
+(``min_count (--min-count)``).
 
 Example::
 
-    >>> SourceOptions(on_bad_row="skip").on_bad_row, flag_of(SourceOptions, "on_bad_row")
+    >>> from dataclasses import fields
+    >>> SourceOptions(on_bad_row="skip").on_bad_row, fields(SourceOptions)[0].metadata["flag"]
     ('skip', '--on-bad-row')
     >>> SourceOptions(on_bad_row="ignore")
     Traceback (most recent call last):
@@ -15,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchrec_cowclip.data.dense import check_transform
@@ -25,11 +27,6 @@ from torchrec_cowclip.data.errors import BadRowLog
 def option_field(default: Any, flag: Optional[str] = None) -> Any:
     """A dataclass field with a default and, if given, the CLI flag that sets it."""
     return field(default=default, metadata={"flag": flag} if flag else {})
-
-
-def flag_of(options: Any, name: str) -> Optional[str]:
-    """The CLI flag of option ``name`` of an options dataclass (or instance), if any."""
-    return next((f.metadata.get("flag") for f in fields(options) if f.name == name), None)
 
 
 @dataclass(frozen=True)
