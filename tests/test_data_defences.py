@@ -172,6 +172,8 @@ def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Pa
     meta["version"] = 1
     del meta["checks"]
     (ds.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CacheCorrupt, match="format version 1, expected 2"):
+        CTRDataset(ds.path)  # an entry without checksums is not trusted
     again = open_dataset(f"criteo:{src}", tmp_path / "c")
     assert again.path == ds.path and again.meta["version"] == 2 and "sparse.npy" in again.meta["checks"]
 

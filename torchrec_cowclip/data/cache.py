@@ -175,6 +175,11 @@ def verify_entry(entry: Union[str, Path], meta: Optional[Mapping[str, Any]] = No
     """
     entry = Path(entry)
     meta = read_meta(entry) if meta is None else meta
+    if meta.get("version") != CACHE_VERSION:
+        raise CacheCorrupt(
+            f"cache entry {entry}: format version {meta.get('version')}, expected {CACHE_VERSION}",
+            path=entry,
+        )
     checks: Mapping[str, Mapping[str, Any]] = meta.get("checks", {})
     seen = _stamp(entry, checks)
     full = seen not in _VERIFIED
@@ -190,9 +195,7 @@ def _usable(entry: Path) -> Optional[str]:
     try:
         meta = read_meta(entry)
     except (OSError, ValueError):
-        return "" if not entry.exists() else f"{META_FILE} unreadable"
-    if meta.get("version") != CACHE_VERSION:
-        return f"format version {meta.get('version')}, expected {CACHE_VERSION}"
+        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
     try:
         verify_entry(entry, meta)
     except CacheCorrupt as e:
