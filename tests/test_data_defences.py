@@ -12,19 +12,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from torchrec_cowclip.data import (
-    BAD_LABEL,
-    DENSE_CLIP,
-    CacheCorrupt,
-    CTRDataset,
-    DataError,
-    DataOptionError,
-    SourceKind,
-    SourceOptions,
-    open_dataset,
-    register_source,
-    source_kinds,
-)
+from torchrec_cowclip.data import BAD_LABEL, DENSE_CLIP, CacheCorrupt, CTRDataset, DataError, DataOptionError
+from torchrec_cowclip.data import SourceKind, SourceOptions, open_dataset, register_source, source_kinds
 from torchrec_cowclip.data import cache as cache_module
 from torchrec_cowclip.data.cache import build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.criteo_npy import StoredIds
