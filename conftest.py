@@ -13,11 +13,6 @@ import pytest
 # compile costs seconds per graph (tests/conftest.py says which tests compile on purpose).
 os.environ.setdefault("TORCHREC_COWCLIP_COMPILE", "0")
 
-# The data package's examples are run by tests/test_data_docs.py while that package is
-# being reworked; drop this entry once they run here.
-collect_ignore = ["torchrec_cowclip/data"]
-
-
 REPO = Path(__file__).resolve().parent
 
 

@@ -9,17 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrec_cowclip.data import (
-    BAD_LABEL,
-    CACHE_VERSION,
-    CTRDataset,
-    DataError,
-    find_npy_days,
-    open_dataset,
-)
+from torchrec_cowclip.data import BAD_LABEL, CTRDataset, DataError, open_dataset
+from torchrec_cowclip.data.cache import CACHE_VERSION
+from torchrec_cowclip.data.criteo_npy import find_npy_days
 from torchrec_cowclip.data.rows import TextRowSource
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+DATA = Path(__file__).resolve().parent / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"
 
 
@@ -104,7 +99,7 @@ def test_rebuild_flag_and_incomplete_entry(tmp_path: Path) -> None:
 
 
 def test_vocabulary_file_is_saved_and_reloadable(tmp_path: Path) -> None:
-    from torchrec_cowclip.data import Vocabulary
+    from torchrec_cowclip.data.vocab import Vocabulary
 
     ds = open_dataset(f"criteo:{CRITEO_TSV}", tmp_path)
     (stats,) = _entries(tmp_path, "stats")

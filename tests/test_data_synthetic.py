@@ -15,10 +15,10 @@ from torchrec_cowclip.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     PlantedModel,
     SyntheticConfig,
-    fit_zipf_exponent,
     open_dataset,
     synthetic_arrays,
 )
+from torchrec_cowclip.data.synthetic import fit_zipf_exponent
 
 OPTS = dict(cardinality_scale=0.01, max_cardinality=20_000)
 

@@ -3,26 +3,30 @@
 The ``id`` column is an impression id (unique per row) and is dropped; every other
 column, ``hour`` included, is categorical, as in the reference. There are no dense
 columns. Encoding is the exact vocabulary or 64-bit FNV-1a hashing (Avazu values are
-not all hex).
+not all hex). The file has a header by definition (a UTF-8 byte-order mark before it
+is dropped).
 
 Example::
 
     >>> import tempfile
     >>> from torchrec_cowclip.data import open_dataset
-    >>> ds = open_dataset("avazu:/work/shared/data/avazu_sample.csv", tempfile.mkdtemp())
+    >>> ds = open_dataset("avazu:tests/data/avazu_sample.csv", tempfile.mkdtemp())
     >>> ds.dense.shape, ds.sparse.shape, ds.schema.sparse_names[:3]
     ((100, 0), (100, 22), ('hour', 'C1', 'banner_pos'))
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torchrec_cowclip.data.delimited import read_header
-from torchrec_cowclip.data.encode import EncodeOptions, convert_rows
+from torchrec_cowclip.data.encode import Conversion, text_conversion
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.rows import TextLayout, TextRowSource
+from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.rows import TextLayout
+from torchrec_cowclip.data.table import ColumnOptions, column_payload
 
 AVAZU_LABEL = "click"
 AVAZU_DROPPED = ("id",)
@@ -53,27 +57,20 @@ def avazu_layout(
     )
 
 
-def convert_avazu(
-    paths: Sequence[Union[str, Path]],
-    test_paths: Sequence[Union[str, Path]],
-    out_dir: Path,
-    opts: EncodeOptions,
-    stats_cache: Union[str, Path],
-    *,
-    label: Optional[str] = None,
-    dense: Optional[Sequence[str]] = None,
-    sparse: Optional[Sequence[str]] = None,
-    delimiter: Optional[str] = None,
-) -> Dict[str, Any]:
-    """Convert Avazu CSV files into cache arrays in ``out_dir``; returns meta fields."""
-    layout = avazu_layout(paths[0], label=label, dense=dense, sparse=sparse, delimiter=delimiter)
-    return convert_rows(
-        TextRowSource(layout),
-        paths,
-        test_paths,
-        out_dir,
-        opts,
-        stats_cache=stats_cache,
-        stats_payload={"layout": "avazu", **layout.payload()},
-        source_format="avazu csv",
-    )
+@dataclass(frozen=True)
+class AvazuOptions(ColumnOptions):
+    """``avazu:`` options: the columns default to Avazu's (see :func:`avazu_layout`)."""
+
+
+@register_source
+class AvazuSource(SourceKind, name="avazu", usage="avazu:PATH[,PATH...]", options=AvazuOptions):
+    """``avazu:PATH[,PATH...]``: Avazu CSV files; categoricals hashed with FNV-1a."""
+
+    def payload(self, args: List[str], test_paths: List[str], opts: AvazuOptions) -> Dict[str, Any]:
+        return column_payload(args, test_paths, opts)
+
+    def conversion(self, args: List[str], test_paths: List[str], opts: AvazuOptions) -> Conversion:
+        layout = avazu_layout(args[0], opts.label, opts.dense, opts.sparse, opts.delimiter)
+        return text_conversion(
+            layout, args, test_paths, opts, "fnv", layout_name="avazu", source_format="avazu csv"
+        )

@@ -13,10 +13,8 @@ exactly its k-th batch. Within a batch, rows are read in increasing index order
 (better locality for a cache larger than the page cache); the batch's *set* of rows
 is what the permutation decides.
 
-Speed (2-core dev box, CPU tensors, cache in the page cache, 1M rows of 13 dense +
-26 int32 sparse features, batch 16384): about 280 batches/s (4.5M rows/s) shuffled,
-830 batches/s in order. ``prefetch=2`` overlaps the gathers (which release the GIL)
-with the consumer's work.
+``prefetch=2`` overlaps the gathers (which release the GIL) with the consumer's work;
+speeds are in docs/performance.md.
 
 Example::
 

@@ -6,15 +6,26 @@ A cache entry is a directory ``<cache_dir>/<kind>-<key>/`` holding
 * ``sparse.npy`` int32 (int64 if a table has >= 2**31 rows) ``[N, n_sparse]``, ids
   already encoded into ``[0, cardinality)``
 * ``labels.npy`` float32 ``[N]``
-* ``meta.json``  schema, source, row count, bad-row counts, options, format version.
+* ``meta.json``  schema, source, row count, bad-row counts, options, format version,
+  and ``checks``: each file's size and CRC-32 (for the arrays: also shape and dtype,
+  and a checksum computed while the array was written).
 
-``key`` is a hash of everything that determines the arrays: the format version, the
-source files' absolute paths, sizes and modification times, and every option. A
-touched file or a changed option therefore lands in a new directory and nothing
-stale is ever read. An entry is built in a temporary directory next to its final
-place and renamed into place, so a crash leaves no half-written entry; a lock file
-makes concurrent processes (e.g. one per rank) wait for the first builder instead of
-all converting.
+``key`` is a hash of everything that determines the arrays: the source files'
+absolute paths, sizes and modification times, and every option. A touched file or a
+changed option therefore lands in a new directory and nothing stale is ever read. An
+entry is built in a temporary directory next to its final place and renamed into
+place, so a crash leaves no half-written entry; a lock file makes concurrent
+processes (e.g. one per rank) wait for the first builder instead of all converting,
+and the next builder removes what a killed one left in its temporary directory.
+
+Opening an entry verifies it: every file's size and header on every open (a ``stat``
+and a 128-byte read per file), the checksums on the first open in a process and
+again whenever a file's size or modification time has changed since (the full check
+reads every byte: about 0.1 s per GB more than ``stat``; docs/performance.md). A
+mismatch (a truncated or overwritten array) makes :func:`build_entry` log a warning
+naming the file and rebuild the entry from its source; :class:`CacheCorrupt` is
+raised where no rebuild is possible. An entry written by an older format version is
+rebuilt in place (its key is unchanged).
 
 Example::
 
@@ -34,17 +45,37 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-CACHE_VERSION = 1
+import numpy as np
+
+from torchrec_cowclip.data.errors import DataError
+from torchrec_cowclip.data.npyfile import CHECKSUM
+
+logger = logging.getLogger(__name__)
+
+# The entry format (2: meta.json records every file's size and checksum).
+CACHE_VERSION = 2
+# Part of every key; bumped only when a payload's meaning changes, so that a new
+# entry format rebuilds old entries in place instead of leaving them behind.
+_KEY_VERSION = 1
 META_FILE = "meta.json"
-ARRAY_FILES = ("dense.npy", "sparse.npy", "labels.npy")
+_READ_BYTES = 8 << 20
+# Entries whose checksums this process has verified, with the (name, size, mtime)
+# of their files at the time: a file changed since is checked again.
+_VERIFIED: Set[Tuple[str, Tuple[Tuple[str, int, int], ...]]] = set()
+
+
+class CacheCorrupt(DataError):
+    """A cache entry's file does not match what its ``meta.json`` recorded."""
 
 
 def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
@@ -72,7 +103,7 @@ def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
 
 def cache_key(payload: Mapping[str, Any]) -> str:
     """Stable 16-hex-digit key of a JSON-serialisable payload."""
-    text = json.dumps({"version": CACHE_VERSION, **payload}, sort_keys=True, default=str)
+    text = json.dumps({"version": _KEY_VERSION, **payload}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -82,20 +113,100 @@ def read_meta(entry: Union[str, Path]) -> Dict[str, Any]:
         return json.load(f)
 
 
-def _complete(entry: Path) -> bool:
+def _crc(path: Path, offset: int = 0) -> Tuple[int, str]:
+    """``(bytes read, CRC-32)`` of ``path`` from ``offset`` on."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while chunk := f.read(_READ_BYTES):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return size, f"{crc:08x}"
+
+
+def file_record(path: Path) -> Dict[str, Any]:
+    """Size and checksum of a file written without a checksum of its own (e.g. ``.npz``)."""
+    size, crc = _crc(path)
+    return {"bytes": size, CHECKSUM: crc}
+
+
+def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> Optional[str]:
+    """Why ``path`` is not the file ``record`` describes, or None if it is.
+
+    The size (and for an ``.npy`` record the header's shape and dtype: a 128-byte
+    read) is always compared; ``checksum=True`` also reads the bytes and compares
+    their checksum.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != record["bytes"]:
+        return f"size {size} bytes, expected {record['bytes']}"
+    if "shape" in record:
+        with open(path, "rb") as f:
+            try:
+                np.lib.format.read_magic(f)
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            except ValueError as e:
+                return f"unreadable header ({e})"
+        if list(shape) != list(record["shape"]) or dtype.str != record["dtype"]:
+            return f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
+    if checksum and _crc(path, record.get("data_offset", 0))[1] != record[CHECKSUM]:
+        return "checksum mismatch"
+    return None
+
+
+def _stamp(entry: Path, names: Sequence[str]) -> Tuple[str, Tuple[Tuple[str, int, int], ...]]:
+    stamp = []
+    for name in sorted(names):
+        try:
+            st = (entry / name).stat()
+            stamp.append((name, st.st_size, st.st_mtime_ns))
+        except FileNotFoundError:
+            stamp.append((name, -1, -1))
+    return str(entry.resolve()), tuple(stamp)
+
+
+def verify_entry(entry: Union[str, Path], meta: Optional[Mapping[str, Any]] = None) -> None:
+    """Check an entry's files against its ``meta.json`` (see the module docstring).
+
+    Raises:
+        CacheCorrupt: naming the entry, the file and what is wrong with it.
+    """
+    entry = Path(entry)
+    meta = read_meta(entry) if meta is None else meta
+    if meta.get("version") != CACHE_VERSION:
+        raise CacheCorrupt(
+            f"cache entry {entry}: format version {meta.get('version')}, expected {CACHE_VERSION}",
+            path=entry,
+        )
+    checks: Mapping[str, Mapping[str, Any]] = meta.get("checks", {})
+    seen = _stamp(entry, checks)
+    full = seen not in _VERIFIED
+    for name in sorted(checks):
+        why = check_file(entry / name, checks[name], full)
+        if why is not None:
+            raise CacheCorrupt(f"cache entry {entry}: {name} is corrupt ({why})", path=entry / name)
+    _VERIFIED.add(seen)
+
+
+def _usable(entry: Path) -> Optional[str]:
+    """None if ``entry`` is complete and intact, else why not ("" if it is simply absent)."""
     try:
         meta = read_meta(entry)
     except (OSError, ValueError):
-        return False
-    return meta.get("version") == CACHE_VERSION and all(
-        (entry / f).exists() for f in meta.get("files", ())
-    )
+        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
+    try:
+        verify_entry(entry, meta)
+    except CacheCorrupt as e:
+        return str(e)
+    return None
 
 
 @contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def _locked(lock_path: Path, shared: bool = False) -> Iterator[None]:
     with open(lock_path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -110,10 +221,12 @@ def build_entry(
     *,
     rebuild: bool = False,
 ) -> Path:
-    """Return the entry for ``payload``, building it with ``build(tmp_dir)`` if absent.
+    """Return the intact entry for ``payload``, building it with ``build(tmp_dir)`` if
+    absent, incomplete, of an older format or corrupt (the latter with a warning).
 
-    ``build`` writes its files into ``tmp_dir`` and returns the meta dict; this
-    function adds ``version``, ``kind``, ``key``, ``files`` (the files written),
+    ``build`` writes its files into ``tmp_dir`` and returns the meta dict (with
+    ``checks`` for the arrays it wrote, see ``writer``); this function adds
+    ``version``, ``kind``, ``key``, ``files``, the ``checks`` of the other files,
     ``payload`` and timing, writes ``meta.json`` and renames the directory into place.
 
     Args:
@@ -122,27 +235,49 @@ def build_entry(
         payload: everything the entry's content depends on.
         build: the conversion.
         rebuild: discard an existing entry and build again.
+
+    Raises:
+        CacheCorrupt: the entry is corrupt and its source is gone (the message says so).
     """
     root = Path(cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key({"kind": kind, **payload})
     entry = root / f"{kind}-{key}"
-    with _locked(root / f".{kind}-{key}.lock"):
-        if rebuild and entry.exists():
-            shutil.rmtree(entry)
-        if _complete(entry):
-            return entry
+    lock = root / f".{kind}-{key}.lock"
+    if not rebuild:
+        # Readers verify side by side; only a (re)build takes the lock exclusively.
+        with _locked(lock, shared=True):
+            if _usable(entry) is None:
+                return entry
+    with _locked(lock):
+        why = None if rebuild else _usable(entry)
+        if why is None and not rebuild:
+            return entry  # another process rebuilt it meanwhile
+        if why:
+            logger.warning("%s; rebuilding it from its source", why)
         if entry.exists():
-            shutil.rmtree(entry)  # left incomplete by an older, interrupted writer
+            shutil.rmtree(entry)
+        for stale in root.glob(f".tmp-{kind}-{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # a killed builder's (this lock is held)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-{key}-", dir=root))
         try:
             start = time.time()
-            meta = dict(build(tmp))
+            try:
+                meta = dict(build(tmp))
+            except FileNotFoundError as e:
+                if why:
+                    raise CacheCorrupt(f"{why}, and its source is gone: {e}", path=entry) from None
+                raise
+            checks = dict(meta.pop("checks", {}))
+            for p in sorted(tmp.iterdir()):
+                if p.name not in checks:
+                    checks[p.name] = file_record(p)
             meta.update(
                 version=CACHE_VERSION,
                 kind=kind,
                 key=key,
-                files=sorted(p.name for p in tmp.iterdir()),
+                files=sorted(checks),
+                checks=checks,
                 payload=json.loads(json.dumps(payload, default=str)),
                 build_seconds=round(time.time() - start, 3),
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -153,4 +288,5 @@ def build_entry(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    _VERIFIED.add(_stamp(entry, checks))  # just written: its checksums are the files'
     return entry

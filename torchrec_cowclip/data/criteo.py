@@ -2,37 +2,37 @@
 
 One row per line: ``label, I1..I13, C1..C26``, tab-separated, no header; dense
 values are integers (empty = missing, a few negative), categoricals are 8-hex-digit
-hashes (empty = missing). The same layout comma-separated with a header line (e.g.
-the project's ``criteo_sample.csv``) is recognised too: a ``.csv`` name selects the
-comma, and a first line whose label field is not a number is taken as the header.
-gzip files (``day_0.gz``) are read as they are.
+hashes (empty = missing). gzip files (``day_0.gz``) are read as they are. Raw Criteo
+has no header, so a first line is a data row like any other: a UTF-8 byte-order mark
+before it is dropped, and a non-numeric label there is a bad row (an error, or
+skipped under ``on_bad_row="skip"``). The one exception is the same layout
+comma-separated with a header line (e.g. the project's ``tests/data/criteo_sample.csv``;
+a ``.csv`` name selects the comma): a first line whose label and 13 dense fields are
+all names (non-empty, not numbers) is taken as that header.
 
 Categoricals are either label-encoded exactly (a vocabulary over the training files,
 like the reference) or hashed with ``id = 1 + int(value, 16) % (hash_size - 1)``
 (TorchRec's ``int(value, 16)`` convention); a non-hex value is then a bad row.
-
-Parsing speed (vectorised reader, 2-core dev box, a generated 1M-row, 236 MB file in
-Criteo's format, written to the cache): hashing (one pass) about 180k rows/s;
-vocabulary encoding (two passes: count, then encode) about 95k rows/s. Criteo
-Kaggle's 45.8M rows thus take about 4 min hashed, 8 min label-encoded, once.
+Parsing speeds are in docs/performance.md.
 
 Example::
 
     >>> import tempfile
     >>> from torchrec_cowclip.data import open_dataset
-    >>> ds = open_dataset("criteo:/work/shared/data/criteo_sample.tsv", tempfile.mkdtemp())
+    >>> ds = open_dataset("criteo:tests/data/criteo_sample.tsv", tempfile.mkdtemp())
     >>> ds.dense.shape, ds.sparse.shape, ds.schema.sparse_names[:2]
     ((200, 13), (200, 26), ('C1', 'C2'))
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional
 
-from torchrec_cowclip.data.encode import EncodeOptions, convert_rows
-from torchrec_cowclip.data.rows import TextLayout, TextRowSource
+from torchrec_cowclip.data.encode import Conversion, EncodedOptions, text_conversion, text_payload
+from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.rows import TextLayout
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES
 
 CRITEO_LAYOUT = TextLayout(
@@ -48,28 +48,30 @@ CRITEO_LAYOUT = TextLayout(
 )
 
 
-def convert_criteo(
-    paths: Sequence[Union[str, Path]],
-    test_paths: Sequence[Union[str, Path]],
-    out_dir: Path,
-    opts: EncodeOptions,
-    stats_cache: Union[str, Path],
-    delimiter: Optional[str] = None,
-) -> Dict[str, Any]:
-    """Convert raw Criteo files into cache arrays in ``out_dir``; returns meta fields.
+@dataclass(frozen=True)
+class CriteoOptions(EncodedOptions):
+    """``criteo:`` options: those of every text source, and the delimiter.
 
-    ``opts.hash_method`` is forced to ``"hex"``: Criteo's values are hex hashes.
-    ``delimiter`` overrides the one implied by the file names.
+    Args:
+        delimiter: overrides the one implied by the file names.
     """
-    opts = replace(opts, hash_method="hex")
-    layout = CRITEO_LAYOUT if delimiter is None else replace(CRITEO_LAYOUT, delimiter=delimiter)
-    return convert_rows(
-        TextRowSource(layout),
-        paths,
-        test_paths,
-        out_dir,
-        opts,
-        stats_cache=stats_cache,
-        stats_payload={"layout": "criteo", **layout.payload()},
-        source_format="criteo raw (label, I1..I13, C1..C26)",
-    )
+
+    delimiter: Optional[str] = option_field(None)
+
+
+@register_source
+class CriteoSource(SourceKind, name="criteo", usage="criteo:PATH[,PATH...]", options=CriteoOptions):
+    """``criteo:PATH[,PATH...]``: raw Criteo files; categoricals hashed as hex."""
+
+    def _layout(self, opts: CriteoOptions) -> TextLayout:
+        return CRITEO_LAYOUT if opts.delimiter is None else replace(CRITEO_LAYOUT, delimiter=opts.delimiter)
+
+    def payload(self, args: List[str], test_paths: List[str], opts: CriteoOptions) -> Dict[str, Any]:
+        columns = {"label": None, "dense": None, "sparse": None, "delimiter": opts.delimiter}
+        return text_payload(args, test_paths, opts, "hex", columns)
+
+    def conversion(self, args: List[str], test_paths: List[str], opts: CriteoOptions) -> Conversion:
+        return text_conversion(
+            self._layout(opts), args, test_paths, opts, "hex",
+            layout_name="criteo", source_format="criteo raw (label, I1..I13, C1..C26)",
+        )

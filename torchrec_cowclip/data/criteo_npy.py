@@ -10,15 +10,19 @@ writes, per day file (or ``train``/``test`` for Kaggle):
   ``shuffle_preproc_criteo``: int32, contiguous ids;
 * ``<prefix>_labels.npy``: int32 ``[N, 1]`` (``-1`` for the unlabeled Kaggle test set).
 
-These files are read through ``np.load(mmap_mode="r")`` a chunk of rows at a time.
-Dense values are kept as stored for ``dense_transform="log"`` or ``"none"`` (they are
-log values already); ``"minmax"`` scales them. Sparse ids are kept (table size =
-largest id + 1) or hashed with ``id % hash_size`` (no row is reserved for missing:
-TorchRec has already mapped missing to 0). Labels other than 0/1 and negative ids
-(without ``hash_size``) are bad rows, reported as ``file:row`` with 1-based rows.
+These files are read through ``np.load(mmap_mode="r")`` a chunk of rows at a time,
+as a row source like the text formats (same bad-row checks and reporting, same
+writer). Dense values are kept as stored for ``dense_transform="log"`` or ``"none"``
+(they are log values already; like every source's, they are clamped to
+``[0, DENSE_CLIP]``); ``"minmax"`` scales them. Sparse ids are kept (table size =
+largest id + 1 over the training and test days, found by a cached statistics pass)
+or hashed with ``id % hash_size`` (no row is reserved for missing: TorchRec has
+already mapped missing to 0). Labels other than 0/1, non-finite dense values and
+negative ids (without ``hash_size``) are bad rows, reported as ``file:row`` (the
+labels, dense or sparse file) with 1-based rows.
 
 A spec path is a directory (all its prefixes, in day order) or one prefix such as
-``/data/criteo/day_23``.
+``DIR/day_23``.
 
 Example::
 
@@ -35,18 +39,20 @@ Example::
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.encode import INT32_MAX, HashSize, conversion_meta
-from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError
-from torchrec_cowclip.data.npyfile import NpyAppender
-from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, Schema, resolve_sizes
+from torchrec_cowclip.data.cache import fingerprint
+from torchrec_cowclip.data.encode import Conversion, HashSize, SparseEncoding, json_sizes
+from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError, DataOptionError
+from torchrec_cowclip.data.fields import check_labels
+from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.rows import RowBlock, SparseCheck, validate_block
+from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, resolve_sizes
 
 CHUNK_ROWS = 1 << 18
 _SPARSE_SUFFIXES = ("_sparse.npy", "_sparse_contig_freq.npy")
@@ -99,6 +105,11 @@ def find_npy_days(path: Union[str, Path]) -> List[NpyDay]:
     )
 
 
+def npy_source_files(paths: Sequence[Union[str, Path]]) -> List[Path]:
+    """Every file the days of ``paths`` consist of (for cache fingerprints)."""
+    return [f for p in paths for d in find_npy_days(p) for f in d.files]
+
+
 def _open(day: NpyDay) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     arrays = []
     for f in day.files:
@@ -128,129 +139,149 @@ def _open(day: NpyDay) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     return dense, sparse, labels.reshape(len(labels))
 
 
-def _chunks(day: NpyDay, log: BadRowLog, hashed: bool) -> Any:
-    dense, sparse, labels = _open(day)
-    for start in range(0, len(labels), CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, len(labels))
-        d = np.asarray(dense[start:stop], dtype=np.float64)
-        s = np.asarray(sparse[start:stop], dtype=np.int64)
-        y = np.asarray(labels[start:stop])
-        checks = [
-            (~((y == 0) | (y == 1)), BAD_LABEL, day.labels, lambda i: f"got {y[i]!r}"),
-            (~np.isfinite(d).all(axis=1), BAD_DENSE, day.dense, lambda i: f"got {d[i].tolist()}"),
-        ]
-        if not hashed:
-            checks.append(
-                (
-                    (s < 0).any(axis=1),
-                    BAD_SPARSE_ID,
-                    day.sparse,
-                    lambda i: f"negative id in {s[i].tolist()} (pass hash_size)",
-                )
-            )
-        flagged = np.zeros(len(y), dtype=bool)
-        bad: List[Tuple[int, str, Path, str]] = []
-        for mask, reason, path, detail in checks:
-            for i in np.flatnonzero(mask & ~flagged).tolist():
-                bad.append((start + i + 1, reason, path, detail(i)))
-            flagged |= mask
-        for row, reason, path, detail in sorted(bad):
-            log.add(path, row, reason, detail)
-        keep = ~flagged
-        if not keep.all():
-            d, s, y = d[keep], s[keep], y[keep]
-        yield d, s, y.astype(np.float32)
+def _dense_names(n: int) -> List[str]:
+    return list(CRITEO_DENSE_NAMES) if n == 13 else [f"int_{i}" for i in range(n)]
 
 
-def convert_criteo_npy(
-    paths: Sequence[Union[str, Path]],
-    test_paths: Sequence[Union[str, Path]],
-    out_dir: Path,
-    *,
-    on_bad_row: str = "error",
-    hash_size: HashSize = None,
-    dense_transform: str = "log",
-) -> Dict[str, Any]:
-    """Convert TorchRec Criteo ``.npy`` days into cache arrays in ``out_dir``; returns meta fields."""
-    check_transform(dense_transform)
-    train_days = [d for p in paths for d in find_npy_days(p)]
-    test_days = [d for p in test_paths for d in find_npy_days(p)]
-    n_dense, n_sparse = _open(train_days[0])[0].shape[1], _open(train_days[0])[1].shape[1]
-    for day in train_days + test_days:
+def _sparse_names(n: int) -> List[str]:
+    return list(CRITEO_SPARSE_NAMES) if n == 26 else [f"cat_{i}" for i in range(n)]
+
+
+class NpyRowSource:
+    """Row blocks of TorchRec npy days (``sparse`` an int64 ``[n, n_sparse]`` matrix)."""
+
+    def names(self, day: NpyDay) -> Tuple[List[str], List[str]]:
         dense, sparse, _ = _open(day)
-        if dense.shape[1] != n_dense or sparse.shape[1] != n_sparse:
-            raise DataError(
-                f"{day.prefix}: {dense.shape[1]} dense / {sparse.shape[1]} sparse columns, "
-                f"expected {n_dense} / {n_sparse}",
-                path=day.dense,
+        return _dense_names(dense.shape[1]), _sparse_names(sparse.shape[1])
+
+    def part_name(self, day: NpyDay) -> str:
+        return str(day.dense.parent.resolve() / day.prefix)
+
+    def blocks(self, day: NpyDay, log: BadRowLog, sparse_check: Optional[SparseCheck] = None) -> Iterator[RowBlock]:
+        dense, sparse, labels = _open(day)
+        dense_names = _dense_names(dense.shape[1])
+        paths = {BAD_LABEL: str(day.labels), BAD_DENSE: str(day.dense), BAD_SPARSE_ID: str(day.sparse)}
+        for start in range(0, len(labels), CHUNK_ROWS):
+            stop = min(start + CHUNK_ROWS, len(labels))
+            d = np.asarray(dense[start:stop], dtype=np.float64)
+            y = np.asarray(labels[start:stop])
+            labels_f, bad_label = check_labels(y)
+            block = RowBlock(
+                path=str(day.labels),
+                lines=np.arange(start + 1, stop + 1, dtype=np.int64),
+                labels=labels_f,
+                dense=d,
+                sparse=np.asarray(sparse[start:stop], dtype=np.int64),
+                paths=paths,
             )
-    dense_names = CRITEO_DENSE_NAMES if n_dense == 13 else tuple(f"int_{i}" for i in range(n_dense))
-    sparse_names = CRITEO_SPARSE_NAMES if n_sparse == 26 else tuple(f"cat_{i}" for i in range(n_sparse))
-    hashed = hash_size is not None
-    sizes = np.array(resolve_sizes(hash_size, sparse_names), dtype=np.int64) if hashed else None
-    if sizes is not None and (sizes < 1).any():
-        raise ValueError(f"hash_size must be >= 1, got {sizes.tolist()}")
-
-    stats: Optional[DenseStats] = None
-    cardinalities: Tuple[int, ...] = tuple(sizes.tolist()) if sizes is not None else ()
-    if not hashed or dense_transform == "minmax":
-        stats = DenseStats(n_dense)
-        max_id = np.full(n_sparse, -1, dtype=np.int64)
-        log1 = BadRowLog(on_bad_row)  # type: ignore[arg-type]
-        for day in train_days + test_days:
-            for d, s, _ in _chunks(day, log1, hashed):
-                if day in train_days:
-                    stats.update(d)
-                if len(s):
-                    np.maximum(max_id, s.max(axis=0), out=max_id)
-        if not hashed:
-            cardinalities = tuple(int(m) + 1 for m in np.maximum(max_id, 0))
-    sparse_dtype = np.int32 if max(cardinalities) <= INT32_MAX else np.int64
-    log = BadRowLog(on_bad_row)  # type: ignore[arg-type]
-    test_start: Optional[int] = None
-    file_rows = []
-    with (
-        NpyAppender(out_dir / "dense.npy", np.float32, (n_dense,)) as dense_w,
-        NpyAppender(out_dir / "sparse.npy", sparse_dtype, (n_sparse,)) as sparse_w,
-        NpyAppender(out_dir / "labels.npy", np.float32, ()) as labels_w,
-    ):
-        for k, day in enumerate(train_days + test_days):
-            if k == len(train_days):
-                test_start = labels_w.rows
-            before, start = labels_w.rows, time.time()
-            for d, s, y in _chunks(day, log, hashed):
-                if dense_transform == "minmax":
-                    dense_w.append(transform_dense(d, "minmax", stats))
-                else:
-                    dense_w.append(d.astype(np.float32))
-                sparse_w.append(np.mod(s, sizes) if sizes is not None else s)
-                labels_w.append(y)
-            rows = labels_w.rows - before
-            if rows == 0:
-                raise DataError(f"no valid rows in {day.dense} ({log.summary()})", path=day.dense)
-            file_rows.append(
-                {
-                    "path": str(day.dense.parent.resolve() / day.prefix),
-                    "rows": rows,
-                    "seconds": round(time.time() - start, 3),
-                }
-            )
-        total = labels_w.rows
-    return conversion_meta(
-        Schema(dense_names, sparse_names, cardinalities),
-        total, test_start, file_rows, log, sparse_dtype, stats,
-        encoding=(
-            {"kind": "hash", "method": "mod"}
-            if hashed
-            else {"kind": "as stored", "cardinality": "max id + 1"}
-        ),
-        dense_transform=(
-            dense_transform if dense_transform == "minmax" else "as stored (torchrec log)"
-        ),
-        source_format="torchrec criteo npy",
-    )
+            block = validate_block(block, log, bad_label, ~np.isfinite(d), dense_names, y, d.T, sparse_check)
+            if len(block):
+                yield block
 
 
-def npy_source_files(paths: Sequence[Union[str, Path]]) -> List[Path]:
-    """Every file the days of ``paths`` consist of (for cache fingerprints)."""
-    return [f for p in paths for d in find_npy_days(p) for f in d.files]
+def _negative_ids(sparse: np.ndarray) -> Optional[Tuple[np.ndarray, str, List[str]]]:
+    bad = (sparse < 0).any(axis=1)
+    if not bad.any():
+        return None
+    details = [f"negative id in {sparse[i].tolist()} (pass hash_size)" for i in np.flatnonzero(bad).tolist()]
+    return bad, BAD_SPARSE_ID, details
+
+
+class StoredIds(SparseEncoding):
+    """Ids kept as stored; each table has ``max id + 1`` rows over every day (test included)."""
+
+    counts = True
+    count_test = True
+
+    def start(self, sparse_names: Sequence[str]) -> None:
+        self.max_id = np.full(len(sparse_names), -1, dtype=np.int64)
+
+    def check(self) -> Optional[SparseCheck]:
+        return _negative_ids
+
+    def update(self, sparse: np.ndarray) -> None:
+        if len(sparse):
+            np.maximum(self.max_id, sparse.max(axis=0), out=self.max_id)
+
+    def save(self, directory: Path) -> None:
+        np.save(directory / "max_id.npy", self.max_id)
+
+    def load(self, directory: Path) -> None:
+        self.max_id = np.load(directory / "max_id.npy")
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        return tuple(int(m) + 1 for m in np.maximum(self.max_id, 0))
+
+    def encode(self, sparse: np.ndarray) -> np.ndarray:
+        return sparse
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "as stored", "cardinality": "max id + 1"}
+
+    def stats_key(self) -> Dict[str, Any]:
+        return {"ids": "as stored"}
+
+
+class ModuloIds(SparseEncoding):
+    """Ids hashed into ``hash_size`` rows per table with ``id % hash_size``."""
+
+    def __init__(self, hash_size: HashSize) -> None:
+        self.hash_size = hash_size
+
+    def start(self, sparse_names: Sequence[str]) -> None:
+        sizes = np.array(resolve_sizes(self.hash_size, sparse_names), dtype=np.int64)  # type: ignore[arg-type]
+        if (sizes < 1).any():
+            raise DataOptionError(f"hash_size (--hash-size) must be >= 1, got {sizes.tolist()}")
+        self.sizes = sizes
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        return tuple(self.sizes.tolist())
+
+    def encode(self, sparse: np.ndarray) -> np.ndarray:
+        return np.mod(sparse, self.sizes)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "hash", "method": "mod"}
+
+
+@dataclass(frozen=True)
+class NpyOptions(SourceOptions):
+    """``criteo-npy:`` options.
+
+    Args:
+        hash_size: None keeps the stored ids; else table sizes to take them modulo.
+    """
+
+    hash_size: HashSize = option_field(None, "--hash-size")
+
+
+@register_source
+class CriteoNpySource(SourceKind, name="criteo-npy", usage="criteo-npy:DIR", options=NpyOptions):
+    """``criteo-npy:DIR``: TorchRec's preprocessed Criteo days."""
+
+    def payload(self, args: List[str], test_paths: List[str], opts: NpyOptions) -> Dict[str, Any]:
+        return {
+            "sources": fingerprint(npy_source_files(args)),
+            "test": fingerprint(npy_source_files(test_paths)) if test_paths else [],
+            "hash_size": json_sizes(opts.hash_size),
+            "on_bad_row": opts.on_bad_row,
+            "dense_transform": opts.dense_transform,
+        }
+
+    def conversion(self, args: List[str], test_paths: List[str], opts: NpyOptions) -> Conversion:
+        encoding = StoredIds() if opts.hash_size is None else ModuloIds(opts.hash_size)
+        stats_key: Dict[str, Any] = {"train": fingerprint(npy_source_files(args)), "layout": {"layout": "criteo-npy"}}
+        if encoding.count_test:
+            stats_key["test"] = fingerprint(npy_source_files(test_paths))
+        minmax = opts.dense_transform == "minmax"
+        return Conversion(
+            NpyRowSource(),
+            [d for p in args for d in find_npy_days(p)],
+            [d for p in test_paths for d in find_npy_days(p)],
+            encoding,
+            stats_key=stats_key,
+            dense_transform="minmax" if minmax else "none",
+            on_bad_row=opts.on_bad_row,
+            source_format="torchrec criteo npy",
+            dense_transform_label=None if minmax else "as stored (torchrec log)",
+        )

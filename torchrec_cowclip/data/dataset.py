@@ -10,8 +10,11 @@ Spec kinds:
 * ``table:PATH[,PATH...]``: CSV/TSV/parquet with ``label=``, ``dense=``, ``sparse=``;
 * ``synthetic:ROWS``: Criteo-like rows with a planted model (``200000``, ``200k``, ``1M``).
 
-The first call converts the source into ``cache_dir`` (see ``cache``); later calls
-with the same files and options open the cached arrays without parsing anything.
+Each kind is a registered :class:`~torchrec_cowclip.data.registry.SourceKind` with
+its own options dataclass; :func:`open_dataset` is the front that sorts its keyword
+options onto the kind's dataclass. The first call converts the source into
+``cache_dir`` (see ``cache``); later calls with the same files and options verify
+and open the cached arrays without parsing anything.
 
 Example::
 
@@ -28,33 +31,31 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrec_cowclip.data.avazu import convert_avazu
 from torchrec_cowclip.data.batches import BatchIterator
-from torchrec_cowclip.data.cache import build_entry, fingerprint, read_meta
-from torchrec_cowclip.data.criteo import convert_criteo
-from torchrec_cowclip.data.criteo_npy import convert_criteo_npy, npy_source_files
-from torchrec_cowclip.data.dense import check_transform
-from torchrec_cowclip.data.encode import EncodeOptions, HashSize
-from torchrec_cowclip.data.errors import BadRowLog, DataError
+from torchrec_cowclip.data.cache import build_entry, read_meta, verify_entry
+from torchrec_cowclip.data.encode import convert
+from torchrec_cowclip.data.errors import DataError, DataOptionError
+from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
 from torchrec_cowclip.data.splits import split_indices
-from torchrec_cowclip.data.synthetic import SyntheticConfig, convert_synthetic
-from torchrec_cowclip.data.table import convert_table
 
 logger = logging.getLogger(__name__)
 
-SPEC_KINDS = ("criteo", "criteo-npy", "avazu", "table", "synthetic")
+SPEC_KINDS = source_kinds()
 PathLike = Union[str, Path]
 
 
 class CTRDataset:
     """A converted dataset: memory-mapped arrays plus their description.
+
+    Opening verifies the entry's files against its ``meta.json`` (see ``cache``).
 
     Attributes:
         dense: float32 ``[N, n_dense]`` memmap.
@@ -65,10 +66,14 @@ class CTRDataset:
         meta: the cache entry's ``meta.json``.
         path: the cache entry directory.
 
+    Raises:
+        CacheCorrupt: a file of the entry does not match its ``meta.json`` (one line
+            naming it; :func:`open_dataset` rebuilds such an entry instead).
+
     Example::
 
         >>> import tempfile
-        >>> ds = open_dataset("criteo:/work/shared/data/criteo_sample.tsv", tempfile.mkdtemp())
+        >>> ds = open_dataset("criteo:tests/data/criteo_sample.tsv", tempfile.mkdtemp())
         >>> CTRDataset(ds.path).sparse.shape
         (200, 26)
     """
@@ -76,6 +81,7 @@ class CTRDataset:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.meta: Dict[str, Any] = read_meta(self.path)
+        verify_entry(self.path, self.meta)
         self.dense: np.ndarray = np.load(self.path / "dense.npy", mmap_mode="r")
         self.sparse: np.ndarray = np.load(self.path / "sparse.npy", mmap_mode="r")
         self.labels: np.ndarray = np.load(self.path / "labels.npy", mmap_mode="r")
@@ -104,6 +110,11 @@ class CTRDataset:
         return dict(self.meta.get("bad_rows", {}))
 
     @property
+    def dense_clipped(self) -> Dict[str, int]:
+        """Dense values clipped at ``DENSE_CLIP`` per feature (empty if none were)."""
+        return dict(self.meta.get("dense_clipped", {}))
+
+    @property
     def test_start(self) -> Optional[int]:
         """First row of the explicit test files, or None for a random split."""
         return self.meta.get("test_start")
@@ -129,185 +140,111 @@ class CTRDataset:
         return BatchIterator(self, indices, batch_size, **kwargs)
 
 
-def _parse_rows(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ValueError(f"synthetic:ROWS needs a row count such as 200000, 200k or 1M; got {text!r}")
-    value = float(m.group(1).replace("_", "")) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()]
-    if value != int(value) or value < 1:
-        raise ValueError(f"synthetic row count must be a positive integer, got {text!r}")
-    return int(value)
-
-
 def parse_spec(spec: str) -> Tuple[str, List[str]]:
-    """``"criteo:a,b"`` -> ``("criteo", ["a", "b"])``; raises ValueError listing the kinds."""
+    """``"criteo:a,b"`` -> ``("criteo", ["a", "b"])``; the kind checks its arguments.
+
+    Raises:
+        DataOptionError: an unknown kind or missing argument (the message lists the
+            kinds and their usage), or arguments the kind refuses (``synthetic:0``).
+    """
     kind, sep, rest = spec.partition(":")
     kind = kind.strip().lower()
-    if not sep or kind not in SPEC_KINDS or not rest.strip():
-        raise ValueError(
-            f"bad dataset spec {spec!r}: expected KIND:ARG with KIND one of {', '.join(SPEC_KINDS)} "
-            "(criteo:PATH[,PATH...], criteo-npy:DIR, avazu:PATH, table:PATH, synthetic:ROWS)"
+    kinds = source_kinds()
+    args = [p.strip() for p in rest.split(",") if p.strip()]
+    if not sep or kind not in kinds or not args:
+        raise DataOptionError(
+            f"bad dataset spec {spec!r}: expected KIND:ARG with KIND one of {', '.join(kinds)} "
+            f"({', '.join(source_kind(k).usage for k in kinds)})"
         )
-    return kind, [p.strip() for p in rest.split(",") if p.strip()]
+    source_kind(kind).check_args(spec, args)
+    return kind, args
 
 
-def _json_sizes(hash_size: HashSize) -> Any:
-    if hash_size is None or isinstance(hash_size, int):
-        return hash_size
-    if isinstance(hash_size, Mapping):
-        return dict(sorted((str(k), int(v)) for k, v in hash_size.items()))
-    return [int(x) for x in hash_size]
+def _known_options() -> Dict[str, Tuple[Any, Optional[str], List[str]]]:
+    """Every option some kind takes: ``(default, CLI flag, the kinds taking it)``."""
+    known: Dict[str, Tuple[Any, Optional[str], List[str]]] = {}
+    for name in source_kinds():
+        for f in fields(source_kind(name).options):
+            default = None if f.default is MISSING else f.default
+            known.setdefault(f.name, (default, f.metadata.get("flag"), []))[2].append(name)
+    return known
+
+
+def kind_options(kind: SourceKind, options: Mapping[str, Any]) -> SourceOptions:
+    """The kind's options dataclass from ``open_dataset``'s keyword options.
+
+    None means "not given", and so does another kind's option at its default (the
+    trainer passes every kind's options); another kind's option set otherwise is
+    refused, naming it, its flag and the kinds that take it.
+    """
+    known = _known_options()
+    own = {f.name for f in fields(kind.options)}
+    given: Dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(f"open_dataset() got an unexpected keyword argument {name!r}")
+        default, flag, takers = known[name]
+        if value is None or (name not in own and value == default):
+            continue
+        if name not in own:
+            raise DataOptionError(
+                f"{kind.name}: does not take {name}" + (f" ({flag})" if flag else "")
+                + f"; it applies to {', '.join(k + ':' for k in takers)} only"
+            )
+        given[name] = value
+    return kind.options(**given)
 
 
 def open_dataset(
     spec: str,
     cache_dir: PathLike,
     *,
-    on_bad_row: str = "error",
-    min_count: int = 1,
-    hash_size: HashSize = None,
-    dense_transform: str = "log",
-    label: Optional[str] = None,
-    dense: Optional[Sequence[str]] = None,
-    sparse: Optional[Sequence[str]] = None,
-    delimiter: Optional[str] = None,
     test_paths: Optional[Sequence[PathLike]] = None,
     seed: int = 0,
-    cardinality_scale: Optional[float] = None,
-    max_cardinality: Optional[int] = None,
-    top1_share: Optional[float] = None,
-    positive_rate: Optional[float] = None,
     rebuild: bool = False,
+    **options: Any,
 ) -> CTRDataset:
-    """Convert (once) and open a CTR dataset.
+    """Convert (once), verify and open a CTR dataset.
 
     Args:
         spec: ``criteo:PATH[,PATH...]``, ``criteo-npy:DIR``, ``avazu:PATH``,
-            ``table:PATH`` or ``synthetic:ROWS``.
-        cache_dir: where converted datasets (and vocabularies) are kept.
-        on_bad_row: ``"error"`` raises ``DataError`` (``file:line: reason``) at the first
-            bad row; ``"skip"`` drops bad rows and counts them per reason
-            (``dataset.bad_rows``, ``meta.json``, and a logged summary).
-        min_count: vocabulary encoding: values seen fewer times share one OOV id.
-        hash_size: hash categoricals into this many rows per feature (int, sequence,
-            or ``{name: size}``) instead of building a vocabulary.
-        dense_transform: ``"log"`` (log(1+x), default), ``"minmax"`` or ``"none"``.
-        label, dense, sparse: column names (``table:``; ``avazu:`` overrides).
-        delimiter: field separator for text tables (default: from the extension).
+            ``table:PATH`` or ``synthetic:ROWS`` (or a kind registered since).
+        cache_dir: where converted datasets (and statistics) are kept.
         test_paths: explicit test files (same kind as the spec); otherwise
             :meth:`CTRDataset.split` splits at random.
         seed: synthetic data's seed, and the default seed of ``CTRDataset.split``.
-        cardinality_scale, max_cardinality, top1_share, positive_rate: synthetic
-            options (see ``synthetic.SyntheticConfig``).
         rebuild: convert again even if a cache entry exists.
+        **options: the kind's options (its dataclass's fields): ``on_bad_row``,
+            ``dense_transform`` (every kind); ``min_count``, ``hash_size`` (text
+            kinds; ``hash_size`` also ``criteo-npy:``); ``label``, ``dense``,
+            ``sparse``, ``delimiter`` (``table:``, ``avazu:``; ``delimiter`` also
+            ``criteo:``); ``cardinality_scale``, ``max_cardinality``, ``top1_share``,
+            ``positive_rate`` (``synthetic:``). None, or another kind's option at
+            its default, counts as not given.
 
     Raises:
-        ValueError: a bad spec (the message lists the valid kinds) or option.
+        DataOptionError: a bad spec (the message lists the kinds) or option (named,
+            with its CLI flag).
         FileNotFoundError: a source path that does not exist (named in the message).
-        DataError: an empty file, a bad row in ``"error"`` mode, inconsistent files.
+        DataError: an empty file, a bad row in ``"error"`` mode, inconsistent files, a
+            corrupt cache entry whose source is gone.
     """
-    kind, args = parse_spec(spec)
-    check_transform(dense_transform)
-    BadRowLog(on_bad_row)  # type: ignore[arg-type]  # validates the mode for every kind
-    synthetic_opts = {
-        "cardinality_scale": cardinality_scale,
-        "max_cardinality": max_cardinality,
-        "top1_share": top1_share,
-        "positive_rate": positive_rate,
-    }
-    synthetic_opts = {k: v for k, v in synthetic_opts.items() if v is not None}
-    if kind != "synthetic" and synthetic_opts:
-        raise ValueError(f"{sorted(synthetic_opts)} apply to synthetic: specs only")
-    if kind in ("criteo", "criteo-npy", "synthetic") and (
-        label is not None or dense is not None or sparse is not None
-    ):
-        raise ValueError(f"{kind}: has a fixed layout; use table: to choose label/dense/sparse columns")
-    if kind in ("criteo-npy", "synthetic") and min_count != 1:
-        raise ValueError(f"min_count applies to vocabulary encoding, not to {kind}:")
-    if kind == "synthetic" and (hash_size is not None or test_paths):
-        raise ValueError("synthetic: takes neither hash_size nor test_paths")
-    if kind in ("criteo-npy", "synthetic") and delimiter is not None:
-        raise ValueError(f"{kind}: is not delimited text; delimiter= does not apply")
+    kind_name, args = parse_spec(spec)
+    kind = source_kind(kind_name)
+    takes_seed = any(f.name == "seed" for f in fields(kind.options))
+    opts = kind_options(kind, {**options, "seed": seed} if takes_seed else options)
     tests = [str(p) for p in (test_paths or [])]
+    kind.check_test_paths(tests)
+    payload = kind.payload(args, tests, opts)
     source = spec + (f" (test: {','.join(tests)})" if tests else "")
-    common = {"on_bad_row": on_bad_row, "dense_transform": dense_transform}
+    root = Path(cache_dir).expanduser()
 
-    def finish(meta: Dict[str, Any]) -> Dict[str, Any]:
-        meta["source"] = source
-        meta["seed"] = seed
+    def build(tmp: Path) -> Dict[str, Any]:
+        meta = convert(kind.conversion(args, tests, opts), tmp, stats_cache=root)
+        meta.update(source=source, seed=seed)
         return meta
 
-    if kind == "synthetic":
-        if len(args) != 1:
-            raise ValueError(f"synthetic:ROWS takes one row count, got {args}")
-        config = SyntheticConfig(
-            rows=_parse_rows(args[0]), seed=seed, dense_transform=dense_transform, **synthetic_opts
-        )
-        payload: Dict[str, Any] = {"synthetic": config.payload()}
-        entry = build_entry(
-            cache_dir,
-            "synthetic",
-            payload,
-            lambda tmp: finish(convert_synthetic(config, tmp)),
-            rebuild=rebuild,
-        )
-    elif kind == "criteo-npy":
-        payload = {
-            "sources": fingerprint(npy_source_files(args)),
-            "test": fingerprint(npy_source_files(tests)) if tests else [],
-            "hash_size": _json_sizes(hash_size),
-            **common,
-        }
-        entry = build_entry(
-            cache_dir,
-            "criteo-npy",
-            payload,
-            lambda tmp: finish(
-                convert_criteo_npy(
-                    args,
-                    tests,
-                    tmp,
-                    on_bad_row=on_bad_row,
-                    hash_size=hash_size,
-                    dense_transform=dense_transform,
-                )
-            ),
-            rebuild=rebuild,
-        )
-    else:
-        opts = EncodeOptions(
-            on_bad_row=on_bad_row,
-            min_count=min_count,
-            hash_size=hash_size,
-            hash_method="hex" if kind == "criteo" else "fnv",
-            dense_transform=dense_transform,
-        )
-        columns = {
-            "label": label,
-            "dense": list(dense) if dense is not None else None,
-            "sparse": list(sparse) if sparse is not None else None,
-            "delimiter": delimiter,
-        }
-        payload = {
-            "sources": fingerprint(args),
-            "test": fingerprint(tests),
-            "options": {**opts.payload(), "hash_size": _json_sizes(hash_size)},
-            "columns": columns,
-        }
-        root = Path(cache_dir)
-
-        def build(tmp: Path) -> Dict[str, Any]:
-            if kind == "criteo":
-                return finish(convert_criteo(args, tests, tmp, opts, root, delimiter=delimiter))
-            # Avazu is a table with its own default columns.
-            convert = convert_avazu if kind == "avazu" else convert_table
-            return finish(
-                convert(args, tests, tmp, opts, root, label=label, dense=dense, sparse=sparse,
-                        delimiter=delimiter)
-            )
-
-        entry = build_entry(cache_dir, kind, payload, build, rebuild=rebuild)
-    ds = CTRDataset(entry)
+    ds = CTRDataset(build_entry(root, kind.name, payload, build, rebuild=rebuild))
     if ds.bad_rows:
         logger.warning("%s: %s", source, ds.meta.get("bad_row_summary"))
     return ds

@@ -5,7 +5,9 @@ whatever the file size. Within a block, field boundaries are found with numpy on
 raw bytes and each wanted column is gathered into a fixed-width ``S`` array: no
 Python object per field, which is what makes a 45M-row ``train.txt`` convertible in
 minutes. Lines with the wrong number of fields are returned, with their line number,
-for the caller's bad-row policy. Blank lines carry no data and are ignored.
+for the caller's bad-row policy. Blank lines carry no data and are ignored. A UTF-8
+byte-order mark at the start of a file is dropped (editors and Excel write one), so
+it can neither hide the first row's label nor rename the first header column.
 
 CSV quoting (``"a,b"``) is honoured through the ``csv`` module, block by block, for
 blocks that contain a quote; a quoted field cannot span lines.
@@ -38,6 +40,7 @@ from torchrec_cowclip.data.errors import DataError
 HeaderRule = Union[bool, Callable[[List[bytes]], bool]]
 
 DEFAULT_BLOCK_BYTES = 16 << 20
+_BOM = b"\xef\xbb\xbf"
 # Guard against a pathological field turning one block into a huge fixed-width array.
 _MAX_COLUMN_BYTES = 512 << 20
 _GATHER_PAD = 64
@@ -60,7 +63,8 @@ def infer_delimiter(path: Union[str, Path]) -> Optional[bytes]:
 
 
 def open_binary(path: Union[str, Path]) -> BinaryIO:
-    """Open ``path`` for reading bytes, decompressing gzip (detected by magic bytes)."""
+    """Open ``path`` for reading bytes, decompressing gzip (detected by magic bytes),
+    positioned after a UTF-8 byte-order mark if the text starts with one."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data file not found: {p}")
@@ -68,9 +72,10 @@ def open_binary(path: Union[str, Path]) -> BinaryIO:
         raise DataError(f"expected a file, got a directory: {p}", path=p)
     with open(p, "rb") as f:
         magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(p, "rb")  # type: ignore[return-value]
-    return open(p, "rb")
+    f: BinaryIO = gzip.open(p, "rb") if magic == b"\x1f\x8b" else open(p, "rb")  # type: ignore[assignment]
+    if f.read(len(_BOM)) != _BOM:
+        f.seek(0)
+    return f
 
 
 @dataclass

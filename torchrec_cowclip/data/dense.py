@@ -1,4 +1,5 @@
-"""Dense-feature transforms: missing -> 0, negatives -> 0, then log or min-max.
+"""Dense-feature transforms: missing -> 0, negatives -> 0, values above ``DENSE_CLIP``
+-> ``DENSE_CLIP``, then log or min-max.
 
 * ``"log"`` (default): ``log(1 + x)``; Criteo's counts span 0..1e6, and the log keeps
   the MLP's inputs O(1) without needing statistics.
@@ -9,7 +10,10 @@
 * ``"none"``: the filled, clamped values as float32.
 
 Negatives are clamped because Criteo's few negative counts (I2 >= -3) are noise and
-``log(1 + x)`` is undefined below -1.
+``log(1 + x)`` is undefined below -1. Values above ``DENSE_CLIP`` (1e9, 40x Criteo's
+largest count, I5 <= 2.3e7) are clipped to it and counted (``meta["dense_clipped"]``,
+``CTRDataset.dense_clipped`` and a logged warning): one stray 1e300 would otherwise
+overflow float32 under ``"none"`` and, under ``"minmax"``, squash its whole column to 0.
 
 Example::
 
@@ -20,6 +24,9 @@ Example::
     >>> stats = DenseStats(2); stats.update(x)
     >>> transform_dense(x, "minmax", stats).tolist()
     [[0.0, 1.0], [0.0, 0.0]]
+    >>> clipped = np.zeros(2, np.int64)
+    >>> transform_dense(np.array([[1e300, 2.0]]), "none", clipped=clipped).tolist(), clipped.tolist()
+    ([[1000000000.0, 2.0]], [1, 0])
 """
 
 from __future__ import annotations
@@ -28,20 +35,28 @@ from typing import Dict, Literal, Optional
 
 import numpy as np
 
+from torchrec_cowclip.data.errors import DataOptionError
+
 DenseTransform = Literal["log", "minmax", "none"]
 DENSE_TRANSFORMS = ("log", "minmax", "none")
+DENSE_CLIP = 1e9
 
 
 def check_transform(kind: str) -> DenseTransform:
     if kind not in DENSE_TRANSFORMS:
-        raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got {kind!r}")
+        raise DataOptionError(
+            f"dense_transform (--dense-transform) must be one of {DENSE_TRANSFORMS}, got {kind!r}"
+        )
     return kind  # type: ignore[return-value]
 
 
-def fill_and_clamp(x: np.ndarray) -> np.ndarray:
-    """Missing (NaN) and negative values become 0 (float64, new array)."""
+def fill_and_clamp(x: np.ndarray, clipped: Optional[np.ndarray] = None) -> np.ndarray:
+    """Missing (NaN) and negative values become 0, values above ``DENSE_CLIP`` become
+    ``DENSE_CLIP`` (float64, new array); ``clipped`` (per column) counts the latter."""
     x = np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0)
-    return np.maximum(x, 0.0, out=x)
+    if clipped is not None and len(x):
+        clipped += (x > DENSE_CLIP).sum(axis=0)
+    return np.clip(x, 0.0, DENSE_CLIP, out=x)
 
 
 class DenseStats:
@@ -69,10 +84,19 @@ class DenseStats:
         return stats
 
 
-def transform_dense(x: np.ndarray, kind: str, stats: Optional[DenseStats] = None) -> np.ndarray:
-    """Apply ``kind`` to raw dense values (NaN = missing); returns float32 ``[n, n_dense]``."""
+def transform_dense(
+    x: np.ndarray,
+    kind: str,
+    stats: Optional[DenseStats] = None,
+    clipped: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Apply ``kind`` to raw dense values (NaN = missing); returns float32 ``[n, n_dense]``.
+
+    ``clipped``, an int64 array with one entry per column, counts the values clipped
+    at ``DENSE_CLIP``.
+    """
     kind = check_transform(kind)
-    v = fill_and_clamp(x)
+    v = fill_and_clamp(x, clipped)
     if kind == "log":
         v = np.log1p(v)
     elif kind == "minmax":

@@ -1,14 +1,20 @@
-"""Conversion of a row source (Criteo, Avazu, CSV/TSV/parquet tables) into cache arrays.
+"""Conversion of any row source into cache arrays: the one pipeline every kind runs.
 
-At most two streaming passes, never holding more than one block in memory:
+A source kind describes its conversion (:class:`Conversion`): a row source reading
+validated blocks from its parts (files, npy days, synthetic rows), the training and
+test parts, and a :class:`SparseEncoding` turning raw categoricals into ids. The
+pipeline makes at most two streaming passes, never holding more than one block in
+memory:
 
-1. *Statistics pass*, over the training files only, when needed (vocabulary
-   encoding, or ``dense_transform="minmax"``): counts every categorical value and
-   tracks dense min/max. Its result is itself a cache entry (``<kind>-stats-<key>``),
-   so changing ``min_count``, the transform of another run or the test files
-   re-encodes without re-counting.
-2. *Encoding pass*, over training then test files: encodes ids, transforms dense
-   values and appends to ``dense.npy``/``sparse.npy``/``labels.npy``.
+1. *Statistics pass*, when needed (an encoding that counts, e.g. a vocabulary, or
+   ``dense_transform="minmax"``): over the training parts (and the test parts for an
+   encoding that must see every id), counting categoricals and tracking dense
+   min/max. Its result is itself a cache entry (``stats-<key>``), so changing
+   ``min_count``, the transform of another run or the test files re-encodes without
+   re-counting.
+2. *Encoding pass*, over training then test parts: encodes ids, clips and
+   transforms dense values (see ``dense``) and appends to the arrays through the one
+   :class:`~torchrec_cowclip.data.writer.CacheWriter`.
 
 Example::
 
@@ -16,30 +22,34 @@ Example::
     >>> from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
     >>> from torchrec_cowclip.data.rows import TextRowSource
     >>> out = pathlib.Path(tempfile.mkdtemp())
-    >>> meta = convert_rows(TextRowSource(CRITEO_LAYOUT), ["/work/shared/data/criteo_sample.tsv"], [],
-    ...                     out, EncodeOptions(), stats_cache=out / "stats")
-    >>> meta["rows"], meta["schema"]["sparse_names"][0]
-    (200, 'C1')
+    >>> paths = ["tests/data/criteo_sample.tsv"]
+    >>> conversion = Conversion(TextRowSource(CRITEO_LAYOUT), paths, [],
+    ...                         VocabularyEncoding(min_count=1), stats_key={"demo": 1})
+    >>> meta = convert(conversion, out, stats_cache=out / "stats")
+    >>> meta["rows"], meta["schema"]["sparse_names"][0], meta["encoding"]["kind"]
+    (200, 'C1', 'vocabulary')
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from torchrec_cowclip.data.cache import build_entry, fingerprint
-from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.errors import BadRowLog, DataError
+from torchrec_cowclip.data.dense import DENSE_CLIP, DenseStats, transform_dense
+from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.hashing import HashEncoder, HashMethod
-from torchrec_cowclip.data.npyfile import NpyAppender
-from torchrec_cowclip.data.rows import RowSource
+from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.rows import RowSource, SparseCheck, TextLayout, TextRowSource
 from torchrec_cowclip.data.schema import Schema, resolve_sizes
 from torchrec_cowclip.data.vocab import Vocabulary
+from torchrec_cowclip.data.writer import CacheWriter
 
 logger = logging.getLogger(__name__)
 
@@ -47,221 +57,342 @@ HashSize = Union[int, Sequence[int], Mapping[str, int], None]
 INT32_MAX = 2**31 - 1
 
 
+def json_sizes(hash_size: HashSize) -> Any:
+    """``hash_size`` as it enters a cache key (a mapping sorted by name)."""
+    if hash_size is None or isinstance(hash_size, int):
+        return hash_size
+    if isinstance(hash_size, Mapping):
+        return dict(sorted((str(k), int(v)) for k, v in hash_size.items()))
+    return [int(x) for x in hash_size]
+
+
 @dataclass(frozen=True)
-class EncodeOptions:
-    """How raw rows become cache arrays.
+class EncodedOptions(SourceOptions):
+    """Options of the sources whose categoricals are text (Criteo, Avazu, tables).
 
     Args:
-        on_bad_row: ``"error"`` (raise ``DataError`` at the first bad row) or ``"skip"``.
-        min_count: vocabulary mode: values seen fewer times share the OOV id 0.
+        min_count: vocabulary encoding: values seen fewer times share the OOV id 0.
         hash_size: None for vocabulary encoding; else a table size (int, per-feature
             sequence or ``{name: size}``) to hash into.
-        hash_method: ``"hex"`` (Criteo) or ``"fnv"`` (any string); see ``hashing``.
-        dense_transform: ``"log"``, ``"minmax"`` or ``"none"``; see ``dense``.
     """
 
-    on_bad_row: str = "error"
-    min_count: int = 1
-    hash_size: Any = None
-    hash_method: HashMethod = "fnv"
-    dense_transform: str = "log"
+    min_count: int = option_field(1, "--min-count")
+    hash_size: HashSize = option_field(None, "--hash-size")
 
     def __post_init__(self) -> None:
-        BadRowLog(self.on_bad_row)  # type: ignore[arg-type]
-        check_transform(self.dense_transform)
+        super().__post_init__()
         if int(self.min_count) < 1:
-            raise ValueError(f"min_count must be >= 1, got {self.min_count}")
+            raise DataOptionError(f"min_count (--min-count) must be >= 1, got {self.min_count}")
         if self.hash_size is not None and self.min_count != 1:
-            raise ValueError(
-                "min_count applies to vocabulary encoding; it cannot be combined with hash_size"
+            raise DataOptionError(
+                f"min_count (--min-count {self.min_count}) applies to vocabulary encoding; "
+                f"it cannot be combined with hash_size (--hash-size {self.hash_size})"
             )
 
-    def payload(self) -> Dict[str, Any]:
-        d = asdict(self)
-        if isinstance(self.hash_size, Mapping):
-            d["hash_size"] = dict(sorted(self.hash_size.items()))
-        elif self.hash_size is not None and not isinstance(self.hash_size, int):
-            d["hash_size"] = list(self.hash_size)
+    def encoding(self, method: HashMethod) -> "SparseEncoding":
+        """Vocabulary encoding, or hashing with ``method`` when ``hash_size`` is set."""
         if self.hash_size is None:
-            d.pop("hash_method")
+            return VocabularyEncoding(self.min_count)
+        return HashingEncoding(self.hash_size, method)
+
+    def payload(self, method: HashMethod) -> Dict[str, Any]:
+        """The options as they enter the cache key."""
+        d: Dict[str, Any] = {
+            "on_bad_row": self.on_bad_row,
+            "min_count": self.min_count,
+            "hash_size": json_sizes(self.hash_size),
+            "dense_transform": self.dense_transform,
+        }
+        if self.hash_size is not None:
+            d["hash_method"] = method
         return d
 
 
-def _names(source: RowSource, paths: Sequence[Union[str, Path]]) -> Tuple[List[str], List[str]]:
-    names = source.names(paths[0])
-    for p in paths[1:]:
-        other = source.names(p)
+class SparseEncoding(ABC):
+    """How a source's raw categoricals become ids in ``[0, cardinality)``.
+
+    ``start(sparse_names)`` is called once before either pass. An encoding that
+    ``counts`` sees the statistics pass's blocks (``update``), over the test parts too
+    if ``count_test``, and keeps what it learnt in the statistics entry
+    (``save``/``load``); the defaults here learn nothing. ``check()`` returns the
+    check of the rows it cannot encode (bad rows), if any.
+    """
+
+    counts = False
+    count_test = False
+
+    def start(self, sparse_names: Sequence[str]) -> None:
+        pass
+
+    def check(self) -> Optional[SparseCheck]:
+        return None
+
+    def update(self, sparse: Any) -> None:
+        pass
+
+    def save(self, directory: Path) -> None:
+        pass
+
+    def load(self, directory: Path) -> None:
+        pass
+
+    @abstractmethod
+    def cardinalities(self) -> Tuple[int, ...]:
+        """Rows of each feature's table (after the statistics pass, if any)."""
+
+    @abstractmethod
+    def encode(self, sparse: Any) -> np.ndarray:
+        """Ids ``[n, n_sparse]`` of one block's categoricals."""
+
+    @abstractmethod
+    def describe(self) -> Dict[str, Any]:
+        """``meta["encoding"]``."""
+
+    def stats_key(self) -> Dict[str, Any]:
+        """What the encoding contributes to the statistics entry's key."""
+        return {}
+
+
+class VocabularyEncoding(SparseEncoding):
+    """Exact label encoding by a vocabulary over the training parts (see ``vocab``)."""
+
+    counts = True
+    vocab: Vocabulary
+
+    def __init__(self, min_count: int) -> None:
+        self.min_count = int(min_count)
+
+    def start(self, sparse_names: Sequence[str]) -> None:
+        self.vocab = Vocabulary(sparse_names)
+
+    def update(self, sparse: Any) -> None:
+        self.vocab.update(sparse)
+
+    def save(self, directory: Path) -> None:
+        self.vocab.save(directory / "vocab.npz")
+
+    def load(self, directory: Path) -> None:
+        self.vocab = Vocabulary.load(directory / "vocab.npz")
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        return self.vocab.cardinalities(self.min_count)
+
+    def encode(self, sparse: Any) -> np.ndarray:
+        return self.vocab.encode(sparse, self.min_count)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "vocabulary", "min_count": self.min_count, "oov_id": 0, "missing_id": 1}
+
+    def stats_key(self) -> Dict[str, Any]:
+        return {"hash_check": None, "vocabulary": True}
+
+
+class HashingEncoding(SparseEncoding):
+    """Hashing of text categoricals into fixed table sizes (see ``hashing``)."""
+
+    hasher: HashEncoder
+
+    def __init__(self, hash_size: HashSize, method: HashMethod) -> None:
+        self.hash_size, self.method = hash_size, method
+
+    def start(self, sparse_names: Sequence[str]) -> None:
+        sizes = resolve_sizes(self.hash_size, sparse_names)  # type: ignore[arg-type]
+        self.hasher = HashEncoder(sizes, self.method, names=sparse_names)
+
+    def check(self) -> Optional[SparseCheck]:
+        return self.hasher.check
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        return self.hasher.cardinalities
+
+    def encode(self, sparse: Any) -> np.ndarray:
+        return self.hasher.encode(sparse)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "hash", "method": self.method, "missing_id": 0}
+
+    def stats_key(self) -> Dict[str, Any]:
+        return {"hash_check": self.method, "vocabulary": False}
+
+
+@dataclass
+class Conversion:
+    """What a source kind hands to :func:`convert`.
+
+    Args:
+        source: reads validated blocks from one part.
+        train, test: the parts; test rows come last (``meta["test_start"]``) and are
+            encoded with the training statistics.
+        encoding: raw categoricals -> ids.
+        stats_key: what identifies the statistics pass (the training parts'
+            fingerprint, the layout); the pipeline adds the bad-row mode and encoding.
+        dense_transform: applied to every dense block (see ``dense``).
+        on_bad_row: ``"error"`` or ``"skip"``.
+        source_format: recorded as ``meta["source_format"]``.
+        dense_transform_label: recorded as ``meta["dense_transform"]`` instead of
+            ``dense_transform`` (a source whose values are transformed already).
+        extra: names of the extra per-row vectors the blocks carry.
+        finish: called with the finished entry directory and meta; returns more meta.
+    """
+
+    source: RowSource
+    train: Sequence[Any]
+    test: Sequence[Any]
+    encoding: SparseEncoding
+    stats_key: Mapping[str, Any]
+    dense_transform: str = "log"
+    on_bad_row: str = "error"
+    source_format: Optional[str] = None
+    dense_transform_label: Optional[str] = None
+    extra: Tuple[str, ...] = ()
+    finish: Optional[Callable[[Path, Dict[str, Any]], Dict[str, Any]]] = field(default=None)
+
+
+def _names(c: Conversion) -> Tuple[List[str], List[str]]:
+    parts = [*c.train, *c.test]
+    names = c.source.names(parts[0])
+    for p in parts[1:]:
+        other = c.source.names(p)
         if other != names:
-            raise DataError(f"{p}: columns {other} differ from {paths[0]}'s {names}", path=p)
+            name, first = c.source.part_name(p), c.source.part_name(parts[0])
+            raise DataError(f"{name}: columns {other} differ from {first}'s {names}", path=name)
     return names
 
 
-def _stats_pass(
-    source: RowSource,
-    paths: Sequence[Union[str, Path]],
-    opts: EncodeOptions,
-    sparse_names: List[str],
-    n_dense: int,
-    hasher: Optional[HashEncoder],
-    out: Path,
-) -> Dict[str, Any]:
-    log = BadRowLog(opts.on_bad_row)  # type: ignore[arg-type]
-    vocab = Vocabulary(sparse_names) if hasher is None else None
+def _log_rate(what: str, name: str, rows: int, start: float) -> None:
+    secs = max(time.time() - start, 1e-9)
+    logger.info("%s %d rows of %s in %.1fs (%.0f rows/s)", what, rows, name, secs, rows / secs)
+
+
+def _stats_pass(c: Conversion, n_dense: int, out: Path) -> Dict[str, Any]:
+    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]
     stats = DenseStats(n_dense)
+    check = c.encoding.check()
     rows = 0
-    check = hasher.check if hasher is not None else None
-    for path in paths:
-        start, before = time.time(), rows
-        for block in source.blocks(path, log, check):
-            if vocab is not None:
-                vocab.update(block.sparse)
-            stats.update(block.dense)
+    parts = [*c.train, *(c.test if c.encoding.counts and c.encoding.count_test else ())]
+    for k, part in enumerate(parts):
+        start, before, is_train = time.time(), rows, k < len(c.train)
+        for block in c.source.blocks(part, log, check):
+            if c.encoding.counts:
+                c.encoding.update(block.sparse)
+            if is_train:
+                stats.update(block.dense)
             rows += len(block)
-        _log_rate("counted", path, rows - before, start)
-    if vocab is not None:
-        vocab.save(out / "vocab.npz")
+        _log_rate("counted", c.source.part_name(part), rows - before, start)
+    if c.encoding.counts:
+        c.encoding.save(out)
     with open(out / "dense_stats.npz", "wb") as f:
         np.savez(f, **stats.to_arrays())
     return {"rows": rows, "bad_rows": log.counts}
 
 
-def _log_rate(what: str, path: Union[str, Path], rows: int, start: float) -> None:
-    secs = max(time.time() - start, 1e-9)
-    logger.info("%s %d rows of %s in %.1fs (%.0f rows/s)", what, rows, path, secs, rows / secs)
-
-
-def convert_rows(
-    source: RowSource,
-    train_paths: Sequence[Union[str, Path]],
-    test_paths: Sequence[Union[str, Path]],
-    out_dir: Path,
-    opts: EncodeOptions,
-    *,
-    stats_cache: Union[str, Path],
-    stats_payload: Optional[Mapping[str, Any]] = None,
-    source_format: Optional[str] = None,
-) -> Dict[str, Any]:
-    """Write ``dense.npy``, ``sparse.npy``, ``labels.npy`` for the rows of the files into
-    ``out_dir`` and return the meta fields describing them.
+def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> Dict[str, Any]:
+    """Write the cache arrays of ``c``'s rows into ``out_dir``; return the meta fields
+    describing them (``checks`` included).
 
     Args:
-        source: reads row blocks from one file (text or parquet).
-        train_paths: files whose rows come first and feed the statistics pass.
-        test_paths: files appended after them (``meta["test_start"]`` marks the first
-            test row); encoded with the training vocabulary and min/max.
+        c: the conversion.
         out_dir: where to write.
-        opts: encoding options.
         stats_cache: cache root for the statistics-pass entry.
-        stats_payload: what the source's layout contributes to that entry's key.
-        source_format: how the files were read, recorded as ``meta["source_format"]``.
     """
-    if not train_paths:
-        raise ValueError("no training files given")
-    dense_names, sparse_names = _names(source, [*train_paths, *test_paths])
-    hasher: Optional[HashEncoder] = None
-    if opts.hash_size is not None:
-        sizes = resolve_sizes(opts.hash_size, sparse_names)
-        hasher = HashEncoder(sizes, opts.hash_method, names=sparse_names)
-    needs_stats = hasher is None or opts.dense_transform == "minmax"
-
-    vocab: Optional[Vocabulary] = None
+    if not c.train:
+        raise DataOptionError("no training files given")
+    dense_names, sparse_names = _names(c)
+    c.encoding.start(sparse_names)
     stats: Optional[DenseStats] = None
-    if needs_stats:
+    if c.encoding.counts or c.dense_transform == "minmax":
         payload = {
-            "train": fingerprint(train_paths),
-            "layout": dict(stats_payload or {}),
-            "on_bad_row": opts.on_bad_row,
-            "hash_check": opts.hash_method if hasher is not None else None,
-            "vocabulary": hasher is None,
+            **c.stats_key,
+            "on_bad_row": c.on_bad_row,
+            **c.encoding.stats_key(),
         }
         entry = build_entry(
-            stats_cache,
-            "stats",
-            payload,
-            lambda tmp: _stats_pass(
-                source, train_paths, opts, sparse_names, len(dense_names), hasher, tmp
-            ),
+            stats_cache, "stats", payload, lambda tmp: _stats_pass(c, len(dense_names), tmp)
         )
-        if hasher is None:
-            vocab = Vocabulary.load(entry / "vocab.npz")
+        if c.encoding.counts:
+            c.encoding.load(entry)
         with np.load(entry / "dense_stats.npz") as z:
             stats = DenseStats.from_arrays(dict(z))
 
-    if hasher is not None:
-        cardinalities = hasher.cardinalities
-    else:
-        assert vocab is not None
-        cardinalities = vocab.cardinalities(opts.min_count)
+    cardinalities = c.encoding.cardinalities()
     sparse_dtype = np.int32 if max(cardinalities, default=1) <= INT32_MAX else np.int64
-    log = BadRowLog(opts.on_bad_row)  # type: ignore[arg-type]
-    check = hasher.check if hasher is not None else None
-    file_rows: List[Dict[str, Any]] = []
-    test_start: Optional[int] = None
-    with (
-        NpyAppender(out_dir / "dense.npy", np.float32, (len(dense_names),)) as dense_w,
-        NpyAppender(out_dir / "sparse.npy", sparse_dtype, (len(sparse_names),)) as sparse_w,
-        NpyAppender(out_dir / "labels.npy", np.float32, ()) as labels_w,
-    ):
-        for k, path in enumerate([*train_paths, *test_paths]):
-            if k == len(train_paths):
-                test_start = labels_w.rows
-            start, before = time.time(), labels_w.rows
-            for block in source.blocks(path, log, check):
-                if hasher is not None:
-                    ids = hasher.encode(block.sparse)
-                else:
-                    ids = vocab.encode(block.sparse, opts.min_count)  # type: ignore[union-attr]
-                dense_w.append(transform_dense(block.dense, opts.dense_transform, stats))
-                sparse_w.append(ids)
-                labels_w.append(block.labels)
-            rows = labels_w.rows - before
-            _log_rate("encoded", path, rows, start)
-            if rows == 0:
-                raise DataError(f"no valid data rows in {path} ({log.summary()})", path=path)
-            file_rows.append({"path": str(Path(path).resolve()), "rows": rows})
-        total = labels_w.rows
+    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]
+    check = c.encoding.check()
+    clipped = np.zeros(len(dense_names), dtype=np.int64)
+    with CacheWriter(out_dir, len(dense_names), len(sparse_names), sparse_dtype, c.extra) as w:
+        for k, part in enumerate([*c.train, *c.test]):
+            name = c.source.part_name(part)
+            w.begin(name, test=k >= len(c.train))
+            for block in c.source.blocks(part, log, check):
+                dense = transform_dense(block.dense, c.dense_transform, stats, clipped)
+                w.append(dense, c.encoding.encode(block.sparse), block.labels, block.extra)
+            w.end(name, log.summary())
     if log.total:
-        logger.warning("%s: %s", ", ".join(str(p) for p in train_paths), log.summary())
-    return conversion_meta(
-        Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities)),
-        total, test_start, file_rows, log, sparse_dtype, stats,
-        encoding=(
-            {"kind": "hash", "method": opts.hash_method, "missing_id": 0}
-            if hasher is not None
-            else {"kind": "vocabulary", "min_count": opts.min_count, "oov_id": 0, "missing_id": 1}
-        ),
-        dense_transform=opts.dense_transform,
-        **({} if source_format is None else {"source_format": source_format}),
-    )
-
-
-def conversion_meta(
-    schema: Schema,
-    rows: int,
-    test_start: Optional[int],
-    file_rows: Any,
-    log: BadRowLog,
-    sparse_dtype: Any,
-    stats: Optional[DenseStats],
-    *,
-    encoding: Dict[str, Any],
-    dense_transform: str,
-    **extra: Any,
-) -> Dict[str, Any]:
-    """The ``meta.json`` content every converter writes for its cache entry."""
-    return {
-        "schema": schema.to_json(),
-        "rows": rows,
-        "test_start": test_start,
-        "file_rows": file_rows,
+        logger.warning("%s: %s", ", ".join(r["path"] for r in w.file_rows), log.summary())
+    dense_clipped = {n: int(v) for n, v in zip(dense_names, clipped.tolist()) if v}
+    if dense_clipped:
+        logger.warning(
+            "%s: clipped %d dense values above %g (per feature: %s)",
+            w.file_rows[0]["path"], sum(dense_clipped.values()), DENSE_CLIP, dense_clipped,
+        )
+    meta: Dict[str, Any] = {
+        "schema": Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities)).to_json(),
+        "rows": w.rows,
+        "test_start": w.test_start,
+        "file_rows": w.file_rows,
         "bad_rows": dict(log.counts),
         "bad_row_examples": list(log.examples),
         "bad_row_summary": log.summary(),
         "sparse_dtype": np.dtype(sparse_dtype).name,
-        "encoding": encoding,
-        "dense_transform": dense_transform,
+        "encoding": c.encoding.describe(),
+        "dense_transform": c.dense_transform_label or c.dense_transform,
         "dense_stats": (
             None if stats is None else {"min": stats.min.tolist(), "max": stats.max.tolist()}
         ),
-        **extra,
+        "dense_clipped": dense_clipped,
+        "checks": w.arrays(),
     }
+    if c.source_format is not None:
+        meta["source_format"] = c.source_format
+    if c.finish is not None:
+        meta.update(c.finish(out_dir, meta))
+    return meta
+
+
+def text_payload(
+    paths: Sequence[Union[str, Path]],
+    test_paths: Sequence[Union[str, Path]],
+    opts: EncodedOptions,
+    method: HashMethod,
+    columns: Mapping[str, Any],
+) -> Dict[str, Any]:
+    """The cache key payload of a text source (Criteo, Avazu, table)."""
+    return {
+        "sources": fingerprint(paths),
+        "test": fingerprint(test_paths),
+        "options": opts.payload(method),
+        "columns": dict(columns),
+    }
+
+
+def text_conversion(
+    layout: TextLayout,
+    paths: Sequence[Union[str, Path]],
+    test_paths: Sequence[Union[str, Path]],
+    opts: EncodedOptions,
+    method: HashMethod,
+    *,
+    layout_name: str,
+    source_format: str,
+) -> Conversion:
+    """The conversion of delimited text files laid out as ``layout`` says."""
+    return Conversion(
+        TextRowSource(layout),
+        paths,
+        test_paths,
+        opts.encoding(method),
+        stats_key={"train": fingerprint(paths), "layout": {"layout": layout_name, **layout.payload()}},
+        dense_transform=opts.dense_transform,
+        on_bad_row=opts.on_bad_row,
+        source_format=source_format,
+    )

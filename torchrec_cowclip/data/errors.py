@@ -60,6 +60,18 @@ class DataError(ValueError):
         self.reason = reason
 
 
+class DataOptionError(DataError):
+    """A data option or spec argument that cannot be used; the message names it.
+
+    A ``ValueError`` (and a :class:`DataError`, which the CLI prints as one line).
+
+    Example::
+
+        >>> str(DataOptionError("synthetic:0: the row count must be >= 1"))
+        'synthetic:0: the row count must be >= 1'
+    """
+
+
 def row_error(path: Union[str, Path], line: int, reason: str, detail: str = "") -> DataError:
     """The ``DataError`` for one bad row, with ``file:line`` first in the message."""
     msg = f"{path}:{line}: {reason}" + (f": {detail}" if detail else "")
@@ -88,7 +100,9 @@ class BadRowLog:
 
     def __post_init__(self) -> None:
         if self.mode not in ("error", "skip"):
-            raise ValueError(f"on_bad_row must be 'error' or 'skip', got {self.mode!r}")
+            raise DataOptionError(
+                f"on_bad_row (--on-bad-row) must be 'error' or 'skip', got {self.mode!r}"
+            )
 
     def add(self, path: Union[str, Path], line: int, reason: str, detail: str = "") -> None:
         """Record one bad row; in ``"error"`` mode raise its ``DataError`` instead."""

@@ -103,21 +103,37 @@ def parse_numeric(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return values, bad
 
 
+def check_labels(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The one label rule of every source: a label is exactly 0 or 1.
+
+    Args:
+        values: numeric labels (NaN for a missing or non-numeric field).
+
+    Returns:
+        ``(labels float32, bad)``; a bad label reads 0 in ``labels``.
+
+    Example::
+
+        >>> labels, bad = check_labels(np.array([1.0, 0.0, 2.0, np.nan]))
+        >>> labels.tolist(), bad.tolist()
+        ([1.0, 0.0, 0.0, 0.0], [False, False, True, True])
+    """
+    v = np.asarray(values, dtype=np.float64)
+    bad = ~((v == 0.0) | (v == 1.0))
+    return np.where(bad, 0.0, v).astype(np.float32), bad
+
+
 def parse_labels(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Decode a label column; only 0 and 1 (``"0"``, ``"1"``, ``"1.0"``...) are valid.
+    """Decode a text label column (``"0"``, ``"1"``, ``"1.0"``...) by :func:`check_labels`.
 
     Returns:
         ``(labels float32, bad)``.
     """
     one = col == b"1"
-    zero = col == b"0"
-    fast = one | zero
     labels = one.astype(np.float32)
-    bad = ~fast
+    bad = ~(one | (col == b"0"))
     if bad.any():
+        # The common "0"/"1" fields skip the general parser; the rest go through it.
         values, _ = parse_numeric(col[bad])
-        ok = (values == 0.0) | (values == 1.0)
-        idx = np.flatnonzero(bad)
-        labels[idx[ok]] = values[ok].astype(np.float32)
-        bad[idx[ok]] = False
+        labels[bad], bad[bad] = check_labels(values)
     return labels, bad

@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
@@ -34,35 +34,42 @@ from torchrec_cowclip.data.fields import parse_labels, parse_numeric
 
 # Given the raw categoricals of a block: None if every row is encodable, else
 # (bad-row mask, reason, one detail per bad row).
-SparseCheck = Callable[[List[np.ndarray]], Optional[Tuple[np.ndarray, str, List[str]]]]
+SparseCheck = Callable[[Any], Optional[Tuple[np.ndarray, str, List[str]]]]
 ColumnRef = Union[int, str]
 
 
 @dataclass
 class RowBlock:
-    """Well-formed rows of one block of one file.
+    """Well-formed rows of one block of one part (file) of a source.
 
-    ``dense`` is float64 with NaN for missing values; ``sparse`` one ``S`` array per
-    categorical column with ``b""`` for missing values; ``lines`` 1-based line (or
-    row) numbers in ``path``.
+    ``dense`` is float64 with NaN for missing values; ``sparse`` the raw categoricals
+    in the form the source's encoding takes (for text, one ``S`` array per column with
+    ``b""`` for missing); ``lines`` 1-based line (or row) numbers in ``path``;
+    ``extra`` further per-row vectors the source keeps; ``paths`` overrides ``path``
+    per bad-row reason (a source whose columns live in separate files).
     """
 
     path: str
     lines: np.ndarray
     labels: np.ndarray
     dense: np.ndarray
-    sparse: List[np.ndarray]
+    sparse: Any
+    extra: Dict[str, np.ndarray] = field(default_factory=dict)
+    paths: Dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def take(self, keep: np.ndarray) -> "RowBlock":
+        sparse = self.sparse[keep] if isinstance(self.sparse, np.ndarray) else [c[keep] for c in self.sparse]
         return RowBlock(
             path=self.path,
             lines=self.lines[keep],
             labels=self.labels[keep],
             dense=self.dense[keep],
-            sparse=[c[keep] for c in self.sparse],
+            sparse=sparse,
+            extra={k: v[keep] for k, v in self.extra.items()},
+            paths=self.paths,
         )
 
 
@@ -72,25 +79,27 @@ def validate_block(
     bad_label: np.ndarray,
     bad_dense: np.ndarray,
     dense_names: Sequence[str],
-    raw_labels: np.ndarray,
-    raw_dense: Sequence[np.ndarray],
+    raw_labels: Sequence[Any],
+    raw_dense: Sequence[Sequence[Any]],
     sparse_check: Optional[SparseCheck],
     wrong_count: Sequence[Tuple[int, str]] = (),
 ) -> RowBlock:
     """Report the bad rows of ``block`` in line order and return the good ones.
 
-    Each bad row is reported once, under its first failing check in this order:
-    column count, label, dense, categorical.
+    ``bad_dense`` is ``[n, n_dense]``: which dense values are bad. Each bad row is
+    reported once, under its first failing check in this order: column count, label,
+    dense, categorical; a detail shows the raw field (``raw_labels[i]``,
+    ``raw_dense[column][i]``).
     """
     bad: List[Tuple[int, str, str]] = [(line, WRONG_COLUMN_COUNT, d) for line, d in wrong_count]
-    flagged = np.zeros(len(block), dtype=bool)
+    flagged = np.asarray(bad_label, dtype=bool).copy()
     for i in np.flatnonzero(bad_label).tolist():
         bad.append((int(block.lines[i]), BAD_LABEL, f"got {_show(raw_labels[i])}"))
-    flagged |= bad_label
-    for i in np.flatnonzero(bad_dense & ~flagged).tolist():
-        c = next(k for k, col in enumerate(raw_dense) if _dense_bad(col[i]))
+    dense_rows = bad_dense.any(axis=1) if bad_dense.size else np.zeros(len(block), dtype=bool)
+    for i in np.flatnonzero(dense_rows & ~flagged).tolist():
+        c = int(np.argmax(bad_dense[i]))
         bad.append((int(block.lines[i]), BAD_DENSE, f"{dense_names[c]}={_show(raw_dense[c][i])}"))
-    flagged |= bad_dense
+    flagged |= dense_rows
     if sparse_check is not None and len(block):
         checked = sparse_check(block.sparse)
         if checked is not None:
@@ -102,21 +111,14 @@ def validate_block(
     if not bad:
         return block
     for line, reason, detail in sorted(bad):
-        log.add(block.path, line, reason, detail)
+        log.add(block.paths.get(reason, block.path), line, reason, detail)
     return block.take(~flagged)
 
 
-def _show(raw: bytes) -> str:
-    return repr(raw.decode("utf-8", "replace"))
-
-
-def _dense_bad(raw: bytes) -> bool:
-    if raw == b"":
-        return False
-    try:
-        return not np.isfinite(float(raw))
-    except ValueError:
-        return True
+def _show(raw: Any) -> str:
+    if isinstance(raw, bytes):
+        return repr(raw.decode("utf-8", "replace"))
+    return repr(raw.item() if isinstance(raw, np.generic) else raw)
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,8 @@ class TextLayout:
     Args:
         delimiter: one character; None infers it from the extension.
         fallback_delimiter: used when ``delimiter`` is None and the extension says nothing.
-        header: True, False, or ``"auto"`` (a header if the label field of the first
-            line is not a number).
+        header: True, False, or ``"auto"`` (a header if the first line's label and
+            dense fields are all non-numeric names; see ``_names_a_header``).
         n_columns: fields per line; None takes the header's length.
         label, dense, sparse: column indices or header names.
         dense_names, sparse_names: feature names when columns are given by index.
@@ -146,22 +148,24 @@ class TextLayout:
     sparse_names: Optional[Tuple[str, ...]] = None
 
     def open(self, path: Union[str, Path]) -> DelimitedFile:
-        if self.header == "auto":
-            label_pos = self.label if isinstance(self.label, int) else 0
-
-            def header_rule(fields: List[bytes]) -> bool:
-                if len(fields) <= label_pos:
-                    return False
-                _, bad = parse_numeric(np.array([fields[label_pos].strip()]))
-                return bool(bad[0])
-
-            header: Union[bool, Callable[[List[bytes]], bool]] = header_rule
-        else:
-            header = bool(self.header)
+        header: Union[bool, Callable[[List[bytes]], bool]] = (
+            self._names_a_header if self.header == "auto" else bool(self.header)
+        )
         delimiter = self.delimiter
         if delimiter is None and infer_delimiter(path) is None:
             delimiter = self.fallback_delimiter
         return DelimitedFile(path, delimiter=delimiter, header=header, n_columns=self.n_columns)
+
+    def _names_a_header(self, fields: List[bytes]) -> bool:
+        """``header="auto"``: the first line is a header only if its label and dense
+        fields are all names (non-empty, not numbers). A data row has a number or an
+        empty field among them, so a first row with a bad label stays a (bad) row."""
+        refs = [self.label, *self.dense]
+        if any(not isinstance(r, int) or r >= len(fields) for r in refs):
+            return False
+        values = np.array([fields[r].strip() for r in refs])
+        _, bad = parse_numeric(values)
+        return bool(bad.all())
 
     def payload(self) -> Dict[str, Any]:
         """JSON description of the layout, for cache keys."""
@@ -198,16 +202,19 @@ class TextLayout:
 
 
 class RowSource(Protocol):
-    """Anything that reads validated row blocks from one file (text, parquet)."""
+    """Reads validated row blocks from one *part* of a source: a text or parquet file,
+    a TorchRec npy day, the rows of a synthetic config."""
 
-    def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
-        """``(dense_names, sparse_names)`` of ``path``."""
+    def names(self, part: Any) -> Tuple[List[str], List[str]]:
+        """``(dense_names, sparse_names)`` of ``part``."""
         ...
 
-    def blocks(
-        self, path: Union[str, Path], log: BadRowLog, sparse_check: Optional[SparseCheck] = None
-    ) -> Iterator[RowBlock]:
-        """Validated blocks of ``path``; bad rows go to ``log``."""
+    def part_name(self, part: Any) -> str:
+        """How ``part`` is named in ``meta["file_rows"]`` and in errors."""
+        ...
+
+    def blocks(self, part: Any, log: BadRowLog, sparse_check: Optional[SparseCheck] = None) -> Iterator[RowBlock]:
+        """Validated blocks of ``part``; bad rows go to ``log``."""
         ...
 
 
@@ -218,12 +225,15 @@ class TextRowSource:
 
         >>> from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
         >>> src = TextRowSource(CRITEO_LAYOUT)
-        >>> src.names("/work/shared/data/criteo_sample.tsv")[1][:2]
+        >>> src.names("tests/data/criteo_sample.tsv")[1][:2]
         ['C1', 'C2']
     """
 
     def __init__(self, layout: TextLayout) -> None:
         self.layout = layout
+
+    def part_name(self, part: Union[str, Path]) -> str:
+        return str(Path(part).resolve())
 
     def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
         """``(dense_names, sparse_names)`` as read from ``path``."""
@@ -241,11 +251,10 @@ class TextRowSource:
             labels, bad_label = parse_labels(raw_labels)
             n = len(labels)
             dense = np.empty((n, len(dense_cols)))
-            bad_dense = np.zeros(n, dtype=bool)
+            bad_dense = np.zeros((n, len(dense_cols)), dtype=bool)
             raw_dense = [raw.columns[c] for c in dense_cols]
             for j, col in enumerate(raw_dense):
-                dense[:, j], bad = parse_numeric(col)
-                bad_dense |= bad
+                dense[:, j], bad_dense[:, j] = parse_numeric(col)
             block = RowBlock(
                 path=str(path),
                 lines=raw.lines,

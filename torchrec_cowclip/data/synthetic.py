@@ -46,9 +46,12 @@ is kept in the cache and the AUC in ``meta.json``.
 **Reproducibility.** Rows are generated in fixed chunks of 65,536 from
 ``SeedSequence([seed, 2, chunk])``, parameters from ``SeedSequence([seed, 0])``:
 the same options give bit-identical arrays, and ``synthetic:N`` is a prefix of
-``synthetic:M`` for ``N < M``. Speed (numpy, one core of the 2-core dev box,
-defaults): 0.8 s of set-up, then about 270k rows/s; ``synthetic:1000000`` is
-generated and written to the cache in about 5 s.
+``synthetic:M`` for ``N < M``. Generation speed is in docs/performance.md.
+
+As a source kind (``synthetic:ROWS``), the rows are one part written through the
+same pipeline and writer as the files of the other kinds, with the planted logit as
+an extra array; ``dense_transform="minmax"`` generates the rows twice (once for the
+statistics pass) instead of keeping them.
 
 Example::
 
@@ -61,15 +64,21 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.npyfile import NpyAppender
+from torchrec_cowclip.data.encode import Conversion, SparseEncoding
+from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
+from torchrec_cowclip.data.fields import check_labels
+from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.rows import RowBlock, SparseCheck
 from torchrec_cowclip.data.schema import (
     CRITEO_DENSE_NAMES,
     CRITEO_KAGGLE_CARDINALITIES,
@@ -116,11 +125,18 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         if self.rows < 1:
-            raise ValueError(f"synthetic rows must be >= 1, got {self.rows}")
-        if self.cardinality_scale <= 0 or self.max_cardinality < 1:
-            raise ValueError("cardinality_scale must be > 0 and max_cardinality >= 1")
-        if not 0.0 < self.top1_share < 1.0 or not 0.0 < self.positive_rate < 1.0:
-            raise ValueError("top1_share and positive_rate must be in (0, 1)")
+            raise DataOptionError(f"synthetic rows must be >= 1, got {self.rows}")
+        if not self.cardinality_scale > 0:
+            raise DataOptionError(
+                f"cardinality_scale (--synthetic-scale) must be > 0, got {self.cardinality_scale}"
+            )
+        if self.max_cardinality < 1:
+            raise DataOptionError(
+                f"max_cardinality (--synthetic-max-cardinality) must be >= 1, got {self.max_cardinality}"
+            )
+        for name in ("top1_share", "positive_rate"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise DataOptionError(f"{name} must be in (0, 1), got {getattr(self, name)}")
         check_transform(self.dense_transform)
 
     def cardinalities(self) -> Tuple[int, ...]:
@@ -299,7 +315,7 @@ def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
         0.75
     """
     labels = np.asarray(labels)
-    if not np.isin(labels, (0, 1)).all():
+    if check_labels(labels)[1].any():
         raise ValueError("rank_auc(labels, scores): labels must be 0/1 (were the arguments swapped?)")
     labels = labels > 0.5
     order = np.argsort(scores, kind="mergesort")
@@ -321,7 +337,7 @@ def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 def synthetic_arrays(config: SyntheticConfig) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All rows in memory: ``(dense float32, sparse int64, labels float32, logit float32)``.
 
-    For tests and small experiments; :func:`convert_synthetic` streams to disk instead.
+    For tests and small experiments; ``open_dataset("synthetic:ROWS", ...)`` streams to disk instead.
     """
     model = PlantedModel(config)
     chunks = list(model.chunks())
@@ -339,62 +355,143 @@ def synthetic_arrays(config: SyntheticConfig) -> Tuple[np.ndarray, np.ndarray, n
     )
 
 
-def convert_synthetic(config: SyntheticConfig, out_dir: Path) -> Dict[str, Any]:
-    """Generate the rows into cache arrays in ``out_dir`` (plus ``planted_logit.npy``);
-    returns meta fields."""
-    model = PlantedModel(config)
-    cards = model.cardinalities
-    stats = DenseStats(len(CRITEO_DENSE_NAMES))
-    # min-max needs the global range, known only at the end: write the filled values
-    # and rescale the file in place afterwards.
-    first_kind = "none" if config.dense_transform == "minmax" else config.dense_transform
-    auc_labels: List[np.ndarray] = []
-    auc_logits: List[np.ndarray] = []
-    with (
-        NpyAppender(out_dir / "dense.npy", np.float32, (len(CRITEO_DENSE_NAMES),)) as dense_w,
-        NpyAppender(out_dir / "sparse.npy", np.int32, (len(cards),)) as sparse_w,
-        NpyAppender(out_dir / "labels.npy", np.float32, ()) as labels_w,
-        NpyAppender(out_dir / "planted_logit.npy", np.float32, ()) as logit_w,
-    ):
-        for c in model.chunks():
-            stats.update(c.dense_raw)
-            dense_w.append(transform_dense(c.dense_raw, first_kind))
-            sparse_w.append(c.sparse)
-            labels_w.append(c.labels)
-            logit_w.append(c.logit)
-            if labels_w.rows <= 1 << 21:
-                auc_labels.append(c.labels)
-                auc_logits.append(c.logit)
-    if config.dense_transform == "minmax":
-        dense = np.load(out_dir / "dense.npy", mmap_mode="r+")
-        lo = stats.min.astype(np.float32)
-        span = (stats.max - stats.min).astype(np.float32)
-        safe = np.where(span > 0, span, 1).astype(np.float32)
-        for start in range(0, len(dense), CHUNK_ROWS):
-            block = dense[start : start + CHUNK_ROWS]
-            block[:] = np.where(span > 0, (block - lo) / safe, 0)
-        dense.flush()
-        del dense
-    labels_all = np.concatenate(auc_labels)
+_ROWS = re.compile(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kKmM]?)\s*")
+
+
+def parse_rows(spec: str, text: str) -> int:
+    """The row count of ``synthetic:ROWS`` (``200000``, ``200_000``, ``200k``, ``1M``).
+
+    Raises:
+        DataOptionError: naming the spec, if ``text`` is not a positive whole count.
+    """
+    m = _ROWS.fullmatch(text)
+    value = 0.0
+    if m:
+        value = float(m.group(1).replace("_", "")) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()]
+    if not m or value != int(value) or value < 1:
+        raise DataOptionError(
+            f"{spec}: synthetic:ROWS needs a positive whole row count such as 200000, 200k or 1M; "
+            f"got {text!r}"
+        )
+    return int(value)
+
+
+class _SyntheticRows:
+    """The rows of one config as a row source with one part (the config itself)."""
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        self.config = config
+        self._model: Optional[PlantedModel] = None
+
+    def model(self) -> PlantedModel:
+        if self._model is None:
+            self._model = PlantedModel(self.config)
+        return self._model
+
+    def names(self, part: SyntheticConfig) -> Tuple[List[str], List[str]]:
+        return list(CRITEO_DENSE_NAMES), list(CRITEO_SPARSE_NAMES)
+
+    def part_name(self, part: SyntheticConfig) -> str:
+        return f"synthetic:{part.rows}"
+
+    def blocks(
+        self, part: SyntheticConfig, log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
+        first = 1
+        for c in self.model().chunks():
+            n = len(c.labels)
+            yield RowBlock(
+                path=self.part_name(part),
+                lines=np.arange(first, first + n, dtype=np.int64),
+                labels=c.labels,
+                dense=c.dense_raw,
+                sparse=c.sparse,
+                extra={"planted_logit": c.logit},
+            )
+            first += n
+
+
+class PlantedIds(SparseEncoding):
+    """The generator's ids, already in ``[0, cardinality)``."""
+
+    def __init__(self, cardinalities: Sequence[int]) -> None:
+        self._cardinalities = tuple(int(k) for k in cardinalities)
+
+    def cardinalities(self) -> Tuple[int, ...]:
+        return self._cardinalities
+
+    def encode(self, sparse: np.ndarray) -> np.ndarray:
+        return sparse
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "synthetic ids"}
+
+
+def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
+    model = rows.model()
+    head = 1 << 21  # the planted AUC is measured on the first 2M rows
+    labels = np.array(np.load(out_dir / "labels.npy", mmap_mode="r")[:head])
+    logit = np.array(np.load(out_dir / "planted_logit.npy", mmap_mode="r")[:head])
     return {
-        "schema": config.schema().to_json(),
-        "rows": config.rows,
-        "test_start": None,
-        "bad_rows": {},
-        "bad_row_examples": [],
-        "bad_row_summary": "no bad rows",
-        "sparse_dtype": "int32",
-        "encoding": {"kind": "synthetic ids"},
-        "dense_transform": config.dense_transform,
-        "dense_stats": {"min": stats.min.tolist(), "max": stats.max.tolist()},
-        "source_format": "synthetic criteo-like",
         "synthetic": {
-            **config.payload(),
+            **rows.config.payload(),
             "zipf_exponents": [round(s, 6) for s in model.exponents],
             "bias": model.bias,
             "pairs": [[CRITEO_SPARSE_NAMES[f], CRITEO_SPARSE_NAMES[g]] for f, g in PAIRS],
-            "positive_fraction": float(labels_all.mean()),
-            "planted_auc": rank_auc(labels_all, np.concatenate(auc_logits)),
-            "planted_auc_rows": int(len(labels_all)),
-        },
+            "positive_fraction": float(labels.mean()),
+            "planted_auc": rank_auc(labels, logit),
+            "planted_auc_rows": int(len(labels)),
+        }
     }
+
+
+@dataclass(frozen=True)
+class SyntheticOptions(SourceOptions):
+    """``synthetic:`` options (see :class:`SyntheticConfig`)."""
+
+    seed: int = option_field(0, "--seed")
+    cardinality_scale: float = option_field(1.0, "--synthetic-scale")
+    max_cardinality: int = option_field(1_000_000, "--synthetic-max-cardinality")
+    top1_share: float = option_field(0.70)
+    positive_rate: float = option_field(0.25)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.config(1)  # validates the generator's options
+
+    def config(self, rows: int) -> SyntheticConfig:
+        return SyntheticConfig(rows=rows, **{f.name: getattr(self, f.name) for f in fields(self)
+                                             if f.name != "on_bad_row"})
+
+
+@register_source
+class SyntheticSource(SourceKind, name="synthetic", usage="synthetic:ROWS", options=SyntheticOptions):
+    """``synthetic:ROWS``: Criteo-like rows with a planted model."""
+
+    def check_args(self, spec: str, args: List[str]) -> None:
+        if len(args) != 1:
+            raise DataOptionError(f"{spec}: synthetic:ROWS takes one row count, got {args}")
+        parse_rows(spec, args[0])
+
+    def check_test_paths(self, test_paths: Sequence[str]) -> None:
+        if test_paths:
+            raise DataOptionError(f"synthetic: takes no test files (--test-data), got {list(test_paths)}")
+
+    def payload(self, args: List[str], test_paths: List[str], opts: SyntheticOptions) -> Dict[str, Any]:
+        return {"synthetic": opts.config(parse_rows(self.name, args[0])).payload()}
+
+    def conversion(self, args: List[str], test_paths: List[str], opts: SyntheticOptions) -> Conversion:
+        config = opts.config(parse_rows(self.name, args[0]))
+        rows = _SyntheticRows(config)
+        return Conversion(
+            rows,
+            [config],
+            [],
+            PlantedIds(config.cardinalities()),
+            stats_key={"train": [config.payload()], "layout": {"layout": "synthetic"}},
+            dense_transform=config.dense_transform,
+            on_bad_row=opts.on_bad_row,
+            source_format="synthetic criteo-like",
+            extra=("planted_logit",),
+            finish=lambda out_dir, meta: _planted_meta(rows, out_dir, meta),
+        )

@@ -5,13 +5,15 @@ extension (``.csv`` comma, ``.tsv``/``.txt`` tab) unless given. Parquet is read 
 record batches through pyarrow, imported only when a parquet file is opened (it is
 not a dependency of this project: ``pip install pyarrow`` to use it). Categorical
 values are used as text (an integer column's values as their decimal digits) and
-encoded by vocabulary or FNV-1a hashing, exactly as for Avazu.
+encoded by vocabulary or FNV-1a hashing, exactly as for Avazu. A text table has a
+header by definition (a UTF-8 byte-order mark before it is dropped); ``label=``
+(``--label``) and ``sparse=`` (``--sparse``) must name its columns.
 
 Example::
 
     >>> import tempfile
     >>> from torchrec_cowclip.data import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, open_dataset
-    >>> ds = open_dataset("table:/work/shared/data/criteo_sample.csv", tempfile.mkdtemp(),
+    >>> ds = open_dataset("table:tests/data/criteo_sample.csv", tempfile.mkdtemp(),
     ...                   label="label", dense=CRITEO_DENSE_NAMES, sparse=CRITEO_SPARSE_NAMES)
     >>> ds.sparse.shape, float(ds.labels.sum()) >= 0
     ((200, 26), True)
@@ -19,16 +21,20 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from torchrec_cowclip.data.cache import fingerprint
 from torchrec_cowclip.data.delimited import infer_delimiter
-from torchrec_cowclip.data.encode import EncodeOptions, convert_rows
-from torchrec_cowclip.data.errors import BadRowLog, DataError
-from torchrec_cowclip.data.fields import parse_numeric
-from torchrec_cowclip.data.rows import RowBlock, SparseCheck, TextLayout, TextRowSource, validate_block
+from torchrec_cowclip.data.encode import Conversion, EncodedOptions, text_conversion, text_payload
+from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
+from torchrec_cowclip.data.fields import check_labels, parse_numeric
+from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.rows import RowBlock, SparseCheck, TextLayout, validate_block
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_BATCH = 65536
@@ -77,6 +83,9 @@ class ParquetRowSource:
         self._open(path)
         return list(self.dense), list(self.sparse)
 
+    def part_name(self, path: Union[str, Path]) -> str:
+        return str(Path(path).resolve())
+
     def blocks(
         self, path: Union[str, Path], log: BadRowLog, sparse_check: Optional[SparseCheck] = None
     ) -> Iterator[RowBlock]:
@@ -87,18 +96,16 @@ class ParquetRowSource:
         for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
             n = batch.num_rows
             raw_labels = _as_bytes(pa, batch.column(self.label))
-            labels_f, bad_label = _numeric(pa, batch.column(self.label), raw_labels)
-            bad_label |= ~((labels_f == 0.0) | (labels_f == 1.0))
+            labels, bad_label = check_labels(_numeric(pa, batch.column(self.label), raw_labels)[0])
             raw_dense = [_as_bytes(pa, batch.column(c)) for c in self.dense]
             dense = np.empty((n, len(self.dense)))
-            bad_dense = np.zeros(n, dtype=bool)
+            bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
             for j, c in enumerate(self.dense):
-                dense[:, j], bad = _numeric(pa, batch.column(c), raw_dense[j])
-                bad_dense |= bad
+                dense[:, j], bad_dense[:, j] = _numeric(pa, batch.column(c), raw_dense[j])
             block = RowBlock(
                 path=str(path),
                 lines=np.arange(first_row, first_row + n, dtype=np.int64),
-                labels=np.where(bad_label, 0.0, labels_f).astype(np.float32),
+                labels=labels,
                 dense=dense,
                 sparse=[_as_bytes(pa, batch.column(c)) for c in self.sparse],
             )
@@ -142,50 +149,85 @@ def table_layout(
     )
 
 
-def convert_table(
-    paths: Sequence[Union[str, Path]],
-    test_paths: Sequence[Union[str, Path]],
-    out_dir: Path,
-    opts: EncodeOptions,
-    stats_cache: Union[str, Path],
-    *,
-    label: Optional[str],
-    dense: Optional[Sequence[str]],
-    sparse: Optional[Sequence[str]],
-    delimiter: Optional[str] = None,
-) -> Dict[str, Any]:
-    """Convert table files into cache arrays in ``out_dir``; returns meta fields."""
-    if label is None or sparse is None:
-        raise ValueError(
-            "table: sources need label= and sparse= column names (and dense=, possibly empty)"
-        )
-    dense = list(dense or ())
-    all_paths = [*paths, *test_paths]
-    kinds = {is_parquet(p) for p in all_paths}
-    if len(kinds) > 1:
-        raise ValueError(f"table: files must be all parquet or all text, got {all_paths}")
-    source: Any
-    if kinds == {True}:
-        source = ParquetRowSource(label, dense, sparse)
-        layout_payload: Dict[str, Any] = {
-            "layout": "parquet",
-            "label": label,
-            "dense": dense,
-            "sparse": list(sparse),
+@dataclass(frozen=True)
+class ColumnOptions(EncodedOptions):
+    """Options of the sources whose columns are chosen by name (tables, Avazu).
+
+    Args:
+        label, dense, sparse: column names.
+        delimiter: field separator of text files (default: from the extension).
+    """
+
+    label: Optional[str] = option_field(None, "--label")
+    dense: Optional[Sequence[str]] = option_field(None, "--dense")
+    sparse: Optional[Sequence[str]] = option_field(None, "--sparse")
+    delimiter: Optional[str] = option_field(None)
+
+    def columns(self) -> Dict[str, Any]:
+        """The column choices as they enter the cache key."""
+        return {
+            "label": self.label,
+            "dense": list(self.dense) if self.dense is not None else None,
+            "sparse": list(self.sparse) if self.sparse is not None else None,
+            "delimiter": self.delimiter,
         }
-        fmt = "parquet"
-    else:
-        if delimiter is None:
+
+
+def column_payload(args: List[str], test_paths: List[str], opts: ColumnOptions) -> Dict[str, Any]:
+    """The cache key payload of a source with named columns (FNV-1a hashing)."""
+    return text_payload(args, test_paths, opts, "fnv", opts.columns())
+
+
+@dataclass(frozen=True)
+class TableOptions(ColumnOptions):
+    """``table:`` options: ``label`` and ``sparse`` are required."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.label is None or self.sparse is None:
+            raise DataOptionError(
+                "table: sources need label= (--label) and sparse= (--sparse) column names "
+                "(and dense= (--dense), possibly empty)"
+            )
+
+
+@register_source
+class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", options=TableOptions):
+    """``table:PATH[,PATH...]``: CSV/TSV/parquet files with named columns."""
+
+    def payload(self, args: List[str], test_paths: List[str], opts: TableOptions) -> Dict[str, Any]:
+        self._is_parquet(args, test_paths, opts)  # refuses mixed or undelimitable files up front
+        return column_payload(args, test_paths, opts)
+
+    def _is_parquet(self, args: List[str], test_paths: List[str], opts: TableOptions) -> bool:
+        all_paths = [*args, *test_paths]
+        kinds = {is_parquet(p) for p in all_paths}
+        if len(kinds) > 1:
+            raise DataOptionError(f"table: files must be all parquet or all text, got {all_paths}")
+        if kinds == {False} and opts.delimiter is None:
             for p in all_paths:
                 if infer_delimiter(p) is None:
-                    raise ValueError(
+                    raise DataOptionError(
                         f"cannot infer the delimiter of {p} from its extension; pass delimiter="
                     )
-        layout = table_layout(label, dense, sparse, delimiter)
-        source = TextRowSource(layout)
-        layout_payload = {"layout": "table", **layout.payload()}
-        fmt = "delimited text"
-    return convert_rows(
-        source, paths, test_paths, out_dir, opts, stats_cache=stats_cache,
-        stats_payload=layout_payload, source_format=fmt,
-    )
+        return kinds == {True}
+
+    def conversion(self, args: List[str], test_paths: List[str], opts: TableOptions) -> Conversion:
+        assert opts.label is not None and opts.sparse is not None  # TableOptions checked them
+        dense, sparse = list(opts.dense or ()), list(opts.sparse)
+        if not self._is_parquet(args, test_paths, opts):
+            return text_conversion(
+                table_layout(opts.label, dense, sparse, opts.delimiter), args, test_paths, opts, "fnv",
+                layout_name="table", source_format="delimited text",
+            )
+        layout = {"layout": "parquet", "label": opts.label, "dense": dense, "sparse": sparse}
+        return Conversion(
+            ParquetRowSource(opts.label, dense, sparse),
+            args,
+            test_paths,
+            opts.encoding("fnv"),
+            stats_key={"train": fingerprint(args), "layout": layout},
+            dense_transform=opts.dense_transform,
+            on_bad_row=opts.on_bad_row,
+            source_format="parquet",
+        )

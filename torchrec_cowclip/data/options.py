@@ -1,0 +1,47 @@
+"""Keyword options of data sources: the base every source kind's options dataclass extends.
+
+Each field may name the training CLI flag that sets it (:func:`option_field`, in the
+field's ``metadata["flag"]``), so an error about an option can name both
+(``min_count (--min-count)``).
+
+Example::
+
+    >>> from dataclasses import fields
+    >>> SourceOptions(on_bad_row="skip").on_bad_row, fields(SourceOptions)[0].metadata["flag"]
+    ('skip', '--on-bad-row')
+    >>> SourceOptions(on_bad_row="ignore")
+    Traceback (most recent call last):
+    ...
+    torchrec_cowclip.data.errors.DataOptionError: on_bad_row (--on-bad-row) must be 'error' or 'skip', got 'ignore'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torchrec_cowclip.data.dense import check_transform
+from torchrec_cowclip.data.errors import BadRowLog
+
+
+def option_field(default: Any, flag: Optional[str] = None) -> Any:
+    """A dataclass field with a default and, if given, the CLI flag that sets it."""
+    return field(default=default, metadata={"flag": flag} if flag else {})
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Options every source kind takes.
+
+    Args:
+        on_bad_row: ``"error"`` raises ``DataError`` (``file:line: reason``) at the
+            first bad row; ``"skip"`` drops bad rows and counts them per reason.
+        dense_transform: ``"log"`` (log(1+x)), ``"minmax"`` or ``"none"``; see ``dense``.
+    """
+
+    on_bad_row: str = option_field("error", "--on-bad-row")
+    dense_transform: str = option_field("log", "--dense-transform")
+
+    def __post_init__(self) -> None:
+        BadRowLog(self.on_bad_row)  # type: ignore[arg-type]  # validates the mode
+        check_transform(self.dense_transform)
