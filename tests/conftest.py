@@ -12,3 +12,40 @@ behaviour that is the same on both paths. An explicit value in the environment w
 import os
 
 os.environ.setdefault("TORCHREC_COWCLIP_COMPILE", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# cpu always; cuda (marked ``gpu``: ``pytest -m gpu`` selects these) where a CUDA device is.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    ]),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """The device a test runs its module on; its reference stays float64 on CPU."""
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def wrong_row_step():
+    """The row step made slightly wrong (each call also adds 1e-3 to the weight of its
+    first row), for the tests that prove a reference comparison can fail."""
+    from torchrec_cowclip.embedding import row_step
+
+    real = row_step.row_step_
+
+    def wrong(*args, **kwargs):
+        clipped = real(*args, **kwargs)
+        weight_table, rows = args[0], args[2]
+        if rows.numel():
+            with torch.no_grad():
+                weight_table[rows[0]] += 1e-3
+        return clipped
+
+    return wrong
