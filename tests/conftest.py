@@ -1,4 +1,4 @@
-"""Test-session defaults.
+"""Test-session defaults: the update path, the devices, and what is collected without torchrec.
 
 The fused update is compiled by TorchInductor by default (torchrec_cowclip.embedding.row_step);
 a cold compile costs seconds per graph, and the suite builds hundreds of small modules
@@ -9,9 +9,29 @@ one sharded case compare the compiled path with the reference; everything else c
 behaviour that is the same on both paths. An explicit value in the environment wins.
 """
 
+import importlib.util
 import os
 
 os.environ.setdefault("TORCHREC_COWCLIP_COMPILE", "0")
+
+# A GPU machine may have torch alone (``import torchrec`` needs fbgemm_gpu): there, only the
+# modules that need torch alone are collected, so that ``pytest -m gpu`` still runs the row
+# step's device tests instead of failing on the other modules' imports.
+TORCH_ONLY = {"test_functional.py", "test_lazy_imports.py", "test_row_step.py"}
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+if not all(_installed(name) for name in ("torchrec", "fbgemm_gpu")):
+    collect_ignore_glob = [
+        name for name in os.listdir(os.path.dirname(__file__))
+        if name.startswith("test_") and name.endswith(".py") and name not in TORCH_ONLY
+    ]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
