@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
-from common import write_csv, write_json, write_png  # noqa: E402
+from common import RESULTS, write_csv, write_json, write_png  # noqa: E402
 from torchrec_cowclip.train import TrainConfig, train  # noqa: E402
 from torchrec_cowclip.train.scaling import (  # noqa: E402
     SCALINGS,
@@ -519,7 +519,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--row-clip-stats", action="store_true",
                    help="per run, clip rates by id frequency (the trainer's --row-clip-stats)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scaling"))
+    p.add_argument("--out", default=str(RESULTS / "scaling"))
     p.add_argument("--cache-dir", default=None, help="shared data cache (default OUT/cache)")
     p.add_argument("--combine", nargs="+", default=None, metavar="DIR",
                    help="no training: merge the scaling.json of these earlier --out folders "
