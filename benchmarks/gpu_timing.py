@@ -131,8 +131,8 @@ def row_step_variant(rows: Sequence[int], dim: int, device: torch.device, compil
 
     def step(batch: Batch) -> None:
         unique, grad, counts, bias = inputs[id(batch)]
-        call(table, state, unique, grad, counts, None, "adam", ADAM_LR, (0.9, 0.999), EPS, 0.0, COWCLIP,
-             None, None, bias)
+        call(table, state, unique, grad, counts, optimizer="adam", lr=ADAM_LR, betas=(0.9, 0.999), eps=EPS,
+             weight_decay=0.0, cowclip=COWCLIP, adam_bias=bias)
 
     return step
 

@@ -32,8 +32,8 @@ WITHOUT_TORCHREC = textwrap.dedent("""
     set_compiled_update("0")
     weight = torch.ones(4, 2)
     clipped = row_step_(weight, {}, torch.tensor([1, 3]), torch.full((2, 2), 10.0),
-                        torch.tensor([1, 1]), torch.tensor([1, 1]), "sgd", 0.1, (0.9, 0.999),
-                        1e-8, 0.0, CowClip(r=1.0, zeta=0.0), None, None, None)
+                        torch.tensor([1, 1]), optimizer="sgd", lr=0.1, betas=(0.9, 0.999),
+                        eps=1e-8, weight_decay=0.0, cowclip=CowClip(r=1.0, zeta=0.0))
     # ||g|| = 14.1 > tau = 1 * ||w|| = 1.41: the step is clipped to norm 1.41 * lr
     assert clipped.tolist() == [True, True], clipped
     assert torch.allclose(weight[1], torch.tensor([0.9, 0.9])), weight
