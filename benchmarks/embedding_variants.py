@@ -18,7 +18,7 @@ e. ``plain pytorch port``: the TF reference written in plain PyTorch: one
 Tables: the 26 of Criteo Kaggle (``CRITEO_KAGGLE_CARDINALITIES``), each capped at
 ``--max-rows`` (default 100,000; ``--full`` for the real 33.8M rows). Every (dim, batch)
 configuration is timed with all variants interleaved: each round runs every variant
-once on the same batch, the order rotated each round (``embedding_step.run_interleaved``),
+once on the same batch, the order rotated each round (``common.run_interleaved``),
 so a machine shared with other jobs slows all variants alike; the report gives medians
 and paired ratios (median over rounds of the per-round ratio).
 
@@ -36,7 +36,6 @@ Run (about 5 minutes on 2 cores with the defaults)::
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import os
@@ -45,36 +44,42 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-import embedding_step as es  # noqa: E402  (the existing benchmark: inputs and timing helpers)
-from proc_memory import child_memory, optimizer_state_bytes, vm_hwm_kib  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
+from common import (  # noqa: E402
+    ADAM_LR,
+    COWCLIP,
+    EPS,
+    RESULTS,
+    SEED,
+    Batch,
+    child_memory,
+    cpu_model,
+    criteo_table_rows,
+    fbgemm_step,
+    format_table,
+    grouped_bars,
+    make_ours,
+    make_tbe,
+    optimizer_state_bytes,
+    ours_step,
+    paired_ratio,
+    run_interleaved,
+    single_hot_batches,
+    slow_rounds,
+    vm_hwm_kib,
+    write_csv,
+    write_json,
+    write_png,
+)
 
 warnings.filterwarnings("ignore")
 
-from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType  # noqa: E402
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode  # noqa: E402
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E402
-    ComputeDevice,
-    CounterWeightDecayMode,
-    CowClipDefinition,
-    EmbeddingLocation,
-    SplitTableBatchedEmbeddingBagsCodegen,
-    WeightDecayMode,
-)
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
-
-from torchrec_cowclip import CowClipEmbeddingBagCollection  # noqa: E402
-from torchrec_cowclip.data import CRITEO_KAGGLE_CARDINALITIES  # noqa: E402
-
-COWCLIP = es.COWCLIP  # r = 1, zeta = 1e-5
-ADAM_LR, ADAGRAD_LR, EPS = es.ADAM_LR, es.ADAGRAD_LR, es.EPS
-
+NUM_BATCHES = 4  # distinct pre-generated batches, cycled
 NAMES = {
     "ours_adam": "ours adam+cowclip",
     "ours_adagrad": "ours rowwise_adagrad+cowclip",
@@ -85,70 +90,24 @@ NAMES = {
 REFERENCE = "fbgemm"
 
 
-# --- inputs ------------------------------------------------------------------------
+def fbgemm_cowclip_options() -> Dict[str, Any]:
+    """FBGEMM's own CowClip: it needs a weight decay mode and a row counter; the decay and
+    counter half-life here are the mildest settings it accepts."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        CounterWeightDecayMode,
+        CowClipDefinition,
+        WeightDecayMode,
+    )
 
-
-def table_rows(max_rows: Optional[int]) -> List[int]:
-    return [k if max_rows is None else min(k, max_rows) for k in CRITEO_KAGGLE_CARDINALITIES]
-
-
-def make_batches(
-    rows: Sequence[int], batch_size: int, exponent: float, count: int, seed: int
-) -> List[es.Batch]:
-    """Like ``embedding_step.make_batches`` but with a row count per table."""
-    rng = np.random.default_rng(seed)
-    cdfs = {n: es.zipf_cdf(n, exponent) for n in set(rows)}
-    rank_to_row = [rng.permutation(n) for n in rows]
-    keys = [f"f{t}" for t in range(len(rows))]
-    batches = []
-    for _ in range(count):
-        per_table = [
-            rank_to_row[t][np.minimum(np.searchsorted(cdfs[n], rng.random(batch_size)), n - 1)]
-            for t, n in enumerate(rows)
-        ]
-        unique = sum(int(np.unique(ids).size) for ids in per_table)
-        values = torch.from_numpy(np.concatenate(per_table).astype(np.int64))
-        lengths = torch.ones(len(rows) * batch_size, dtype=torch.int64)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
-        batches.append(es.Batch(kjt, kjt.values(), kjt.offsets(), unique))
-    return batches
-
-
-# --- variants ----------------------------------------------------------------------
-
-
-def make_ours(rows: Sequence[int], dim: int, optimizer: str) -> CowClipEmbeddingBagCollection:
-    tables = [
-        EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"])
-        for t, n in enumerate(rows)
-    ]
-    lr = ADAM_LR if optimizer == "adam" else ADAGRAD_LR
-    return CowClipEmbeddingBagCollection(tables, optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP)
-
-
-def make_tbe(rows: Sequence[int], dim: int, cowclip: bool) -> SplitTableBatchedEmbeddingBagsCodegen:
-    extra: Dict[str, Any] = {}
-    if cowclip:
-        # FBGEMM's CowClip: needs a weight decay mode and a row counter; the decay and
-        # counter half-life here are the mildest settings it accepts.
-        extra = dict(
-            weight_decay=0.0,
-            weight_decay_mode=WeightDecayMode.COWCLIP,
-            cowclip_regularization=CowClipDefinition(
-                counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE,
-                counter_halflife=-1,
-                weight_norm_coefficient=COWCLIP.r,
-                lower_bound=COWCLIP.zeta,
-            ),
-        )
-    return SplitTableBatchedEmbeddingBagsCodegen(
-        [(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=ADAGRAD_LR,
-        eps=EPS,
-        pooling_mode=PoolingMode.SUM,
-        device=torch.device("cpu"),
-        **extra,
+    return dict(
+        weight_decay=0.0,
+        weight_decay_mode=WeightDecayMode.COWCLIP,
+        cowclip_regularization=CowClipDefinition(
+            counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE,
+            counter_halflife=-1,
+            weight_norm_coefficient=COWCLIP.r,
+            lower_bound=COWCLIP.zeta,
+        ),
     )
 
 
@@ -163,7 +122,7 @@ class PlainPort:
         self.optimizer = torch.optim.Adam([self.weight], lr=ADAM_LR, eps=EPS)
         self.tables = len(rows)
 
-    def global_ids(self, batch: es.Batch) -> Tensor:
+    def global_ids(self, batch: Batch) -> Tensor:
         # feature-major [T * B] single-hot ids -> [B, T] rows of the one big table
         return (batch.indices.view(self.tables, -1) + self.offsets[:, None]).t()
 
@@ -183,15 +142,15 @@ class PlainPort:
 
 
 def build_variant(
-    key: str, rows: Sequence[int], dim: int, grad: Tensor, batches: Sequence[es.Batch]
-) -> Tuple[Any, Callable[[es.Batch], None]]:
+    key: str, rows: Sequence[int], dim: int, grad: Tensor, batches: Sequence[Batch]
+) -> Tuple[Any, Callable[[Batch], None]]:
     """``(module, step(batch))`` of one variant."""
     if key in ("ours_adam", "ours_adagrad"):
         ebc = make_ours(rows, dim, "adam" if key == "ours_adam" else "rowwise_adagrad")
-        return ebc, es.ours_step(ebc, grad)
+        return ebc, ours_step(ebc, grad)
     if key in ("fbgemm", "fbgemm_cowclip"):
-        tbe = make_tbe(rows, dim, cowclip=key == "fbgemm_cowclip")
-        return tbe, es.fbgemm_step(tbe, grad)
+        tbe = make_tbe(rows, dim, **(fbgemm_cowclip_options() if key == "fbgemm_cowclip" else {}))
+        return tbe, fbgemm_step(tbe, grad)
     if key == "plain":
         port = PlainPort(rows, dim)
         ids = {id(b): port.global_ids(b).contiguous() for b in batches}
@@ -220,9 +179,9 @@ def state_bytes_per_row(key: str, module: Any, total_rows: int) -> float:
 
 
 def memory_child(args: argparse.Namespace) -> None:
-    rows = table_rows(None if args.full else args.max_rows)
+    rows = criteo_table_rows(None if args.full else args.max_rows)
     dim, batch_size = args.dims[0], args.batch_sizes[0]
-    batches = make_batches(rows, batch_size, args.zipf, 2, es.SEED)
+    batches = single_hot_batches(rows, batch_size, args.zipf, 2, SEED)
     grad = torch.randn(batch_size, len(rows) * dim)
     gc.collect()
     before = vm_hwm_kib()
@@ -267,7 +226,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
     p.add_argument("--memory-at", type=ints, default=None, metavar="DIM,BATCH",
                    help="measure peak RSS at this configuration (default: the largest)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+    p.add_argument("--out", default=str(RESULTS),
                    help="directory for embedding_variants.{csv,json,png}")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -284,10 +243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.memory_child:
         memory_child(args)
         return {}
-    torch.manual_seed(es.SEED)
-    rows = table_rows(None if args.full else args.max_rows)
+    torch.manual_seed(SEED)
+    rows = criteo_table_rows(None if args.full else args.max_rows)
     total_rows = sum(rows)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {es.cpu_model()} "
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()} "
           f"({os.cpu_count()} logical cores)")
     print(f"26 Criteo Kaggle tables, {'uncapped' if args.full else f'capped at {args.max_rows:,} rows'}: "
           f"{total_rows:,} rows in all; ids power-law, exponent {args.zipf}")
@@ -295,10 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     errors: Dict[str, str] = {}
     for dim in args.dims:
         for batch_size in args.batch_sizes:
-            batches = make_batches(rows, batch_size, args.zipf, es.NUM_BATCHES, es.SEED)
+            batches = single_hot_batches(rows, batch_size, args.zipf, NUM_BATCHES, SEED)
             grad = torch.randn(batch_size, len(rows) * dim)
             uniq = statistics.fmean(b.unique_rows for b in batches)
-            variants: Dict[str, Callable[[es.Batch], None]] = {}
+            variants: Dict[str, Callable[[Batch], None]] = {}
             modules: Dict[str, Any] = {}
             for key in args.variants:
                 try:
@@ -310,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                     print(f"variant {NAMES[key]} failed at dim {dim} batch {batch_size}: {errors[key]}")
             print(f"\ndim {dim}, batch {batch_size:,}: {uniq:,.0f} distinct rows per step; "
                   f"{args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
-            timings = es.run_interleaved(
+            timings = run_interleaved(
                 {NAMES[k]: v for k, v in variants.items()}, batches, args.rounds, args.warmup, args.time_limit
             )
             ref = timings.get(NAMES[REFERENCE])
@@ -321,11 +280,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                     "median_ms": t.median, "min_ms": t.minimum, "rounds": len(t.samples),
                     "distinct_rows_per_step": uniq,
                     "state_bytes_per_row": state_bytes_per_row(key, modules[key], total_rows),
-                    "vs_fbgemm_paired": es.paired_ratio(t, ref) if ref else None,
+                    "vs_fbgemm_paired": paired_ratio(t, ref) if ref else None,
                     "plain_over_this_paired": (
-                        es.paired_ratio(timings[NAMES["plain"]], t) if "plain" in variants else None
+                        paired_ratio(timings[NAMES["plain"]], t) if "plain" in variants else None
                     ),
-                    "slow_rounds": es.slow_rounds(timings),
+                    "slow_rounds": slow_rounds(timings),
                 }
                 results.append(row)
             del modules, variants, timings
@@ -339,21 +298,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             memory[NAMES[key]] = measure_memory(args, key, mdim, mbatch)
         memory["_config"] = {"dim": mdim, "batch_size": mbatch}
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "embedding_variants.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
-    out = {"cpu": es.cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    write_csv(os.path.join(args.out, "embedding_variants.csv"), results)
+    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "total_rows": total_rows, "full": args.full, "max_rows": args.max_rows,
            "results": results, "memory": memory, "errors": errors}
-    with open(os.path.join(args.out, "embedding_variants.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    try:
-        import matplotlib  # noqa: F401
-        plot(results, os.path.join(args.out, "embedding_variants.png"))
-    except ImportError:
-        print("matplotlib is not installed: no PNG (CSV and JSON written)")
+    write_json(os.path.join(args.out, "embedding_variants.json"), out)
+    write_png(os.path.join(args.out, "embedding_variants.png"), grouped_bars(
+        results, lambda r: (r["dim"], r["batch_size"]), lambda g: f"D{g[0]} B{g[1]}", "median_ms",
+        "median ms / step"))
 
     def fmt(x: Optional[float], spec: str = ".2f") -> str:
         return "" if x is None else format(x, spec)
@@ -373,35 +325,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                        if "error" not in v else [k, "error", v["error"][:60]])
         print(f"\npeak RSS (VmHWM) of one variant per subprocess, dim {memory['_config']['dim']}, "
               f"batch {memory['_config']['batch_size']:,} (delta: over the peak before the variant was built):")
-        print(es.format_table(mem))
+        print(format_table(mem))
     for k, e in errors.items():
         print(f"FAILED {NAMES[k]}: {e}")
     print(f"\nms/step, {total_rows:,} rows, median over interleaved rounds; 'vs fbgemm' and 'plain/this' "
           "are paired ratios (median of per-round ratios); state B/row: optimizer state per embedding row")
-    print(es.format_table(table))
+    print(format_table(table))
     return out
-
-
-def plot(results: List[Dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["dim"], r["batch_size"]) for r in results})
-    names = list(dict.fromkeys(r["variant"] for r in results))
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(configs)), 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [next((r["median_ms"] for r in results if r["variant"] == name and (r["dim"], r["batch_size"]) == c), 0)
-              for c in configs]
-        ax.bar([k + i * width for k in range(len(configs))], ys, width, label=name)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(configs))])
-    ax.set_xticklabels([f"D{d} B{b}" for d, b in configs])
-    ax.set_ylabel("median ms / step")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

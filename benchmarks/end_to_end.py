@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import gc
 import io
 import json
@@ -52,15 +51,27 @@ import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import embedding_step as es  # noqa: E402
-from proc_memory import child_memory, optimizer_state_bytes, vm_hwm_kib  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    Timing,
+    child_memory,
+    cpu_model,
+    format_table,
+    grouped_bars,
+    optimizer_state_bytes,
+    run_interleaved,
+    vm_hwm_kib,
+    write_csv,
+    write_json,
+    write_png,
+)
 from torchrec_cowclip import CowClip  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
@@ -283,29 +294,6 @@ def measure_memory(args: argparse.Namespace, variant: str, rows: int, bs: int) -
     return {"variant": variant, "batch_size": bs, **child_memory(cmd)}
 
 
-def plot(results: List[Dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted({r["batch_size"] for r in results})
-    names = list(dict.fromkeys(r["variant"] for r in results))
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(sizes)), 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [next((r["samples_per_s_median"] for r in results if r["variant"] == name and r["batch_size"] == bs), 0)
-              for bs in sizes]
-        ax.bar([k + i * width for k in range(len(sizes))], ys, width, label=name)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))])
-    ax.set_xticklabels([f"batch {bs:,}" for bs in sizes])
-    ax.set_ylabel("samples / s (median)")
-    ax.set_yscale("log")
-    ax.set_title("DeepFM training throughput")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=300_000, help="synthetic rows generated")
@@ -326,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         "size (data, model, 3 steps) and optimizer-state bytes per embedding row")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+    p.add_argument("--out", default=str(RESULTS),
                    help="directory for end_to_end.{json,csv,png} and end_to_end_memory.csv")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -343,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ds = open_dataset(f"synthetic:{rows}", args.cache_dir, max_cardinality=args.max_cardinality)
     names, cards = list(ds.schema.sparse_names), list(ds.schema.cardinalities)
     n_dense = ds.schema.n_dense
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {es.cpu_model()}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()}")
     print(f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
           f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set")
 
@@ -362,9 +350,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
         k = max(args.steps_per_round, 1)
         blocks = {name: (lambda b, f=f: [f(b) for _ in range(k)]) for name, f in variants.items()}
-        timings = es.run_interleaved(blocks, batches, args.rounds, args.warmup, args.time_limit)
+        timings = run_interleaved(blocks, batches, args.rounds, args.warmup, args.time_limit)
         steps_per_call = {name: k * (args.fit_steps if "fit()" in name else 1) for name in variants}
-        sps = {n: es.Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
+        sps = {n: Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
         for name, t in sps.items():
             results.append({
                 "batch_size": bs, "variant": name, "samples_per_s_median": t.median,
@@ -383,26 +371,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if "deepctr" not in built:
             print("deepctr-torch not measured: " + (deepctr_error or "--no-deepctr"))
 
-    os.makedirs(args.out, exist_ok=True)
-    out = {"cpu": es.cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
+    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
            "max_cardinality": args.max_cardinality, "total_rows": sum(cards),
            "results": results, "memory": memory, "deepctr_error": deepctr_error}
-    with open(os.path.join(args.out, "end_to_end.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    with open(os.path.join(args.out, "end_to_end.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
+    write_json(os.path.join(args.out, "end_to_end.json"), out)
+    write_csv(os.path.join(args.out, "end_to_end.csv"), results)
     if memory:
-        with open(os.path.join(args.out, "end_to_end_memory.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=MEMORY_FIELDS, restval="", extrasaction="ignore")
-            w.writeheader()
-            w.writerows(memory)
-    try:
-        import matplotlib  # noqa: F401
-        plot(results, os.path.join(args.out, "end_to_end.png"))
-    except ImportError:
-        print("matplotlib is not installed: no PNG (CSV and JSON written)")
+        write_csv(os.path.join(args.out, "end_to_end_memory.csv"), memory, MEMORY_FIELDS, restval="",
+                  extrasaction="ignore")
+    write_png(os.path.join(args.out, "end_to_end.png"), grouped_bars(
+        results, lambda r: r["batch_size"], lambda bs: f"batch {bs:,}", "samples_per_s_median",
+        "samples / s (median)", title="DeepFM training throughput"))
 
     if memory:
         mem = [["variant", "peak RSS MiB", "delta MiB", "state B/row"]]
@@ -412,14 +391,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"\npeak RSS (VmHWM) of one variant per subprocess (data, model, 3 steps), batch {max(sizes):,} "
               "(delta: over the peak before the model was built); state B/row: embedding optimizer "
               "state per id (its D-dim row and first-order weight)")
-        print(es.format_table(mem))
+        print(format_table(mem))
     table = [["batch", "variant", "samples/s", "ms/step", "rounds", "ours/this"]]
     for r in results:
         table.append([f"{r['batch_size']:,}", r["variant"], f"{r['samples_per_s_median']:,.0f}",
                       f"{r['ms_per_step_median']:.1f}", str(r["rounds"]), f"{r['ours_over_this_paired']:.2f}"])
     print("\nDeepFM training throughput, median over interleaved rounds; ours/this = paired ratio of "
           "samples/s (>1: ours faster); deepctr fit() includes its DataLoader")
-    print(es.format_table(table))
+    print(format_table(table))
     if deepctr_error:
         print(f"deepctr-torch FAILED: {deepctr_error}")
     return out

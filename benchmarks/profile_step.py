@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import embedding_step as es  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
+from common import SEED, make_ours, ours_step, single_hot_batches  # noqa: E402
 
 from torchrec_cowclip.embedding.row_step import set_compiled_update  # noqa: E402
 
@@ -42,11 +42,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         torch.set_num_threads(args.threads)
     set_compiled_update("0" if args.eager else None)
 
-    shape = es.Shape(args.tables, args.rows, args.dim, args.batch_size)
-    batches = es.make_batches(shape, 1.0, 4, es.SEED)
-    ebc = es.make_ours(shape, args.optimizer)
-    grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
-    step = es.ours_step(ebc, grad)
+    rows = [args.rows] * args.tables
+    batches = single_hot_batches(rows, args.batch_size, 1.0, 4, SEED)
+    ebc = make_ours(rows, args.dim, args.optimizer)
+    grad = torch.randn(args.batch_size, args.tables * args.dim)
+    step = ours_step(ebc, grad)
     for i in range(5):  # compile and warm up
         step(batches[i % len(batches)])
     start = time.perf_counter()

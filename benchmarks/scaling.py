@@ -83,10 +83,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
+from common import RESULTS, write_csv, write_json, write_png  # noqa: E402
 from torchrec_cowclip.train import TrainConfig, train  # noqa: E402
 from torchrec_cowclip.train.scaling import (  # noqa: E402
     SCALINGS,
@@ -269,16 +267,13 @@ def run_study(
     out_root: Path,
     cache_dir: Optional[str] = None,
     base_batch_size: int = 1024,
-    init_std: float = 1e-2,
-    base_lr: Optional[float] = None,
-    base_lr_embed: Optional[float] = None,
-    base_l2: Optional[float] = None,
-    extra: Optional[Dict[str, Any]] = None,
-    method_options: Optional[Dict[str, Any]] = None,
     verbose: bool = True,
     equal_steps: bool = False,
+    **run_options: Any,
 ) -> List[Dict[str, Any]]:
-    """Every (batch, method, seed) run; returns the records in that order.
+    """Every (batch, method, seed) run; returns the records in that order. ``run_options``
+    (``init_std``, ``base_lr``, ``base_lr_embed``, ``base_l2``, ``extra``,
+    ``method_options``) go to every :func:`run_one`.
 
     ``equal_steps``: batch ``b`` trains ``epochs * b / base_batch_size`` epochs (rounded),
     i.e. as many steps as the base batch takes in ``epochs``; with the trainer's
@@ -297,9 +292,7 @@ def run_study(
                               else epochs)
                 rec = run_one(method=method, batch_size=b, seed=seed, model=model, data=data,
                               epochs=run_epochs, out_root=out_root, cache_dir=cache_dir,
-                              base_batch_size=base_batch_size, init_std=init_std,
-                              base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2,
-                              extra=extra, method_options=method_options)
+                              base_batch_size=base_batch_size, **run_options)
                 records.append(rec)
                 if verbose:
                     print(f"[{len(records)}/{total}] batch {b} {method} seed {seed}: "
@@ -409,18 +402,11 @@ def write_outputs(records: List[Dict[str, Any]], out_root: Path, meta: Dict[str,
     """scaling.csv (one row per run), scaling.json (runs, summary, notes) and the plot."""
     out_root = Path(out_root)
     paths = {"csv": out_root / "scaling.csv", "json": out_root / "scaling.json"}
-    with paths["csv"].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in records:
-            row = dict(r)
-            row["epoch_auc"] = ";".join(f"{x:.6f}" for x in r["epoch_auc"])
-            row["epoch_logloss"] = ";".join(f"{x:.6f}" for x in r["epoch_logloss"])
-            w.writerow(row)
+    rows = [{**r, "epoch_auc": ";".join(f"{x:.6f}" for x in r["epoch_auc"]),
+             "epoch_logloss": ";".join(f"{x:.6f}" for x in r["epoch_logloss"])} for r in records]
+    write_csv(paths["csv"], rows, CSV_FIELDS, extrasaction="ignore")
     summary = summarize(records)
-    paths["json"].write_text(json.dumps(
-        {"meta": meta, "notes": [BUCKET_NOTE], "summary": summary, "runs": records},
-        indent=2, default=str))
+    write_json(paths["json"], {"meta": meta, "notes": [BUCKET_NOTE], "summary": summary, "runs": records})
     plot = plot_auc(summary, out_root / "scaling_auc.png", title=meta.get("title", ""))
     if plot is not None:
         paths["plot"] = plot
@@ -433,15 +419,10 @@ def plot_auc(summary: List[Dict[str, Any]], path: Path, title: str = "") -> Opti
     A method with no run at the smallest batch starts from cowclip's point there (the
     study runs only cowclip at the base batch, where all methods share hyperparameters).
     """
-    try:
-        import matplotlib
+    return path if write_png(path, lambda plt: _draw_auc(plt, summary, title), dpi=90) else None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot "
-              "(pip install matplotlib to get scaling_auc.png)", file=sys.stderr)
-        return None
+
+def _draw_auc(plt: Any, summary: List[Dict[str, Any]], title: str) -> Any:
     # A second panel for the val-best epoch when every run has a validation split.
     panels = [("auc", "test AUC, last epoch")]
     val = bool(summary) and all(r.get("val_sel_auc_mean") is not None for r in summary)
@@ -482,9 +463,7 @@ def plot_auc(summary: List[Dict[str, Any]], path: Path, title: str = "") -> Opti
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _int_list(text: str) -> List[int]:
@@ -540,7 +519,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--row-clip-stats", action="store_true",
                    help="per run, clip rates by id frequency (the trainer's --row-clip-stats)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scaling"))
+    p.add_argument("--out", default=str(RESULTS / "scaling"))
     p.add_argument("--cache-dir", default=None, help="shared data cache (default OUT/cache)")
     p.add_argument("--combine", nargs="+", default=None, metavar="DIR",
                    help="no training: merge the scaling.json of these earlier --out folders "

@@ -30,11 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from proc_memory import vm_hwm_kib  # noqa: E402
-from text_table import format_table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
+from common import REPO, RESULTS, format_table, vm_hwm_kib, write_json  # noqa: E402
 
 
 def _cardinalities(weights_gb: float, dim: int) -> List[int]:
@@ -126,7 +123,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--cases", default="one,table_wise,row_wise",
                         help="comma-separated: one (one process) and sharding types")
-    parser.add_argument("--out", default="benchmarks/results/sharded_memory.json")
+    parser.add_argument("--out", default=str(RESULTS / "sharded_memory.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -147,9 +144,7 @@ def main() -> None:
             })
     columns = ["case", "rank", "peak_rss_gib", "tables_and_state_gib", "vs_one_process", "build_s"]
     print(format_table([columns] + [[str(r[c]) for c in columns] for r in rows]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"weights_gb": args.weights_gb, "dim": args.dim,
-                                          "rows": rows}, indent=2))
+    write_json(args.out, {"weights_gb": args.weights_gb, "dim": args.dim, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def mixed_scale_weights(num_rows: int, dim: int, generator: torch.Generator) -> 
 
 class DenseReference:
     """Plain autograd on a ``torchrec.EmbeddingBagCollection`` + the reference step
-    (docs/algorithm.md)."""
+    (docs/algorithm.md), in float64 on CPU: the reference of the fused collection on every
+    device."""
 
     def __init__(
         self,
@@ -79,7 +80,7 @@ class DenseReference:
         **hyper,
     ) -> None:
         self.tables = [replace(t) for t in tables]
-        self.ebc = EmbeddingBagCollection(tables=self.tables, is_weighted=is_weighted)
+        self.ebc = EmbeddingBagCollection(tables=self.tables, is_weighted=is_weighted).double()
         with torch.no_grad():
             for name, w in weights.items():
                 self.ebc.embedding_bags[name].weight.copy_(w)
@@ -92,10 +93,13 @@ class DenseReference:
         }
         self.clipped_rows: Dict[str, torch.Tensor] = {}
 
+    def output(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """The pooled embeddings of ``kjt`` (a CPU KJT), float64."""
+        return self.ebc(_float64_weights(kjt)).values()
+
     def step(self, kjt: KeyedJaggedTensor, upstream: torch.Tensor) -> None:
         self.ebc.zero_grad(set_to_none=True)
-        out = self.ebc(kjt).values()
-        (out * upstream).sum().backward()
+        (self.output(kjt) * upstream.to("cpu", torch.float64)).sum().backward()
         features = kjt.to_dict()
         with torch.no_grad():
             for t in self.tables:
@@ -115,6 +119,40 @@ class DenseReference:
 
     def weight(self, name: str) -> torch.Tensor:
         return self.ebc.embedding_bags[name].weight.detach()
+
+
+def _float64_weights(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    weights = kjt.weights_or_none()
+    if weights is None:
+        return kjt
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), weights=weights.double(),
+                             lengths=kjt.lengths(), offsets=kjt.offsets())
+
+
+def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5,
+                              atol: float = 1e-6, msg=None) -> None:
+    """float32 on any device against the float64 CPU reference."""
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, check_dtype=False,
+                               check_device=False, msg=msg)
+
+
+def to_device(kjt: KeyedJaggedTensor, device: torch.device) -> KeyedJaggedTensor:
+    """``kjt`` on ``device``, its offsets computed on CPU first: computed later on CUDA
+    they would need fbgemm_gpu's CUDA ``asynchronous_complete_cumsum`` (batches from
+    ``BatchIterator`` carry their offsets too)."""
+    kjt.offsets()
+    return kjt.to(device)
+
+
+def keys_can_be_reordered(device: torch.device) -> bool:
+    """Whether ``KeyedJaggedTensor.permute`` runs on ``device``: the collection calls it
+    for a KJT whose keys are not in its tables' order, and it is fbgemm_gpu's
+    ``permute_2D_sparse_data``, which a CPU-only fbgemm_gpu build lacks for CUDA."""
+    try:
+        to_device(kjt_from_bags({"a": [[1]], "b": [[2, 3]]}), device).permute([1, 0]).values()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def default_cowclip() -> CowClip:

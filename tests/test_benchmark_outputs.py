@@ -1,5 +1,5 @@
-"""benchmarks/end_to_end.py and benchmarks/embedding_step.py at tiny sizes: the files
-each writes (JSON, CSV, PNG with matplotlib) and end_to_end's peak-RSS table, one entry
+"""benchmarks/end_to_end.py, benchmarks/embedding_step.py and benchmarks/gpu_timing.py at
+tiny sizes: the files each writes (JSON, CSV, PNG with matplotlib) and end_to_end's peak-RSS table, one entry
 per timed variant, each from its own subprocess."""
 
 import csv
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -70,3 +72,25 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
     assert [r["variant"] for r in rows] == [*result["variants"], "ours adam: backward + fused update"]
     assert {"variant", "median_ms", "min_ms", "vs_fbgemm_paired", "floor_ms_adam"} <= set(rows[0])
     assert (out / "embedding_step.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_gpu_timing_runs_both_parts_on_cpu(bench, tmp_path, capsys):
+    """benchmarks/gpu_timing.py at --quick sizes on CPU (the GPU run is benchmarks/gpu.sh)."""
+    import gpu_timing
+
+    out = tmp_path / "out"
+    assert gpu_timing.main(["--device", "cpu", "--quick", "--steps", "2", "--threads", "1",
+                            "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    report = json.loads((out / "gpu_timing.json").read_text())
+    (timing,) = report["embedding"]["per_batch"]
+    names = [gpu_timing.ADAM_NAME, gpu_timing.ADAGRAD_NAME, gpu_timing.FBGEMM_NAME,
+             gpu_timing.ROW_STEP_NAME.format(path="eager")]
+    assert list(timing["variants"]) == names
+    assert all(timing["variants"][n]["steps"] == 2 and timing["variants"][n]["median_ms"] > 0 for n in names)
+    assert timing["floor_ms_adam"] > 0
+    assert report["embedding"]["rows"] == sum(min(k, 2000) for k in CRITEO_KAGGLE_CARDINALITIES)
+    deepfm = report["deepfm"]
+    assert deepfm["timed_steps"] == 3 and deepfm["losses_finite"]
+    assert deepfm["epoch_s_extrapolated"] > 0 and not deepfm["goal_applies"]
+    printed = capsys.readouterr().out
+    assert "EXTRAPOLATED" in printed and "memory-bandwidth floor" in printed

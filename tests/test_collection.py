@@ -13,13 +13,17 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from cowclip_testing import (
     DenseReference,
+    assert_close_to_reference,
     default_cowclip,
+    keys_can_be_reordered,
     kjt_from_bags,
     mixed_scale_weights,
     random_kjt,
+    to_device,
 )
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.functional import CountLR
+from torchrec_cowclip.embedding import fused_update
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.embedding.row_step import set_compiled_update
 
@@ -35,10 +39,11 @@ def _tables():
     ]
 
 
-def _build(tables, gen, optimizer, cowclip, unclipped=("linear",), is_weighted=False, **hyper):
+def _build(tables, gen, optimizer, cowclip, unclipped=("linear",), is_weighted=False, device=None,
+           **hyper):
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables], optimizer=optimizer, cowclip=cowclip,
-        unclipped_tables=unclipped, is_weighted=is_weighted, **hyper,
+        unclipped_tables=unclipped, is_weighted=is_weighted, device=device, **hyper,
     )
     weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
     with torch.no_grad():
@@ -53,18 +58,18 @@ def _assert_matches_reference(ebc, ref, tables, rtol=1e-5, atol=1e-6):
     opt_state = ebc.fused_optimizer.state_dict()["state"]
     for t in tables:
         ours = ebc.embedding_bags[t.name].weight.detach()
-        torch.testing.assert_close(ours, ref.weight(t.name), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"table {t.name}: {m}")
+        assert_close_to_reference(ours, ref.weight(t.name), rtol=rtol, atol=atol,
+                                  msg=lambda m: f"table {t.name}: {m}")
         for key, value in ref.state[t.name].items():
-            torch.testing.assert_close(opt_state[f"embedding_bags.{t.name}.weight"][key], value,
-                                       rtol=rtol, atol=atol, msg=lambda m: f"{t.name}.{key}: {m}")
+            assert_close_to_reference(opt_state[f"embedding_bags.{t.name}.weight"][key], value,
+                                      rtol=rtol, atol=atol, msg=lambda m: f"{t.name}.{key}: {m}")
 
 
 def _step_against_reference(ebc, ref, tables, kjt, gen):
     """One forward + backward of ``ebc`` and the dense reference on ``kjt``; both must agree."""
     out = ebc(kjt)
     upstream = torch.randn(out.values().shape, generator=gen)
-    torch.testing.assert_close(out.values(), ref.ebc(kjt).values().detach())
+    assert_close_to_reference(out.values(), ref.output(kjt).detach())
     (out.values() * upstream).sum().backward()
     ref.step(kjt, upstream)
     _assert_matches_reference(ebc, ref, tables)
@@ -86,20 +91,24 @@ def update_path(request):
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 @pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
-def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_path):
+def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_path, device):
+    """Four steps of the collection on ``device`` (float32; on CUDA compiled into Triton
+    kernels on the compiled path) against the float64 CPU reference: a shared table, MEAN
+    pooling, mixed dims, an unclipped dim-1 table, multi-hot bags with duplicates and empty
+    ones, every other step's keys in another order than the tables'."""
     gen = torch.Generator().manual_seed(7)
     tables = _tables()
     cowclip = default_cowclip() if clip else None
-    ebc, ref = _build(tables, gen, optimizer, cowclip, **HYPER)
+    ebc, ref = _build(tables, gen, optimizer, cowclip, device=device, **HYPER)
+    reorder = keys_can_be_reordered(device)
     total_clipped = 0
     for step in range(4):
         kjt = random_kjt(tables, batch_size=6, generator=gen,
-                         key_order=["fe", "fc", "fa", "fd", "fb"] if step % 2 else None)
-        out = ebc(kjt)
+                         key_order=["fe", "fc", "fa", "fd", "fb"] if step % 2 and reorder else None)
+        out = ebc(to_device(kjt, device))
         upstream = torch.randn(out.values().shape, generator=gen)
-        ref_out = ref.ebc(kjt).values()
-        torch.testing.assert_close(out.values(), ref_out.detach())
-        (out.values() * upstream).sum().backward()
+        assert_close_to_reference(out.values(), ref.output(kjt).detach())
+        (out.values() * upstream.to(device)).sum().backward()
         ref.step(kjt, upstream)
         _assert_matches_reference(ebc, ref, tables)
         stats = ebc.clip_stats()
@@ -114,6 +123,13 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_pa
         assert sum(s.total_rows_updated for s in stats.values()) > total_clipped
     else:
         assert total_clipped == 0
+
+
+def test_a_wrong_update_fails_the_reference_comparison(device, wrong_row_step, monkeypatch):
+    """The comparison above can fail: an update that is off by 1e-3 on one row is caught."""
+    monkeypatch.setattr(fused_update, "row_step_", wrong_row_step)
+    with pytest.raises(AssertionError, match="not close"):
+        test_several_steps_match_dense_autograd_reference("adam", True, "eager", device)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
@@ -384,13 +400,14 @@ def test_keys_that_do_not_match_are_named():
 
 
 @pytest.mark.parametrize("bad_id", [40, -1, 10**9])
-def test_out_of_range_ids_raise_before_any_change(bad_id):
+def test_out_of_range_ids_raise_before_any_change(bad_id, device):
     tables = _tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1,
+                                        device=device)
     before = copy.deepcopy(ebc.state_dict())
     bags = {"fa": [[1], [2]], "fb": [[3], [4, bad_id]], "fc": [[0], [0]], "fd": [[0], []], "fe": [[1], [1]]}
     with pytest.raises(IndexError) as err:
-        ebc(kjt_from_bags(bags)).values().sum().backward()
+        ebc(to_device(kjt_from_bags(bags), device)).values().sum().backward()
     message = str(err.value)
     assert "'fb'" in message and "'shared'" in message and f"id {bad_id}" in message
     assert "sample 1" in message and "[0, 40)" in message

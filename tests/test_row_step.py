@@ -58,56 +58,80 @@ def _problem(optimizer, num_rows=50, dim=6, touched=17, seed=0):
 
 
 def _expected(optimizer, weight, state, rows, grad, counts, step, **kw):
-    """The functional math applied to the gathered rows, scattered by hand."""
-    w = weight.clone()
-    s = {k: v.clone() for k, v in state.items()}
+    """The functional math in float64 on CPU applied to the gathered rows, scattered by
+    hand (the reference of every device and path)."""
+    f64 = {k: v.detach().to("cpu", torch.float64) for k, v in state.items()}
+    w = weight.detach().to("cpu", torch.float64)
+    rows, counts, step = rows.cpu(), counts.cpu(), step.cpu()
     w_rows = w[rows].clone()
-    s_rows = {k: v[rows].clone() for k, v in s.items()}
-    clipped = cowclip_row_update_(optimizer, w_rows, grad, counts, s_rows, step, **kw)
+    s_rows = {k: v[rows].clone() for k, v in f64.items()}
+    clipped = cowclip_row_update_(optimizer, w_rows, grad.to("cpu", torch.float64), counts, s_rows,
+                                  step, **kw)
     w[rows] = w_rows
-    for k in s:
-        s[k][rows] = s_rows[k]
-    return w, s, clipped
+    for k in f64:
+        f64[k][rows] = s_rows[k]
+    return w, f64, clipped
 
 
+def assert_close_to_reference(actual, expected, rtol=1e-5, atol=1e-7):
+    """float32 on any device against the float64 CPU reference."""
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, check_dtype=False,
+                               check_device=False)
+
+
+# (optimizer, dim, cowclip, coupled L2, per-row clip mask); dim 1 is DeepFM's first-order
+# tables, a graph of its own.
 CASES = [
-    ("adam", CowClip(r=1.0, zeta=1e-5), 0.01, True),
-    ("adam", None, 0.0, False),
-    ("rowwise_adagrad", CowClip(r=1.0, zeta=1e-5), 0.01, True),
-    ("sgd", CowClip(r=0.5, zeta=1e-4), 0.0, False),
+    ("adam", 6, CowClip(r=1.0, zeta=1e-5), 0.01, True),
+    ("adam", 1, CowClip(r=1.0, zeta=1e-5), 0.0, True),
+    ("adam", 6, None, 0.0, False),
+    ("rowwise_adagrad", 6, CowClip(r=1.0, zeta=1e-5), 0.01, True),
+    ("sgd", 6, CowClip(r=0.5, zeta=1e-4), 0.0, False),
 ]
+# (rows, touched) of the two calls per case: on CUDA, thousands of rows (many thread
+# blocks and a ragged last one); on CPU, tens.
+SIZES = {"cpu": ((50, 17), (50, 9)), "cuda": ((20_000, 6_000), (20_000, 4_001))}
 
 
 @pytest.mark.parametrize("mode", [pytest.param("1", marks=needs_compiler), "0"],
                          ids=["compiled", "eager"])
-@pytest.mark.parametrize("optimizer,cowclip,weight_decay,masked", CASES)
-def test_row_step_matches_the_functional_math(mode, optimizer, cowclip, weight_decay, masked):
+@pytest.mark.parametrize("optimizer,dim,cowclip,weight_decay,masked", CASES)
+def test_row_step_matches_the_functional_math(device, mode, optimizer, dim, cowclip, weight_decay,
+                                              masked):
+    """The row step in float32 on ``device`` (Inductor's Triton kernels on CUDA when
+    compiled) against the float64 functional math on CPU. Two calls with different lr and
+    row counts: one graph serves both (dynamic shapes, lr not baked in), and both are right."""
     set_compiled_update(mode)
-    weight, state, rows, grad, counts, step, mask = _problem(optimizer)
-    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
-              cowclip=cowclip, clip_enabled=mask if masked else None)
-    want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad, counts,
-                                             step, **kw)
-    bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-    # Two calls with different lr and row counts: one graph serves both (dynamic shapes,
-    # lr not baked in), and both are right.
-    for touched, lr in ((17, 0.05), (9, 0.02)):
-        if touched != 17:
-            weight, state, rows, grad, counts, step, mask = _problem(optimizer, touched=touched, seed=1)
-            kw.update(lr=lr, clip_enabled=mask if masked else None)
-            want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad,
-                                                     counts, step, **kw)
-            bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-        clipped = row_step_(weight, state, rows, grad, counts, step=step, optimizer=optimizer,
-                            lr=kw["lr"], betas=kw["betas"], eps=kw["eps"],
-                            weight_decay=weight_decay, cowclip=cowclip,
-                            clip_enabled=kw["clip_enabled"], adam_bias=bias)
-        torch.testing.assert_close(weight, want_w, rtol=1e-5, atol=1e-7)
+    any_clipped = any_unclipped = False
+    for seed, ((num_rows, touched), lr) in enumerate(zip(SIZES[device.type], (0.05, 0.02))):
+        weight, state, rows, grad, counts, step, mask = _problem(optimizer, num_rows, dim, touched, seed)
+        kw = dict(lr=lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
+                  cowclip=cowclip, clip_enabled=mask if masked else None)
+        want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad, counts,
+                                                 step, **kw)
+        weight, rows, grad, counts, step = (t.to(device) for t in (weight, rows, grad, counts, step))
+        state = {k: v.to(device) for k, v in state.items()}
+        bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
+        clip_enabled = mask.to(device) if masked else None
+        clipped = row_step.row_step_(weight, state, rows, grad, counts, step=step,
+                                     optimizer=optimizer, lr=lr, betas=kw["betas"], eps=kw["eps"],
+                                     weight_decay=weight_decay, cowclip=cowclip,
+                                     clip_enabled=clip_enabled, adam_bias=bias)
+        assert_close_to_reference(weight, want_w)
         for key in state:
-            torch.testing.assert_close(state[key], want_s[key], rtol=1e-5, atol=1e-7)
-        assert torch.equal(clipped, want_clipped)
-    if cowclip is not None:
-        assert bool(want_clipped.any()) and not bool(want_clipped.all())
+            assert_close_to_reference(state[key], want_s[key])
+        assert torch.equal(clipped.cpu(), want_clipped)
+        any_clipped |= bool(want_clipped.any())
+        any_unclipped |= bool((~want_clipped).any())
+    if cowclip is not None:  # the problem exercises both sides of the clip
+        assert any_clipped and any_unclipped
+
+
+def test_a_wrong_row_step_fails_the_check(device, wrong_row_step, monkeypatch):
+    """The comparison above can fail: a row step that is off by 1e-3 on one row is caught."""
+    monkeypatch.setattr(row_step, "row_step_", wrong_row_step)
+    with pytest.raises(AssertionError, match="not close"):
+        test_row_step_matches_the_functional_math(device, "0", *CASES[-1])
 
 
 @needs_compiler
@@ -159,7 +183,7 @@ def test_a_failed_build_falls_back_to_eager_once_with_a_warning(monkeypatch):
     want_w, _, _ = _expected("sgd", weight, state, rows, grad, counts, step, lr=0.1)
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
-    torch.testing.assert_close(weight, want_w)
+    assert_close_to_reference(weight, want_w)
     assert not use_compiled_update(torch.device("cpu"))
     row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
     assert len(calls) == 1  # not retried
@@ -201,8 +225,8 @@ def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
                         lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=0.01,
                         cowclip=kw["cowclip"], clip_enabled=mask, adam_bias=bias,
                         count_lr=kw["count_lr"])
-    torch.testing.assert_close(weight, want_w, rtol=1e-5, atol=1e-7)
+    assert_close_to_reference(weight, want_w)
     for key in state:
-        torch.testing.assert_close(state[key], want_s[key], rtol=1e-5, atol=1e-7)
+        assert_close_to_reference(state[key], want_s[key])
     assert torch.equal(clipped, want_clipped)
     assert not torch.allclose(want_w, plain_w)  # the rule changed the step

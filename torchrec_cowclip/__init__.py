@@ -8,12 +8,32 @@ Example::
     ...     tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000,
     ...                                feature_names=["f0"])],
     ...     optimizer="adam", lr=1e-4, cowclip=CowClip(r=1.0, zeta=1e-5))
+
+The names built on TorchRec types load on first use (module ``__getattr__``), so the
+torch-only core (``torchrec_cowclip.optim.functional``, ``optim.reference``,
+``embedding.row_step``) imports on a machine without torchrec or fbgemm_gpu.
 """
 
-from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding.table_batch import TableClipStats
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrec_cowclip._lazy import lazy_exports
 from torchrec_cowclip.optim.functional import CountLR, CowClip
-from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+    from torchrec_cowclip.embedding.table_batch import TableClipStats
+    from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+
+# Public name -> the module that defines it; each needs torchrec.
+_LAZY = {
+    "CowClipEmbeddingBagCollection": "torchrec_cowclip.embedding.collection",
+    "CowClipFusedOptimizer": "torchrec_cowclip.optim.fused",
+    "TableClipStats": "torchrec_cowclip.embedding.table_batch",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "CountLR",

@@ -1,5 +1,14 @@
-"""The CowClip math (functional core), its dense reference, and the fused optimizer handle."""
+"""The CowClip math (functional core), its dense reference, and the fused optimizer handle.
 
+``CowClipFusedOptimizer`` (a torchrec ``FusedOptimizer``) loads on first use, so the
+functional core imports without torchrec.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrec_cowclip._lazy import lazy_exports
 from torchrec_cowclip.optim.functional import (
     OPTIMIZERS,
     CountLR,
@@ -7,6 +16,12 @@ from torchrec_cowclip.optim.functional import (
     cowclip_clip,
     cowclip_row_update_,
 )
-from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+
+_LAZY = {"CowClipFusedOptimizer": "torchrec_cowclip.optim.fused"}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = ["OPTIMIZERS", "CountLR", "CowClip", "cowclip_clip", "cowclip_row_update_", "CowClipFusedOptimizer"]
