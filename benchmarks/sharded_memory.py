@@ -67,7 +67,6 @@ def child(args: argparse.Namespace) -> None:
                         table_device="meta" if sharded else None)
     world, rank = 1, 0
     if sharded:
-        import torch.distributed as dist
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
         from torchrec_cowclip.train.distributed import init_distributed, shard_model
 
