@@ -224,10 +224,10 @@ def test_cli_model_choices_are_the_factory_registry():
 
 @pytest.mark.parametrize("model", ["wdl", "dcn", "dcnv2", "dlrm", "dlrm_dcn"])
 def test_every_model_trains_through_the_cli_path(tmp_path, model):
-    # 16 steps give test AUC 0.61-0.65 over these models; with lr 0 (nothing learned) the
-    # same models score 0.53-0.58 from their random initialisation alone.
-    metrics = Trainer(_config(tmp_path, model=model, max_steps=16, lr=1e-2)).run()
-    assert metrics["steps"] == 16 and metrics["auc"] > 0.595, metrics["auc"]
+    # 24 steps give test AUC 0.70-0.77 over these models (counter-based init, seed 0);
+    # with lr 0 (nothing learned) they score 0.46-0.50, and 16 steps leave the DLRMs at 0.54-0.56.
+    metrics = Trainer(_config(tmp_path, model=model, max_steps=24, lr=1e-2)).run()
+    assert metrics["steps"] == 24 and metrics["auc"] > 0.62, metrics["auc"]
     assert math.isfinite(metrics["logloss"]) and metrics["rows_updated"] > 0
 
 

@@ -33,12 +33,14 @@ from torchrec_cowclip.train.scaling import ScaledHyperparameters
 # (weights, metrics.json): how often it logs, checkpoints or shows progress, where it
 # stops (--max-steps; --epochs only upwards, see check_resume), how it was started, where
 # it writes, where the binary cache lives (the data itself is compared by fingerprint),
-# and how long a collective may wait. Everything else - including --threads, --device and
-# --eval-batch-size, which can move the last bits of float sums, and --init-std, which
-# metrics.json reports - must be the checkpoint's.
+# and how long a collective may wait. --sharding too, deliberately: a checkpoint re-shards on
+# load so that a run moves to another number of processes or plan (the update is the same
+# math on the same global batches; only float summation order differs). Everything else -
+# including --threads, --device and --eval-batch-size, which can move the last bits of float
+# sums, and --init-std, which metrics.json reports - must be the checkpoint's.
 RESUMABLE_SETTINGS: FrozenSet[str] = frozenset({
     "epochs", "progress", "log_every", "checkpoint_every", "max_steps", "resume",
-    "overwrite", "out", "cache_dir", "dist_timeout_s",
+    "overwrite", "out", "cache_dir", "dist_timeout_s", "sharding",
 })
 
 # Config fields a scaling recipe fills in when left None -> the resolved value's field
