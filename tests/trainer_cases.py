@@ -76,6 +76,7 @@ def restored_state(rank: int, world: int, root: str, overrides: Dict[str, Any], 
     _as_torchrun(rank, world)
     trainer = Trainer(tiny_config(root, resume=True, **overrides))
     trainer.restore()
+    trainer.run_dir.release()  # run() would release the --out lock at its end
     tensors = trainer.runtime.tensors()
     named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
     for key, state in tensors["optimizer"]["state"].items():
@@ -95,6 +96,7 @@ def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]
     """The same, in this process (one process, no sharding)."""
     trainer = Trainer(tiny_config(root, resume=True, **overrides))
     trainer.restore()
+    trainer.run_dir.release()
     tensors = trainer.runtime.tensors()
     named = {f"model/{k}": v.detach().clone() for k, v in tensors["model"].items()}
     for key, state in tensors["optimizer"]["state"].items():
