@@ -150,7 +150,7 @@ class FusedCowClipLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         anchor: Tensor,
         batch: TableBatch,
@@ -162,7 +162,7 @@ class FusedCowClipLookup(torch.autograd.Function):
         return pooled_lookup(batch, lookup)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None]:
         if ctx.batch is None:
             raise RuntimeError(
                 "a second backward reached the same CowClipEmbeddingBagCollection lookup "

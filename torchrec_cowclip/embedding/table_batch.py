@@ -221,7 +221,9 @@ class TableBatch:
         counters = self.counters.tolist()
         steps = self.step.tolist()
         return {
-            name: TableClipStats(*(row[i] for row in counters), steps=steps[i])
+            name: TableClipStats(
+                **{field: row[i] for field, row in zip(COUNTER_NAMES, counters)}, steps=steps[i]
+            )
             for i, name in enumerate(self.table_names)
         }
 
@@ -231,7 +233,7 @@ class TableBatch:
 
 def group_into_table_batches(tables: Sequence[EmbeddingBagConfig]) -> List[List[int]]:
     """Indices of the tables of each (dim, pooling) group, in first-appearance order."""
-    groups: Dict[tuple, List[int]] = {}
+    groups: Dict[Tuple[int, PoolingType], List[int]] = {}
     for i, table in enumerate(tables):
         groups.setdefault((table.embedding_dim, table.pooling), []).append(i)
     return list(groups.values())

@@ -386,7 +386,7 @@ def cowclip_row_update_(
     grad: Tensor,
     counts: Tensor,
     state: Dict[str, Tensor],
-    step: Tensor,
+    step: Optional[Tensor],
     *,
     lr: float,
     betas: Tuple[float, float] = (0.9, 0.999),
@@ -407,7 +407,8 @@ def cowclip_row_update_(
         counts: ``[U]`` occurrences of each row in the batch.
         state: the rows' optimizer state blocks, named as in :data:`STATE_LAYOUT`
             (``exp_avg``/``exp_avg_sq`` ``[U, D]``; ``sum`` ``[U]``); updated in place.
-        step: ``[U]`` or scalar step count including this step (Adam only).
+        step: ``[U]`` or scalar step count including this step (Adam only; None when
+            ``adam_bias`` is given or the rule is not Adam).
         adam_bias: Adam's bias corrections for ``step``, precomputed
             (:func:`adam_bias_corrections`); ``step`` is then not read.
         cowclip: the clip parameters, or None for no clipping.

@@ -70,4 +70,5 @@ class CowClipFusedOptimizer(FusedOptimizer):
     @property
     def hyperparameters(self) -> Dict[str, Any]:
         """The live param group (edit it to change lr and friends between steps)."""
-        return self.param_groups[0]  # type: ignore[index]
+        group: Dict[str, Any] = self.param_groups[0]
+        return group
