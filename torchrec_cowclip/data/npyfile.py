@@ -38,7 +38,7 @@ from numpy.typing import DTypeLike
 T = TypeVar("T", bound="Closing")
 _MAGIC = b"\x93NUMPY\x01\x00"
 _HEADER_BYTES = 128
-# CRC-32 (zlib): corruption detection, not an adversary's; 4x faster than blake2b here
+# CRC-32 (zlib): corruption detection, not an adversary's; faster than blake2b here
 # (docs/performance.md, "Cache verification").
 CHECKSUM = "crc32"
 

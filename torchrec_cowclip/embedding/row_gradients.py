@@ -7,10 +7,8 @@ per-row gradient ``g_j`` (step 2 of ``docs/algorithm.md``) is one ``embedding_ba
 over the bag gradients - the same FBGEMM-backed CPU kernel that serves the forward - and no dense
 ``[N, D]`` gradient is ever formed: memory is proportional to the rows the batch touches.
 
-Measured on 2 cores (26 tables x 100K rows, dim 16, batch 16,384, power-law ids, 426K
-lookups, 167K distinct rows; see ``benchmarks/embedding_step.py``): stable sort 6 ms
-plus this segment sum 1.4 ms, against 17 ms for ``index_select`` + ``index_add_`` of the
-same gradients.
+A stable sort plus this segment sum is cheaper than ``index_select`` + ``index_add_`` of the
+same gradients (measured: docs/performance.md, "Measured reasons behind code choices").
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def group_rows(
     # reproducible steps, which resume-from-checkpoint equality relies on.
     keys = row_ids
     if num_rows is not None and num_rows <= torch.iinfo(torch.int32).max:
-        keys = row_ids.to(torch.int32)  # 3.3 ms instead of 7.1 ms for 426K ids on 2 cores
+        keys = row_ids.to(torch.int32)  # int32 keys sort faster (docs/performance.md, "Measured reasons behind code choices")
     sorted_ids, order = torch.sort(keys, stable=True)
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     segment_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
