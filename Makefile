@@ -7,10 +7,11 @@ STACK := scripts/setup_venv.sh requirements.txt pyproject.toml
 	bash scripts/setup_venv.sh
 
 # DeepFM + CowClip at batch 16K on 2M rows of built-in synthetic Criteo-like data
-# (generated into data_cache/ on first use); about 3 minutes on 2 cores.
+# (generated into data_cache/ on first use; a re-run replaces runs/demo); about 3 minutes
+# on a 2-core AMD EPYC VM.
 demo: .venv/.installed
 	$(PY) -m torchrec_cowclip train --model deepfm --data synthetic:2000000 \
-		--batch-size 16384 --epochs 2 --out runs/demo
+		--batch-size 16384 --epochs 2 --out runs/demo --overwrite
 
 # The test suite and every docstring example (>>>) in the package.
 test: .venv/.installed
