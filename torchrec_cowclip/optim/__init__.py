@@ -4,9 +4,20 @@ from torchrec_cowclip.optim.functional import (
     OPTIMIZERS,
     CountLR,
     CowClip,
+    UpdateRule,
     cowclip_clip,
     cowclip_row_update_,
+    register_update_rule,
 )
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 
-__all__ = ["OPTIMIZERS", "CountLR", "CowClip", "cowclip_clip", "cowclip_row_update_", "CowClipFusedOptimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "CountLR",
+    "CowClip",
+    "CowClipFusedOptimizer",
+    "UpdateRule",
+    "cowclip_clip",
+    "cowclip_row_update_",
+    "register_update_rule",
+]
