@@ -1,12 +1,15 @@
 """Every use of a private name of TorchRec or torch, in one place.
 
-The sharder extends TorchRec at three overridden methods (:data:`EXTENSION_POINTS`) and
+The sharder extends TorchRec at three overridden methods (:func:`extension_points`) and
 reads a few attributes TorchRec documents nowhere; torch keeps ``ShardedTensor``, the
 process group's timeout and FX's tracing check under private paths. Each such name is
 reached only through this module, each accessor says why it is needed, and
 ``tests/test_compat.py`` checks every one against the installed versions, so a TorchRec
 or torch upgrade that moves one fails there, naming it, rather than deep inside a
 sharded step.
+
+TorchRec is imported only when a TorchRec accessor is used, so that the parts of the
+package that need torch alone (the row step) import without it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -22,18 +25,18 @@ from torch import Tensor, nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
-from torchrec.distributed.composable.table_batched_embedding_slice import (
-    TableBatchedEmbeddingSlice,
-)
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
-from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.modules.embedding_configs import PoolingMode
-from torchrec.optim.fused import EmptyFusedOptimizer
+
+if TYPE_CHECKING:
+    from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+    from torchrec.distributed.composable.table_batched_embedding_slice import (
+        TableBatchedEmbeddingSlice,
+    )
+    from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+    from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.modules.embedding_configs import PoolingMode
 
 __all__ = [
-    "EXTENSION_POINTS",
     "FX_TRACING_LOGGER",
     "Shard",
     "ShardMetadata",
@@ -42,6 +45,7 @@ __all__ = [
     "TableBatchedEmbeddingSlice",
     "add_fx_tracing_filter",
     "embedding_shardings",
+    "extension_points",
     "grouped_configs",
     "is_fx_symbolic_tracing",
     "kernel_pooling_mode",
@@ -56,19 +60,37 @@ __all__ = [
     "sharded_tensor",
 ]
 
-#: The TorchRec methods the sharder overrides, with the parameters they must keep:
-#: ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups, then the
-#: data-parallel wrapping), ``GroupedPooledEmbeddingsLookup.__init__`` the third once per
-#: table group. A renamed one would silently fall back to FBGEMM's kernels.
-EXTENSION_POINTS: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
-    (ShardedEmbeddingBagCollection, "_create_lookups", ("self",)),
-    (ShardedEmbeddingBagCollection, "init_data_parallel", ("self",)),
-    (
-        GroupedPooledEmbeddingsLookup,
-        "_create_embedding_kernel",
-        ("self", "config", "device", "pg", "sharding_type", "env"),
-    ),
-)
+
+
+def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
+    """The TorchRec methods the sharder overrides, with the parameters they must keep:
+    ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups, then the
+    data-parallel wrapping), ``GroupedPooledEmbeddingsLookup.__init__`` the third once
+    per table group. A renamed one would silently fall back to FBGEMM's kernels."""
+    from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    return (
+        (ShardedEmbeddingBagCollection, "_create_lookups", ("self",)),
+        (ShardedEmbeddingBagCollection, "init_data_parallel", ("self",)),
+        (
+            GroupedPooledEmbeddingsLookup,
+            "_create_embedding_kernel",
+            ("self", "config", "device", "pg", "sharding_type", "env"),
+        ),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # TableBatchedEmbeddingSlice: the per-table parameter over a kernel's shards that
+    # TorchRec registers as ``embedding_bags.<table>.weight`` (imported on first use).
+    if name == "TableBatchedEmbeddingSlice":
+        from torchrec.distributed.composable.table_batched_embedding_slice import (
+            TableBatchedEmbeddingSlice,
+        )
+
+        return TableBatchedEmbeddingSlice
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: The logger torch's one-time ``is_fx_tracing()`` deprecation notice goes to (the CLI
 #: filters that notice; it concerns a call torch.fx itself makes).
@@ -135,6 +157,8 @@ def mark_updated_in_backward(param: Tensor) -> None:
     """Marks ``param`` as updated inside backward (``_in_backward_optimizers``), as
     TorchRec's fused kernels do: ``in_backward_optimizer_filter`` then keeps it out of
     dense optimizers, and the plan helpers pick the ``fused`` kernel for it."""
+    from torchrec.optim.fused import EmptyFusedOptimizer
+
     param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
 
 
