@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torchrec_cowclip.compat import process_group_timeout
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 
 T = TypeVar("T")
@@ -31,16 +32,6 @@ T = TypeVar("T")
 
 class CollectiveError(RuntimeError):
     """A collective of the sharded CowClip update failed (a peer died or timed out)."""
-
-
-def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
-    """The timeout of ``pg`` (``init_process_group(timeout=...)``), if the backend exposes it."""
-    try:
-        group = pg if pg is not None else dist.group.WORLD
-        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
-        return backend.options._timeout  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def run_collective(what: str, pg: Optional[dist.ProcessGroup], fn: Callable[[], T]) -> T:
@@ -52,7 +43,7 @@ def run_collective(what: str, pg: Optional[dist.ProcessGroup], fn: Callable[[], 
         ranks = dist.get_process_group_ranks(pg) if pg is not None else "world"
         raise CollectiveError(
             f"CowClip sharded update: {what} failed on rank {dist.get_rank()} "
-            f"(process group ranks {ranks}, timeout {group_timeout(pg)}): {error}. "
+            f"(process group ranks {ranks}, timeout {process_group_timeout(pg)}): {error}. "
             "A peer rank probably died or stopped responding; the step cannot complete."
         ) from error
 
@@ -93,7 +84,7 @@ class ColumnShardGroups:
             elif len(ranks) == len(members):
                 group = pg
             else:
-                group = _subgroup([members[r] for r in ranks], group_timeout(pg))
+                group = _subgroup([members[r] for r in ranks], process_group_timeout(pg))
             self._groups.append((ranks, tables_by_ranks[ranks], group))
 
     def all_reduce_by_table(self, partials: Mapping[str, Tensor]) -> Dict[str, Tensor]:

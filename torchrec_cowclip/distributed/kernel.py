@@ -19,19 +19,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
-from torchrec.distributed.composable.table_batched_embedding_slice import (
-    TableBatchedEmbeddingSlice,
-)
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingMode, PoolingType
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_cowclip.compat import (
+    TableBatchedEmbeddingSlice,
+    kernel_pooling_mode,
+    mark_updated_in_backward,
+)
 from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, PendingStep, Submission
 from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
 from torchrec_cowclip.distributed.options import CowClipOptions
-from torchrec_cowclip.embedding.collection import _output_permutation, _prepare_lookup
+from torchrec_cowclip.embedding import layout
 from torchrec_cowclip.embedding.lookup import BatchLookup, lookup_row_gradients, pooled_lookup
 from torchrec_cowclip.embedding.row_init import RowInit
 from torchrec_cowclip.embedding.table_batch import (
@@ -89,19 +91,22 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                 f"{[t.name for t in config.embedding_tables]}"
             )
         device = device if device is not None else torch.device("cpu")
+        # Our own references (TorchRec's base keeps the same in private attributes).
+        self._group = config
+        self._group_pg = pg
         self._updates = updates
         self._index = index
         shards = config.embedding_tables
-        feature_starts = [0]
+        shard_starts = [0]
         for shard in shards:
-            feature_starts.append(feature_starts[-1] + shard.num_features())
+            shard_starts.append(shard_starts[-1] + shard.num_features())
         # A shard is a local table of its own width; features keep TorchRec's names
         # (two shards of one table both list its features) and are told apart by
         # position, which also names the output columns.
         # Row-wise shards hold part of each bag: TorchRec pools them with SUM (its
-        # `pooling_type_to_pooling_mode`, read into self._pooling by the base class) and
+        # `pooling_type_to_pooling_mode`, read into the base class's pooling mode) and
         # divides by the whole bag's length after the reduce-scatter.
-        pooling = PoolingType.SUM if self._pooling == PoolingMode.SUM else config.pooling
+        pooling = PoolingType.SUM if kernel_pooling_mode(self) == PoolingMode.SUM else config.pooling
         local = [
             EmbeddingBagConfig(
                 name=shard.name,
@@ -125,7 +130,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             self._batches.append(
                 TableBatch(
                     [local[k] for k in group],
-                    [[str(p) for p in range(feature_starts[k], feature_starts[k + 1])] for k in group],
+                    [[str(p) for p in range(shard_starts[k], shard_starts[k + 1])] for k in group],
                     options.optimizer,
                     [shards[k].name not in options.unclipped_tables for k in group],
                     device,
@@ -136,17 +141,14 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             )
             for i, k in enumerate(group):
                 self._shard_location[k] = (b, i)
-                batched_features.extend(range(feature_starts[k], feature_starts[k + 1]))
-        num_features = feature_starts[-1]
+                batched_features.extend(range(shard_starts[k], shard_starts[k + 1]))
+        num_features = shard_starts[-1]
         self._feature_permutation: Optional[List[int]] = (
             None if batched_features == list(range(num_features)) else batched_features
         )
-        self._batch_feature_starts: List[int] = [0]
-        for batch in self._batches:
-            self._batch_feature_starts.append(self._batch_feature_starts[-1] + batch.num_features)
-        columns = _output_permutation(self._batches, [str(p) for p in range(num_features)])
-        self._output_permutation = (
-            None if columns is None else torch.tensor(columns, dtype=torch.int64, device=device)
+        self._batch_feature_starts: List[int] = layout.feature_starts(self._batches)
+        self._output_permutation = layout.as_index(
+            layout.output_permutation(self._batches, [str(p) for p in range(num_features)]), device
         )
         self._param_per_table = self._table_parameters()
         self._optim = ShardedCowClipFusedOptimizer(
@@ -176,7 +178,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
     def named_split_embedding_weights(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[Tuple[str, Tensor]]:
-        for shard, weight in zip(self._config.embedding_tables, self.split_embedding_weights()):
+        for shard, weight in zip(self._group.embedding_tables, self.split_embedding_weights()):
             yield f"{prefix}{shard.name}.weight", weight
 
     def named_parameters(
@@ -186,7 +188,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         # backward, so dense optimizers built with `in_backward_optimizer_filter` skip them.
         for name, weight in self.named_split_embedding_weights(prefix):
             param = nn.Parameter(weight, requires_grad=False)
-            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            mark_updated_in_backward(param)
             yield name, param
 
     def named_buffers(
@@ -203,27 +205,15 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             features = features.permute(self._feature_permutation)
         b = features.stride()
         values, offsets = features.values(), features.offsets()
-        weights = features.weights_or_none() if self._config.is_weighted else None
+        weights = features.weights_or_none() if self._group.is_weighted else None
         starts = self._batch_feature_starts
-        bounds = [0, values.numel()] if len(self._batches) == 1 else offsets[
-            torch.tensor(starts) * b
-        ].tolist()
+        bounds = layout.value_bounds(offsets, starts, b, values.numel())
+        lookups = layout.prepare_lookups(self._batches, values, offsets, b, starts, bounds, weights)
         anchor, step = self._updates.current()
-        outs: List[Tensor] = []
-        for i, batch in enumerate(self._batches):
-            lo, hi = bounds[i], bounds[i + 1]
-            lookup = _prepare_lookup(
-                batch,
-                values[lo:hi],
-                offsets[starts[i] * b : starts[i + 1] * b + 1] - lo,
-                None if weights is None else weights[lo:hi].to(batch.weight.dtype),
-                b,
-            )
-            outs.append(_ShardLookup.apply(anchor, self, i, lookup, step))
-        pooled = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if self._output_permutation is not None:
-            pooled = pooled.index_select(1, self._output_permutation)
-        return pooled
+        outs = [
+            _ShardLookup.apply(anchor, self, i, lookup, step) for i, lookup in enumerate(lookups)
+        ]
+        return layout.pooled_in_order(outs, self._output_permutation)
 
     # --- what the deferred update and the collection need ------------------------------
 
@@ -252,7 +242,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         data-parallel replica is then broadcast from rank 0 (TorchRec's rule).
         """
         with torch.no_grad():
-            for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+            for shard, (b, i) in zip(self._group.embedding_tables, self._shard_location):
                 weight = self._batches[b].table_weight(i)
                 row_init = row_inits.get(shard.name)
                 if row_init is not None:
@@ -261,8 +251,8 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                     continue
                 assert shard.init_fn is not None  # TorchRec's configs always carry one
                 shard.init_fn(weight)
-                if shard.global_metadata is None and self._pg is not None:
-                    dist.broadcast(weight, src=0, group=self._pg)
+                if shard.global_metadata is None and self._group_pg is not None:
+                    dist.broadcast(weight, src=0, group=self._group_pg)
             for batch in self._batches:
                 batch.reset_state()
 
@@ -274,7 +264,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         """Sets each local shard's clip counters from its table's global ones: a shard
         that starts at row 0 takes them, the other row shards zero (row shards' counts
         add up over ranks; column shards and replicas each report one copy)."""
-        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+        for shard, (b, i) in zip(self._group.embedding_tables, self._shard_location):
             first_row = int(shard.local_metadata.shard_offsets[0]) if shard.local_metadata else 0
             counters_of_batch = self._batches[b].counters
             if first_row == 0:
@@ -286,7 +276,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         """Per table, what the update did to this rank's shards. Column shards of one
         table clip the same rows (whole-row norms), so a table reports its first shard."""
         stats: Dict[str, TableClipStats] = {}
-        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+        for shard, (b, i) in zip(self._group.embedding_tables, self._shard_location):
             stats.setdefault(shard.name, self._batches[b].stats()[shard.name])
         return stats
 
@@ -294,7 +284,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
 
     def _shard_views(self) -> Dict[str, List[ShardViews]]:
         views: Dict[str, List[ShardViews]] = {}
-        for shard, (b, i) in zip(self._config.embedding_tables, self._shard_location):
+        for shard, (b, i) in zip(self._group.embedding_tables, self._shard_location):
             state = self._batches[b].table_state(i)
             step = state.pop("step")
             views.setdefault(shard.name, []).append(
@@ -307,7 +297,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         sharded collection's ``embedding_bags.<table>.weight`` and loads the local part
         of a state dict into it (all of a table's local shards, concatenated)."""
         locations: Dict[str, List[Tuple[int, int]]] = {}
-        for shard, location in zip(self._config.embedding_tables, self._shard_location):
+        for shard, location in zip(self._group.embedding_tables, self._shard_location):
             locations.setdefault(shard.name, []).append(location)
         params: Dict[str, TableBatchedEmbeddingSlice] = {}
         for name, locs in locations.items():
@@ -326,7 +316,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                 num_embeddings=-1,
                 embedding_dim=batch.dim,
             )
-            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            mark_updated_in_backward(param)
             params[name] = param
         return params
 

@@ -22,6 +22,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel, Grouped
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, RowSync
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
 from torchrec_cowclip.distributed.options import CowClipOptions
@@ -101,7 +102,7 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             options=self._options,
             updates=self._updates,
             # TorchRec appends each kernel as it is created: this is its index.
-            index=len(self._emb_modules),
+            index=len(compat.lookup_kernels(self)),
         )
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Tensor:
@@ -112,7 +113,7 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         """Per table of this rank, what the last and all updates did (see
         :meth:`CowClipBatchedEmbeddingBag.clip_stats`)."""
         stats: Dict[str, TableClipStats] = {}
-        for kernel in self._emb_modules:
+        for kernel in compat.lookup_kernels(self):
             stats.update(kernel.clip_stats())
         return stats
 

@@ -29,10 +29,15 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
+from torchrec_cowclip.compat import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    sharded_tensor,
+)
 from torchrec_cowclip.optim.functional import STATE_LAYOUT
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.options import CowClipOptions
@@ -126,11 +131,7 @@ def _global_view(
     metadata = copy.deepcopy(first.global_metadata)
     metadata.tensor_properties.dtype = local[0].dtype
     metadata.tensor_properties.requires_grad = False
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards=[Shard(t, v.table.local_metadata) for t, v in zip(local, views)],
-        sharded_tensor_metadata=metadata,
-        process_group=pg,
-    )
+    return sharded_tensor([Shard(t, v.table.local_metadata) for t, v in zip(local, views)], metadata, pg)
 
 
 def _holds_all_rows(view: ShardViews) -> bool:
@@ -168,6 +169,4 @@ def _per_row_view(
                                placement=v.table.local_metadata.placement))
         for t, v in zip(local, views)
     ]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards=local_shards, sharded_tensor_metadata=metadata, process_group=pg
-    )
+    return sharded_tensor(local_shards, metadata, pg)

@@ -10,19 +10,25 @@ needs to size the optimizer state.
 
 from __future__ import annotations
 
-from typing import Dict, Type
+import importlib
+from typing import Mapping, Type
 
 import torch
-import torchrec.optim as torchrec_optim
 
+from torchrec_cowclip.optim.functional import RuleView
 from torchrec_cowclip.optim.options import CowClipOptions
 
 __all__ = ["PLANNER_OPTIMIZER_CLASS", "CowClipOptions"]
 
+
+def _optimizer_class(path: str) -> Type[torch.optim.Optimizer]:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 #: The torch/TorchRec optimizer class whose state size TorchRec's planner knows for each
-#: update rule: Adam keeps two values per weight, row-wise Adagrad one per row, SGD none.
-PLANNER_OPTIMIZER_CLASS: Dict[str, Type[torch.optim.Optimizer]] = {
-    "adam": torch.optim.Adam,
-    "rowwise_adagrad": torchrec_optim.RowWiseAdagrad,
-    "sgd": torch.optim.SGD,
-}
+#: registered update rule (``UpdateRule.planner_optimizer``, a live view): Adam keeps two
+#: values per weight, row-wise Adagrad one per row, SGD none.
+PLANNER_OPTIMIZER_CLASS: Mapping[str, Type[torch.optim.Optimizer]] = RuleView(
+    lambda rule: _optimizer_class(rule.planner_optimizer)
+)

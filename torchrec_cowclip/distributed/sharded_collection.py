@@ -33,6 +33,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
+from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.comm import ColumnShardGroups
 from torchrec_cowclip.distributed.deferred_update import (
     ColumnShardRows,
@@ -100,8 +101,13 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         options.check_tables(t.name for t in module.embedding_bag_configs())
         # TorchRec's constructor creates the lookups (`_create_lookups`), which need the
         # options, and initialises the tables (`reset_parameters`), which needs the
-        # initialisers; plain attributes may be set before nn.Module.__init__.
+        # initialisers; plain attributes may be set before nn.Module.__init__. The
+        # tables, env and device are kept here too, not read back from TorchRec's
+        # private attributes of the same content.
         self._cowclip_options = options
+        self._cowclip_tables = module.embedding_bag_configs()
+        self._cowclip_env = env
+        self._cowclip_device = device
         self._row_inits = _agreed_row_initializers(module, env)
         super().__init__(
             module=module,
@@ -120,11 +126,12 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for the SUM features of row-wise tables, so features of other sharding types
         (already pooled by their kernels, MEAN included) would be divided by their bag
         lengths too. List them with the SUM features so their divisor is 1."""
-        if not self._has_mean_pooling_callback:
+        divided = compat.row_wise_divisor_features(self)
+        if divided is None:
             return
-        row_split = {f for fs in self._pooling_type_to_rs_features.values() for f in fs}
-        self._pooling_type_to_rs_features[PoolingType.SUM.value].extend(
-            f for t in self._embedding_bag_configs for f in t.feature_names if f not in row_split
+        row_split = {f for fs in divided.values() for f in fs}
+        divided[PoolingType.SUM.value].extend(
+            f for t in self._cowclip_tables for f in t.feature_names if f not in row_split
         )
 
     @property
@@ -137,9 +144,9 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         last step and in total. Tables on other ranks are absent; data-parallel tables
         report the union update every replica applied."""
         stats: Dict[str, TableClipStats] = {}
-        for lookup in self._lookups:
+        for lookup in compat.sharded_lookups(self):
             stats.update(lookup.clip_stats())
-        return {t.name: stats[t.name] for t in self._embedding_bag_configs if t.name in stats}
+        return {t.name: stats[t.name] for t in self._cowclip_tables if t.name in stats}
 
     def global_clip_stats(self) -> Dict[str, TableClipStats]:
         """Per table, over all ranks: a collective, call it on every rank.
@@ -148,8 +155,9 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         data-parallel replicas update the same rows, so one copy is kept (ranks that
         disagree there would be a bug, and raise).
         """
-        gathered: List[Optional[Dict[str, TableClipStats]]] = [None] * self._env.world_size
-        torch.distributed.all_gather_object(gathered, self.clip_stats(), group=self._env.process_group)
+        env = self._cowclip_env
+        gathered: List[Optional[Dict[str, TableClipStats]]] = [None] * env.world_size
+        torch.distributed.all_gather_object(gathered, self.clip_stats(), group=env.process_group)
         row_split = {
             name for name, p in self.module_sharding_plan.items()
             if p.sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
@@ -163,7 +171,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     merged[name] = _add_stats(merged[name], stats)
                 elif merged[name] != stats:
                     raise RuntimeError(f"ranks disagree on the clip counts of table '{name}'")
-        return {t.name: merged[t.name] for t in self._embedding_bag_configs if t.name in merged}
+        return {t.name: merged[t.name] for t in self._cowclip_tables if t.name in merged}
 
     def table_counters(self) -> Dict[str, Tensor]:
         """Per table, its global ``[6]`` clip counters (the unsharded module's
@@ -177,7 +185,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def load_table_counters(self, counters: Dict[str, Tensor]) -> None:
         """Restores :meth:`table_counters` (saved at any world size) into this rank's
         shards."""
-        names = sorted(t.name for t in self._embedding_bag_configs)
+        names = sorted(t.name for t in self._cowclip_tables)
         if sorted(counters) != names:
             raise ValueError(f"clip counters are for tables {sorted(counters)}, this module has {names}")
         for kernel in self._kernels():
@@ -189,9 +197,9 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _kernels(self) -> List[Any]:
         kernels = []
-        for lookup in self._lookups:
+        for lookup in compat.sharded_lookups(self):
             inner = lookup.module if isinstance(lookup, ReplicatedLookup) else lookup
-            kernels.extend(inner._emb_modules)
+            kernels.extend(compat.lookup_kernels(inner))
         return kernels
 
     def reset_parameters(self) -> None:
@@ -199,7 +207,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         unsharded module's initial tables (see
         :meth:`~torchrec_cowclip.distributed.kernel.CowClipBatchedEmbeddingBag.initialise_shards`),
         whatever the plan and world size; optimizer state and counters start at zero."""
-        if self._device is not None and self._device.type == "meta":
+        if self._cowclip_device is not None and self._cowclip_device.type == "meta":
             return
         for kernel in self._kernels():
             kernel.initialise_shards(self._row_inits)
@@ -207,7 +215,8 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # --- the steps of TorchRec's construction this class replaces ------------------------
 
     def _create_lookups(self) -> None:
-        for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
+        pg = self._cowclip_env.process_group
+        for sharding, sharding_type in compat.embedding_shardings(self):
             row_sync: RowSync
             if sharding_type in _LOCAL_ROWS:
                 row_sync = LocalRows()
@@ -221,17 +230,17 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                             for name, table in self.module_sharding_plan.items()
                             if table.sharding_type == sharding_type
                         },
-                        self._env.process_group,
+                        pg,
                     )
                 )
             else:
-                row_sync = ReplicatedRows(self._env.process_group)
-            self._lookups.append(
+                row_sync = ReplicatedRows(pg)
+            compat.sharded_lookups(self).append(
                 CowClipPooledEmbeddingsLookup(
-                    grouped_configs=_local_grouped_configs(sharding),
-                    device=self._device,
-                    pg=self._env.process_group,
-                    env=self._env,
+                    grouped_configs=compat.grouped_configs(sharding),
+                    device=self._cowclip_device,
+                    pg=pg,
+                    env=self._cowclip_env,
                     sharding_type=ShardingType(sharding_type),
                     options=self._cowclip_options,
                     row_sync=row_sync,
@@ -240,9 +249,10 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
 
     def init_data_parallel(self) -> None:
-        for i, sharding in enumerate(self._embedding_shardings):
+        lookups = compat.sharded_lookups(self)
+        for i, (sharding, _) in enumerate(compat.embedding_shardings(self)):
             if isinstance(sharding, DpPooledEmbeddingSharding):
-                self._lookups[i] = ReplicatedLookup(self._lookups[i])
+                lookups[i] = ReplicatedLookup(lookups[i])
 
 
 def _agreed_row_initializers(
@@ -266,15 +276,6 @@ def _add_stats(a: TableClipStats, b: TableClipStats) -> TableClipStats:
     """Counts of two row shards of one table (same steps)."""
     counts = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.name != "steps"}
     return TableClipStats(**counts, steps=max(a.steps, b.steps))
-
-
-def _local_grouped_configs(sharding: Any) -> Any:
-    """The table groups on this rank, exactly what the sharding's own ``create_lookup``
-    hands its lookup (private TorchRec attributes; the tests pin them)."""
-    if hasattr(sharding, "_grouped_embedding_configs"):
-        return sharding._grouped_embedding_configs
-    # Table-row-wise keeps one list per rank.
-    return sharding._grouped_embedding_configs_per_rank[sharding._rank]
 
 
 def _checked_plan(

@@ -21,8 +21,8 @@ from torchrec.distributed.types import (
     ShardingEnv,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.fused import EmptyFusedOptimizer
 
+from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.options import PLANNER_OPTIMIZER_CLASS, CowClipOptions
 from torchrec_cowclip.distributed.sharded_collection import (
     SUPPORTED_SHARDING_TYPES,
@@ -144,8 +144,8 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         tables: Dict[str, nn.Parameter] = {}
         for name, param in module.embedding_bags.named_parameters():
             alias = nn.Parameter(param.detach(), requires_grad=False)
-            alias._optimizer_classes = [optimizer_class]  # type: ignore[attr-defined]
-            alias._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            compat.set_planner_optimizer_class(alias, optimizer_class)
+            compat.mark_updated_in_backward(alias)
             tables[name.split(".")[0]] = alias
         return tables
 

@@ -15,10 +15,12 @@ from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.embedding.lookup import BatchLookup, FusedCowClipLookup
+from torchrec_cowclip.compat import mark_updated_in_backward
+from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.lookup import FusedCowClipLookup
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
@@ -162,14 +164,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for batch, slot in zip(self._batches, self._slot_of_batch):
             if slot == len(self._slot_batches):
                 self._slot_batches.append(batch)
-        self._slot_feature_starts: List[int] = [0]
-        for batch in self._slot_batches:
-            self._slot_feature_starts.append(self._slot_feature_starts[-1] + batch.num_features)
+        self._slot_feature_starts: List[int] = layout.feature_starts(self._slot_batches)
         self._batched_feature_order: List[str] = [
             f for batch in self._slot_batches for f in batch.feature_names
         ]
-        self._output_columns = _output_permutation(self._batches, self._embedding_names)
-        self._output_permutation = _as_index(self._output_columns, self._device)
+        self._output_columns = layout.output_permutation(self._batches, self._embedding_names)
+        self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
 
@@ -180,7 +180,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 param = nn.Parameter(batch.table_weight(i))
                 # TorchRec's marker for parameters updated inside backward: keeps them
                 # out of dense optimizers built with `in_backward_optimizer_filter`.
-                param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                mark_updated_in_backward(param)
                 self.embedding_bags[name] = TableWeight(param)
         for table in tables:
             params[f"embedding_bags.{table.name}.weight"] = self.embedding_bags[table.name].weight
@@ -240,22 +240,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         _check_structure(features, values, offsets, weights, self._is_weighted)
 
         starts = self._slot_feature_starts
-        num_slots = len(self._slot_batches)
-        bounds = (
-            [0, values.numel()]
-            if num_slots == 1
-            else offsets[torch.tensor(starts, device=offsets.device) * b].tolist()
-        )
-        slot_lookups = [
-            _prepare_lookup(
-                slot_batch,
-                values[bounds[s] : bounds[s + 1]],
-                offsets[starts[s] * b : starts[s + 1] * b + 1] - bounds[s],
-                None,
-                b,
-            )
-            for s, slot_batch in enumerate(self._slot_batches)
-        ]
+        bounds = layout.value_bounds(offsets, starts, b, values.numel())
+        slot_lookups = layout.prepare_lookups(self._slot_batches, values, offsets, b, starts, bounds)
         outs: List[Tensor] = []
         for batch, s in zip(self._batches, self._slot_of_batch):
             batch_weights = None
@@ -265,13 +251,10 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             outs.append(
                 FusedCowClipLookup.apply(self._anchor, batch, lookup, self._hyperparameters)
             )
-        pooled = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if self._output_permutation is not None:
-            pooled = pooled.index_select(1, self._output_permutation)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=pooled,
+            values=layout.pooled_in_order(outs, self._output_permutation),
         )
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -449,7 +432,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             batch.apply_(fn)
         self._device = self._batches[0].weight.device
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
-        self._output_permutation = _as_index(self._output_columns, self._device)
+        self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._bind_views()
         views = {id(p) for p in self.parameters()}
         # The per-table parameters now view the moved batches: leave them as they are.
@@ -538,23 +521,6 @@ def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[
     return None if permutation == list(range(len(keys))) else permutation
 
 
-def _output_permutation(batches: List[TableBatch], embedding_names: List[str]) -> Optional[List[int]]:
-    """Columns of the concatenated batch outputs in TorchRec's (table) order (None: the
-    identity)."""
-    column_ranges: Dict[str, range] = {}
-    col = 0
-    for batch in batches:
-        for name in batch.embedding_names:
-            column_ranges[name] = range(col, col + batch.dim)
-            col += batch.dim
-    permutation = [c for name in embedding_names for c in column_ranges[name]]
-    return None if permutation == list(range(col)) else permutation
-
-
-def _as_index(columns: Optional[List[int]], device: torch.device) -> Optional[Tensor]:
-    return None if columns is None else torch.tensor(columns, dtype=torch.int64, device=device)
-
-
 def _check_structure(
     features: KeyedJaggedTensor,
     values: Tensor,
@@ -587,77 +553,3 @@ def _check_structure(
             raise ValueError(
                 f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
             )
-
-
-def _prepare_lookup(
-    batch: TableBatch,
-    ids: Tensor,
-    bag_offsets: Tensor,
-    weights: Optional[Tensor],
-    batch_size: int,
-) -> BatchLookup:
-    """Checks ids against their tables and maps them to rows of the table batch."""
-    ids = ids.to(torch.int64)
-    bag_offsets = bag_offsets.to(torch.int64)
-    if not batch_size or ids.numel() == 0:
-        return BatchLookup(ids, bag_offsets, weights, batch_size)
-    # Feature by feature on contiguous slices of the ids: one min/max pass and one add
-    # per id, instead of materialising a per-position feature index and gathering
-    # bounds and offsets through it (4.7 ms -> 1.6 ms per forward at 26 features x
-    # 16,384 ids on 2 cores). One device sync for the slice bounds, one for the check.
-    starts: List[int] = bag_offsets[::batch_size].tolist()
-    row_ids = torch.empty_like(ids)
-    lows: List[Tensor] = []
-    highs: List[Tensor] = []
-    limits: List[int] = []
-    for f in range(batch.num_features):
-        lo, hi = starts[f], starts[f + 1]
-        if hi == lo:
-            continue
-        segment = ids[lo:hi]
-        low, high = torch.aminmax(segment)
-        lows.append(low)
-        highs.append(high)
-        limits.append(batch.feature_num_rows_list[f])
-        torch.add(segment, batch.feature_row_offset_list[f], out=row_ids[lo:hi])
-    single_hot = False
-    if lows:
-        limit = torch.tensor(limits, dtype=torch.int64, device=ids.device)
-        checks = torch.stack(
-            [
-                ((torch.stack(lows) < 0) | (torch.stack(highs) >= limit)).any(),
-                # One id per bag; then ids.numel() == bags and no bag is longer than 1.
-                torch.diff(bag_offsets).max() == 1,
-            ]
-        ).tolist()
-        single_hot = checks[1] and ids.numel() == bag_offsets.numel() - 1
-        if checks[0]:
-            feature_of_position = torch.repeat_interleave(
-                torch.arange(batch.num_features, device=ids.device),
-                torch.diff(bag_offsets[::batch_size]),
-                output_size=ids.numel(),
-            )
-            bad = (ids < 0) | (ids >= batch.feature_num_rows[feature_of_position])
-            _raise_out_of_range(batch, ids, bad, feature_of_position, bag_offsets, batch_size)
-    return BatchLookup(row_ids, bag_offsets, weights, batch_size, single_hot)
-
-
-def _raise_out_of_range(
-    batch: TableBatch,
-    ids: Tensor,
-    bad: Tensor,
-    feature_of_position: Tensor,
-    bag_offsets: Tensor,
-    batch_size: int,
-) -> None:
-    position = int(torch.nonzero(bad)[0])
-    f = int(feature_of_position[position])
-    table = batch.tables[batch.feature_table_list[f]]
-    position_t = torch.tensor(position, device=bag_offsets.device)
-    bag = int(torch.searchsorted(bag_offsets, position_t, right=True)) - 1
-    raise IndexError(
-        f"feature '{batch.feature_names[f]}' (table '{table.name}', "
-        f"num_embeddings={table.num_embeddings}) has id {int(ids[position])} in sample "
-        f"{bag - f * batch_size}; ids must be in [0, {table.num_embeddings}). "
-        f"{int(bad.sum())} id(s) of this batch are out of range; no weight was changed."
-    )

@@ -16,7 +16,7 @@ import torch
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.embedding.row_step import row_step_
-from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
+from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections, update_rule
 from torchrec_cowclip.optim.options import CowClipOptions
 
 
@@ -63,7 +63,7 @@ def apply_fused_update_(
 
     if rows.numel() > 0:
         adam_bias = None
-        if batch.optimizer == "adam":
+        if update_rule(batch.optimizer).adam_bias_corrections:
             # Per table, then gathered per row: no float64 pow per row in the kernel.
             beta1, beta2 = options.betas
             corrections = adam_bias_corrections(batch.step, beta1, beta2, grad.dtype)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
+from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
 from torchrec_cowclip.optim.functional import CountLR, CowClip, RowSums, cowclip_row_update_
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def _mark_embedding_dim_static(args: Tuple[Any, ...]) -> None:
             continue
         for tensor in tensors:
             if isinstance(tensor, Tensor) and tensor.dim() == 2:
-                torch._dynamo.mark_static(tensor, 1)
+                mark_static_dim(tensor, 1)
 
 
 def row_step_(*args: Any, **kwargs: Any) -> Tensor:
@@ -199,9 +200,7 @@ def row_step_(*args: Any, **kwargs: Any) -> Tensor:
     if not use_compiled_update(device):
         return gather_step_scatter_(*args, **kwargs)
     try:
-        with torch._dynamo.config.patch(
-            recompile_limit=max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-        ):
+        with recompile_limit_at_least(_RECOMPILE_LIMIT):
             _mark_embedding_dim_static((*args, *kwargs.values()))
             return _compiled_fn()(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any build failure falls back in auto mode

@@ -21,12 +21,12 @@ from typing import ContextManager, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.modules.mlp import MLP
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_cowclip.compat import is_fx_symbolic_tracing
 from torchrec_cowclip.models.embeddings import DeviceLike, EmbeddingOptions, FieldEmbeddings
 
 

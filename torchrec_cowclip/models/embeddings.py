@@ -26,12 +26,12 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import EmbeddingBagCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_cowclip.compat import is_fx_symbolic_tracing
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.options import CowClipOptions
 

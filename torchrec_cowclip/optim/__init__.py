@@ -13,8 +13,10 @@ from torchrec_cowclip.optim.functional import (
     OPTIMIZERS,
     CountLR,
     CowClip,
+    UpdateRule,
     cowclip_clip,
     cowclip_row_update_,
+    register_update_rule,
 )
 
 if TYPE_CHECKING:
@@ -24,4 +26,13 @@ _LAZY = {"CowClipFusedOptimizer": "torchrec_cowclip.optim.fused"}
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
-__all__ = ["OPTIMIZERS", "CountLR", "CowClip", "cowclip_clip", "cowclip_row_update_", "CowClipFusedOptimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "CountLR",
+    "CowClip",
+    "CowClipFusedOptimizer",
+    "UpdateRule",
+    "cowclip_clip",
+    "cowclip_row_update_",
+    "register_update_rule",
+]

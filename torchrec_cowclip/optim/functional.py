@@ -14,7 +14,11 @@ are that section's):
    with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
    the paper; off by default).
 
-:func:`cowclip_row_update_` composes the three. A row split into column shards (TorchRec
+:func:`cowclip_row_update_` composes the three. The optimizers of step 5 are a registry
+(:class:`UpdateRule`, :data:`UPDATE_RULES`): each names its row step, the state it keeps
+per row and the optimizer class TorchRec's planner sizes that state by; adding one is
+one :func:`register_update_rule` here. :data:`OPTIMIZERS`, :data:`STATE_LAYOUT` and
+``distributed.options.PLANNER_OPTIMIZER_CLASS`` are live views of it. A row split into column shards (TorchRec
 column-wise sharding) is handled by the same functions: each shard computes its
 :func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
 supplies the norms of step 3 and row-wise Adagrad's ``mean(g_j**2)``. The dense reference
@@ -36,20 +40,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
-
-OPTIMIZERS: Tuple[str, ...] = ("adam", "rowwise_adagrad", "sgd")
-
-#: Optimizer state tensors per optimizer; each entry is (name, per-row shape suffix)
-#: where "D" means one value per column and "1" one value per row.
-STATE_LAYOUT: Dict[str, Tuple[Tuple[str, str], ...]] = {
-    "adam": (("exp_avg", "D"), ("exp_avg_sq", "D")),
-    "rowwise_adagrad": (("sum", "1"),),
-    "sgd": (),
-}
 
 
 @dataclass(frozen=True)
@@ -380,6 +374,160 @@ def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
     weight.sub_(_per_row(lr) * grad)
 
 
+#: A row step: ``rule(weight, grad, state, *, lr, step, betas, eps, weight_decay, scale,
+#: row_sums, adam_bias)`` updates ``weight`` and ``state`` in place from the clipped,
+#: decayed ``grad`` (the keywords are :func:`cowclip_row_update_`'s; ``scale`` is the
+#: clip factor of step 3). A rule takes the keywords it needs and ``**_`` for the rest.
+RowRule = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """One optimizer of step 5, as the registry holds it.
+
+    Attributes:
+        name: the ``optimizer=`` value that selects it.
+        step: its :data:`RowRule`.
+        state_layout: the state tensors it keeps, ``(name, "D")`` for one value per
+            column (like the weight) or ``(name, "1")`` for one per row.
+        planner_optimizer: import path of the torch/TorchRec optimizer class whose state
+            size TorchRec's planner knows to be the same (``"torch.optim.Adam"``).
+        adam_bias_corrections: ``step`` receives Adam's bias corrections
+            (:func:`adam_bias_corrections`) as ``adam_bias``, which the fused update
+            computes once per table rather than once per row.
+    """
+
+    name: str
+    step: RowRule
+    state_layout: Tuple[Tuple[str, str], ...]
+    planner_optimizer: str
+    adam_bias_corrections: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [entry for entry in self.state_layout if entry[1] not in ("D", "1")]
+        if bad:
+            raise ValueError(
+                f"update rule {self.name!r}: state layout entries must be (name, 'D' or '1'), got {bad}"
+            )
+
+
+#: The registered optimizers, by name, in registration order.
+UPDATE_RULES: Dict[str, UpdateRule] = {}
+
+
+def register_update_rule(rule: UpdateRule) -> UpdateRule:
+    """Adds ``rule`` to :data:`UPDATE_RULES` (and so to every view of it); a name that is
+    taken raises ValueError."""
+    if rule.name in UPDATE_RULES:
+        raise ValueError(f"an update rule named {rule.name!r} is already registered")
+    UPDATE_RULES[rule.name] = rule
+    return rule
+
+
+def unregister_update_rule(name: str) -> None:
+    """Removes the rule ``name`` (tests that register their own)."""
+    if name not in UPDATE_RULES:
+        raise KeyError(f"no update rule named {name!r}; registered: {tuple(UPDATE_RULES)}")
+    del UPDATE_RULES[name]
+
+
+def update_rule(name: str) -> UpdateRule:
+    """The rule ``name``, or ValueError listing the registered ones."""
+    rule = UPDATE_RULES.get(name)
+    if rule is None:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {tuple(UPDATE_RULES)}")
+    return rule
+
+
+class _Names(Sequence[str]):
+    """The registered optimizer names, live (a tuple's equality and repr; unhashable,
+    since it changes with the registry)."""
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Tuple[str, ...]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[str, Tuple[str, ...]]:
+        return tuple(UPDATE_RULES)[index]
+
+    def __len__(self) -> int:
+        return len(UPDATE_RULES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in UPDATE_RULES
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, _Names)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(tuple(UPDATE_RULES))
+
+
+class RuleView(Mapping[str, Any]):
+    """One attribute of every registered rule, by name, live: a read-only mapping."""
+
+    def __init__(self, read: Callable[[UpdateRule], Any]) -> None:
+        self._read = read
+
+    def __getitem__(self, name: str) -> Any:
+        rule = UPDATE_RULES.get(name)
+        if rule is None:
+            raise KeyError(name)
+        return self._read(rule)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(UPDATE_RULES))
+
+    def __len__(self) -> int:
+        return len(UPDATE_RULES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+#: The registered optimizer names (a live view of :data:`UPDATE_RULES`).
+OPTIMIZERS: Sequence[str] = _Names()
+
+#: Optimizer state tensors per optimizer; each entry is (name, per-row shape suffix)
+#: where "D" means one value per column and "1" one value per row (a live view).
+STATE_LAYOUT: Mapping[str, Tuple[Tuple[str, str], ...]] = RuleView(lambda rule: rule.state_layout)
+
+
+def _adam_step(
+    weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate,
+    step: Optional[Tensor], betas: Tuple[float, float], eps: float,
+    adam_bias: Optional[Tuple[Tensor, Tensor]], **_: Any,
+) -> None:
+    adam_rows_(weight, grad, state["exp_avg"], state["exp_avg_sq"], step, lr,
+               betas[0], betas[1], eps, bias_corrections=adam_bias)
+
+
+def _rowwise_adagrad_step(
+    weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, eps: float,
+    weight_decay: float, scale: Tensor, row_sums: Optional[RowSums], **_: Any,
+) -> None:
+    grad_sq_mean = None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
+    rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
+
+
+def _sgd_step(weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, **_: Any) -> None:
+    sgd_rows_(weight, grad, lr)
+
+
+register_update_rule(UpdateRule(
+    "adam", _adam_step, (("exp_avg", "D"), ("exp_avg_sq", "D")), "torch.optim.Adam",
+    adam_bias_corrections=True,
+))
+register_update_rule(UpdateRule(
+    "rowwise_adagrad", _rowwise_adagrad_step, (("sum", "1"),), "torchrec.optim.RowWiseAdagrad",
+))
+register_update_rule(UpdateRule("sgd", _sgd_step, (), "torch.optim.SGD"))
+
+
 def cowclip_row_update_(
     optimizer: str,
     weight: Tensor,
@@ -401,7 +549,8 @@ def cowclip_row_update_(
     """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
     Args:
-        optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``.
+        optimizer: a registered rule (:data:`UPDATE_RULES`): ``"adam"``,
+            ``"rowwise_adagrad"`` or ``"sgd"``, or one added by :func:`register_update_rule`.
         weight: ``[U, D]`` rows before the step; updated in place.
         grad: ``[U, D]`` summed gradients of the rows (not modified).
         counts: ``[U]`` occurrences of each row in the batch.
@@ -430,6 +579,7 @@ def cowclip_row_update_(
         >>> w
         tensor([[-0.5000, -0.5000]])
     """
+    rule = update_rule(optimizer)  # before any row changes
     norms = None if row_sums is None else row_sums.norms()
     if cowclip is not None:
         scale, was_clipped = cowclip_scale(
@@ -443,18 +593,8 @@ def cowclip_row_update_(
     row_lr: LearningRate = lr
     if count_lr is not None and count_lr.power != 0.0:
         row_lr = lr * count_lr.multiplier(counts, grad.dtype)
-    if optimizer == "adam":
-        adam_rows_(
-            weight, grad, state["exp_avg"], state["exp_avg_sq"], step, row_lr,
-            betas[0], betas[1], eps, bias_corrections=adam_bias,
-        )
-    elif optimizer == "rowwise_adagrad":
-        grad_sq_mean = (
-            None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
-        )
-        rowwise_adagrad_rows_(weight, grad, state["sum"], row_lr, eps, grad_sq_mean)
-    elif optimizer == "sgd":
-        sgd_rows_(weight, grad, row_lr)
-    else:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    rule.step(
+        weight, grad, state, lr=row_lr, step=step, betas=betas, eps=eps,
+        weight_decay=weight_decay, scale=scale, row_sums=row_sums, adam_bias=adam_bias,
+    )
     return was_clipped

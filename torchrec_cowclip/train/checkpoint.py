@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from torchrec_cowclip.compat import ShardedTensor
 
 TRAINER_STATE = "trainer_state.pt"
 CHECKPOINTS_DIR = "checkpoints"

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from torchrec_cowclip.compat import add_fx_tracing_filter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import SHARDING_CHOICES
@@ -157,7 +158,7 @@ _FX_TRACING_NOTICE = _TorchFxTracingNotice()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.getLogger("torch.fx._symbolic_trace").addFilter(_FX_TRACING_NOTICE)  # idempotent
+    add_fx_tracing_filter(_FX_TRACING_NOTICE)
     parser = build_parser()
     args = parser.parse_args(argv)
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast

@@ -13,7 +13,7 @@ from torchrec_cowclip.optim.functional import OPTIMIZERS
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
-EMBEDDING_OPTIMIZERS = tuple(OPTIMIZERS)
+EMBEDDING_OPTIMIZERS = OPTIMIZERS  # live: a registered update rule is a choice too
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,220 @@
+"""Every use of a private name of TorchRec or torch, in one place.
+
+The sharder extends TorchRec at three overridden methods (:func:`extension_points`) and
+reads a few attributes TorchRec documents nowhere; torch keeps ``ShardedTensor``, the
+process group's timeout and FX's tracing check under private paths. Each such name is
+reached only through this module, each accessor says why it is needed, and
+``tests/test_compat.py`` checks every one against the installed versions, so a TorchRec
+or torch upgrade that moves one fails there, naming it, rather than deep inside a
+sharded step.
+
+TorchRec is imported only when a TorchRec accessor is used, so that the parts of the
+package that need torch alone (the row step) import without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+if TYPE_CHECKING:
+    from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+    from torchrec.distributed.composable.table_batched_embedding_slice import (
+        TableBatchedEmbeddingSlice,
+    )
+    from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+    from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.modules.embedding_configs import PoolingMode
+
+__all__ = [
+    "FX_TRACING_LOGGER",
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "TableBatchedEmbeddingSlice",
+    "add_fx_tracing_filter",
+    "embedding_shardings",
+    "extension_points",
+    "grouped_configs",
+    "is_fx_symbolic_tracing",
+    "kernel_pooling_mode",
+    "lookup_kernels",
+    "mark_static_dim",
+    "mark_updated_in_backward",
+    "process_group_timeout",
+    "recompile_limit_at_least",
+    "row_wise_divisor_features",
+    "set_planner_optimizer_class",
+    "sharded_lookups",
+    "sharded_tensor",
+]
+
+
+
+def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
+    """The TorchRec methods the sharder overrides, with the parameters they must keep:
+    ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups, then the
+    data-parallel wrapping), ``GroupedPooledEmbeddingsLookup.__init__`` the third once
+    per table group. A renamed one would silently fall back to FBGEMM's kernels."""
+    from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    return (
+        (ShardedEmbeddingBagCollection, "_create_lookups", ("self",)),
+        (ShardedEmbeddingBagCollection, "init_data_parallel", ("self",)),
+        (
+            GroupedPooledEmbeddingsLookup,
+            "_create_embedding_kernel",
+            ("self", "config", "device", "pg", "sharding_type", "env"),
+        ),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # TableBatchedEmbeddingSlice: the per-table parameter over a kernel's shards that
+    # TorchRec registers as ``embedding_bags.<table>.weight`` (imported on first use).
+    if name == "TableBatchedEmbeddingSlice":
+        from torchrec.distributed.composable.table_batched_embedding_slice import (
+            TableBatchedEmbeddingSlice,
+        )
+
+        return TableBatchedEmbeddingSlice
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+#: The logger torch's one-time ``is_fx_tracing()`` deprecation notice goes to (the CLI
+#: filters that notice; it concerns a call torch.fx itself makes).
+FX_TRACING_LOGGER = "torch.fx._symbolic_trace"
+
+# --- ShardedEmbeddingBagCollection ----------------------------------------------------
+
+
+def sharded_lookups(module: ShardedEmbeddingBagCollection) -> List[nn.Module]:
+    """The live list of a sharded EBC's lookups, one per sharding type in
+    :func:`embedding_shardings` order (``_lookups``): ``_create_lookups`` fills it and
+    ``init_data_parallel`` replaces the data-parallel entry; TorchRec's forward, state
+    dict and fused optimizer read it."""
+    return module._lookups
+
+
+def embedding_shardings(module: ShardedEmbeddingBagCollection) -> List[Tuple[Any, str]]:
+    """``(sharding, sharding_type)`` of each sharding type of a sharded EBC
+    (``_embedding_shardings`` and ``_sharding_types``, in the order of its lookups): the
+    input the overridden ``_create_lookups`` builds its lookups from."""
+    return list(zip(module._embedding_shardings, module._sharding_types))
+
+
+def row_wise_divisor_features(
+    module: ShardedEmbeddingBagCollection,
+) -> Optional[Dict[str, List[str]]]:
+    """The live per-pooling lists of features TorchRec's MEAN-pooling callback divides
+    after the reduce-scatter (``_pooling_type_to_rs_features``; a feature listed under
+    SUM gets divisor 1), or None when it registers no callback
+    (``_has_mean_pooling_callback``). The sharded CowClip collection lists the features
+    its kernels already pooled, so they are not divided twice."""
+    if not module._has_mean_pooling_callback:
+        return None
+    return module._pooling_type_to_rs_features
+
+
+def grouped_configs(sharding: Any) -> List[GroupedEmbeddingConfig]:
+    """The table groups on this rank of one of TorchRec's embedding shardings: exactly
+    what the sharding's own ``create_lookup`` hands its lookup
+    (``_grouped_embedding_configs``; table-row-wise keeps one list per rank,
+    ``_grouped_embedding_configs_per_rank[_rank]``)."""
+    if hasattr(sharding, "_grouped_embedding_configs"):
+        return sharding._grouped_embedding_configs
+    return sharding._grouped_embedding_configs_per_rank[sharding._rank]
+
+
+# --- lookups and kernels --------------------------------------------------------------
+
+
+def lookup_kernels(lookup: GroupedPooledEmbeddingsLookup) -> List[nn.Module]:
+    """A grouped lookup's kernels, one per table group, in creation order
+    (``_emb_modules``, which ``_create_embedding_kernel``'s results are appended to)."""
+    return list(lookup._emb_modules)
+
+
+def kernel_pooling_mode(kernel: BaseBatchedEmbeddingBag[Any]) -> PoolingMode:
+    """The pooling TorchRec chose for a kernel's group (``_pooling``): SUM for row-wise
+    shards of a MEAN table, whose division by the whole bag's length TorchRec applies
+    after the reduce-scatter."""
+    return kernel._pooling
+
+
+def mark_updated_in_backward(param: Tensor) -> None:
+    """Marks ``param`` as updated inside backward (``_in_backward_optimizers``), as
+    TorchRec's fused kernels do: ``in_backward_optimizer_filter`` then keeps it out of
+    dense optimizers, and the plan helpers pick the ``fused`` kernel for it."""
+    from torchrec.optim.fused import EmptyFusedOptimizer
+
+    param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+
+
+def set_planner_optimizer_class(param: Tensor, optimizer_class: Type[torch.optim.Optimizer]) -> None:
+    """Tells TorchRec's storage estimator which optimizer's state size to plan for
+    ``param`` (``_optimizer_classes``)."""
+    param._optimizer_classes = [optimizer_class]  # type: ignore[attr-defined]
+
+
+# --- torch.distributed ----------------------------------------------------------------
+
+
+def process_group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The timeout ``pg`` (default: the world) was created with, if its backend exposes
+    it (``_get_backend(...).options._timeout``): error messages name it, and subgroups
+    inherit it."""
+    try:
+        group = pg if pg is not None else dist.group.WORLD
+        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return backend.options._timeout  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def sharded_tensor(
+    local_shards: List[Shard],
+    metadata: ShardedTensorMetadata,
+    pg: Optional[dist.ProcessGroup],
+) -> ShardedTensor:
+    """A ``ShardedTensor`` over existing local shards (views, not copies) with known
+    global metadata, without a collective (``_init_from_local_shards_and_global_metadata``,
+    what TorchRec's own fused kernels use for their optimizer state)."""
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=local_shards, sharded_tensor_metadata=metadata, process_group=pg
+    )
+
+
+# --- torch.compile --------------------------------------------------------------------
+
+
+def mark_static_dim(tensor: Tensor, dim: int) -> None:
+    """Compiles ``dim`` of ``tensor`` as a constant under ``torch.compile(dynamic=True)``
+    (``torch._dynamo.mark_static``; ``torch.compiler`` has no public equivalent)."""
+    torch._dynamo.mark_static(tensor, dim)
+
+
+@contextlib.contextmanager
+def recompile_limit_at_least(limit: int) -> Iterator[None]:
+    """Raises Dynamo's per-function recompile limit to at least ``limit`` inside the
+    block (``torch._dynamo.config.recompile_limit``)."""
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=max(limit, config.recompile_limit)):
+        yield
+
+
+def add_fx_tracing_filter(notice: logging.Filter) -> None:
+    """Adds ``notice`` to the logger of torch.fx's tracing check (:data:`FX_TRACING_LOGGER`);
+    idempotent."""
+    logging.getLogger(FX_TRACING_LOGGER).addFilter(notice)
