@@ -99,7 +99,7 @@ FX_TRACING_LOGGER = "torch.fx._symbolic_trace"
 # --- ShardedEmbeddingBagCollection ----------------------------------------------------
 
 
-def sharded_lookups(module: ShardedEmbeddingBagCollection) -> List[nn.Module]:
+def sharded_lookups(module: ShardedEmbeddingBagCollection) -> List[Any]:
     """The live list of a sharded EBC's lookups, one per sharding type in
     :func:`embedding_shardings` order (``_lookups``): ``_create_lookups`` fills it and
     ``init_data_parallel`` replaces the data-parallel entry; TorchRec's forward, state
@@ -140,7 +140,7 @@ def grouped_configs(sharding: Any) -> List[GroupedEmbeddingConfig]:
 # --- lookups and kernels --------------------------------------------------------------
 
 
-def lookup_kernels(lookup: GroupedPooledEmbeddingsLookup) -> List[nn.Module]:
+def lookup_kernels(lookup: GroupedPooledEmbeddingsLookup) -> List[Any]:
     """A grouped lookup's kernels, one per table group, in creation order
     (``_emb_modules``, which ``_create_embedding_kernel``'s results are appended to)."""
     return list(lookup._emb_modules)
@@ -178,7 +178,7 @@ def process_group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[timedelta
     try:
         group = pg if pg is not None else dist.group.WORLD
         backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
-        return backend.options._timeout  # type: ignore[attr-defined]
+        return backend.options._timeout
     except (AttributeError, RuntimeError):
         return None
 

@@ -158,7 +158,7 @@ def all_gather_row_gradients(
         else torch.zeros(0, device=device)
     )
 
-    def exchange() -> Tuple[Tensor, Tensor, Tensor]:
+    def exchange() -> Tuple[Tensor, List[Tensor], List[Tensor]]:
         all_sizes = [torch.empty_like(sizes) for _ in range(world)]
         dist.all_gather(all_sizes, sizes, group=pg)
         per_rank = torch.stack(all_sizes)  # [world, parts]

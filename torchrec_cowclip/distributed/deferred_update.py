@@ -200,12 +200,12 @@ class _ApplyPendingStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, leaf: Tensor, step: PendingStep) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, leaf: Tensor, step: PendingStep) -> Tensor:
         ctx.step = step
         return leaf.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, _: Tensor) -> Tuple[None, None]:  # type: ignore[override]
+    def backward(ctx: Any, _: Tensor) -> Tuple[None, None]:
         ctx.step.apply()
         return None, None
 

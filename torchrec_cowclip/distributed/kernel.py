@@ -159,7 +159,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
     # --- TorchRec kernel interface ---------------------------------------------------
 
     @property
-    def emb_module(self) -> nn.Module:  # type: ignore[override]
+    def emb_module(self) -> nn.Module:
         """Absent: the shards live in table batches, not in an FBGEMM module (raises
         AttributeError, so TorchRec's ``hasattr`` probes see no FBGEMM features)."""
         raise AttributeError(
@@ -196,7 +196,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
     ) -> Iterator[Tuple[str, Tensor]]:
         yield from ()
 
-    def forward(self, features: KeyedJaggedTensor) -> Tensor:  # type: ignore[override]
+    def forward(self, features: KeyedJaggedTensor) -> Tensor:
         if features.variable_stride_per_key():
             raise ValueError(
                 "variable-batch KeyedJaggedTensors are not supported by the CowClip sharder"
@@ -329,7 +329,7 @@ class _ShardLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         anchor: Tensor,
         kernel: CowClipBatchedEmbeddingBag,
@@ -341,7 +341,7 @@ class _ShardLookup(torch.autograd.Function):
         return kernel.pooled(batch_index, lookup)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, ...]:
         if ctx.step is None:
             raise RuntimeError(
                 "a sharded CowClip kernel was run outside its lookup's forward; "

@@ -162,9 +162,9 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
     @property
-    def module_type(self) -> Type[nn.Module]:  # type: ignore[override]
+    def module_type(self) -> Type[nn.Module]:
         return self._module_type
 
     @property
-    def sharded_module_type(self) -> Type[ShardedCowClipEmbeddingBagCollection]:  # type: ignore[override]
+    def sharded_module_type(self) -> Type[ShardedCowClipEmbeddingBagCollection]:
         return ShardedCowClipEmbeddingBagCollection

@@ -5,7 +5,7 @@ inside backward.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -183,7 +183,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 mark_updated_in_backward(param)
                 self.embedding_bags[name] = TableWeight(param)
         for table in tables:
-            params[f"embedding_bags.{table.name}.weight"] = self.embedding_bags[table.name].weight
+            params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._bind_views()
         self.reset_parameters()
@@ -249,7 +249,10 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 batch_weights = weights[bounds[s] : bounds[s + 1]].to(batch.weight.dtype)
             lookup = slot_lookups[s].sharing_ids_with(batch_weights)
             outs.append(
-                FusedCowClipLookup.apply(self._anchor, batch, lookup, self._hyperparameters)
+                # torch.autograd.Function.apply carries no annotations.
+                FusedCowClipLookup.apply(  # type: ignore[no-untyped-call]
+                    self._anchor, batch, lookup, self._hyperparameters
+                )
             )
         return KeyedTensor(
             keys=self._embedding_names,
@@ -415,7 +418,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             return
         with torch.no_grad():
             for table in self._embedding_bag_configs:
-                weight = self.embedding_bags[table.name].weight
+                weight = self._table_weight(table.name)
                 row_init = self._row_inits[table.name]
                 if row_init is not None:
                     row_init(weight)
@@ -436,7 +439,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         self._bind_views()
         views = {id(p) for p in self.parameters()}
         # The per-table parameters now view the moved batches: leave them as they are.
-        return super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
+        moved: nn.Module = super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
+        return moved
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # deepcopy and unpickling clone each per-table parameter on its own; re-point
@@ -448,7 +452,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         state = self._fused_optimizer.state
         for batch in self._batches:
             for i, name in enumerate(batch.table_names):
-                param = self.embedding_bags[name].weight
+                param = self._table_weight(name)
                 view = batch.table_weight(i)
                 if param.device == view.device:
                     param.data = view
@@ -456,12 +460,21 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                     # `.data` cannot change a parameter's device type (meta -> cpu):
                     # swap the contents, keeping the object the optimizer holds.
                     marks = dict(param.__dict__)
-                    torch.utils.swap_tensors(param, nn.Parameter(view, param.requires_grad))
+                    # (swap_tensors carries no annotations)
+                    torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                        param, nn.Parameter(view, param.requires_grad)
+                    )
                     param.__dict__.update(marks)
-                state[param] = batch.table_state(i)  # type: ignore[index]
+                state[param] = batch.table_state(i)
+
+    def _table_weight(self, name: str) -> nn.Parameter:
+        holder = self.embedding_bags[name]
+        assert isinstance(holder, TableWeight)
+        return holder.weight
 
     def _hyperparameters(self) -> Mapping[str, Any]:
-        return self._fused_optimizer.param_groups[0]  # type: ignore[index]
+        group: Mapping[str, Any] = self._fused_optimizer.param_groups[0]
+        return group
 
     def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys = tuple(features.keys())
@@ -477,7 +490,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
     if not tables:
         raise ValueError("tables must not be empty")
-    names: set = set()
+    names: Set[str] = set()
     for table in tables:
         if table.name in names:
             raise ValueError(f"Duplicate table name {table.name}")

@@ -50,7 +50,7 @@ class CowClipFusedOptimizer(FusedOptimizer):
 
     def __init__(
         self,
-        params: Mapping[str, torch.nn.Parameter],
+        params: Mapping[str, Any],
         state: Dict[Any, Dict[str, Tensor]],
         options: CowClipOptions,
     ) -> None:
