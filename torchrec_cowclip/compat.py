@@ -159,12 +159,14 @@ def mark_updated_in_backward(param: Tensor) -> None:
     dense optimizers, and the plan helpers pick the ``fused`` kernel for it."""
     from torchrec.optim.fused import EmptyFusedOptimizer
 
+    # A new attribute on a torch Parameter, which the stubs do not declare.
     param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
 
 
 def set_planner_optimizer_class(param: Tensor, optimizer_class: Type[torch.optim.Optimizer]) -> None:
     """Tells TorchRec's storage estimator which optimizer's state size to plan for
     ``param`` (``_optimizer_classes``)."""
+    # A new attribute on a torch Parameter, which the stubs do not declare.
     param._optimizer_classes = [optimizer_class]  # type: ignore[attr-defined]
 
 
@@ -177,6 +179,7 @@ def process_group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[timedelta
     inherit it."""
     try:
         group = pg if pg is not None else dist.group.WORLD
+        # dist.group.WORLD is Optional in the stubs; None raises AttributeError, handled.
         backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
         return backend.options._timeout
     except (AttributeError, RuntimeError):

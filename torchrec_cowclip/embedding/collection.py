@@ -332,9 +332,10 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     def row_clip_counters_state(self) -> Optional[List[Tensor]]:
         """The per-row counters of :meth:`track_row_clips`, for checkpoints; None when
         they are off."""
-        if any(batch.row_counters is None for batch in self._batches):
+        counters = [batch.row_counters for batch in self._batches]
+        if any(c is None for c in counters):
             return None
-        return [batch.row_counters.clone() for batch in self._batches]  # type: ignore[union-attr]
+        return [c.clone() for c in counters if c is not None]
 
     def load_row_clip_counters_state(self, counters: List[Tensor]) -> None:
         """Turns per-row counting on and restores counters saved by
@@ -345,7 +346,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             raise ValueError(f"row clip counters: expected shapes {shapes}, got {got}")
         self.track_row_clips()
         for batch, saved in zip(self._batches, counters):
-            batch.row_counters.copy_(saved)  # type: ignore[union-attr]
+            assert batch.row_counters is not None  # track_row_clips() allocated them
+            batch.row_counters.copy_(saved)
 
     def reset_clip_stats(self) -> None:
         """Zeroes all counters (the step counts, which are optimizer state, stay)."""
