@@ -32,7 +32,7 @@ def main() -> None:
                                   lambda params: torch.optim.Adam(params, lr=1e-3))
     optimizer = CombinedOptimizer([("dense", dense), ("sparse", ebc.fused_optimizer)])
 
-    for step in range(20):
+    for _ in range(20):
         batch = 512
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{i}" for i in range(4)],

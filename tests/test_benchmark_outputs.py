@@ -45,7 +45,7 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     assert list(rows[0]) == list(result["results"][0])
     memory = {m["variant"]: m for m in result["memory"]}
     assert list(memory) == variants
-    for name, m in memory.items():
+    for m in memory.values():
         assert "error" not in m, m
         assert m["peak_mib"] > 0 and m["state_bytes_per_row"] >= 0
     # Adam: two fp32 moments of the D = 10 row and the first-order weight per id

@@ -276,7 +276,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         """Per table, what the update did to this rank's shards. Column shards of one
         table clip the same rows (whole-row norms), so a table reports its first shard."""
         stats: Dict[str, TableClipStats] = {}
-        for shard, (b, i) in zip(self._group.embedding_tables, self._shard_location):
+        for shard, (b, _) in zip(self._group.embedding_tables, self._shard_location):
             stats.setdefault(shard.name, self._batches[b].stats()[shard.name])
         return stats
 
