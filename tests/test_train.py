@@ -103,17 +103,17 @@ def test_resume_after_interruption_gives_the_uninterrupted_metrics(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
 
     store = CheckpointStore(tmp_path / "checkpoints")
     store.save("latest", "s1", {"model": {"w": torch.ones(3)}}, {"step": 1})
-    real_save = dcp.save
+    real_save = state_dict_saver.save
 
     def killed_mid_write(state, checkpoint_id):
         real_save(state, checkpoint_id=checkpoint_id)  # files on disk, pointer not moved
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(dcp, "save", killed_mid_write)
+    monkeypatch.setattr(state_dict_saver, "save", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
         store.save("latest", "s2", {"model": {"w": torch.full((3,), 2.0)}}, {"step": 2})
     monkeypatch.undo()

@@ -54,10 +54,10 @@ def train_phases(rank: int, world: int, runs: List[Tuple[str, Dict[str, Any]]]) 
 def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[str, Any]) -> None:
     """Trains with ``checkpoint_every``; rank 1 is killed after writing its part of the
     second checkpoint, before the checkpoint is complete."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
 
     _as_torchrun(rank, world)
-    real_save, saves = dcp.save, {"n": 0}
+    real_save, saves = state_dict_saver.save, {"n": 0}
 
     def save(state: Any, checkpoint_id: str) -> Any:
         saves["n"] += 1
@@ -66,7 +66,7 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
             os._exit(9)  # as SIGKILL: no cleanup, no barrier
         return result
 
-    dcp.save = save
+    state_dict_saver.save = save
     Trainer(tiny_config(root, **overrides)).run()
 
 

@@ -53,7 +53,7 @@ import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -110,7 +110,8 @@ def cache_key(payload: Mapping[str, Any]) -> str:
 def read_meta(entry: Union[str, Path]) -> Dict[str, Any]:
     """The ``meta.json`` of a cache entry."""
     with open(Path(entry) / META_FILE) as f:
-        return json.load(f)
+        meta: Dict[str, Any] = json.load(f)
+    return meta
 
 
 def _crc(path: Path, offset: int = 0) -> Tuple[int, str]:
@@ -156,7 +157,7 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
     return None
 
 
-def _stamp(entry: Path, names: Sequence[str]) -> Tuple[str, Tuple[Tuple[str, int, int], ...]]:
+def _stamp(entry: Path, names: Iterable[str]) -> Tuple[str, Tuple[Tuple[str, int, int], ...]]:
     stamp = []
     for name in sorted(names):
         try:

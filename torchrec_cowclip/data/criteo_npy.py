@@ -41,12 +41,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
 from torchrec_cowclip.data.cache import fingerprint
-from torchrec_cowclip.data.encode import Conversion, HashSize, SparseEncoding, json_sizes
+from torchrec_cowclip.data.encode import Conversion, HashSize, SparseEncoding, TableSizes, json_sizes
 from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import SourceOptions, option_field
@@ -82,10 +82,11 @@ def _day(directory: Path, prefix: str) -> NpyDay:
         None,
     )
     labels = directory / f"{prefix}_labels.npy"
-    missing = [str(p) for p in [sparse or directory / f"{prefix}_sparse.npy", labels] if not p.exists()]
+    sparse_path = sparse or directory / f"{prefix}_sparse.npy"
+    missing = [str(p) for p in [sparse_path, labels] if not p.exists()]
     if missing:
         raise FileNotFoundError(f"criteo-npy prefix {directory / prefix} lacks {missing}")
-    return NpyDay(prefix, directory / f"{prefix}_dense.npy", sparse, labels)  # type: ignore[arg-type]
+    return NpyDay(prefix, directory / f"{prefix}_dense.npy", sparse_path, labels)
 
 
 def find_npy_days(path: Union[str, Path]) -> List[NpyDay]:
@@ -180,7 +181,8 @@ class NpyRowSource:
 
 
 def _negative_ids(sparse: np.ndarray) -> Optional[Tuple[np.ndarray, str, List[str]]]:
-    bad = (sparse < 0).any(axis=1)
+    # numpy's stubs type a reduction along an axis as a scalar or an array: here, an array.
+    bad = cast(np.ndarray, (sparse < 0).any(axis=1))
     if not bad.any():
         return None
     details = [f"negative id in {sparse[i].tolist()} (pass hash_size)" for i in np.flatnonzero(bad).tolist()]
@@ -225,11 +227,11 @@ class StoredIds(SparseEncoding):
 class ModuloIds(SparseEncoding):
     """Ids hashed into ``hash_size`` rows per table with ``id % hash_size``."""
 
-    def __init__(self, hash_size: HashSize) -> None:
+    def __init__(self, hash_size: TableSizes) -> None:
         self.hash_size = hash_size
 
     def start(self, sparse_names: Sequence[str]) -> None:
-        sizes = np.array(resolve_sizes(self.hash_size, sparse_names), dtype=np.int64)  # type: ignore[arg-type]
+        sizes = np.array(resolve_sizes(self.hash_size, sparse_names), dtype=np.int64)
         if (sizes < 1).any():
             raise DataOptionError(f"hash_size (--hash-size) must be >= 1, got {sizes.tolist()}")
         self.sizes = sizes
@@ -238,7 +240,8 @@ class ModuloIds(SparseEncoding):
         return tuple(self.sizes.tolist())
 
     def encode(self, sparse: np.ndarray) -> np.ndarray:
-        return np.mod(sparse, self.sizes)
+        ids: np.ndarray = np.mod(sparse, self.sizes)
+        return ids
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": "hash", "method": "mod"}

@@ -31,7 +31,7 @@ import csv
 import gzip
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -70,9 +70,10 @@ def open_binary(path: Union[str, Path]) -> BinaryIO:
         raise FileNotFoundError(f"data file not found: {p}")
     if p.is_dir():
         raise DataError(f"expected a file, got a directory: {p}", path=p)
-    with open(p, "rb") as f:
-        magic = f.read(2)
-    f: BinaryIO = gzip.open(p, "rb") if magic == b"\x1f\x8b" else open(p, "rb")  # type: ignore[assignment]
+    with open(p, "rb") as head:
+        magic = head.read(2)
+    # A GzipFile reads bytes as a BinaryIO does; typeshed does not derive it from one.
+    f: BinaryIO = cast(BinaryIO, gzip.open(p, "rb")) if magic == b"\x1f\x8b" else open(p, "rb")
     if f.read(len(_BOM)) != _BOM:
         f.seek(0)
     return f
@@ -261,7 +262,8 @@ def _gather(padded: np.ndarray, starts: np.ndarray, ends: np.ndarray, path: Path
         np.minimum(idx, len(padded) - 1, out=idx)
         out = padded[idx]
     out *= offsets[None, :] < lengths[:, None]
-    return out.view(f"S{width}").reshape(n)
+    fields: np.ndarray = out.view(f"S{width}").reshape(n)
+    return fields
 
 
 def read_header(path: Union[str, Path], delimiter: Union[bytes, str, None] = None) -> List[str]:

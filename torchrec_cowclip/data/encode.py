@@ -53,7 +53,9 @@ from torchrec_cowclip.data.writer import CacheWriter
 
 logger = logging.getLogger(__name__)
 
-HashSize = Union[int, Sequence[int], Mapping[str, int], None]
+#: Rows per table: one for every table, one per table in order, or ``{name: rows}``.
+TableSizes = Union[int, Sequence[int], Mapping[str, int]]
+HashSize = Optional[TableSizes]
 INT32_MAX = 2**31 - 1
 
 
@@ -192,11 +194,11 @@ class HashingEncoding(SparseEncoding):
 
     hasher: HashEncoder
 
-    def __init__(self, hash_size: HashSize, method: HashMethod) -> None:
+    def __init__(self, hash_size: TableSizes, method: HashMethod) -> None:
         self.hash_size, self.method = hash_size, method
 
     def start(self, sparse_names: Sequence[str]) -> None:
-        sizes = resolve_sizes(self.hash_size, sparse_names)  # type: ignore[arg-type]
+        sizes = resolve_sizes(self.hash_size, sparse_names)
         self.hasher = HashEncoder(sizes, self.method, names=sparse_names)
 
     def check(self) -> Optional[SparseCheck]:
@@ -265,7 +267,7 @@ def _log_rate(what: str, name: str, rows: int, start: float) -> None:
 
 
 def _stats_pass(c: Conversion, n_dense: int, out: Path) -> Dict[str, Any]:
-    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]
+    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]  # a str: BadRowLog checks it
     stats = DenseStats(n_dense)
     check = c.encoding.check()
     rows = 0
@@ -282,7 +284,7 @@ def _stats_pass(c: Conversion, n_dense: int, out: Path) -> Dict[str, Any]:
     if c.encoding.counts:
         c.encoding.save(out)
     with open(out / "dense_stats.npz", "wb") as f:
-        np.savez(f, **stats.to_arrays())
+        np.savez(f, allow_pickle=False, **stats.to_arrays())
     return {"rows": rows, "bad_rows": log.counts}
 
 
@@ -316,7 +318,7 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
 
     cardinalities = c.encoding.cardinalities()
     sparse_dtype = np.int32 if max(cardinalities, default=1) <= INT32_MAX else np.int64
-    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]
+    log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]  # a str: BadRowLog checks it
     check = c.encoding.check()
     clipped = np.zeros(len(dense_names), dtype=np.int64)
     with CacheWriter(out_dir, len(dense_names), len(sparse_names), sparse_dtype, c.extra) as w:

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Tuple, cast
 
 import numpy as np
 
@@ -44,13 +44,15 @@ def rows_all(mask: np.ndarray) -> np.ndarray:
     if width == 0:
         return np.ones(n, dtype=bool)
     if width > 8:
-        return mask.all(axis=1)
+        # numpy's stubs type a reduction along an axis as a scalar or an array: here, an array.
+        return cast(np.ndarray, mask.all(axis=1))
     if width != 8:
         padded = np.ones((n, 8), dtype=bool)
         padded[:, :width] = mask
         mask = padded
     rows = np.ascontiguousarray(mask).view(np.uint64).reshape(n)
-    return rows == np.uint64(0x0101010101010101)
+    all_true: np.ndarray = rows == np.uint64(0x0101010101010101)
+    return all_true
 
 
 def parse_numeric(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -105,7 +105,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = x * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(27))
     x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 def fnv1a64(col: np.ndarray) -> np.ndarray:

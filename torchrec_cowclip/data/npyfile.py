@@ -97,7 +97,7 @@ class NpyAppender(Closing):
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
         if rows.shape[1:] != self.row_shape:
             raise ValueError(f"{self.path}: rows of shape {rows.shape[1:]}, expected {self.row_shape}")
-        data = memoryview(rows.reshape(-1)).cast("B")
+        data = rows.reshape(-1).data.cast("B")
         self._crc = zlib.crc32(data, self._crc)
         self._f.write(data)
         self.rows += rows.shape[0]

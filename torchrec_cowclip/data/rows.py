@@ -79,8 +79,8 @@ def validate_block(
     bad_label: np.ndarray,
     bad_dense: np.ndarray,
     dense_names: Sequence[str],
-    raw_labels: Sequence[Any],
-    raw_dense: Sequence[Sequence[Any]],
+    raw_labels: np.ndarray,
+    raw_dense: Union[np.ndarray, Sequence[np.ndarray]],
     sparse_check: Optional[SparseCheck],
     wrong_count: Sequence[Tuple[int, str]] = (),
 ) -> RowBlock:
@@ -161,9 +161,10 @@ class TextLayout:
         fields are all names (non-empty, not numbers). A data row has a number or an
         empty field among them, so a first row with a bad label stays a (bad) row."""
         refs = [self.label, *self.dense]
-        if any(not isinstance(r, int) or r >= len(fields) for r in refs):
+        columns = [r for r in refs if isinstance(r, int) and r < len(fields)]
+        if len(columns) != len(refs):
             return False
-        values = np.array([fields[r].strip() for r in refs])
+        values = np.array([fields[c].strip() for c in columns])
         _, bad = parse_numeric(values)
         return bool(bad.all())
 

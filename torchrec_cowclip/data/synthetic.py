@@ -165,8 +165,10 @@ def _power_sum(n: int, s: float) -> float:
         integral = math.log(b / a)
     else:
         integral = (b ** (1 - s) - a ** (1 - s)) / (1 - s)
-    ends = (a**-s + b**-s) / 2
-    deriv = (-s * b ** (-s - 1) + s * a ** (-s - 1)) / 12
+    # Powers with a float exponent are Any to mypy (a negative base gives a complex);
+    # the bases here are >= 1.
+    ends: float = (a**-s + b**-s) / 2
+    deriv: float = (-s * b ** (-s - 1) + s * a ** (-s - 1)) / 12
     return total + integral + ends + deriv
 
 

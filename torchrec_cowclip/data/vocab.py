@@ -187,7 +187,7 @@ class Vocabulary:
             arrays[f"keys_{c}"] = self.keys(c)
             arrays[f"counts_{c}"] = self._counts[c]
         with open(path, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, allow_pickle=False, **arrays)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Vocabulary":

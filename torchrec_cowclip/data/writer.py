@@ -32,7 +32,7 @@ import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -62,7 +62,9 @@ class CacheWriter(Closing):
         extra: Sequence[str] = (),
     ) -> None:
         self._stack = ExitStack()
-        specs = [("dense", np.float32, (n_dense,)), ("sparse", sparse_dtype, (n_sparse,))]
+        specs: List[Tuple[str, DTypeLike, Tuple[int, ...]]] = [
+            ("dense", np.float32, (n_dense,)), ("sparse", sparse_dtype, (n_sparse,))
+        ]
         specs += [(name, np.float32, ()) for name in ("labels", *extra)]
         self._arrays: Dict[str, NpyAppender] = {
             name: self._stack.enter_context(NpyAppender(Path(out_dir) / f"{name}.npy", dtype, shape))

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 from torchrec_cowclip.models.base import CTRModel, FirstOrderLogit, dense_parameters_of
 from torchrec_cowclip.models.dcn import DCN, DCNv2
 from torchrec_cowclip.models.deepfm import DeepFM, fm_second_order
-from torchrec_cowclip.models.dlrm import DLRMModel, build_dlrm, check_dlrm_tables
+from torchrec_cowclip.models.dlrm import DLRMInteraction, DLRMModel, build_dlrm, check_dlrm_tables
 from torchrec_cowclip.models.embeddings import (
     DeviceLike,
     EmbeddingBackend,
@@ -59,14 +59,14 @@ def _field_model(cls: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
     return build
 
 
-def _dlrm(interaction: str) -> Callable[..., CTRModel]:
+def _dlrm(interaction: DLRMInteraction) -> Callable[..., CTRModel]:
     def build(*, hidden: Sequence[int], cross_layers: int, **common: Any) -> CTRModel:
         # hidden sizes both MLPs unless the caller sizes them with model_options.
         common.setdefault("dense_arch_layer_sizes", (*hidden, common["embedding_dim"]))
         common.setdefault("over_arch_layer_sizes", (*hidden, 1))
         if interaction == "dcn":
             common.setdefault("dcn_num_layers", cross_layers)
-        return build_dlrm(interaction=interaction, **common)  # type: ignore[arg-type]
+        return build_dlrm(interaction=interaction, **common)
 
     return build
 
@@ -187,13 +187,16 @@ def build_model(
 
 
 def _resolve_num_dense(num_dense: Optional[int], dense_names: Optional[Sequence[str]]) -> int:
-    if num_dense is None and dense_names is None:
+    if dense_names is not None:
+        if num_dense is not None and len(dense_names) != num_dense:
+            raise ValueError(
+                f"num_dense={num_dense} disagrees with {len(dense_names)} dense_names"
+            )
+        n = len(dense_names)
+    elif num_dense is not None:
+        n = int(num_dense)
+    else:
         raise ValueError("give num_dense or dense_names (0 / [] for no dense features)")
-    if dense_names is not None and num_dense is not None and len(dense_names) != num_dense:
-        raise ValueError(
-            f"num_dense={num_dense} disagrees with {len(dense_names)} dense_names"
-        )
-    n = len(dense_names) if dense_names is not None else int(num_dense)  # type: ignore[arg-type]
     if n < 0:
         raise ValueError(f"num_dense must be >= 0, got {n}")
     return n

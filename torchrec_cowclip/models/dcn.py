@@ -67,7 +67,8 @@ class _DeepAndCross(FieldCTRModel):
         x0 = self.flat_input(embeddings, dense)
         # Empty `hidden` means cross-only, as in the reference (no identity "DNN" branch).
         parts = [self.cross(x0)] + ([self.deep(x0)] if self._hidden else [])
-        return linear + self.projection(torch.cat(parts, dim=1)).squeeze(1)
+        cross_deep: Tensor = self.projection(torch.cat(parts, dim=1)).squeeze(1)
+        return linear + cross_deep
 
 
 class DCN(_DeepAndCross):

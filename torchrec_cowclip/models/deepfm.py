@@ -95,5 +95,5 @@ class DeepFM(FieldCTRModel):
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""
         embeddings, logit = self.embed(dense, sparse)
-        deep = self.deep([embeddings, dense.to(embeddings.dtype).unsqueeze(2)]).squeeze(1)
+        deep: Tensor = self.deep([embeddings, dense.to(embeddings.dtype).unsqueeze(2)]).squeeze(1)
         return logit + fm_second_order(embeddings) + deep

@@ -80,7 +80,8 @@ class DLRMModel(CTRModel):
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""
         self._check_inputs(dense)
-        return self.dlrm(dense_features=dense, sparse_features=sparse).squeeze(1)
+        logits: Tensor = self.dlrm(dense_features=dense, sparse_features=sparse).squeeze(1)
+        return logits
 
 
 def check_dlrm_tables(
@@ -188,7 +189,7 @@ def build_dlrm(
     dense_device = None if device is None else torch.device(device)
     if interaction == "dot":
         dlrm: DLRM = DLRM(
-            embedding_bag_collection=collection,  # type: ignore[arg-type]
+            embedding_bag_collection=collection,
             dense_in_features=num_dense,
             dense_arch_layer_sizes=bottom,
             over_arch_layer_sizes=top,
@@ -196,7 +197,7 @@ def build_dlrm(
         )
     else:
         dlrm = DLRM_DCN(
-            embedding_bag_collection=collection,  # type: ignore[arg-type]
+            embedding_bag_collection=collection,
             dense_in_features=num_dense,
             dense_arch_layer_sizes=bottom,
             over_arch_layer_sizes=top,

@@ -71,5 +71,5 @@ class WideAndDeep(FieldCTRModel):
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""
         embeddings, wide = self.embed(dense, sparse)
-        deep = self.deep(self.flat_input(embeddings, dense)).squeeze(1)
+        deep: Tensor = self.deep(self.flat_input(embeddings, dense)).squeeze(1)
         return wide + deep

@@ -28,11 +28,16 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+
+# From their defining modules: the package's __init__ re-exports these names without
+# __all__, which mypy reads as private. save and load are looked up on their modules at
+# call time, so a test can replace state_dict_saver.save (a write killed half-way).
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from torchrec_cowclip.compat import ShardedTensor
 
@@ -114,7 +119,7 @@ class CheckpointStore:
             if target.exists():  # a write of this very checkpoint that was killed
                 shutil.rmtree(target)
         _barrier()
-        dcp.save(tensors, checkpoint_id=str(target))
+        state_dict_saver.save(tensors, checkpoint_id=str(target))
         if _is_main():
             _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
         _barrier()
@@ -137,8 +142,10 @@ class CheckpointStore:
         if path is None:
             raise FileNotFoundError(f"no '{name}' checkpoint in {self.root}")
         self.check_fits(path, tensors)
-        dcp.load(tensors, checkpoint_id=str(path))
-        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        state_dict_loader.load(tensors, checkpoint_id=str(path))
+        state: Dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu",
+                                           weights_only=False)
+        return state
 
     def describe(self, name: str) -> str:
         """How a stop message names checkpoint ``name`` of this directory."""
@@ -155,13 +162,15 @@ class CheckpointStore:
         path = self.path_of(name)
         if path is None:
             return None
-        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        state: Dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu",
+                                           weights_only=False)
+        return state
 
     @staticmethod
     def check_fits(path: Path, tensors: Mapping[str, Any]) -> None:
         """Raises :class:`CheckpointMismatchError` naming the first tensor that the
         checkpoint at ``path`` lacks or holds with another shape."""
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         wanted = _flat_tensors(tensors)
         missing: List[str] = []
         for key, value in wanted.items():
@@ -196,7 +205,7 @@ class CheckpointStore:
         a killed write, or superseded); returns what it removed. Rank 0 only."""
         named = {self.root / (self.root / n).read_text().strip()
                  for n in ("latest", "best") if (self.root / n).is_file()}
-        removed = []
+        removed: List[Path] = []
         if not self.root.is_dir():
             return removed
         for entry in self.root.iterdir():
@@ -249,6 +258,7 @@ def nonfinite_tensors(state: Any, prefix: str = "") -> List[str]:
             if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
                 return [prefix or "<tensor>"]
         return []
+    items: Iterable[Tuple[Any, Any]]
     if isinstance(state, dict):
         items = state.items()
     elif isinstance(state, (list, tuple)):

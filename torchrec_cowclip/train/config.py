@@ -104,9 +104,9 @@ class TrainConfig:
             "--epochs": self.epochs, "--embedding-dim": self.embedding_dim,
             "--eval-batch-size": self.eval_batch_size,
         }
-        for flag, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{flag} must be > 0, got {value}")
+        for flag, count in positive.items():
+            if count <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {count}")
         non_negative = {
             "--early-stop-patience": self.early_stop_patience,
             "--checkpoint-every": self.checkpoint_every, "--max-steps": self.max_steps,
@@ -117,9 +117,9 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         self._validate_numbers()
         if not self.cowclip:
-            for flag, value in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
-                if value is not None:
-                    raise ConfigError(f"{flag} {value:g} has no effect with --no-cowclip: drop one")
+            for flag, clip in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
+                if clip is not None:
+                    raise ConfigError(f"{flag} {clip:g} has no effect with --no-cowclip: drop one")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out, --overwrite deletes it: give one")
         from torchrec_cowclip.train.scaling import RECIPES

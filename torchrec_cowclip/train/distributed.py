@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torchrec.distributed.planner.types import ParameterConstraints
 
 SHARDING_CHOICES = ("auto", "table_wise", "column_wise", "data_parallel", "row_wise")
 
@@ -90,7 +93,7 @@ def rank_rows_for_eval(indices: np.ndarray, ctx: DistContext) -> np.ndarray:
 
 def sharding_constraints(
     table_names: List[str], sharding: str
-) -> Optional[Dict[str, "ParameterConstraints"]]:  # noqa: F821
+) -> Optional[Dict[str, ParameterConstraints]]:
     """Planner constraints forcing one sharding type on every table (None for auto)."""
     if sharding not in SHARDING_CHOICES:
         raise ValueError(f"--sharding must be one of {SHARDING_CHOICES}, got {sharding!r}")
@@ -122,10 +125,11 @@ def shard_model(
     )
     pg = dist.GroupMember.WORLD
     plan = planner.collective_plan(module, sharders, pg)
-    return DistributedModelParallel(
+    sharded: nn.Module = DistributedModelParallel(
         module,
         env=ShardingEnv.from_process_group(pg),
         device=ctx.device,
         plan=plan,
         sharders=sharders,
     )
+    return sharded

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
 from tensorboardX import SummaryWriter
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 
 class _CsvLog:
@@ -31,7 +31,7 @@ class _CsvLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: Optional[TextIO] = None
-        self._writer: Optional[csv.DictWriter] = None
+        self._writer: Optional[csv.DictWriter[str]] = None
 
     def write(self, row: Dict[str, Any]) -> None:
         if self._writer is None:
@@ -101,14 +101,14 @@ class RunLog:
                     unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def step(self, step: int, values: Dict[str, float]) -> None:
-        if not self.enabled:
+        if self._tb is None:  # not enabled
             return
         self._steps.write({"step": step, **values})
         for key, value in values.items():
             self._tb.add_scalar(f"train/{key}", value, step)
 
     def epoch(self, row: Dict[str, Any]) -> None:
-        if not self.enabled:
+        if self._tb is None:  # not enabled
             return
         self._epochs.write(row)
         for key, value in row.items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from torchrec_cowclip.data import BatchIterator, epoch_order
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
+from torchrec_cowclip.models.embeddings import EmbeddingBackend
 from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
@@ -45,6 +46,9 @@ from torchrec_cowclip.train.distributed import (
 from torchrec_cowclip.train.optimizers import build_optimizer
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.task import CTRTrainTask
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
 
 
 def rng_state() -> Dict[str, Any]:
@@ -109,7 +113,8 @@ class Runtime(ABC):
             hidden=tuple(cfg.hidden),
             cross_layers=cfg.cross_layers,
             init_std=cfg.init_std,
-            embedding_backend=cfg.embedding_backend,
+            # TrainConfig.validate() has admitted only these backends.
+            embedding_backend=cast(EmbeddingBackend, cfg.embedding_backend),
             embedding_options=self.embedding_options,
             device=self.device,
             init_seed=cfg.seed,
@@ -202,7 +207,8 @@ class LocalRuntime(Runtime):
         return TrainPipelineBase(self.train_module, self.optimizer, self.device)
 
     def embedding_module(self) -> nn.Module:
-        return self.model.embedding_collection
+        ebc: nn.Module = self.model.embedding_collection
+        return ebc
 
     def table_counters(self) -> Optional[Dict[str, Tensor]]:
         ebc = self.model.embedding_collection
@@ -265,7 +271,7 @@ class ShardedRuntime(Runtime):
         # Restores the sharded modules' own forwards for evaluation and the next epoch.
         pipeline.detach()
 
-    def embedding_module(self) -> nn.Module:
+    def embedding_module(self) -> ShardedCowClipEmbeddingBagCollection:
         from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
 
         return next(m for m in self.train_module.modules()

@@ -33,6 +33,7 @@ import torch
 from torchrec_cowclip.data import open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
+from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
@@ -78,10 +79,9 @@ def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     (over all ranks when sharded: then a collective)."""
     if not hasattr(embedding_collection, "clip_stats"):
         return {"rows_updated": None, "rows_clipped": None, "rows_nonfinite": None, "per_table": {}}
-    if hasattr(embedding_collection, "global_clip_stats"):
-        stats = embedding_collection.global_clip_stats()
-    else:
-        stats = embedding_collection.clip_stats()
+    # Looked up by name: nn.Module types the attributes it does not declare as tensors.
+    method = "global_clip_stats" if hasattr(embedding_collection, "global_clip_stats") else "clip_stats"
+    stats: Dict[str, TableClipStats] = getattr(embedding_collection, method)()
     return {
         "rows_updated": sum(s.total_rows_updated for s in stats.values()),
         "rows_clipped": sum(s.total_rows_clipped for s in stats.values()),
@@ -242,8 +242,10 @@ class Trainer:
         log.info(self._banner())
         if cfg.resume:
             p = self.progress
+            latest = self.checkpoints.path_of("latest")
+            assert latest is not None  # restore() has just loaded it
             log.info(resumed_message(p.global_step, p.epoch, p.batch_in_epoch,
-                                     self.steps_per_epoch, self.checkpoints.path_of("latest")))
+                                     self.steps_per_epoch, latest))
             log.rewind(p.global_step, p.epoch)
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
