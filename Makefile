@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 STACK := scripts/setup_venv.sh requirements.txt pyproject.toml
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test lint bench clean-venv
 
 .venv/.installed: $(STACK)
 	bash scripts/setup_venv.sh
@@ -13,9 +13,15 @@ demo: .venv/.installed
 	$(PY) -m torchrec_cowclip train --model deepfm --data synthetic:2000000 \
 		--batch-size 16384 --epochs 2 --out runs/demo --overwrite
 
-# The test suite and every docstring example (>>>) in the package.
-test: .venv/.installed
+# Lint, format check and types (pyproject.toml: [tool.ruff], [tool.mypy]), then the test
+# suite and every docstring example (>>>) in the package.
+test: lint
 	$(PY) -m pytest -q --doctest-modules tests torchrec_cowclip
+
+lint: .venv/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: .venv/.installed
 	$(PY) benchmarks/embedding_step.py

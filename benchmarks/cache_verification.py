@@ -22,8 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, List
 
-from torchrec_cowclip.data import open_dataset
 from torchrec_cowclip.data import cache as cache_module
+from torchrec_cowclip.data import open_dataset
 
 
 def _best(fn: Callable[[], object], repeat: int) -> float:
@@ -43,7 +43,9 @@ def _digest(files: List[Path], update: Callable[[bytes], object]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -63,11 +65,15 @@ def main() -> None:
 
         full = _best(fresh_process_open, args.repeat)
         crc_state = [0]
-        crc = _best(lambda: _digest(files, lambda b: crc_state.__setitem__(0, zlib.crc32(b, crc_state[0]))),
-                    args.repeat)
+        crc = _best(
+            lambda: _digest(files, lambda b: crc_state.__setitem__(0, zlib.crc32(b, crc_state[0]))),
+            args.repeat,
+        )
         blake = _best(lambda: _digest(files, hashlib.blake2b().update), args.repeat)
     mb = size / 1e6
-    print(f"cache entry: {args.rows} rows, {len(files)} files, {mb:.0f} MB (built in {build:.1f} s)")
+    print(
+        f"cache entry: {args.rows} rows, {len(files)} files, {mb:.0f} MB (built in {build:.1f} s)"
+    )
     print(f"open, sizes and headers only:  {sizes_only * 1e3:8.1f} ms")
     print(f"open, full CRC-32 check:       {full * 1e3:8.1f} ms  ({mb / full:.0f} MB/s)")
     print(f"CRC-32 of the files alone:     {crc * 1e3:8.1f} ms  ({mb / crc:.0f} MB/s)")

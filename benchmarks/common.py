@@ -88,9 +88,15 @@ class Batch:
     per_table: List[np.ndarray]  # the ids, on the host
 
 
-def single_hot_batches(rows: Sequence[int], batch_size: int, exponent: float, count: int,
-                       seed: int = SEED, device: torch.device = CPU,
-                       ids: Optional[PowerLawIds] = None) -> List[Batch]:
+def single_hot_batches(
+    rows: Sequence[int],
+    batch_size: int,
+    exponent: float,
+    count: int,
+    seed: int = SEED,
+    device: torch.device = CPU,
+    ids: Optional[PowerLawIds] = None,
+) -> List[Batch]:
     """``count`` single-hot batches (one id per feature per sample, as Criteo) of
     :class:`PowerLawIds` (``ids``, or new ones of ``rows``, ``exponent`` and ``seed``), the
     same hot rows in every batch."""
@@ -123,15 +129,25 @@ def make_ours(rows: Sequence[int], dim: int, optimizer: str, device: torch.devic
 
     from torchrec_cowclip import CowClipEmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"])
-              for t, n in enumerate(rows)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"]
+        )
+        for t, n in enumerate(rows)
+    ]
     lr = ADAM_LR if optimizer == "adam" else ADAGRAD_LR
-    return CowClipEmbeddingBagCollection(tables, optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP,
-                                         device=device)
+    return CowClipEmbeddingBagCollection(
+        tables, optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP, device=device
+    )
 
 
-def make_tbe(rows: Sequence[int], dim: int, device: torch.device = CPU,
-             initial: Optional[Sequence[Tensor]] = None, **options: Any) -> Any:
+def make_tbe(
+    rows: Sequence[int],
+    dim: int,
+    device: torch.device = CPU,
+    initial: Optional[Sequence[Tensor]] = None,
+    **options: Any,
+) -> Any:
     """FBGEMM's fused TBE (``SplitTableBatchedEmbeddingBagsCodegen``) with
     ``EXACT_ROWWISE_ADAGRAD``, lr 1e-2, SUM pooling, on the device (``DEVICE``/``CUDA``)
     or the host (``HOST``/``CPU``); started from ``initial`` weights if given.
@@ -147,8 +163,13 @@ def make_tbe(rows: Sequence[int], dim: int, device: torch.device = CPU,
     location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
     compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(n, dim, location, compute) for n in rows], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=ADAGRAD_LR, eps=EPS, pooling_mode=PoolingMode.SUM, device=device, **options,
+        [(n, dim, location, compute) for n in rows],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=ADAGRAD_LR,
+        eps=EPS,
+        pooling_mode=PoolingMode.SUM,
+        device=device,
+        **options,
     )
     if initial is not None:
         with torch.no_grad():
@@ -238,7 +259,10 @@ def run_interleaved(
             pending: List[Tuple[str, Callable[[], float]]] = []
             for name in names[shift:] + names[:shift]:
                 if cuda:
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
                     sync(device)
                     begin.record()
                     variants[name](batch)
@@ -339,8 +363,12 @@ def write_json(path: os.PathLike | str, obj: Any) -> None:
     tmp.replace(path)
 
 
-def write_csv(path: os.PathLike | str, rows: Sequence[Mapping[str, Any]],
-              fieldnames: Optional[Sequence[str]] = None, **options: Any) -> None:
+def write_csv(
+    path: os.PathLike | str,
+    rows: Sequence[Mapping[str, Any]],
+    fieldnames: Optional[Sequence[str]] = None,
+    **options: Any,
+) -> None:
     """One CSV row per mapping; the columns are ``fieldnames`` or the first row's keys.
     ``options`` go to ``csv.DictWriter`` (``extrasaction``, ``restval``)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -367,8 +395,14 @@ def write_png(path: os.PathLike | str, draw: Callable[[Any], Any], dpi: int = 12
     return True
 
 
-def grouped_bars(results: Sequence[Mapping[str, Any]], group: Callable[[Mapping[str, Any]], Any],
-                 label: Callable[[Any], str], value: str, ylabel: str, title: str = "") -> Callable[[Any], Any]:
+def grouped_bars(
+    results: Sequence[Mapping[str, Any]],
+    group: Callable[[Mapping[str, Any]], Any],
+    label: Callable[[Any], str],
+    value: str,
+    ylabel: str,
+    title: str = "",
+) -> Callable[[Any], Any]:
     """A :func:`write_png` drawing: one bar per variant (``result["variant"]``) in each
     group (``group(result)``, labelled ``label(group)``), ``result[value]`` high, log scale."""
 
@@ -378,7 +412,10 @@ def grouped_bars(results: Sequence[Mapping[str, Any]], group: Callable[[Mapping[
         fig, ax = plt.subplots(figsize=(max(6, 2 * len(groups)), 4))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            ys = [next((r[value] for r in results if r["variant"] == name and group(r) == g), 0) for g in groups]
+            ys = [
+                next((r[value] for r in results if r["variant"] == name and group(r) == g), 0)
+                for g in groups
+            ]
             ax.bar([k + i * width for k in range(len(groups))], ys, width, label=name)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(groups))])
         ax.set_xticklabels([label(g) for g in groups])
@@ -411,7 +448,11 @@ def child_memory(cmd: List[str]) -> Dict[str, Any]:
     the child's peak before it built the variant), or returns ``{"error": ...}``."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}"}
+        return {
+            "error": proc.stderr.strip().splitlines()[-1]
+            if proc.stderr.strip()
+            else f"rc {proc.returncode}"
+        }
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["delta_mib"] = (result["peak_kib"] - result["before_kib"]) / 1024
     result["peak_mib"] = result["peak_kib"] / 1024

@@ -32,7 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES, CRITEO_SPARSE_NAMES  # noqa: E402
+from torchrec_cowclip.data.schema import (  # noqa: E402
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_SPARSE_NAMES,
+)
 from torchrec_cowclip.data.synthetic import PlantedModel, SyntheticConfig  # noqa: E402
 
 SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
@@ -56,16 +59,27 @@ def head_stats(values: Sequence) -> Dict[str, float]:
     if not present:
         return {"distinct": 0, "top_share": float("nan"), "missing": 1.0}
     _, counts = np.unique(np.asarray(present), return_counts=True)
-    return {"distinct": int(len(counts)), "top_share": float(counts.max() / len(present)),
-            "missing": 1.0 - len(present) / len(values)}
+    return {
+        "distinct": int(len(counts)),
+        "top_share": float(counts.max() / len(present)),
+        "missing": 1.0 - len(present) / len(values),
+    }
 
 
-def synthetic_stats(scale: float, cap: int, n: int, resamples: int, seed: int,
-                    present: Optional[Sequence[int]] = None) -> List[Dict[str, float]]:
+def synthetic_stats(
+    scale: float,
+    cap: int,
+    n: int,
+    resamples: int,
+    seed: int,
+    present: Optional[Sequence[int]] = None,
+) -> List[Dict[str, float]]:
     """Per field: mean and 2.5/97.5% quantiles of distinct-in-n and top share over disjoint
     n-row samples of the generator. The generator never leaves a field empty, so field j is
     compared at ``present[j]`` draws (the real sample's number of non-missing values)."""
-    model = PlantedModel(SyntheticConfig(rows=1, seed=seed, cardinality_scale=scale, max_cardinality=cap))
+    model = PlantedModel(
+        SyntheticConfig(rows=1, seed=seed, cardinality_scale=scale, max_cardinality=cap)
+    )
     need = n * resamples
     sparse = np.concatenate([model.chunk(i).sparse for i in range(-(-need // (1 << 16)))])[:need]
     out = []
@@ -75,16 +89,20 @@ def synthetic_stats(scale: float, cap: int, n: int, resamples: int, seed: int,
             blocks = blocks[:, : max(1, present[j])]
         m = blocks.shape[1]
         distinct = np.array([len(np.unique(b)) for b in blocks])
-        top = np.array([np.bincount(np.unique(b, return_inverse=True)[1]).max() / m for b in blocks])
-        out.append({
-            "cardinality": model.cardinalities[j],
-            "distinct_mean": float(distinct.mean()),
-            "distinct_lo": float(np.quantile(distinct, 0.025)),
-            "distinct_hi": float(np.quantile(distinct, 0.975)),
-            "top_share_mean": float(top.mean()),
-            "top_share_lo": float(np.quantile(top, 0.025)),
-            "top_share_hi": float(np.quantile(top, 0.975)),
-        })
+        top = np.array(
+            [np.bincount(np.unique(b, return_inverse=True)[1]).max() / m for b in blocks]
+        )
+        out.append(
+            {
+                "cardinality": model.cardinalities[j],
+                "distinct_mean": float(distinct.mean()),
+                "distinct_lo": float(np.quantile(distinct, 0.025)),
+                "distinct_hi": float(np.quantile(distinct, 0.975)),
+                "top_share_mean": float(top.mean()),
+                "top_share_lo": float(np.quantile(top, 0.025)),
+                "top_share_hi": float(np.quantile(top, 0.975)),
+            }
+        )
     return out
 
 
@@ -107,27 +125,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     full = synthetic_stats(1.0, 11_000_000, n, args.resamples, args.seed, present)
     study = synthetic_stats(args.study_scale, args.study_cap, n, args.resamples, args.seed, present)
     rows = []
-    print(f"Criteo Kaggle sample: {n} rows ({args.sample}); synthetic: {args.resamples} disjoint "
-          f"{n}-row samples (range = 2.5..97.5%)")
-    print("| field | Kaggle card. | real missing | real distinct | synth distinct (uncapped) | "
-          f"synth distinct (scale {args.study_scale:g}) | real top share | synth top share (uncapped) |")
+    print(
+        f"Criteo Kaggle sample: {n} rows ({args.sample}); synthetic: {args.resamples} disjoint "
+        f"{n}-row samples (range = 2.5..97.5%)"
+    )
+    print(
+        "| field | Kaggle card. | real missing | real distinct | synth distinct (uncapped) | "
+        f"synth distinct (scale {args.study_scale:g}) | real top share | synth top share (uncapped) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     inside = 0
     for j, name in enumerate(CRITEO_SPARSE_NAMES):
         r, f, s = real[j], full[j], study[j]
         ok = f["distinct_lo"] <= r["distinct"] <= f["distinct_hi"]
         inside += ok
-        rows.append({"field": name, "kaggle_cardinality": CRITEO_KAGGLE_CARDINALITIES[j],
-                     "real": r, "synthetic_uncapped": f, "synthetic_study": s, "real_inside_range": ok})
-        print(f"| {name} | {CRITEO_KAGGLE_CARDINALITIES[j]:,} | {100 * r['missing']:.0f}% | {r['distinct']} | "
-              f"{f['distinct_mean']:.0f} ({f['distinct_lo']:.0f}..{f['distinct_hi']:.0f}){'' if ok else ' *'} | "
-              f"{s['distinct_mean']:.0f} ({s['distinct_lo']:.0f}..{s['distinct_hi']:.0f}) | "
-              f"{r['top_share']:.2f} | {f['top_share_mean']:.2f} ({f['top_share_lo']:.2f}..{f['top_share_hi']:.2f}) |")
-    print(f"\nreal distinct count inside the synthetic 95% range: {inside} of {len(rows)} fields "
-          "(* = outside; each field compared at its number of non-missing values)")
+        rows.append(
+            {
+                "field": name,
+                "kaggle_cardinality": CRITEO_KAGGLE_CARDINALITIES[j],
+                "real": r,
+                "synthetic_uncapped": f,
+                "synthetic_study": s,
+                "real_inside_range": ok,
+            }
+        )
+        print(
+            f"| {name} | {CRITEO_KAGGLE_CARDINALITIES[j]:,} | {100 * r['missing']:.0f}% | {r['distinct']} | "
+            f"{f['distinct_mean']:.0f} ({f['distinct_lo']:.0f}..{f['distinct_hi']:.0f}){'' if ok else ' *'} | "
+            f"{s['distinct_mean']:.0f} ({s['distinct_lo']:.0f}..{s['distinct_hi']:.0f}) | "
+            f"{r['top_share']:.2f} | {f['top_share_mean']:.2f} ({f['top_share_lo']:.2f}..{f['top_share_hi']:.2f}) |"
+        )
+    print(
+        f"\nreal distinct count inside the synthetic 95% range: {inside} of {len(rows)} fields "
+        "(* = outside; each field compared at its number of non-missing values)"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": n, "fields": rows, "inside": inside}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"rows": n, "fields": rows, "inside": inside}, indent=2)
+        )
     return 0
 
 

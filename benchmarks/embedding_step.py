@@ -61,9 +61,9 @@ from common import (  # noqa: E402
     Batch,
     Timing,
     copy_bandwidth,
-    floor_bytes,
     cpu_model,
     fbgemm_step,
+    floor_bytes,
     format_table,
     make_ours,
     make_tbe,
@@ -122,10 +122,13 @@ def ours_step_split(ebc: Any, grad: Tensor, backward_ms: Timing) -> Callable[[Ba
 
 def csv_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per timed variant (and the backward + update part of ours with Adam)."""
-    parts = dict(result["variants"], **{"ours adam: backward + fused update": result["adam_backward_update"]})
+    parts = dict(
+        result["variants"], **{"ours adam: backward + fused update": result["adam_backward_update"]}
+    )
     return [
         {
-            "variant": name, **{k: v for k, v in t.items() if k != "samples_ms"},
+            "variant": name,
+            **{k: v for k, v in t.items() if k != "samples_ms"},
             "vs_fbgemm_median": result["ratio_median_vs_fbgemm"].get(name),
             "vs_fbgemm_paired": result["ratio_paired_vs_fbgemm"].get(name),
             "floor_ms_adam": result["floor_ms_adam"],
@@ -141,13 +144,20 @@ def plot(result: Dict[str, Any]) -> Callable[[Any], Any]:
         rows = csv_rows(result)
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.barh([r["variant"] for r in rows], [r["median_ms"] for r in rows], color="tab:blue")
-        ax.axvline(result["floor_ms_adam"], color="tab:red", linestyle="--",
-                   label=f"memory-bandwidth floor, ours adam ({result['floor_ms_adam']:.1f} ms)")
+        ax.axvline(
+            result["floor_ms_adam"],
+            color="tab:red",
+            linestyle="--",
+            label=f"memory-bandwidth floor, ours adam ({result['floor_ms_adam']:.1f} ms)",
+        )
         ax.invert_yaxis()
         ax.set_xlabel("median ms / step")
         s = result["shape"]
-        ax.set_title(f"embedding step: {s['tables']} x {s['rows']:,} rows, dim {s['dim']}, "
-                     f"batch {s['batch_size']:,}", fontsize=9)
+        ax.set_title(
+            f"embedding step: {s['tables']} x {s['rows']:,} rows, dim {s['dim']}, "
+            f"batch {s['batch_size']:,}",
+            fontsize=9,
+        )
         ax.tick_params(axis="y", labelsize=7)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -174,18 +184,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="timed rounds (steps per variant)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
     parser.add_argument(
-        "--zipf", type=float, default=1.0,
+        "--zipf",
+        type=float,
+        default=1.0,
         help="power-law exponent of the id distribution (1.0: ~170K distinct rows per "
         "step at the default shape)",
     )
     parser.add_argument(
-        "--time-limit", type=float, default=120.0, metavar="SECONDS",
+        "--time-limit",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
         help="stop the timed rounds early after this long (default 120)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--json", type=str, default=None, metavar="PATH", help="also write results here")
     parser.add_argument(
-        "--out", default=str(RESULTS),
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--json", type=str, default=None, metavar="PATH", help="also write results here"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(RESULTS),
         help="directory for embedding_step.{json,csv,png}",
     )
     args = parser.parse_args(argv)
@@ -206,18 +226,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     torch.manual_seed(SEED)
     shape = Shape(args.tables, args.rows, args.dim, args.batch_size)
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"CPU: {cpu_model()} ({os.cpu_count()} logical cores)")
-    print(f"shape: {shape.tables} tables x {shape.rows:,} rows, dim {shape.dim}, "
-          f"batch {shape.batch_size:,}, single-hot; ids power-law p(rank k) ~ k**-{args.zipf:.2f} "
-          f"(zipf exponent {args.zipf:.2f}) per table")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores)"
+    )
+    print(
+        f"shape: {shape.tables} tables x {shape.rows:,} rows, dim {shape.dim}, "
+        f"batch {shape.batch_size:,}, single-hot; ids power-law p(rank k) ~ k**-{args.zipf:.2f} "
+        f"(zipf exponent {args.zipf:.2f}) per table"
+    )
 
     batches = single_hot_batches(shape.table_rows, shape.batch_size, args.zipf, NUM_BATCHES, SEED)
     unique = [b.unique_rows for b in batches]
     mean_unique = statistics.fmean(unique)
-    print(f"distinct rows per step (all tables): mean {mean_unique:,.0f} "
-          f"(min {min(unique):,}, max {max(unique):,}) over {len(batches)} cycled batches; "
-          f"lookups per step {shape.tables * shape.batch_size:,}")
+    print(
+        f"distinct rows per step (all tables): mean {mean_unique:,.0f} "
+        f"(min {min(unique):,}, max {max(unique):,}) over {len(batches)} cycled batches; "
+        f"lookups per step {shape.tables * shape.batch_size:,}"
+    )
 
     bandwidth_before = copy_bandwidth()
     grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
@@ -236,10 +262,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         FBGEMM_NAME: fbgemm_step(tbe, grad),
         FORWARD_NAME: ours_forward(adam),
     }
-    print(f"running {args.warmup} warm-up + {args.steps} timed rounds of {len(variants)} "
-          "variants, interleaved ...", flush=True)
+    print(
+        f"running {args.warmup} warm-up + {args.steps} timed rounds of {len(variants)} "
+        "variants, interleaved ...",
+        flush=True,
+    )
     timings = run_interleaved(variants, batches, args.steps, args.warmup, args.time_limit)
-    adam_backward.samples = adam_backward.samples[args.warmup:]
+    adam_backward.samples = adam_backward.samples[args.warmup :]
     for name, module in ((ADAM_NAME, adam), (ADAGRAD_NAME, adagrad)):
         steps = module.clip_stats()["t0"].steps
         assert steps == args.warmup + len(timings[name].samples), f"{name}: {steps} updates"
@@ -250,9 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     floor = floor_bytes(shape.batch_size * shape.tables, shape.dim, mean_unique)
     floor_ms = floor / bandwidth * 1e3
     reference = timings[FBGEMM_NAME].median
-    ratios = {
-        name: timings[name].median / reference for name in (ADAM_NAME, ADAGRAD_NAME)
-    }
+    ratios = {name: timings[name].median / reference for name in (ADAM_NAME, ADAGRAD_NAME)}
     paired = {
         name: paired_ratio(timings[name], timings[FBGEMM_NAME])
         for name in (ADAM_NAME, ADAGRAD_NAME)
@@ -281,28 +308,56 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     write_outputs(result, args.out, args.json)
 
     print()
-    print(f"memory-bandwidth floor (ours adam): {floor / 1e6:.1f} MB "
-          f"per step / {bandwidth / 1e9:.1f} GB/s copy bandwidth (512 MB copy, read+write) "
-          f"= {floor_ms:.1f} ms; ours adam median is {timings[ADAM_NAME].median / floor_ms:.1f}x "
-          "the floor")
+    print(
+        f"memory-bandwidth floor (ours adam): {floor / 1e6:.1f} MB "
+        f"per step / {bandwidth / 1e9:.1f} GB/s copy bandwidth (512 MB copy, read+write) "
+        f"= {floor_ms:.1f} ms; ours adam median is {timings[ADAM_NAME].median / floor_ms:.1f}x "
+        "the floor"
+    )
     if slow:
-        print(f"note: {slow} of {rounds_done} rounds took over 2x the fastest round (the "
-              "machine was slowed down meanwhile); trust min and the paired ratio more")
+        print(
+            f"note: {slow} of {rounds_done} rounds took over 2x the fastest round (the "
+            "machine was slowed down meanwhile); trust min and the paired ratio more"
+        )
     rows = [["variant", "median ms", "min ms", "mean ms", "vs fbgemm", "paired"]]
     for name in (ADAM_NAME, ADAGRAD_NAME, FBGEMM_NAME):
         t = timings[name]
-        rows.append([name, f"{t.median:.1f}", f"{t.minimum:.1f}",
-                     f"{statistics.fmean(t.samples):.1f}", f"{t.median / reference:.2f}",
-                     f"{paired[name]:.2f}" if name in paired else "1.00"])
+        rows.append(
+            [
+                name,
+                f"{t.median:.1f}",
+                f"{t.minimum:.1f}",
+                f"{statistics.fmean(t.samples):.1f}",
+                f"{t.median / reference:.2f}",
+                f"{paired[name]:.2f}" if name in paired else "1.00",
+            ]
+        )
     forward = timings[FORWARD_NAME]
-    rows.append(["  ours adam: forward only (no_grad)", f"{forward.median:.1f}",
-                 f"{forward.minimum:.1f}", f"{statistics.fmean(forward.samples):.1f}", "", ""])
-    rows.append(["  ours adam: backward + fused update", f"{adam_backward.median:.1f}",
-                 f"{adam_backward.minimum:.1f}", f"{statistics.fmean(adam_backward.samples):.1f}",
-                 "", ""])
+    rows.append(
+        [
+            "  ours adam: forward only (no_grad)",
+            f"{forward.median:.1f}",
+            f"{forward.minimum:.1f}",
+            f"{statistics.fmean(forward.samples):.1f}",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "  ours adam: backward + fused update",
+            f"{adam_backward.median:.1f}",
+            f"{adam_backward.minimum:.1f}",
+            f"{statistics.fmean(adam_backward.samples):.1f}",
+            "",
+            "",
+        ]
+    )
     rows.append(["  memory-bandwidth floor (ours adam)", f"{floor_ms:.1f}", "", "", "", ""])
-    print(f"\nper step, {rounds_done} interleaved rounds, {torch.get_num_threads()} threads "
-          "(vs fbgemm: median / fbgemm median; paired: median of per-round ratios):")
+    print(
+        f"\nper step, {rounds_done} interleaved rounds, {torch.get_num_threads()} threads "
+        "(vs fbgemm: median / fbgemm median; paired: median of per-round ratios):"
+    )
     print(format_table(rows))
     print(f"adam+cowclip / fbgemm rowwise_adagrad = {ratios[ADAM_NAME]:.2f}")
     print(f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad = {ratios[ADAGRAD_NAME]:.2f}")

@@ -135,7 +135,9 @@ class PlainPort:
             g_norm = torch.linalg.vector_norm(g, dim=1)
             w_norm = torch.linalg.vector_norm(self.weight, dim=1)
             tau = counts * torch.clamp(COWCLIP.r * w_norm, min=COWCLIP.zeta)
-            scale = torch.where(g_norm > tau, tau / g_norm.clamp(min=1e-30), torch.ones_like(g_norm))
+            scale = torch.where(
+                g_norm > tau, tau / g_norm.clamp(min=1e-30), torch.ones_like(g_norm)
+            )
             g.mul_(scale.unsqueeze(1))
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -167,8 +169,12 @@ def state_bytes_per_row(key: str, module: Any, total_rows: int) -> float:
         # momentum1_host (row-wise Adagrad), row_counter_host / prev_iter_host (COWCLIP)
         for name in dir(module):
             buf = getattr(module, name, None)
-            if (name.endswith("_host") and name != "weights_host" and isinstance(buf, Tensor)
-                    and buf.numel() >= total_rows):
+            if (
+                name.endswith("_host")
+                and name != "weights_host"
+                and isinstance(buf, Tensor)
+                and buf.numel() >= total_rows
+            ):
                 total += buf.numel() * buf.element_size()
     else:
         total = optimizer_state_bytes(module.optimizer)
@@ -195,8 +201,18 @@ def memory_child(args: argparse.Namespace) -> None:
 
 def measure_memory(args: argparse.Namespace, key: str, dim: int, batch_size: int) -> Dict[str, Any]:
     cmd = [
-        sys.executable, os.path.abspath(__file__), "--memory-child", key, "--dims", str(dim),
-        "--batch-sizes", str(batch_size), "--max-rows", str(args.max_rows), "--zipf", str(args.zipf),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--memory-child",
+        key,
+        "--dims",
+        str(dim),
+        "--batch-sizes",
+        str(batch_size),
+        "--max-rows",
+        str(args.max_rows),
+        "--zipf",
+        str(args.zipf),
     ] + (["--full"] if args.full else [])
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -213,21 +229,35 @@ def ints(text: str) -> List[int]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dims", type=ints, default=[16], help="comma list (10, 16, 64, ...)")
-    p.add_argument("--batch-sizes", type=ints, default=[1024, 16384], help="comma list, up to 131072")
+    p.add_argument(
+        "--batch-sizes", type=ints, default=[1024, 16384], help="comma list, up to 131072"
+    )
     p.add_argument("--max-rows", type=int, default=100_000, help="cap on every table's rows")
     p.add_argument("--full", action="store_true", help="uncapped Criteo Kaggle tables (33.8M rows)")
-    p.add_argument("--variants", type=lambda s: s.split(","), default=list(NAMES),
-                   help=f"comma list of {','.join(NAMES)}")
+    p.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=list(NAMES),
+        help=f"comma list of {','.join(NAMES)}",
+    )
     p.add_argument("--rounds", type=int, default=60, help="timed rounds per configuration")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--time-limit", type=float, default=100.0, help="seconds of timed rounds per configuration")
+    p.add_argument(
+        "--time-limit", type=float, default=100.0, help="seconds of timed rounds per configuration"
+    )
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
-    p.add_argument("--memory-at", type=ints, default=None, metavar="DIM,BATCH",
-                   help="measure peak RSS at this configuration (default: the largest)")
-    p.add_argument("--out", default=str(RESULTS),
-                   help="directory for embedding_variants.{csv,json,png}")
+    p.add_argument(
+        "--memory-at",
+        type=ints,
+        default=None,
+        metavar="DIM,BATCH",
+        help="measure peak RSS at this configuration (default: the largest)",
+    )
+    p.add_argument(
+        "--out", default=str(RESULTS), help="directory for embedding_variants.{csv,json,png}"
+    )
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for key in args.variants:
@@ -246,10 +276,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     torch.manual_seed(SEED)
     rows = criteo_table_rows(None if args.full else args.max_rows)
     total_rows = sum(rows)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()} "
-          f"({os.cpu_count()} logical cores)")
-    print(f"26 Criteo Kaggle tables, {'uncapped' if args.full else f'capped at {args.max_rows:,} rows'}: "
-          f"{total_rows:,} rows in all; ids power-law, exponent {args.zipf}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()} "
+        f"({os.cpu_count()} logical cores)"
+    )
+    print(
+        f"26 Criteo Kaggle tables, {'uncapped' if args.full else f'capped at {args.max_rows:,} rows'}: "
+        f"{total_rows:,} rows in all; ids power-law, exponent {args.zipf}"
+    )
     results: List[Dict[str, Any]] = []
     errors: Dict[str, str] = {}
     for dim in args.dims:
@@ -266,18 +300,32 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                     modules[key], variants[key] = module, step
                 except Exception as e:  # noqa: BLE001 - report and go on
                     errors[key] = f"{type(e).__name__}: {e}"
-                    print(f"variant {NAMES[key]} failed at dim {dim} batch {batch_size}: {errors[key]}")
-            print(f"\ndim {dim}, batch {batch_size:,}: {uniq:,.0f} distinct rows per step; "
-                  f"{args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
+                    print(
+                        f"variant {NAMES[key]} failed at dim {dim} batch {batch_size}: {errors[key]}"
+                    )
+            print(
+                f"\ndim {dim}, batch {batch_size:,}: {uniq:,.0f} distinct rows per step; "
+                f"{args.warmup} warm-up + up to {args.rounds} interleaved rounds ...",
+                flush=True,
+            )
             timings = run_interleaved(
-                {NAMES[k]: v for k, v in variants.items()}, batches, args.rounds, args.warmup, args.time_limit
+                {NAMES[k]: v for k, v in variants.items()},
+                batches,
+                args.rounds,
+                args.warmup,
+                args.time_limit,
             )
             ref = timings.get(NAMES[REFERENCE])
             for key in variants:
                 t = timings[NAMES[key]]
                 row = {
-                    "dim": dim, "batch_size": batch_size, "variant": NAMES[key], "key": key,
-                    "median_ms": t.median, "min_ms": t.minimum, "rounds": len(t.samples),
+                    "dim": dim,
+                    "batch_size": batch_size,
+                    "variant": NAMES[key],
+                    "key": key,
+                    "median_ms": t.median,
+                    "min_ms": t.minimum,
+                    "rounds": len(t.samples),
                     "distinct_rows_per_step": uniq,
                     "state_bytes_per_row": state_bytes_per_row(key, modules[key], total_rows),
                     "vs_fbgemm_paired": paired_ratio(t, ref) if ref else None,
@@ -293,43 +341,88 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     memory: Dict[str, Any] = {}
     if not args.no_memory:
         mdim, mbatch = args.memory_at or [max(args.dims), max(args.batch_sizes)]
-        print(f"\npeak RSS per variant, own subprocess, dim {mdim} batch {mbatch:,} ...", flush=True)
+        print(
+            f"\npeak RSS per variant, own subprocess, dim {mdim} batch {mbatch:,} ...", flush=True
+        )
         for key in args.variants:
             memory[NAMES[key]] = measure_memory(args, key, mdim, mbatch)
         memory["_config"] = {"dim": mdim, "batch_size": mbatch}
 
     write_csv(os.path.join(args.out, "embedding_variants.csv"), results)
-    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "total_rows": total_rows, "full": args.full, "max_rows": args.max_rows,
-           "results": results, "memory": memory, "errors": errors}
+    out = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "total_rows": total_rows,
+        "full": args.full,
+        "max_rows": args.max_rows,
+        "results": results,
+        "memory": memory,
+        "errors": errors,
+    }
     write_json(os.path.join(args.out, "embedding_variants.json"), out)
-    write_png(os.path.join(args.out, "embedding_variants.png"), grouped_bars(
-        results, lambda r: (r["dim"], r["batch_size"]), lambda g: f"D{g[0]} B{g[1]}", "median_ms",
-        "median ms / step"))
+    write_png(
+        os.path.join(args.out, "embedding_variants.png"),
+        grouped_bars(
+            results,
+            lambda r: (r["dim"], r["batch_size"]),
+            lambda g: f"D{g[0]} B{g[1]}",
+            "median_ms",
+            "median ms / step",
+        ),
+    )
 
     def fmt(x: Optional[float], spec: str = ".2f") -> str:
         return "" if x is None else format(x, spec)
 
-    table = [["dim", "batch", "variant", "median ms", "min ms", "rounds", "vs fbgemm",
-              "plain/this", "state B/row"]]
+    table = [
+        [
+            "dim",
+            "batch",
+            "variant",
+            "median ms",
+            "min ms",
+            "rounds",
+            "vs fbgemm",
+            "plain/this",
+            "state B/row",
+        ]
+    ]
     for r in results:
-        table.append([str(r["dim"]), f"{r['batch_size']:,}", r["variant"], f"{r['median_ms']:.1f}",
-                      f"{r['min_ms']:.1f}", str(r["rounds"]), fmt(r["vs_fbgemm_paired"]),
-                      fmt(r["plain_over_this_paired"]), f"{r['state_bytes_per_row']:.0f}"])
+        table.append(
+            [
+                str(r["dim"]),
+                f"{r['batch_size']:,}",
+                r["variant"],
+                f"{r['median_ms']:.1f}",
+                f"{r['min_ms']:.1f}",
+                str(r["rounds"]),
+                fmt(r["vs_fbgemm_paired"]),
+                fmt(r["plain_over_this_paired"]),
+                f"{r['state_bytes_per_row']:.0f}",
+            ]
+        )
     if memory:
         mem = [["variant", "peak RSS MiB", "delta MiB"]]
         for k, v in memory.items():
             if k.startswith("_"):
                 continue
-            mem.append([k, fmt(v.get("peak_mib"), ".0f"), fmt(v.get("delta_mib"), ".0f")]
-                       if "error" not in v else [k, "error", v["error"][:60]])
-        print(f"\npeak RSS (VmHWM) of one variant per subprocess, dim {memory['_config']['dim']}, "
-              f"batch {memory['_config']['batch_size']:,} (delta: over the peak before the variant was built):")
+            mem.append(
+                [k, fmt(v.get("peak_mib"), ".0f"), fmt(v.get("delta_mib"), ".0f")]
+                if "error" not in v
+                else [k, "error", v["error"][:60]]
+            )
+        print(
+            f"\npeak RSS (VmHWM) of one variant per subprocess, dim {memory['_config']['dim']}, "
+            f"batch {memory['_config']['batch_size']:,} (delta: over the peak before the variant was built):"
+        )
         print(format_table(mem))
     for k, e in errors.items():
         print(f"FAILED {NAMES[k]}: {e}")
-    print(f"\nms/step, {total_rows:,} rows, median over interleaved rounds; 'vs fbgemm' and 'plain/this' "
-          "are paired ratios (median of per-round ratios); state B/row: optimizer state per embedding row")
+    print(
+        f"\nms/step, {total_rows:,} rows, median over interleaved rounds; 'vs fbgemm' and 'plain/this' "
+        "are paired ratios (median of per-round ratios); state B/row: optimizer state per embedding row"
+    )
     print(format_table(table))
     return out
 

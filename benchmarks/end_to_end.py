@@ -57,7 +57,6 @@ warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from common import (  # noqa: E402
     RESULTS,
     Timing,
@@ -72,6 +71,7 @@ from common import (  # noqa: E402
     write_json,
     write_png,
 )
+
 from torchrec_cowclip import CowClip  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
@@ -89,6 +89,7 @@ def tf_callbacks_stub() -> None:
         return
     try:
         import tensorflow  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -141,7 +142,9 @@ def build_deepctr(names: Sequence[str], cards: Sequence[int], n_dense: int) -> A
     from deepctr_torch.inputs import DenseFeat, SparseFeat
     from deepctr_torch.models import DeepFM
 
-    cols = [SparseFeat(f"C{i}", vocabulary_size=int(c), embedding_dim=DIM) for i, c in enumerate(cards)]
+    cols = [
+        SparseFeat(f"C{i}", vocabulary_size=int(c), embedding_dim=DIM) for i, c in enumerate(cards)
+    ]
     cols += [DenseFeat(f"I{i}", 1) for i in range(n_dense)]
     model = DeepFM(cols, cols, dnn_hidden_units=HIDDEN, task="binary", device="cpu")
     model.compile(torch.optim.Adam(model.parameters(), lr=DENSE_LR), "binary_crossentropy")
@@ -157,22 +160,42 @@ MODEL_OF = {OURS: "ours", STOCK: "stock", DENSE: "dense", FIT: "deepctr", LEAN: 
 MEMORY_FIELDS = ["variant", "batch_size", "peak_mib", "delta_mib", "state_bytes_per_row", "error"]
 
 
-def build_models(kinds: Sequence[str], names: Sequence[str], cards: Sequence[int],
-                 n_dense: int) -> Dict[str, Tuple[Any, torch.optim.Optimizer, Any]]:
+def build_models(
+    kinds: Sequence[str], names: Sequence[str], cards: Sequence[int], n_dense: int
+) -> Dict[str, Tuple[Any, torch.optim.Optimizer, Any]]:
     """``(model, optimizer, task or None)`` of each of ``kinds`` (ours, stock, dense,
     deepctr), built in that order."""
-    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM,
-                  hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM))
+    common = dict(
+        sparse_names=names,
+        cardinalities=cards,
+        num_dense=n_dense,
+        embedding_dim=DIM,
+        hidden=HIDDEN,
+        embedding_lr=EMB_LR,
+        cowclip=CowClip.from_reference(1.0, 1e-5, DIM),
+    )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
     if "ours" in kinds:
         ours = build_model("deepfm", embedding_backend="cowclip", **common)
-        built["ours"] = (ours, torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR), CTRTrainTask(ours))
+        built["ours"] = (
+            ours,
+            torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR),
+            CTRTrainTask(ours),
+        )
     if "stock" in kinds:
         stock = build_model("deepfm", embedding_backend="torchrec", **common)
-        built["stock"] = (stock, torch.optim.Adam(stock.parameters(), lr=DENSE_LR), CTRTrainTask(stock))
+        built["stock"] = (
+            stock,
+            torch.optim.Adam(stock.parameters(), lr=DENSE_LR),
+            CTRTrainTask(stock),
+        )
     if "dense" in kinds:
         dense_model = build_model("deepfm", embedding_backend="cowclip", **common)
-        built["dense"] = (dense_model, torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR), None)
+        built["dense"] = (
+            dense_model,
+            torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR),
+            None,
+        )
     if "deepctr" in kinds:
         deepctr = build_deepctr(names, cards, n_dense)
         built["deepctr"] = (deepctr, deepctr.optim, None)
@@ -191,8 +214,9 @@ def task_step(task: Any, opt: torch.optim.Optimizer) -> Callable[[Any], None]:
     return step
 
 
-def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: Any, bs: int,
-                  fit_steps: int) -> Tuple[Dict[str, Callable[[Any], None]], List[Any]]:
+def variant_steps(
+    built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: Any, bs: int, fit_steps: int
+) -> Tuple[Dict[str, Callable[[Any], None]], List[Any]]:
     """One training step per variant of the ``built`` models, and the two batches of
     batch size ``bs`` they step on."""
     batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]
@@ -214,7 +238,11 @@ def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: 
             emb, first = fixed[by_id[id(b)]]
             dense = b.dense_features
             m = dense_model
-            logit = m.linear(first, dense) + fm_second_order(emb) + m.deep([emb, dense.unsqueeze(2)]).squeeze(1)
+            logit = (
+                m.linear(first, dense)
+                + fm_second_order(emb)
+                + m.deep([emb, dense.unsqueeze(2)]).squeeze(1)
+            )
             F.binary_cross_entropy_with_logits(logit, b.labels.float()).backward()
             dense_opt.step()
             dense_opt.zero_grad()
@@ -230,10 +258,12 @@ def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: 
         # deepctr's own input layout, for the lean loop
         order = sorted(deepctr.feature_index, key=lambda k: deepctr.feature_index[k][0])
         lean_x = [
-            torch.from_numpy(np.stack([x_dict[k][k2 * bs:(k2 + 1) * bs].astype(np.float32) for k in order], 1))
+            torch.from_numpy(
+                np.stack([x_dict[k][k2 * bs : (k2 + 1) * bs].astype(np.float32) for k in order], 1)
+            )
             for k2 in range(2)
         ]
-        lean_y = [torch.from_numpy(y[k2 * bs:(k2 + 1) * bs]) for k2 in range(2)]
+        lean_y = [torch.from_numpy(y[k2 * bs : (k2 + 1) * bs]) for k2 in range(2)]
 
         def deepctr_fit(b: Any) -> None:
             with contextlib.redirect_stdout(io.StringIO()):
@@ -242,7 +272,10 @@ def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: 
         def deepctr_lean(b: Any) -> None:
             k = by_id[id(b)]
             pred = deepctr(lean_x[k]).squeeze()
-            loss = F.binary_cross_entropy(pred, lean_y[k], reduction="sum") + deepctr.get_regularization_loss()
+            loss = (
+                F.binary_cross_entropy(pred, lean_y[k], reduction="sum")
+                + deepctr.get_regularization_loss()
+            )
             deepctr.optim.zero_grad()
             loss.backward()
             deepctr.optim.step()
@@ -252,7 +285,9 @@ def variant_steps(built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]], ds: 
     return variants, batches
 
 
-def state_bytes_per_row(kind: str, model: Any, optimizer: torch.optim.Optimizer, rows: int) -> float:
+def state_bytes_per_row(
+    kind: str, model: Any, optimizer: torch.optim.Optimizer, rows: int
+) -> float:
     """Optimizer-state bytes of the embedding tables per id (``rows``: ids of all
     fields): its D-dim row and its first-order (dim 1) weight together; the dense
     layers' state is left out."""
@@ -261,7 +296,9 @@ def state_bytes_per_row(kind: str, model: Any, optimizer: torch.optim.Optimizer,
     elif kind == "stock":
         total = optimizer_state_bytes(optimizer, model.embedding_collection.parameters())
     elif kind == "deepctr":
-        total = optimizer_state_bytes(optimizer, [p for n, p in model.named_parameters() if "embedding_dict" in n])
+        total = optimizer_state_bytes(
+            optimizer, [p for n, p in model.named_parameters() if "embedding_dict" in n]
+        )
     else:
         total = 0  # dense-only: fixed embeddings, no embedding optimizer
     return total / rows
@@ -269,7 +306,9 @@ def state_bytes_per_row(kind: str, model: Any, optimizer: torch.optim.Optimizer,
 
 def memory_child(args: argparse.Namespace) -> None:
     """Peak RSS of one variant at one batch size: data, model, 3 steps; prints JSON."""
-    ds = open_dataset(f"synthetic:{args.rows}", args.cache_dir, max_cardinality=args.max_cardinality)
+    ds = open_dataset(
+        f"synthetic:{args.rows}", args.cache_dir, max_cardinality=args.max_cardinality
+    )
     names, cards = list(ds.schema.sparse_names), list(ds.schema.cardinalities)
     kind = MODEL_OF[args.memory_child]
     torch.manual_seed(0)
@@ -281,14 +320,34 @@ def memory_child(args: argparse.Namespace) -> None:
         variants[args.memory_child](batches[k % len(batches)])
     peak = vm_hwm_kib()
     model, optimizer, _ = built[kind]
-    print(json.dumps({"before_kib": before, "peak_kib": peak,
-                      "state_bytes_per_row": state_bytes_per_row(kind, model, optimizer, sum(cards))}))
+    print(
+        json.dumps(
+            {
+                "before_kib": before,
+                "peak_kib": peak,
+                "state_bytes_per_row": state_bytes_per_row(kind, model, optimizer, sum(cards)),
+            }
+        )
+    )
 
 
 def measure_memory(args: argparse.Namespace, variant: str, rows: int, bs: int) -> Dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--rows", str(rows),
-           "--batch-sizes", str(bs), "--max-cardinality", str(args.max_cardinality),
-           "--cache-dir", args.cache_dir, "--fit-steps", str(args.fit_steps)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--memory-child",
+        variant,
+        "--rows",
+        str(rows),
+        "--batch-sizes",
+        str(bs),
+        "--max-cardinality",
+        str(args.max_cardinality),
+        "--cache-dir",
+        args.cache_dir,
+        "--fit-steps",
+        str(args.fit_steps),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return {"variant": variant, "batch_size": bs, **child_memory(cmd)}
@@ -298,24 +357,41 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=300_000, help="synthetic rows generated")
     p.add_argument("--max-cardinality", type=int, default=1_000_000)
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 16384])
+    p.add_argument(
+        "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 16384]
+    )
     p.add_argument("--with-128k", action="store_true", help="also batch 131072")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--time-limit", type=float, default=120.0, help="seconds of timed rounds per batch size")
+    p.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds of timed rounds per batch size"
+    )
     p.add_argument("--fit-steps", type=int, default=2, help="batches per deepctr model.fit call")
-    p.add_argument("--steps-per-round", type=int, default=4,
-                   help="consecutive steps of one variant per round: training runs one model "
-                        "step after step, so a variant is timed with warm caches rather than "
-                        "right after another variant evicted them (1: strict alternation)")
+    p.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=4,
+        help="consecutive steps of one variant per round: training runs one model "
+        "step after step, so a variant is timed with warm caches rather than "
+        "right after another variant evicted them (1: strict alternation)",
+    )
     p.add_argument("--no-deepctr", action="store_true")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="peak RSS of each variant in its own subprocess at the largest batch "
-                        "size (data, model, 3 steps) and optimizer-state bytes per embedding row")
-    p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
+    p.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="peak RSS of each variant in its own subprocess at the largest batch "
+        "size (data, model, 3 steps) and optimizer-state bytes per embedding row",
+    )
+    p.add_argument(
+        "--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache")
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=str(RESULTS),
-                   help="directory for end_to_end.{json,csv,png} and end_to_end_memory.csv")
+    p.add_argument(
+        "--out",
+        default=str(RESULTS),
+        help="directory for end_to_end.{json,csv,png} and end_to_end_memory.csv",
+    )
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
@@ -332,8 +408,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     names, cards = list(ds.schema.sparse_names), list(ds.schema.cardinalities)
     n_dense = ds.schema.n_dense
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()}")
-    print(f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
-          f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set")
+    print(
+        f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
+        f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set"
+    )
 
     built = build_models(["ours", "stock", "dense"], names, cards, n_dense)
     deepctr_error = None
@@ -347,19 +425,32 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     for bs in sizes:
         variants, batches = variant_steps(built, ds, bs, args.fit_steps)
-        print(f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...", flush=True)
+        print(
+            f"\nbatch {bs:,}: {args.warmup} warm-up + up to {args.rounds} interleaved rounds ...",
+            flush=True,
+        )
         k = max(args.steps_per_round, 1)
         blocks = {name: (lambda b, f=f: [f(b) for _ in range(k)]) for name, f in variants.items()}
         timings = run_interleaved(blocks, batches, args.rounds, args.warmup, args.time_limit)
         steps_per_call = {name: k * (args.fit_steps if "fit()" in name else 1) for name in variants}
-        sps = {n: Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples]) for n, t in timings.items()}
+        sps = {
+            n: Timing([steps_per_call[n] * bs / (ms / 1e3) for ms in t.samples])
+            for n, t in timings.items()
+        }
         for name, t in sps.items():
-            results.append({
-                "batch_size": bs, "variant": name, "samples_per_s_median": t.median,
-                "ms_per_step_median": statistics.median(timings[name].samples) / steps_per_call[name],
-                "rounds": len(t.samples),
-                "ours_over_this_paired": statistics.median(a / b for a, b in zip(sps[OURS].samples, t.samples)),
-            })
+            results.append(
+                {
+                    "batch_size": bs,
+                    "variant": name,
+                    "samples_per_s_median": t.median,
+                    "ms_per_step_median": statistics.median(timings[name].samples)
+                    / steps_per_call[name],
+                    "rounds": len(t.samples),
+                    "ours_over_this_paired": statistics.median(
+                        a / b for a, b in zip(sps[OURS].samples, t.samples)
+                    ),
+                }
+            )
 
     memory: List[Dict[str, Any]] = []
     if args.memory:
@@ -371,33 +462,73 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if "deepctr" not in built:
             print("deepctr-torch not measured: " + (deepctr_error or "--no-deepctr"))
 
-    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows,
-           "max_cardinality": args.max_cardinality, "total_rows": sum(cards),
-           "results": results, "memory": memory, "deepctr_error": deepctr_error}
+    out = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "max_cardinality": args.max_cardinality,
+        "total_rows": sum(cards),
+        "results": results,
+        "memory": memory,
+        "deepctr_error": deepctr_error,
+    }
     write_json(os.path.join(args.out, "end_to_end.json"), out)
     write_csv(os.path.join(args.out, "end_to_end.csv"), results)
     if memory:
-        write_csv(os.path.join(args.out, "end_to_end_memory.csv"), memory, MEMORY_FIELDS, restval="",
-                  extrasaction="ignore")
-    write_png(os.path.join(args.out, "end_to_end.png"), grouped_bars(
-        results, lambda r: r["batch_size"], lambda bs: f"batch {bs:,}", "samples_per_s_median",
-        "samples / s (median)", title="DeepFM training throughput"))
+        write_csv(
+            os.path.join(args.out, "end_to_end_memory.csv"),
+            memory,
+            MEMORY_FIELDS,
+            restval="",
+            extrasaction="ignore",
+        )
+    write_png(
+        os.path.join(args.out, "end_to_end.png"),
+        grouped_bars(
+            results,
+            lambda r: r["batch_size"],
+            lambda bs: f"batch {bs:,}",
+            "samples_per_s_median",
+            "samples / s (median)",
+            title="DeepFM training throughput",
+        ),
+    )
 
     if memory:
         mem = [["variant", "peak RSS MiB", "delta MiB", "state B/row"]]
         for m in memory:
-            mem.append([m["variant"], f"{m['peak_mib']:.0f}", f"{m['delta_mib']:.0f}",
-                        f"{m['state_bytes_per_row']:.0f}"] if "error" not in m else [m["variant"], "error", m["error"][:60], ""])
-        print(f"\npeak RSS (VmHWM) of one variant per subprocess (data, model, 3 steps), batch {max(sizes):,} "
-              "(delta: over the peak before the model was built); state B/row: embedding optimizer "
-              "state per id (its D-dim row and first-order weight)")
+            mem.append(
+                [
+                    m["variant"],
+                    f"{m['peak_mib']:.0f}",
+                    f"{m['delta_mib']:.0f}",
+                    f"{m['state_bytes_per_row']:.0f}",
+                ]
+                if "error" not in m
+                else [m["variant"], "error", m["error"][:60], ""]
+            )
+        print(
+            f"\npeak RSS (VmHWM) of one variant per subprocess (data, model, 3 steps), batch {max(sizes):,} "
+            "(delta: over the peak before the model was built); state B/row: embedding optimizer "
+            "state per id (its D-dim row and first-order weight)"
+        )
         print(format_table(mem))
     table = [["batch", "variant", "samples/s", "ms/step", "rounds", "ours/this"]]
     for r in results:
-        table.append([f"{r['batch_size']:,}", r["variant"], f"{r['samples_per_s_median']:,.0f}",
-                      f"{r['ms_per_step_median']:.1f}", str(r["rounds"]), f"{r['ours_over_this_paired']:.2f}"])
-    print("\nDeepFM training throughput, median over interleaved rounds; ours/this = paired ratio of "
-          "samples/s (>1: ours faster); deepctr fit() includes its DataLoader")
+        table.append(
+            [
+                f"{r['batch_size']:,}",
+                r["variant"],
+                f"{r['samples_per_s_median']:,.0f}",
+                f"{r['ms_per_step_median']:.1f}",
+                str(r["rounds"]),
+                f"{r['ours_over_this_paired']:.2f}",
+            ]
+        )
+    print(
+        "\nDeepFM training throughput, median over interleaved rounds; ours/this = paired ratio of "
+        "samples/s (>1: ours faster); deepctr fit() includes its DataLoader"
+    )
     print(format_table(table))
     if deepctr_error:
         print(f"deepctr-torch FAILED: {deepctr_error}")

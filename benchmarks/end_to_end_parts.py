@@ -54,17 +54,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     p.add_argument("--max-cardinality", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache"))
+    p.add_argument(
+        "--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_bench_cache")
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     bs = args.batch_size
-    ds = open_dataset(f"synthetic:{max(args.rows, 2 * bs)}", args.cache_dir,
-                      max_cardinality=args.max_cardinality)
+    ds = open_dataset(
+        f"synthetic:{max(args.rows, 2 * bs)}", args.cache_dir, max_cardinality=args.max_cardinality
+    )
     model = build_model(
-        "deepfm", embedding_backend="cowclip", sparse_names=list(ds.schema.sparse_names),
-        cardinalities=list(ds.schema.cardinalities), num_dense=ds.schema.n_dense,
-        embedding_dim=10, hidden=(400, 400, 400), embedding_lr=1e-4,
+        "deepfm",
+        embedding_backend="cowclip",
+        sparse_names=list(ds.schema.sparse_names),
+        cardinalities=list(ds.schema.cardinalities),
+        num_dense=ds.schema.n_dense,
+        embedding_dim=10,
+        hidden=(400, 400, 400),
+        embedding_lr=1e-4,
         cowclip=CowClip.from_reference(1.0, 1e-5, 10),
     )
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=1e-3)
@@ -78,8 +86,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
         if input_grads:
             emb, first = emb.detach().requires_grad_(True), first.detach().requires_grad_(True)
         dense = batches[k].dense_features
-        logit = (model.linear(first, dense) + fm_second_order(emb)
-                 + model.deep([emb, dense.unsqueeze(2)]).squeeze(1))
+        logit = (
+            model.linear(first, dense)
+            + fm_second_order(emb)
+            + model.deep([emb, dense.unsqueeze(2)]).squeeze(1)
+        )
         F.binary_cross_entropy_with_logits(logit, batches[k].labels.float()).backward()
         dense_opt.step()
         dense_opt.zero_grad()
@@ -110,12 +121,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     set_compiled_update(None)
 
     full = results["full step (compiled)"]
-    print(f"\nDeepFM, batch {bs:,}, {torch.get_num_threads()} threads, median ms of {args.steps} steps")
+    print(
+        f"\nDeepFM, batch {bs:,}, {torch.get_num_threads()} threads, median ms of {args.steps} steps"
+    )
     width = max(len(k) for k in results)
     for name, ms in results.items():
         print(f"{name:<{width}}  {ms:8.1f}")
-    print(f"dense-only / full step (compiled) = {results['dense-only'] / full:.2f}; "
-          f"with free embeddings it would be {results['dense-only'] / results['dense + input grads']:.2f}")
+    print(
+        f"dense-only / full step (compiled) = {results['dense-only'] / full:.2f}; "
+        f"with free embeddings it would be {results['dense-only'] / results['dense + input grads']:.2f}"
+    )
     return results
 
 

@@ -73,6 +73,7 @@ from common import (  # noqa: E402
     sync,
     write_json,
 )
+
 from torchrec_cowclip.embedding import row_step  # noqa: E402
 from torchrec_cowclip.optim.functional import adam_bias_corrections  # noqa: E402
 
@@ -93,9 +94,14 @@ def free_memory(device: torch.device) -> None:
 
 
 def environment(device: torch.device) -> Dict[str, Any]:
-    info: Dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "torch_cuda": torch.version.cuda, "device": str(device),
-                            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
+    info: Dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": str(device),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
     for name in ("triton", "fbgemm_gpu", "torchrec"):
         try:
             info[name] = getattr(__import__(name), "__version__", "?")
@@ -110,41 +116,73 @@ def environment(device: torch.device) -> Dict[str, Any]:
 # --- embedding step ----------------------------------------------------------------
 
 
-def row_step_variant(rows: Sequence[int], dim: int, device: torch.device, compiled: bool,
-                     batches: Sequence[Batch]) -> Callable[[Batch], None]:
+def row_step_variant(
+    rows: Sequence[int], dim: int, device: torch.device, compiled: bool, batches: Sequence[Batch]
+) -> Callable[[Batch], None]:
     """Our row step alone (Adam + CowClip) on the distinct rows each batch touches, on
     one table of all the tables' rows."""
     total = sum(rows)
     table = torch.randn(total, dim, device=device) * 0.01
-    state = {"exp_avg": torch.zeros(total, dim, device=device),
-             "exp_avg_sq": torch.zeros(total, dim, device=device)}
+    state = {
+        "exp_avg": torch.zeros(total, dim, device=device),
+        "exp_avg_sq": torch.zeros(total, dim, device=device),
+    }
     offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
     inputs = {}
     for b in batches:
-        unique, counts = np.unique(np.concatenate([ids + off for ids, off in zip(b.per_table, offsets)]),
-                                   return_counts=True)
+        unique, counts = np.unique(
+            np.concatenate([ids + off for ids, off in zip(b.per_table, offsets)]),
+            return_counts=True,
+        )
         counts_t = torch.from_numpy(counts).to(device)
         bias = adam_bias_corrections(torch.full_like(counts_t, 10), 0.9, 0.999)
-        inputs[id(b)] = (torch.from_numpy(unique).to(device),
-                         torch.randn(unique.size, dim, device=device) * 0.01, counts_t, bias)
+        inputs[id(b)] = (
+            torch.from_numpy(unique).to(device),
+            torch.randn(unique.size, dim, device=device) * 0.01,
+            counts_t,
+            bias,
+        )
     call = row_step.row_step_ if compiled else row_step.gather_step_scatter_
 
     def step(batch: Batch) -> None:
         unique, grad, counts, bias = inputs[id(batch)]
-        call(table, state, unique, grad, counts, optimizer="adam", lr=ADAM_LR, betas=(0.9, 0.999), eps=EPS,
-             weight_decay=0.0, cowclip=COWCLIP, adam_bias=bias)
+        call(
+            table,
+            state,
+            unique,
+            grad,
+            counts,
+            optimizer="adam",
+            lr=ADAM_LR,
+            betas=(0.9, 0.999),
+            eps=EPS,
+            weight_decay=0.0,
+            cowclip=COWCLIP,
+            adam_bias=bias,
+        )
 
     return step
 
 
-def run_embedding(device: torch.device, args: argparse.Namespace, deadline: float) -> Dict[str, Any]:
+def run_embedding(
+    device: torch.device, args: argparse.Namespace, deadline: float
+) -> Dict[str, Any]:
     rows = criteo_table_rows(args.max_rows)
     dim = args.dim
-    result: Dict[str, Any] = {"tables": len(rows), "rows": sum(rows), "max_rows": args.max_rows, "dim": dim,
-                              "zipf": args.zipf, "per_batch": [], "skipped": []}
-    print(f"embedding step: {len(rows)} Criteo-Kaggle tables, {sum(rows):,} rows"
-          f"{f' (capped at {args.max_rows} per table)' if args.max_rows else ' (full size)'}, dim {dim}",
-          flush=True)
+    result: Dict[str, Any] = {
+        "tables": len(rows),
+        "rows": sum(rows),
+        "max_rows": args.max_rows,
+        "dim": dim,
+        "zipf": args.zipf,
+        "per_batch": [],
+        "skipped": [],
+    }
+    print(
+        f"embedding step: {len(rows)} Criteo-Kaggle tables, {sum(rows):,} rows"
+        f"{f' (capped at {args.max_rows} per table)' if args.max_rows else ' (full size)'}, dim {dim}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     ids = PowerLawIds(rows, args.zipf, seed=0)
     result["sampler_setup_s"] = time.perf_counter() - t0
@@ -162,7 +200,9 @@ def run_embedding(device: torch.device, args: argparse.Namespace, deadline: floa
         result["skipped"].append(f"{FBGEMM_NAME}: {type(error).__name__}: {str(error)[:200]}")
     sync(device)
     result["build_s"] = time.perf_counter() - t0
-    result["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(64 if args.quick else 1024, device=device)
+    result["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(
+        64 if args.quick else 1024, device=device
+    )
     path = {"1": "compiled", "0": "eager", "auto": "auto"}[args.compile]
     for bs in args.batch_sizes:
         if time.perf_counter() > deadline:
@@ -172,16 +212,25 @@ def run_embedding(device: torch.device, args: argparse.Namespace, deadline: floa
         batches = single_hot_batches(rows, bs, args.zipf, 3, device=device, ids=ids)
         make_s = time.perf_counter() - t0
         grad = torch.randn(bs, len(rows) * dim, device=device)
-        variants: Dict[str, Callable[[Batch], None]] = {ADAM_NAME: ours_step(adam, grad),
-                                                        ADAGRAD_NAME: ours_step(adagrad, grad)}
+        variants: Dict[str, Callable[[Batch], None]] = {
+            ADAM_NAME: ours_step(adam, grad),
+            ADAGRAD_NAME: ours_step(adagrad, grad),
+        }
         if tbe is not None:
             variants[FBGEMM_NAME] = fbgemm_step(tbe, grad)
-        variants[ROW_STEP_NAME.format(path=path)] = row_step_variant(rows, dim, device, True, batches)
+        variants[ROW_STEP_NAME.format(path=path)] = row_step_variant(
+            rows, dim, device, True, batches
+        )
         if args.compile != "0":  # the same step uncompiled, for the compiler's gain
-            variants[ROW_STEP_NAME.format(path="eager")] = row_step_variant(rows, dim, device, False, batches)
+            variants[ROW_STEP_NAME.format(path="eager")] = row_step_variant(
+                rows, dim, device, False, batches
+            )
         unique = [b.unique_rows for b in batches]
-        print(f"  batch {bs:,}: {statistics.fmean(unique):,.0f} distinct rows per step; {args.warmup} warm-up "
-              f"+ up to {args.steps} rounds of {len(variants)} variants ...", flush=True)
+        print(
+            f"  batch {bs:,}: {statistics.fmean(unique):,.0f} distinct rows per step; {args.warmup} warm-up "
+            f"+ up to {args.steps} rounds of {len(variants)} variants ...",
+            flush=True,
+        )
         limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
         try:
             timings = run_interleaved(variants, batches, args.steps, args.warmup, limit, device)
@@ -189,12 +238,26 @@ def run_embedding(device: torch.device, args: argparse.Namespace, deadline: floa
             result["skipped"].append(f"batch {bs}: {type(error).__name__}: {error}")
             traceback.print_exc()
             continue
-        result["per_batch"].append({
-            "batch_size": bs, "distinct_rows": unique, "make_batches_s": make_s,
-            "floor_ms_adam": floor_bytes(bs * len(rows), dim, statistics.fmean(unique)) / bandwidth * 1e3,
-            "variants": {n: {"median_ms": t.median, "min_ms": t.minimum, "steps": len(t.samples),
-                             "samples_ms": t.samples} for n, t in timings.items() if t.samples},
-        })
+        result["per_batch"].append(
+            {
+                "batch_size": bs,
+                "distinct_rows": unique,
+                "make_batches_s": make_s,
+                "floor_ms_adam": floor_bytes(bs * len(rows), dim, statistics.fmean(unique))
+                / bandwidth
+                * 1e3,
+                "variants": {
+                    n: {
+                        "median_ms": t.median,
+                        "min_ms": t.minimum,
+                        "steps": len(t.samples),
+                        "samples_ms": t.samples,
+                    }
+                    for n, t in timings.items()
+                    if t.samples
+                },
+            }
+        )
         del batches, variants
         free_memory(device)
     if device.type == "cuda":
@@ -209,11 +272,26 @@ def embedding_table(result: Dict[str, Any]) -> str:
         ref = v.get(FBGEMM_NAME, {}).get("median_ms")
         for name, t in v.items():
             whole = "row step" not in name
-            rows.append([f"{entry['batch_size']:,}", name, f"{t['median_ms']:.2f}", f"{t['min_ms']:.2f}",
-                         f"{t['median_ms'] / ref:.2f}" if ref and whole else "-",
-                         f"{entry['batch_size'] / (t['median_ms'] / 1e3):,.0f}" if whole else ""])
-        rows.append([f"{entry['batch_size']:,}", "memory-bandwidth floor (ours adam)",
-                     f"{entry['floor_ms_adam']:.2f}", "", "", ""])
+            rows.append(
+                [
+                    f"{entry['batch_size']:,}",
+                    name,
+                    f"{t['median_ms']:.2f}",
+                    f"{t['min_ms']:.2f}",
+                    f"{t['median_ms'] / ref:.2f}" if ref and whole else "-",
+                    f"{entry['batch_size'] / (t['median_ms'] / 1e3):,.0f}" if whole else "",
+                ]
+            )
+        rows.append(
+            [
+                f"{entry['batch_size']:,}",
+                "memory-bandwidth floor (ours adam)",
+                f"{entry['floor_ms_adam']:.2f}",
+                "",
+                "",
+                "",
+            ]
+        )
     return format_table(rows)
 
 
@@ -233,10 +311,16 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     max_card = args.max_rows if args.max_rows is not None else max(CRITEO_KAGGLE_CARDINALITIES)
     bs = args.deepfm_batch
     rows = max(args.deepfm_rows, 2 * bs)
-    result: Dict[str, Any] = {"rows_generated": rows, "batch_size": bs, "max_cardinality": max_card,
-                              "epoch_rows": CRITEO_KAGGLE_ROWS}
-    print(f"deepfm: synthetic:{rows:,} (cardinalities capped at {max_card:,}) into {args.cache_dir} ...",
-          flush=True)
+    result: Dict[str, Any] = {
+        "rows_generated": rows,
+        "batch_size": bs,
+        "max_cardinality": max_card,
+        "epoch_rows": CRITEO_KAGGLE_ROWS,
+    }
+    print(
+        f"deepfm: synthetic:{rows:,} (cardinalities capped at {max_card:,}) into {args.cache_dir} ...",
+        flush=True,
+    )
     cache = Path(args.cache_dir)
     entries_before = set(os.listdir(cache)) if cache.is_dir() else set()
     t0 = time.perf_counter()
@@ -245,15 +329,23 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     result["cache_reused"] = ds.path.name in entries_before
     # Linear in rows (generation is chunked); a reused cache says nothing about it.
     result["cache_s_extrapolated_to_epoch"] = (
-        None if result["cache_reused"] else result["cache_s"] * CRITEO_KAGGLE_ROWS / rows)
+        None if result["cache_reused"] else result["cache_s"] * CRITEO_KAGGLE_ROWS / rows
+    )
 
     # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
     # do not change the cost of a step, only keep the run a realistic one.
     scale = bs / 1024
     model = build_model(
-        "deepfm", sparse_names=list(ds.schema.sparse_names), cardinalities=list(ds.schema.cardinalities),
-        num_dense=ds.schema.n_dense, embedding_dim=10, hidden=(400, 400, 400), embedding_lr=1e-4,
-        embedding_weight_decay=2 * 1e-5 * scale, cowclip=CowClip.from_reference(1.0, 1e-5, 10), device=device,
+        "deepfm",
+        sparse_names=list(ds.schema.sparse_names),
+        cardinalities=list(ds.schema.cardinalities),
+        num_dense=ds.schema.n_dense,
+        embedding_dim=10,
+        hidden=(400, 400, 400),
+        embedding_lr=1e-4,
+        embedding_weight_decay=2 * 1e-5 * scale,
+        cowclip=CowClip.from_reference(1.0, 1e-5, 10),
+        device=device,
     )
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
     task = CTRTrainTask(model)
@@ -262,8 +354,9 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
 
     def epochs() -> Iterator[Any]:
         for epoch in itertools.count():  # the timed steps may need more than one pass
-            yield from BatchIterator(ds, None, bs, shuffle=True, seed=0, epoch=epoch, drop_last=True,
-                                     prefetch=2)
+            yield from BatchIterator(
+                ds, None, bs, shuffle=True, seed=0, epoch=epoch, drop_last=True, prefetch=2
+            )
 
     batches = epochs()
     t0 = time.perf_counter()
@@ -283,9 +376,17 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     sync(device)
     elapsed = time.perf_counter() - t0
     steps = len(losses)
-    result.update({"timed_steps": steps, "timed_s": elapsed, "steps_per_s": steps / elapsed,
-                   "samples_per_s": steps * bs / elapsed, "first_loss": losses[0], "last_loss": losses[-1],
-                   "losses_finite": all(math.isfinite(x) for x in losses)})
+    result.update(
+        {
+            "timed_steps": steps,
+            "timed_s": elapsed,
+            "steps_per_s": steps / elapsed,
+            "samples_per_s": steps * bs / elapsed,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "losses_finite": all(math.isfinite(x) for x in losses),
+        }
+    )
 
     # Data loading alone: the same iterator, batches copied to the device, no model.
     loader = BatchIterator(ds, None, bs, shuffle=True, seed=0, epoch=99, drop_last=True, prefetch=2)
@@ -298,8 +399,9 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
 
     result["steps_per_epoch"] = math.ceil(CRITEO_KAGGLE_ROWS / bs)
     result["epoch_s_extrapolated"] = result["steps_per_epoch"] / result["steps_per_s"]
-    result["goal_applies"] = device.type == "cuda" and bs == GOAL_BATCH and max_card >= max(
-        CRITEO_KAGGLE_CARDINALITIES)
+    result["goal_applies"] = (
+        device.type == "cuda" and bs == GOAL_BATCH and max_card >= max(CRITEO_KAGGLE_CARDINALITIES)
+    )
     result["goal_met"] = result["epoch_s_extrapolated"] < EPOCH_GOAL_S
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -308,30 +410,41 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
 
 def deepfm_lines(r: Dict[str, Any]) -> List[str]:
     reused = r["cache_s_extrapolated_to_epoch"] is None
-    table = format_table([
-        ["what", "value"],
-        ["batch", f"{r['batch_size']:,}"],
-        ["cache rows generated", f"{r['rows_generated']:,}"],
-        ["cache build s (this run)", f"{r['cache_s']:.1f}" + (" (reused)" if r["cache_reused"] else "")],
-        ["cache build s, linear extrapolation to the epoch's rows",
-         "n/a (reused)" if reused else f"{r['cache_s_extrapolated_to_epoch']:.0f}"],
-        ["timed steps", f"{r['timed_steps']}"],
-        ["samples/s (loading + training, measured)", f"{r['samples_per_s']:,.0f}"],
-        ["data loading alone, batches/s", f"{r['loading_only_batches_per_s']:.1f}"],
-        [f"steps per epoch of {r['epoch_rows']:,} rows", f"{r['steps_per_epoch']}"],
-        ["epoch s (EXTRAPOLATED from the timed steps)", f"{r['epoch_s_extrapolated']:.1f}"],
-        ["loss first -> last timed step", f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"],
-    ])
+    table = format_table(
+        [
+            ["what", "value"],
+            ["batch", f"{r['batch_size']:,}"],
+            ["cache rows generated", f"{r['rows_generated']:,}"],
+            [
+                "cache build s (this run)",
+                f"{r['cache_s']:.1f}" + (" (reused)" if r["cache_reused"] else ""),
+            ],
+            [
+                "cache build s, linear extrapolation to the epoch's rows",
+                "n/a (reused)" if reused else f"{r['cache_s_extrapolated_to_epoch']:.0f}",
+            ],
+            ["timed steps", f"{r['timed_steps']}"],
+            ["samples/s (loading + training, measured)", f"{r['samples_per_s']:,.0f}"],
+            ["data loading alone, batches/s", f"{r['loading_only_batches_per_s']:.1f}"],
+            [f"steps per epoch of {r['epoch_rows']:,} rows", f"{r['steps_per_epoch']}"],
+            ["epoch s (EXTRAPOLATED from the timed steps)", f"{r['epoch_s_extrapolated']:.1f}"],
+            ["loss first -> last timed step", f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"],
+        ]
+    )
     verdict = "MET" if r["goal_met"] else "NOT MET"
     if not r["goal_applies"]:
-        goal = (f"goal (< {EPOCH_GOAL_S:.0f} s per epoch, one H200, batch {GOAL_BATCH:,}, full cardinalities): "
-                f"not applicable to this run (device/batch/cardinalities differ); at these settings it would "
-                f"be {verdict} ({r['epoch_s_extrapolated']:.1f} s)")
+        goal = (
+            f"goal (< {EPOCH_GOAL_S:.0f} s per epoch, one H200, batch {GOAL_BATCH:,}, full cardinalities): "
+            f"not applicable to this run (device/batch/cardinalities differ); at these settings it would "
+            f"be {verdict} ({r['epoch_s_extrapolated']:.1f} s)"
+        )
     else:
-        goal = (f"GOAL < {EPOCH_GOAL_S:.0f} s per epoch of {r['epoch_rows']:,} rows at batch {GOAL_BATCH:,}: "
-                f"{verdict} ({r['epoch_s_extrapolated']:.1f} s, EXTRAPOLATED from {r['timed_steps']} timed steps "
-                f"over a {r['rows_generated']:,}-row cache; data loading from the cache included, cache "
-                f"building not)")
+        goal = (
+            f"GOAL < {EPOCH_GOAL_S:.0f} s per epoch of {r['epoch_rows']:,} rows at batch {GOAL_BATCH:,}: "
+            f"{verdict} ({r['epoch_s_extrapolated']:.1f} s, EXTRAPOLATED from {r['timed_steps']} timed steps "
+            f"over a {r['rows_generated']:,}-row cache; data loading from the cache included, cache "
+            f"building not)"
+        )
     return [table, goal]
 
 
@@ -344,24 +457,63 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: seconds on CPU")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--out", default=str(RESULTS / "gpu"), help="folder for gpu_timing.json")
-    p.add_argument("--compile", choices=("auto", "1", "0"), default=None,
-                   help="update path: 1 compiled (default on CUDA), 0 eager (default on CPU), auto")
-    p.add_argument("--max-rows", type=int, default=None,
-                   help="cap on each table's rows (default: none on CUDA, 100000 on CPU, 2000 with --quick)")
+    p.add_argument(
+        "--compile",
+        choices=("auto", "1", "0"),
+        default=None,
+        help="update path: 1 compiled (default on CUDA), 0 eager (default on CPU), auto",
+    )
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=None,
+        help="cap on each table's rows (default: none on CUDA, 100000 on CPU, 2000 with --quick)",
+    )
     p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="embedding-step batches (default 16384,131072; --quick 512)")
-    p.add_argument("--zipf", type=float, default=1.0, help="power-law exponent of the embedding-step ids")
-    p.add_argument("--steps", type=int, default=None, help="timed rounds per batch size (default 20; --quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3; --quick 1)")
-    p.add_argument("--deepfm-rows", type=int, default=None, help="synthetic rows cached (default 4194304; --quick 4096)")
-    p.add_argument("--deepfm-batch", type=int, default=None, help=f"default {GOAL_BATCH}; --quick 512")
-    p.add_argument("--deepfm-steps", type=int, default=None, help="timed steps (default 30; --quick 3)")
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="embedding-step batches (default 16384,131072; --quick 512)",
+    )
+    p.add_argument(
+        "--zipf", type=float, default=1.0, help="power-law exponent of the embedding-step ids"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed rounds per batch size (default 20; --quick 3)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed rounds first (default 3; --quick 1)"
+    )
+    p.add_argument(
+        "--deepfm-rows",
+        type=int,
+        default=None,
+        help="synthetic rows cached (default 4194304; --quick 4096)",
+    )
+    p.add_argument(
+        "--deepfm-batch", type=int, default=None, help=f"default {GOAL_BATCH}; --quick 512"
+    )
+    p.add_argument(
+        "--deepfm-steps", type=int, default=None, help="timed steps (default 30; --quick 3)"
+    )
     p.add_argument("--deepfm-warmup", type=int, default=None, help="default 3; --quick 1")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "cowclip_gpu_cache"))
-    p.add_argument("--time-budget", type=float, default=300.0,
-                   help="seconds for the whole run: a part or batch size not started by then is skipped")
-    p.add_argument("--part-time-limit-s", type=float, default=90.0, help="timed seconds per batch size / DeepFM")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=300.0,
+        help="seconds for the whole run: a part or batch size not started by then is skipped",
+    )
+    p.add_argument(
+        "--part-time-limit-s",
+        type=float,
+        default=90.0,
+        help="timed seconds per batch size / DeepFM",
+    )
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -390,17 +542,25 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def print_report(report: Dict[str, Any]) -> None:
     env = report["environment"]
     print("\n" + "=" * 100)
-    print("gpu_timing: " + ", ".join(f"{k} {v}" for k, v in env.items()) + f"; update mode {report['compile']}")
+    print(
+        "gpu_timing: "
+        + ", ".join(f"{k} {v}" for k, v in env.items())
+        + f"; update mode {report['compile']}"
+    )
     e = report.get("embedding")
     if e and e["per_batch"]:
-        print(f"\nembedding step (forward + backward + fused update), {e['tables']} tables, {e['rows']:,} rows, "
-              f"dim {e['dim']}, single-hot zipf {e['zipf']}; ms per step, median of interleaved rounds:")
+        print(
+            f"\nembedding step (forward + backward + fused update), {e['tables']} tables, {e['rows']:,} rows, "
+            f"dim {e['dim']}, single-hot zipf {e['zipf']}; ms per step, median of interleaved rounds:"
+        )
         print(embedding_table(e))
     for s in (e or {}).get("skipped", []):
         print(f"  embedding skipped: {s}")
     d = report.get("deepfm")
     if d:
-        print("\nDeepFM (D 10, DNN 400-400-400, Adam + CowClip), synthetic Criteo-like data from the binary cache:")
+        print(
+            "\nDeepFM (D 10, DNN 400-400-400, Adam + CowClip), synthetic Criteo-like data from the binary cache:"
+        )
         print("\n".join(deepfm_lines(d)))
     for name, why in report["part_errors"].items():
         print(f"  {name} not run: {why}")
@@ -416,8 +576,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("gpu_timing: --device cuda but torch sees no CUDA device")
         return 2
     deadline = time.perf_counter() + args.time_budget
-    report: Dict[str, Any] = {"args": vars(args), "environment": environment(device), "compile": args.compile,
-                              "part_errors": {}}
+    report: Dict[str, Any] = {
+        "args": vars(args),
+        "environment": environment(device),
+        "compile": args.compile,
+        "part_errors": {},
+    }
     out = Path(args.out) / "gpu_timing.json"
     row_step.set_compiled_update(args.compile)
     try:

@@ -56,12 +56,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     with profile(record_shapes=True) as prof:
         for i in range(args.steps):
             step(batches[i % len(batches)])
-    print(prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cpu_time_total", row_limit=args.rows_shown, max_name_column_width=40,
-        max_shapes_column_width=60))
-    print(f"{args.optimizer}{' (eager update)' if args.eager else ''}: {ms:.1f} ms/step "
-          f"unprofiled, {torch.get_num_threads()} threads, {args.tables} x {args.rows:,} rows, "
-          f"dim {args.dim}, batch {args.batch_size:,}; table: self CPU over {args.steps} steps")
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total",
+            row_limit=args.rows_shown,
+            max_name_column_width=40,
+            max_shapes_column_width=60,
+        )
+    )
+    print(
+        f"{args.optimizer}{' (eager update)' if args.eager else ''}: {ms:.1f} ms/step "
+        f"unprofiled, {torch.get_num_threads()} threads, {args.tables} x {args.rows:,} rows, "
+        f"dim {args.dim}, batch {args.batch_size:,}; table: self CPU over {args.steps} steps"
+    )
 
 
 if __name__ == "__main__":

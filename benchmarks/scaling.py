@@ -85,6 +85,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
 from common import RESULTS, write_csv, write_json, write_png  # noqa: E402
+
 from torchrec_cowclip.train import TrainConfig, train  # noqa: E402
 from torchrec_cowclip.train.scaling import (  # noqa: E402
     SCALINGS,
@@ -129,8 +130,9 @@ def method_hyperparameters(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    base = scale_hyperparameters(base_batch_size, dataset=_profile(data),
-                                 base_batch_size=base_batch_size)
+    base = scale_hyperparameters(
+        base_batch_size, dataset=_profile(data), base_batch_size=base_batch_size
+    )
     lr0 = base.dense_lr if base_lr is None else base_lr
     emb0 = base.embedding_lr if base_lr_embed is None else base_lr_embed
     l20 = base.l2 if base_l2 is None else base_l2
@@ -138,7 +140,8 @@ def method_hyperparameters(
     if method == "cowclip":
         rec = replace(get_recipe(recipe), **(rules or {}))
         hp: Dict[str, Any] = {
-            "cowclip": True, "recipe": recipe,
+            "cowclip": True,
+            "recipe": recipe,
             "lr": lr0 * scale_factor(rec.dense_lr_scaling, s),
             "lr_embed": emb0 * scale_factor(rec.embedding_lr_scaling, s),
             "l2": l20 * scale_factor(rec.l2_scaling, s),
@@ -152,8 +155,12 @@ def method_hyperparameters(
     if method == "sqrt":
         # scale_factor, as for the recipes: a cowclip run given the same rules gets the
         # very same floats (the test suite compares such runs bit for bit).
-        return {"cowclip": False, "lr": lr0 * scale_factor("sqrt", s),
-                "lr_embed": emb0 * scale_factor("sqrt", s), "l2": l20 * s}
+        return {
+            "cowclip": False,
+            "lr": lr0 * scale_factor("sqrt", s),
+            "lr_embed": emb0 * scale_factor("sqrt", s),
+            "l2": l20 * s,
+        }
     if method == "linear":
         return {"cowclip": False, "lr": lr0 * s, "lr_embed": emb0 * s, "l2": l20 * s}
     return {"cowclip": False, "lr": lr0, "lr_embed": emb0, "l2": l20}
@@ -165,8 +172,12 @@ def _val_selected(m: Dict[str, Any]) -> Dict[str, Any]:
     if not val or len(val) != len(m["epoch_auc"]):
         return {"val_epoch": None, "val_auc": None, "val_sel_auc": None, "val_sel_logloss": None}
     best = max(range(len(val)), key=val.__getitem__)
-    return {"val_epoch": best + 1, "val_auc": val[best], "val_sel_auc": m["epoch_auc"][best],
-            "val_sel_logloss": m["epoch_logloss"][best]}
+    return {
+        "val_epoch": best + 1,
+        "val_auc": val[best],
+        "val_sel_auc": m["epoch_auc"][best],
+        "val_sel_logloss": m["epoch_logloss"][best],
+    }
 
 
 def _ratio(clipped: Optional[int], updated: Optional[int]) -> Optional[float]:
@@ -214,18 +225,33 @@ def run_one(
     """
     method_options = dict(method_options or {})
     label = method_options.pop("label", None)
-    hp = method_hyperparameters(method, batch_size, base_batch_size=base_batch_size, data=data,
-                                base_lr=base_lr, base_lr_embed=base_lr_embed, base_l2=base_l2,
-                                **method_options)
+    hp = method_hyperparameters(
+        method,
+        batch_size,
+        base_batch_size=base_batch_size,
+        data=data,
+        base_lr=base_lr,
+        base_lr_embed=base_lr_embed,
+        base_l2=base_l2,
+        **method_options,
+    )
     name = label if (label and method == "cowclip") else method
     out = out_root / "runs" / f"{model}-{name}-b{batch_size}-s{seed}"
     if out.exists():
         shutil.rmtree(out)  # epochs.csv appends: start clean
     # Options given for the whole study (extra: warm-up, DNN, data) apply to every method.
     cfg = TrainConfig(
-        model=model, data=data, out=str(out), cache_dir=cache_dir, batch_size=batch_size,
-        base_batch_size=base_batch_size, epochs=epochs, init_std=init_std, seed=seed,
-        progress=False, **{**hp, **(extra or {})},
+        model=model,
+        data=data,
+        out=str(out),
+        cache_dir=cache_dir,
+        batch_size=batch_size,
+        base_batch_size=base_batch_size,
+        epochs=epochs,
+        init_std=init_std,
+        seed=seed,
+        progress=False,
+        **{**hp, **(extra or {})},
     )
     t0 = time.perf_counter()
     m = train(cfg)
@@ -235,24 +261,41 @@ def run_one(
     upd1, clip1 = _int_or_none(first.get("rows_updated")), _int_or_none(first.get("rows_clipped"))
     h = m["hyperparameters"]
     return {
-        "model": model, "method": name, "batch_size": batch_size, "seed": seed,
-        "data": data, "epochs": m["epochs"], "steps": m["steps"],
+        "model": model,
+        "method": name,
+        "batch_size": batch_size,
+        "seed": seed,
+        "data": data,
+        "epochs": m["epochs"],
+        "steps": m["steps"],
         "steps_per_epoch": m["steps"] // max(m["epochs"], 1),
-        "auc": m["auc"], "logloss": m["logloss"],
-        "epoch_auc": list(m["epoch_auc"]), "epoch_logloss": list(m["epoch_logloss"]),
+        "auc": m["auc"],
+        "logloss": m["logloss"],
+        "epoch_auc": list(m["epoch_auc"]),
+        "epoch_logloss": list(m["epoch_logloss"]),
         **_val_selected(m),
-        "wall_s": wall, "train_samples_per_s": m["train_samples_per_s"],
-        "rows_updated": m["rows_updated"], "rows_clipped": m["rows_clipped"],
+        "wall_s": wall,
+        "train_samples_per_s": m["train_samples_per_s"],
+        "rows_updated": m["rows_updated"],
+        "rows_clipped": m["rows_clipped"],
         "clipped_frac": _ratio(m["rows_clipped"], m["rows_updated"]),
-        "epoch1_rows_updated": upd1, "epoch1_rows_clipped": clip1,
+        "epoch1_rows_updated": upd1,
+        "epoch1_rows_clipped": clip1,
         "epoch1_clipped_frac": _ratio(clip1, upd1),
         "clipped_per_table": m["clipped_per_table"],
         "clip_per_id_frequency_bucket": m.get("clip_by_frequency"),
-        "dense_lr": h["dense_lr"], "embedding_lr": h["embedding_lr"], "l2": h["l2"],
-        "cowclip": h["cowclip"], "init_std": init_std, "base_batch_size": base_batch_size,
-        "warmup_epochs": h["warmup_epochs"], "recipe": h.get("recipe"),
-        "clip_r": h["clip_r"], "clip_zeta": h["clip_zeta"],
-        "count_lr_power": h.get("count_lr_power", 0.0), "out": str(out),
+        "dense_lr": h["dense_lr"],
+        "embedding_lr": h["embedding_lr"],
+        "l2": h["l2"],
+        "cowclip": h["cowclip"],
+        "init_std": init_std,
+        "base_batch_size": base_batch_size,
+        "warmup_epochs": h["warmup_epochs"],
+        "recipe": h.get("recipe"),
+        "clip_r": h["clip_r"],
+        "clip_zeta": h["clip_zeta"],
+        "count_lr_power": h.get("count_lr_power", 0.0),
+        "out": str(out),
     }
 
 
@@ -288,17 +331,28 @@ def run_study(
     for b in batch_sizes:
         for method in methods:
             for seed in seeds:
-                run_epochs = (max(1, round(epochs * b / base_batch_size)) if equal_steps
-                              else epochs)
-                rec = run_one(method=method, batch_size=b, seed=seed, model=model, data=data,
-                              epochs=run_epochs, out_root=out_root, cache_dir=cache_dir,
-                              base_batch_size=base_batch_size, **run_options)
+                run_epochs = max(1, round(epochs * b / base_batch_size)) if equal_steps else epochs
+                rec = run_one(
+                    method=method,
+                    batch_size=b,
+                    seed=seed,
+                    model=model,
+                    data=data,
+                    epochs=run_epochs,
+                    out_root=out_root,
+                    cache_dir=cache_dir,
+                    base_batch_size=base_batch_size,
+                    **run_options,
+                )
                 records.append(rec)
                 if verbose:
-                    print(f"[{len(records)}/{total}] batch {b} {method} seed {seed}: "
-                          f"AUC {rec['auc']:.4f} logloss {rec['logloss']:.4f} "
-                          f"clipped {_pct(rec['clipped_frac'])} {rec['wall_s']:.1f}s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[{len(records)}/{total}] batch {b} {method} seed {seed}: "
+                        f"AUC {rec['auc']:.4f} logloss {rec['logloss']:.4f} "
+                        f"clipped {_pct(rec['clipped_frac'])} {rec['wall_s']:.1f}s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return records
 
 
@@ -330,7 +384,9 @@ def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if r["batch_size"] == smallest:
             base.setdefault(r["method"], {})[r["seed"]] = _headline_auc(r)
     rows = []
-    for (b, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], _method_rank(kv[0][1]))):
+    for (b, method), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], _method_rank(kv[0][1]))
+    ):
         aucs = [r["auc"] for r in rs]
         sel = [r["val_sel_auc"] for r in rs if r.get("val_sel_auc") is not None]
         sel_ll = [r["val_sel_logloss"] for r in rs if r.get("val_sel_logloss") is not None]
@@ -340,24 +396,32 @@ def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         clip1 = sum(r["epoch1_rows_clipped"] or 0 for r in rs)
         ref = base.get(method) or base.get("cowclip") or {}
         deltas = [_headline_auc(r) - ref[r["seed"]] for r in rs if r["seed"] in ref]
-        rows.append({
-            "batch_size": b, "method": method, "seeds": len(rs),
-            "auc_mean": statistics.fmean(aucs), "auc_min": min(aucs), "auc_max": max(aucs),
-            "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
-            "val_sel_auc_mean": statistics.fmean(sel) if len(sel) == len(rs) else None,
-            "val_sel_auc_min": min(sel) if len(sel) == len(rs) else None,
-            "val_sel_auc_max": max(sel) if len(sel) == len(rs) else None,
-            "val_sel_logloss_mean": statistics.fmean(sel_ll) if len(sel_ll) == len(rs) else None,
-            "val_epochs": [r.get("val_epoch") for r in rs],
-            "delta_mean": statistics.fmean(deltas) if deltas else None,
-            "delta_min": min(deltas) if deltas else None,
-            "delta_max": max(deltas) if deltas else None,
-            "logloss_mean": statistics.fmean(r["logloss"] for r in rs),
-            "steps": rs[0]["steps"],
-            "clipped_frac": _ratio(clip, upd) if rs[0]["cowclip"] else None,
-            "epoch1_clipped_frac": _ratio(clip1, upd1) if rs[0]["cowclip"] else None,
-            "wall_s_mean": statistics.fmean(r["wall_s"] for r in rs),
-        })
+        rows.append(
+            {
+                "batch_size": b,
+                "method": method,
+                "seeds": len(rs),
+                "auc_mean": statistics.fmean(aucs),
+                "auc_min": min(aucs),
+                "auc_max": max(aucs),
+                "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
+                "val_sel_auc_mean": statistics.fmean(sel) if len(sel) == len(rs) else None,
+                "val_sel_auc_min": min(sel) if len(sel) == len(rs) else None,
+                "val_sel_auc_max": max(sel) if len(sel) == len(rs) else None,
+                "val_sel_logloss_mean": statistics.fmean(sel_ll)
+                if len(sel_ll) == len(rs)
+                else None,
+                "val_epochs": [r.get("val_epoch") for r in rs],
+                "delta_mean": statistics.fmean(deltas) if deltas else None,
+                "delta_min": min(deltas) if deltas else None,
+                "delta_max": max(deltas) if deltas else None,
+                "logloss_mean": statistics.fmean(r["logloss"] for r in rs),
+                "steps": rs[0]["steps"],
+                "clipped_frac": _ratio(clip, upd) if rs[0]["cowclip"] else None,
+                "epoch1_clipped_frac": _ratio(clip1, upd1) if rs[0]["cowclip"] else None,
+                "wall_s_mean": statistics.fmean(r["wall_s"] for r in rs),
+            }
+        )
     return rows
 
 
@@ -368,9 +432,11 @@ def _f4(x: Optional[float]) -> str:
 def format_table(summary: List[Dict[str, Any]]) -> str:
     """The summary as a Markdown table: test AUC / logloss at the last epoch and, with a
     validation split, at the epoch of best validation AUC ("val-best"), means over seeds."""
-    head = ("| batch | method | seeds | AUC last epoch | min..max | logloss last | AUC val-best "
-            "epoch | min..max | logloss val-best | val-best epochs | steps | clipped % (all) | "
-            "clipped % (epoch 1) | minus base batch, same seed | wall s |")
+    head = (
+        "| batch | method | seeds | AUC last epoch | min..max | logloss last | AUC val-best "
+        "epoch | min..max | logloss val-best | val-best epochs | steps | clipped % (all) | "
+        "clipped % (epoch 1) | minus base batch, same seed | wall s |"
+    )
     lines = [head, "|" + "---|" * 16]
     for r in summary:
         lines.append(
@@ -389,24 +455,62 @@ def format_table(summary: List[Dict[str, Any]]) -> str:
 
 
 CSV_FIELDS = (
-    "model", "method", "batch_size", "seed", "data", "epochs", "steps", "steps_per_epoch",
-    "auc", "logloss", "val_epoch", "val_auc", "val_sel_auc", "val_sel_logloss", "epoch_auc", "epoch_logloss", "wall_s",
+    "model",
+    "method",
+    "batch_size",
+    "seed",
+    "data",
+    "epochs",
+    "steps",
+    "steps_per_epoch",
+    "auc",
+    "logloss",
+    "val_epoch",
+    "val_auc",
+    "val_sel_auc",
+    "val_sel_logloss",
+    "epoch_auc",
+    "epoch_logloss",
+    "wall_s",
     "train_samples_per_s",
-    "rows_updated", "rows_clipped", "clipped_frac", "epoch1_rows_updated",
-    "epoch1_rows_clipped", "epoch1_clipped_frac", "dense_lr", "embedding_lr", "l2",
-    "init_std", "base_batch_size", "warmup_epochs", "recipe", "clip_r", "clip_zeta", "out",
+    "rows_updated",
+    "rows_clipped",
+    "clipped_frac",
+    "epoch1_rows_updated",
+    "epoch1_rows_clipped",
+    "epoch1_clipped_frac",
+    "dense_lr",
+    "embedding_lr",
+    "l2",
+    "init_std",
+    "base_batch_size",
+    "warmup_epochs",
+    "recipe",
+    "clip_r",
+    "clip_zeta",
+    "out",
 )
 
 
-def write_outputs(records: List[Dict[str, Any]], out_root: Path, meta: Dict[str, Any]) -> Dict[str, Path]:
+def write_outputs(
+    records: List[Dict[str, Any]], out_root: Path, meta: Dict[str, Any]
+) -> Dict[str, Path]:
     """scaling.csv (one row per run), scaling.json (runs, summary, notes) and the plot."""
     out_root = Path(out_root)
     paths = {"csv": out_root / "scaling.csv", "json": out_root / "scaling.json"}
-    rows = [{**r, "epoch_auc": ";".join(f"{x:.6f}" for x in r["epoch_auc"]),
-             "epoch_logloss": ";".join(f"{x:.6f}" for x in r["epoch_logloss"])} for r in records]
+    rows = [
+        {
+            **r,
+            "epoch_auc": ";".join(f"{x:.6f}" for x in r["epoch_auc"]),
+            "epoch_logloss": ";".join(f"{x:.6f}" for x in r["epoch_logloss"]),
+        }
+        for r in records
+    ]
     write_csv(paths["csv"], rows, CSV_FIELDS, extrasaction="ignore")
     summary = summarize(records)
-    write_json(paths["json"], {"meta": meta, "notes": [BUCKET_NOTE], "summary": summary, "runs": records})
+    write_json(
+        paths["json"], {"meta": meta, "notes": [BUCKET_NOTE], "summary": summary, "runs": records}
+    )
     plot = plot_auc(summary, out_root / "scaling_auc.png", title=meta.get("title", ""))
     if plot is not None:
         paths["plot"] = plot
@@ -429,8 +533,13 @@ def _draw_auc(plt: Any, summary: List[Dict[str, Any]], title: str) -> Any:
     if val:
         panels.append(("val_sel_auc", "test AUC, best-validation epoch"))
     if summary and all(r.get("delta_mean") is not None for r in summary):
-        panels.append(("delta", ("best-validation-epoch" if val else "last-epoch")
-                       + " AUC\nminus base batch, same seed"))
+        panels.append(
+            (
+                "delta",
+                ("best-validation-epoch" if val else "last-epoch")
+                + " AUC\nminus base batch, same seed",
+            )
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         smallest = min(r["batch_size"] for r in summary)
@@ -443,8 +552,10 @@ def _draw_auc(plt: Any, summary: List[Dict[str, Any]], title: str) -> Any:
                 rows = shared + rows
             xs = [r["batch_size"] for r in rows]
             ys = [r[f"{key}_mean"] for r in rows]
-            err = [[y - r[f"{key}_min"] for y, r in zip(ys, rows)],
-                   [r[f"{key}_max"] - y for y, r in zip(ys, rows)]]
+            err = [
+                [y - r[f"{key}_min"] for y, r in zip(ys, rows)],
+                [r[f"{key}_max"] - y for y, r in zip(ys, rows)],
+            ]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
         if key == "delta":
             ax.axhline(0.0, color="grey", linewidth=0.8)
@@ -454,8 +565,15 @@ def _draw_auc(plt: Any, summary: List[Dict[str, Any]], title: str) -> Any:
             if min(r["delta_min"] for r in summary) < floor:
                 top = max(r["delta_max"] for r in summary)
                 ax.set_ylim(floor, max(top, 0.0) + 0.002)
-                ax.text(0.98, 0.97, f"zoomed: values below {floor} off scale", fontsize=7,
-                        ha="right", va="top", transform=ax.transAxes)
+                ax.text(
+                    0.98,
+                    0.97,
+                    f"zoomed: values below {floor} off scale",
+                    fontsize=7,
+                    ha="right",
+                    va="top",
+                    transform=ax.transAxes,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel(label, fontsize=9)
@@ -471,59 +589,104 @@ def _int_list(text: str) -> List[int]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="deepfm", choices=("deepfm", "dcn", "dcnv2", "wdl"))
-    p.add_argument("--data", default="synthetic:30M",
-                   help="a --data spec of the trainer (default synthetic:30M: about 200 steps "
-                        "per epoch at batch 131072); criteo:PATH, avazu:PATH, ... for real data")
+    p.add_argument(
+        "--data",
+        default="synthetic:30M",
+        help="a --data spec of the trainer (default synthetic:30M: about 200 steps "
+        "per epoch at batch 131072); criteo:PATH, avazu:PATH, ... for real data",
+    )
     p.add_argument("--batch-sizes", type=_int_list, default=list(DEFAULT_BATCHES))
     p.add_argument("--base-batch-size", type=int, default=1024)
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)}",
+    )
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0: one seed)")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--equal-steps", action="store_true",
-                   help="train batch b for EPOCHS * b / base epochs: the base batch's number "
-                        "of steps (use with --early-stop-patience to stop overfit runs early)")
-    p.add_argument("--early-stop-patience", type=int, default=0,
-                   help="the trainer's: stop after this many epochs without a better "
-                        "validation AUC (needs --val-fraction; 0: never)")
+    p.add_argument(
+        "--equal-steps",
+        action="store_true",
+        help="train batch b for EPOCHS * b / base epochs: the base batch's number "
+        "of steps (use with --early-stop-patience to stop overfit runs early)",
+    )
+    p.add_argument(
+        "--early-stop-patience",
+        type=int,
+        default=0,
+        help="the trainer's: stop after this many epochs without a better "
+        "validation AUC (needs --val-fraction; 0: never)",
+    )
     p.add_argument("--init-std", type=float, default=1e-2)
     p.add_argument("--base-lr", type=float, default=None, help="dense lr at the base batch")
-    p.add_argument("--base-lr-embed", type=float, default=None, help="embedding lr at the base batch")
+    p.add_argument(
+        "--base-lr-embed", type=float, default=None, help="embedding lr at the base batch"
+    )
     p.add_argument("--base-l2", type=float, default=None, help="L2 lambda at the base batch")
-    p.add_argument("--warmup-epochs", type=float, default=None,
-                   help="dense lr warm-up of every method (default: the recipe's, 1 epoch)")
+    p.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help="dense lr warm-up of every method (default: the recipe's, 1 epoch)",
+    )
     p.add_argument("--recipe", default="paper", help="trainer recipe of the cowclip method")
     for flag in ("--dense-lr-scaling", "--embed-lr-scaling", "--l2-scaling"):
-        p.add_argument(flag, choices=tuple(SCALINGS), default=None,
-                       help="cowclip method only: replaces the recipe's rule")
+        p.add_argument(
+            flag,
+            choices=tuple(SCALINGS),
+            default=None,
+            help="cowclip method only: replaces the recipe's rule",
+        )
     p.add_argument("--clip-r", type=float, default=None, help="cowclip method only: CowClip r")
-    p.add_argument("--count-lr-power", type=float, default=None,
-                   help="cowclip method only: per-id-frequency embedding lr, "
-                        "lr * min(count in batch, batch/base) ** POWER (replaces the recipe's)")
-    p.add_argument("--label", default=None,
-                   help="name of the cowclip method in the outputs (default cowclip), e.g. "
-                        "cowclip+RECIPE to put a recipe beside the paper's with --combine")
-    p.add_argument("--clip-zeta", type=float, default=None, help="cowclip method only: CowClip zeta")
+    p.add_argument(
+        "--count-lr-power",
+        type=float,
+        default=None,
+        help="cowclip method only: per-id-frequency embedding lr, "
+        "lr * min(count in batch, batch/base) ** POWER (replaces the recipe's)",
+    )
+    p.add_argument(
+        "--label",
+        default=None,
+        help="name of the cowclip method in the outputs (default cowclip), e.g. "
+        "cowclip+RECIPE to put a recipe beside the paper's with --combine",
+    )
+    p.add_argument(
+        "--clip-zeta", type=float, default=None, help="cowclip method only: CowClip zeta"
+    )
     p.add_argument("--hidden", default=None, help="DNN sizes, e.g. 400,400,400 (trainer default)")
     p.add_argument("--synthetic-scale", type=float, default=None)
     p.add_argument("--synthetic-max-cardinality", type=int, default=None)
     p.add_argument("--test-fraction", type=float, default=0.1)
-    p.add_argument("--val-fraction", type=float, default=0.0,
-                   help="validation split carved from the training rows; the table then also "
-                        "shows the test AUC at the best validation epoch")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="validation split carved from the training rows; the table then also "
+        "shows the test AUC at the best validation epoch",
+    )
     p.add_argument("--eval-batch-size", type=int, default=65536)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--row-clip-stats", action="store_true",
-                   help="per run, clip rates by id frequency (the trainer's --row-clip-stats)")
+    p.add_argument(
+        "--row-clip-stats",
+        action="store_true",
+        help="per run, clip rates by id frequency (the trainer's --row-clip-stats)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(RESULTS / "scaling"))
     p.add_argument("--cache-dir", default=None, help="shared data cache (default OUT/cache)")
-    p.add_argument("--combine", nargs="+", default=None, metavar="DIR",
-                   help="no training: merge the scaling.json of these earlier --out folders "
-                        "into --out (table, CSV, JSON, plot)")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="no training: merge the scaling.json of these earlier --out folders "
+        "into --out (table, CSV, JSON, plot)",
+    )
     p.add_argument("--title", default="", help="--combine: the plot's title")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -545,8 +708,11 @@ def combine(dirs: Sequence[str], out_root: Path, title: str = "") -> List[Dict[s
         records += data["runs"]
         metas.append(data["meta"])
     out_root.mkdir(parents=True, exist_ok=True)
-    meta = {"combined_from": list(dirs), "title": title or metas[0].get("title", ""),
-            "total_wall_s": sum(m.get("total_wall_s", 0.0) for m in metas)}
+    meta = {
+        "combined_from": list(dirs),
+        "title": title or metas[0].get("title", ""),
+        "total_wall_s": sum(m.get("total_wall_s", 0.0) for m in metas),
+    }
     write_outputs(records, out_root, meta)
     return records
 
@@ -557,23 +723,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         records = combine(args.combine, Path(args.out), args.title)
         print(format_table(summarize(records)))
         return 0
-    extra: Dict[str, Any] = {"test_fraction": args.test_fraction,
-                             "val_fraction": args.val_fraction,
-                             "eval_batch_size": args.eval_batch_size,
-                             "threads": args.threads, "device": args.device,
-                             "row_clip_stats": args.row_clip_stats,
-                             "early_stop_patience": args.early_stop_patience}
+    extra: Dict[str, Any] = {
+        "test_fraction": args.test_fraction,
+        "val_fraction": args.val_fraction,
+        "eval_batch_size": args.eval_batch_size,
+        "threads": args.threads,
+        "device": args.device,
+        "row_clip_stats": args.row_clip_stats,
+        "early_stop_patience": args.early_stop_patience,
+    }
     if args.warmup_epochs is not None:
         extra["warmup_epochs"] = args.warmup_epochs
     if args.hidden:
         extra["hidden"] = tuple(_int_list(args.hidden))
-    rules = {name: value for name, value in (
-        ("dense_lr_scaling", args.dense_lr_scaling),
-        ("embedding_lr_scaling", args.embed_lr_scaling),
-        ("l2_scaling", args.l2_scaling),
-        ("count_lr_power", args.count_lr_power)) if value is not None}
-    method_options = {"recipe": args.recipe, "rules": rules, "clip_r": args.clip_r,
-                      "clip_zeta": args.clip_zeta, "label": args.label}
+    rules = {
+        name: value
+        for name, value in (
+            ("dense_lr_scaling", args.dense_lr_scaling),
+            ("embedding_lr_scaling", args.embed_lr_scaling),
+            ("l2_scaling", args.l2_scaling),
+            ("count_lr_power", args.count_lr_power),
+        )
+        if value is not None
+    }
+    method_options = {
+        "recipe": args.recipe,
+        "rules": rules,
+        "clip_r": args.clip_r,
+        "clip_zeta": args.clip_zeta,
+        "label": args.label,
+    }
     if args.synthetic_scale is not None:
         extra["synthetic_scale"] = args.synthetic_scale
     if args.synthetic_max_cardinality is not None:
@@ -581,26 +760,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_root = Path(args.out)
     t0 = time.perf_counter()
     records = run_study(
-        model=args.model, data=args.data, batch_sizes=args.batch_sizes, methods=args.methods,
-        seeds=args.seeds, epochs=args.epochs, out_root=out_root, cache_dir=args.cache_dir,
-        base_batch_size=args.base_batch_size, init_std=args.init_std, base_lr=args.base_lr,
-        base_lr_embed=args.base_lr_embed, base_l2=args.base_l2, extra=extra,
-        method_options=method_options, equal_steps=args.equal_steps,
+        model=args.model,
+        data=args.data,
+        batch_sizes=args.batch_sizes,
+        methods=args.methods,
+        seeds=args.seeds,
+        epochs=args.epochs,
+        out_root=out_root,
+        cache_dir=args.cache_dir,
+        base_batch_size=args.base_batch_size,
+        init_std=args.init_std,
+        base_lr=args.base_lr,
+        base_lr_embed=args.base_lr_embed,
+        base_l2=args.base_l2,
+        extra=extra,
+        method_options=method_options,
+        equal_steps=args.equal_steps,
     )
-    meta = {k: (v if isinstance(v, (int, float, str, list, type(None))) else str(v))
-            for k, v in vars(args).items()}
+    meta = {
+        k: (v if isinstance(v, (int, float, str, list, type(None))) else str(v))
+        for k, v in vars(args).items()
+    }
     meta["total_wall_s"] = time.perf_counter() - t0
-    changed = ", ".join(f"{k}={v}" for k, v in {**rules, "clip_r": args.clip_r,
-                                                  "clip_zeta": args.clip_zeta}.items()
-                        if v is not None)
-    meta["title"] = (f"{args.model} on {args.data}, {args.epochs} epoch(s), "
-                     f"init_std {args.init_std:g}, seeds {args.seeds}, cowclip = recipe "
-                     f"{args.recipe}{' with ' + changed if changed else ''}")
+    changed = ", ".join(
+        f"{k}={v}"
+        for k, v in {**rules, "clip_r": args.clip_r, "clip_zeta": args.clip_zeta}.items()
+        if v is not None
+    )
+    meta["title"] = (
+        f"{args.model} on {args.data}, {args.epochs} epoch(s), "
+        f"init_std {args.init_std:g}, seeds {args.seeds}, cowclip = recipe "
+        f"{args.recipe}{' with ' + changed if changed else ''}"
+    )
     paths = write_outputs(records, out_root, meta)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     print(f"note: {BUCKET_NOTE}")
-    print(f"\n{meta['title']} (base batch {args.base_batch_size}; clipped % = rows clipped / "
-          f"rows updated, CowClip runs only)")
+    print(
+        f"\n{meta['title']} (base batch {args.base_batch_size}; clipped % = rows clipped / "
+        f"rows updated, CowClip runs only)"
+    )
     print(format_table(summarize(records)))
     return 0
 

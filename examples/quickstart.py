@@ -34,11 +34,15 @@ def main() -> None:
     planted = torch.randn(NUM_FEATURES, ROWS, generator=gen)
     ebc = CowClipEmbeddingBagCollection(
         tables=[
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
-                               feature_names=[f"f{i}"])
+            EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"]
+            )
             for i in range(NUM_FEATURES)
         ],
-        optimizer="adam", lr=1e-2, weight_decay=1e-5, cowclip=CowClip(r=1.0, zeta=1e-4),
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=1e-5,
+        cowclip=CowClip(r=1.0, zeta=1e-4),
     )
     mlp = torch.nn.Sequential(MLP(NUM_FEATURES * DIM, [64, 32]), torch.nn.Linear(32, 1))
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=3e-3)
@@ -53,8 +57,10 @@ def main() -> None:
             stats = ebc.clip_stats()
             updated = sum(s.total_rows_updated for s in stats.values())
             clipped = sum(s.total_rows_clipped for s in stats.values())
-            print(f"step {step:4d}  loss {loss.item():.4f}  rows updated {updated:8d}  "
-                  f"clipped {clipped:7d} ({clipped / max(updated, 1):.1%})")
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  rows updated {updated:8d}  "
+                f"clipped {clipped:7d} ({clipped / max(updated, 1):.1%})"
+            )
 
 
 if __name__ == "__main__":

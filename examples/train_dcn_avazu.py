@@ -21,19 +21,23 @@ def main() -> None:
     parser.add_argument("path", nargs="?", default=str(SAMPLE))
     parser.add_argument("--batch-size", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--out", default=OUT, help="run directory (a previous example run there is replaced)")
+    parser.add_argument(
+        "--out", default=OUT, help="run directory (a previous example run there is replaced)"
+    )
     parser.add_argument("--cache-dir", default="data_cache")
     args = parser.parse_args()
-    metrics = train(TrainConfig(
-        model="dcn",
-        data=f"avazu:{args.path}",
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        test_fraction=0.2,  # the reference's 80/20 split for Avazu
-        out=args.out,
-        overwrite=True,  # an example re-run replaces its previous run
-        cache_dir=args.cache_dir,
-    ))
+    metrics = train(
+        TrainConfig(
+            model="dcn",
+            data=f"avazu:{args.path}",
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            test_fraction=0.2,  # the reference's 80/20 split for Avazu
+            out=args.out,
+            overwrite=True,  # an example re-run replaces its previous run
+            cache_dir=args.cache_dir,
+        )
+    )
     print(f"AUC {metrics['auc']:.4f}  log-loss {metrics['logloss']:.4f}")
 
 

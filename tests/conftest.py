@@ -29,7 +29,8 @@ def _installed(name: str) -> bool:
 
 if not all(_installed(name) for name in ("torchrec", "fbgemm_gpu")):
     collect_ignore_glob = [
-        name for name in os.listdir(os.path.dirname(__file__))
+        name
+        for name in os.listdir(os.path.dirname(__file__))
         if name.startswith("test_") and name.endswith(".py") and name not in TORCH_ONLY
     ]
 
@@ -39,10 +40,14 @@ import torch  # noqa: E402
 # cpu always; cuda (marked ``gpu``: ``pytest -m gpu`` selects these) where a CUDA device is.
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    ]),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ],
+    ),
 ]
 
 

@@ -125,15 +125,22 @@ def _float64_weights(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     weights = kjt.weights_or_none()
     if weights is None:
         return kjt
-    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), weights=weights.double(),
-                             lengths=kjt.lengths(), offsets=kjt.offsets())
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values(),
+        weights=weights.double(),
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+    )
 
 
-def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5,
-                              atol: float = 1e-6, msg=None) -> None:
+def assert_close_to_reference(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-6, msg=None
+) -> None:
     """float32 on any device against the float64 CPU reference."""
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, check_dtype=False,
-                               check_device=False, msg=msg)
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=atol, check_dtype=False, check_device=False, msg=msg
+    )
 
 
 def to_device(kjt: KeyedJaggedTensor, device: torch.device) -> KeyedJaggedTensor:

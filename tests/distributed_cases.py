@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from cowclip_testing import kjt_from_bags, mixed_scale_weights
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -34,7 +35,6 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
-from cowclip_testing import kjt_from_bags, mixed_scale_weights
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 
@@ -151,8 +151,13 @@ def sharder_for(s: Scenario) -> CowClipEmbeddingBagCollectionSharder:
 
 def unsharded(s: Scenario, device: str = "cpu") -> CowClipEmbeddingBagCollection:
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in s.tables], optimizer=s.optimizer, cowclip=s.cowclip,
-        unclipped_tables=s.unclipped, is_weighted=s.weighted, device=device, **s.hyper,
+        [replace(t) for t in s.tables],
+        optimizer=s.optimizer,
+        cowclip=s.cowclip,
+        unclipped_tables=s.unclipped,
+        is_weighted=s.weighted,
+        device=device,
+        **s.hyper,
     )
     with torch.no_grad():
         for name, w in initial_weights(s).items():
@@ -191,7 +196,9 @@ def sharded_model(s: Scenario, world: int, load_initial: bool = True) -> Distrib
         ebc: nn.Module = unsharded(s)
     else:
         ebc = EmbeddingBagCollection(
-            tables=[replace(t) for t in s.tables], is_weighted=s.weighted, device=torch.device("meta")
+            tables=[replace(t) for t in s.tables],
+            is_weighted=s.weighted,
+            device=torch.device("meta"),
         )
     sharder = sharder_for(s)
     model = Model(ebc)
@@ -200,7 +207,9 @@ def sharded_model(s: Scenario, world: int, load_initial: bool = True) -> Distrib
     elif s.constraints is not None:
         plan = EmbeddingShardingPlanner(
             topology=Topology(world_size=world, compute_device="cpu"),
-            constraints={t: ParameterConstraints(sharding_types=k) for t, k in s.constraints.items()},
+            constraints={
+                t: ParameterConstraints(sharding_types=k) for t, k in s.constraints.items()
+            },
         ).collective_plan(model, [sharder], dist.group.WORLD)
     else:
         plan = None  # DistributedModelParallel runs TorchRec's planner
@@ -222,7 +231,10 @@ def sharded_model(s: Scenario, world: int, load_initial: bool = True) -> Distrib
 
 def _local_pieces(value: Any) -> List[Tuple[List[int], Tensor]]:
     if isinstance(value, ShardedTensor):
-        return [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+        return [
+            (list(s.metadata.shard_offsets), s.tensor.detach().clone())
+            for s in value.local_shards()
+        ]
     return [([0] * value.dim(), value.detach().clone())]
 
 
@@ -296,7 +308,9 @@ def equality_case(rank: int, world: int, s: Scenario) -> Optional[Dict[str, Any]
         "sharded": sharded_state(dmp),
         "sharded_clips": sharded_clip_totals(dmp),
         "plan": {t: p.sharding_type for t, p in sharded_ebc.module_sharding_plan.items()},
-        "compute_kernels": {t: p.compute_kernel for t, p in sharded_ebc.module_sharding_plan.items()},
+        "compute_kernels": {
+            t: p.compute_kernel for t, p in sharded_ebc.module_sharding_plan.items()
+        },
         "state_dict_types": {k: type(v).__name__ for k, v in dmp.state_dict().items()},
         "optimizer_keys": sorted(dmp.fused_optimizer.state_dict()["state"]),
         "hyperparameters": [
@@ -370,7 +384,9 @@ def checkpoint_phase(
         torch.save(finals, out_path)
 
 
-def reference_states(s: Scenario, world: int, at_steps: Sequence[int]) -> Dict[int, Dict[str, Tensor]]:
+def reference_states(
+    s: Scenario, world: int, at_steps: Sequence[int]
+) -> Dict[int, Dict[str, Tensor]]:
     """The unsharded module's full state after each of ``at_steps`` steps."""
     ref = unsharded(s)
     batches = global_batches(s, world, s.steps)
@@ -431,14 +447,17 @@ def init_tables() -> List[EmbeddingBagConfig]:
     normal = functools.partial(nn.init.normal_, mean=0.0, std=0.05)
     return [
         EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=5000, feature_names=["fa"]),
-        EmbeddingBagConfig(name="cw", embedding_dim=12, num_embeddings=4500, feature_names=["fb"],
-                           init_fn=normal),
-        EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=9001, feature_names=["fc"],
-                           init_fn=normal),
+        EmbeddingBagConfig(
+            name="cw", embedding_dim=12, num_embeddings=4500, feature_names=["fb"], init_fn=normal
+        ),
+        EmbeddingBagConfig(
+            name="rw", embedding_dim=4, num_embeddings=9001, feature_names=["fc"], init_fn=normal
+        ),
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=300, feature_names=["fd"]),
         EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=4099, feature_names=["fe"]),
-        EmbeddingBagConfig(name="tiny", embedding_dim=1, num_embeddings=2, feature_names=["ff"],
-                           init_fn=normal),
+        EmbeddingBagConfig(
+            name="tiny", embedding_dim=1, num_embeddings=2, feature_names=["ff"], init_fn=normal
+        ),
     ]
 
 
@@ -463,14 +482,18 @@ def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables], optimizer=optimizer, device="meta", init_seed=17
     )
-    meta_only = all(t.device.type == "meta" for b in ebc._batches
-                    for t in (b.weight, *b.state.values()))
+    meta_only = all(
+        t.device.type == "meta" for b in ebc._batches for t in (b.weight, *b.state.values())
+    )
     s = Scenario(tables=tables, plan=init_plan(world), optimizer=optimizer, cowclip_module=True)
     sharder = sharder_for(s)
     model = Model(ebc)
     dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-        sharders=[sharder], plan=plan_for(s, ebc, sharder, world),
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=plan_for(s, ebc, sharder, world),
     )
     weights = gather_full({k.removeprefix("ebc."): v for k, v in dmp.state_dict().items()})
     sharded = next(m for m in dmp.modules() if hasattr(m, "table_storage_bytes"))

@@ -85,7 +85,15 @@ def start_ranks(
     processes = [
         ctx.Process(
             target=_entry,
-            args=(rank, world_size, port, pg_timeout_s, os.path.join(error_dir, f"rank{rank}.txt"), fn, args),
+            args=(
+                rank,
+                world_size,
+                port,
+                pg_timeout_s,
+                os.path.join(error_dir, f"rank{rank}.txt"),
+                fn,
+                args,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -153,6 +161,4 @@ def run_ranks(
     if failed:
         first = next((r for r in failed if r.error), failed[0])
         what = "timed out" if first.exitcode is None else f"exited with code {first.exitcode}"
-        raise JobFailed(
-            f"rank {first.rank} {what} (job limit {timeout_s:.0f} s):\n{first.error}"
-        )
+        raise JobFailed(f"rank {first.rank} {what} (job limit {timeout_s:.0f} s):\n{first.error}")

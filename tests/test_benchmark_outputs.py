@@ -33,11 +33,29 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     import end_to_end
 
     out = tmp_path / "out"
-    result = end_to_end.main([
-        "--rows", "2048", "--batch-sizes", "256", "--rounds", "1", "--warmup", "0",
-        "--steps-per-round", "1", "--no-deepctr", "--max-cardinality", "1000", "--threads", "1",
-        "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
-    ])
+    result = end_to_end.main(
+        [
+            "--rows",
+            "2048",
+            "--batch-sizes",
+            "256",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--steps-per-round",
+            "1",
+            "--no-deepctr",
+            "--max-cardinality",
+            "1000",
+            "--threads",
+            "1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
+    )
     variants = [end_to_end.OURS, end_to_end.STOCK, end_to_end.DENSE]
     assert json.loads((out / "end_to_end.json").read_text())["results"] == result["results"]
     rows = _csv(out / "end_to_end.csv")
@@ -62,14 +80,38 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
     import embedding_step
 
     out, extra_json = tmp_path / "out", tmp_path / "copy.json"
-    result = embedding_step.main([
-        "--tables", "2", "--rows", "500", "--dim", "8", "--batch-size", "128", "--steps", "2",
-        "--warmup", "1", "--threads", "1", "--out", str(out), "--json", str(extra_json),
-    ])
-    assert json.loads((out / "embedding_step.json").read_text())["floor_ms_adam"] == result["floor_ms_adam"]
+    result = embedding_step.main(
+        [
+            "--tables",
+            "2",
+            "--rows",
+            "500",
+            "--dim",
+            "8",
+            "--batch-size",
+            "128",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+            str(extra_json),
+        ]
+    )
+    assert (
+        json.loads((out / "embedding_step.json").read_text())["floor_ms_adam"]
+        == result["floor_ms_adam"]
+    )
     assert json.loads(extra_json.read_text())["variants"].keys() == result["variants"].keys()
     rows = _csv(out / "embedding_step.csv")
-    assert [r["variant"] for r in rows] == [*result["variants"], "ours adam: backward + fused update"]
+    assert [r["variant"] for r in rows] == [
+        *result["variants"],
+        "ours adam: backward + fused update",
+    ]
     assert {"variant", "median_ms", "min_ms", "vs_fbgemm_paired", "floor_ms_adam"} <= set(rows[0])
     assert (out / "embedding_step.png").exists() == HAVE_MATPLOTLIB
 
@@ -79,14 +121,37 @@ def test_gpu_timing_runs_both_parts_on_cpu(bench, tmp_path, capsys):
     import gpu_timing
 
     out = tmp_path / "out"
-    assert gpu_timing.main(["--device", "cpu", "--quick", "--steps", "2", "--threads", "1",
-                            "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert (
+        gpu_timing.main(
+            [
+                "--device",
+                "cpu",
+                "--quick",
+                "--steps",
+                "2",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "gpu_timing.json").read_text())
     (timing,) = report["embedding"]["per_batch"]
-    names = [gpu_timing.ADAM_NAME, gpu_timing.ADAGRAD_NAME, gpu_timing.FBGEMM_NAME,
-             gpu_timing.ROW_STEP_NAME.format(path="eager")]
+    names = [
+        gpu_timing.ADAM_NAME,
+        gpu_timing.ADAGRAD_NAME,
+        gpu_timing.FBGEMM_NAME,
+        gpu_timing.ROW_STEP_NAME.format(path="eager"),
+    ]
     assert list(timing["variants"]) == names
-    assert all(timing["variants"][n]["steps"] == 2 and timing["variants"][n]["median_ms"] > 0 for n in names)
+    assert all(
+        timing["variants"][n]["steps"] == 2 and timing["variants"][n]["median_ms"] > 0
+        for n in names
+    )
     assert timing["floor_ms_adam"] > 0
     assert report["embedding"]["rows"] == sum(min(k, 2000) for k in CRITEO_KAGGLE_CARDINALITIES)
     deepfm = report["deepfm"]

@@ -7,10 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
-
 from cowclip_testing import (
     DenseReference,
     assert_close_to_reference,
@@ -21,36 +17,60 @@ from cowclip_testing import (
     random_kjt,
     to_device,
 )
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CountLR
 from torchrec_cowclip.embedding import fused_update
-from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.embedding.row_step import set_compiled_update
+from torchrec_cowclip.optim.functional import CountLR
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _tables():
     """Shared table (2 features), mixed dims, MEAN pooling, an unclipped table."""
     return [
-        EmbeddingBagConfig(name="shared", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]),
+        EmbeddingBagConfig(
+            name="shared", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
+        ),
         EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=30, feature_names=["fc"]),
-        EmbeddingBagConfig(name="mean", embedding_dim=8, num_embeddings=25, feature_names=["fd"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="mean",
+            embedding_dim=8,
+            num_embeddings=25,
+            feature_names=["fd"],
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(name="linear", embedding_dim=1, num_embeddings=20, feature_names=["fe"]),
     ]
 
 
-def _build(tables, gen, optimizer, cowclip, unclipped=("linear",), is_weighted=False, device=None,
-           **hyper):
+def _build(
+    tables, gen, optimizer, cowclip, unclipped=("linear",), is_weighted=False, device=None, **hyper
+):
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer=optimizer, cowclip=cowclip,
-        unclipped_tables=unclipped, is_weighted=is_weighted, device=device, **hyper,
+        [replace(t) for t in tables],
+        optimizer=optimizer,
+        cowclip=cowclip,
+        unclipped_tables=unclipped,
+        is_weighted=is_weighted,
+        device=device,
+        **hyper,
     )
     weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
     with torch.no_grad():
         for name, w in weights.items():
             ebc.embedding_bags[name].weight.copy_(w)
-    ref = DenseReference(tables, weights, optimizer, is_weighted=is_weighted,
-                         unclipped_tables=unclipped, cowclip=cowclip, **hyper)
+    ref = DenseReference(
+        tables,
+        weights,
+        optimizer,
+        is_weighted=is_weighted,
+        unclipped_tables=unclipped,
+        cowclip=cowclip,
+        **hyper,
+    )
     return ebc, ref
 
 
@@ -58,11 +78,17 @@ def _assert_matches_reference(ebc, ref, tables, rtol=1e-5, atol=1e-6):
     opt_state = ebc.fused_optimizer.state_dict()["state"]
     for t in tables:
         ours = ebc.embedding_bags[t.name].weight.detach()
-        assert_close_to_reference(ours, ref.weight(t.name), rtol=rtol, atol=atol,
-                                  msg=lambda m: f"table {t.name}: {m}")
+        assert_close_to_reference(
+            ours, ref.weight(t.name), rtol=rtol, atol=atol, msg=lambda m: f"table {t.name}: {m}"
+        )
         for key, value in ref.state[t.name].items():
-            assert_close_to_reference(opt_state[f"embedding_bags.{t.name}.weight"][key], value,
-                                      rtol=rtol, atol=atol, msg=lambda m: f"{t.name}.{key}: {m}")
+            assert_close_to_reference(
+                opt_state[f"embedding_bags.{t.name}.weight"][key],
+                value,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"{t.name}.{key}: {m}",
+            )
 
 
 def _step_against_reference(ebc, ref, tables, kjt, gen):
@@ -76,7 +102,9 @@ def _step_against_reference(ebc, ref, tables, kjt, gen):
 
 
 needs_compiler = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler for Inductor")
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="no C++ compiler for Inductor",
+)
 
 HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
 
@@ -103,8 +131,12 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_pa
     reorder = keys_can_be_reordered(device)
     total_clipped = 0
     for step in range(4):
-        kjt = random_kjt(tables, batch_size=6, generator=gen,
-                         key_order=["fe", "fc", "fa", "fd", "fb"] if step % 2 and reorder else None)
+        kjt = random_kjt(
+            tables,
+            batch_size=6,
+            generator=gen,
+            key_order=["fe", "fc", "fa", "fd", "fb"] if step % 2 and reorder else None,
+        )
         out = ebc(to_device(kjt, device))
         upstream = torch.randn(out.values().shape, generator=gen)
         assert_close_to_reference(out.values(), ref.output(kjt).detach())
@@ -138,8 +170,9 @@ def test_count_lr_matches_dense_reference(optimizer, update_path):
     repeated ids so that counts reach past the cap."""
     gen = torch.Generator().manual_seed(11)
     tables = _tables()
-    ebc, ref = _build(tables, gen, optimizer, default_cowclip(), **HYPER,
-                      count_lr=CountLR(power=0.5, cap=3.0))
+    ebc, ref = _build(
+        tables, gen, optimizer, default_cowclip(), **HYPER, count_lr=CountLR(power=0.5, cap=3.0)
+    )
     assert ebc.fused_optimizer.hyperparameters["count_lr"] == CountLR(power=0.5, cap=3.0)
     for _ in range(3):
         kjt = random_kjt(tables, batch_size=12, generator=gen)
@@ -149,20 +182,27 @@ def test_count_lr_matches_dense_reference(optimizer, update_path):
 def test_weighted_features_match_reference(update_path):
     gen = torch.Generator().manual_seed(3)
     tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=6, num_embeddings=30, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=6, num_embeddings=30, feature_names=["f0", "f1"]
+        ),
         EmbeddingBagConfig(name="t1", embedding_dim=6, num_embeddings=20, feature_names=["f2"]),
     ]
-    ebc, ref = _build(tables, gen, "adam", default_cowclip(), unclipped=(), is_weighted=True, **HYPER)
+    ebc, ref = _build(
+        tables, gen, "adam", default_cowclip(), unclipped=(), is_weighted=True, **HYPER
+    )
     for _ in range(3):
         kjt = random_kjt(tables, batch_size=5, generator=gen, weighted=True)
         _step_against_reference(ebc, ref, tables, kjt, gen)
 
 
 # torchrec's EBC (the reference's forward) has no weighted MEAN pooling on CPU.
-@pytest.mark.parametrize("weighted,lin_pooling", [(False, PoolingType.MEAN), (True, PoolingType.SUM)])
+@pytest.mark.parametrize(
+    "weighted,lin_pooling", [(False, PoolingType.MEAN), (True, PoolingType.SUM)]
+)
 @pytest.mark.parametrize("single_hot", [False, True], ids=["multi_hot", "single_hot"])
-def test_tables_of_the_same_features_share_one_sort_and_match_reference(weighted, lin_pooling,
-                                                                        single_hot, monkeypatch):
+def test_tables_of_the_same_features_share_one_sort_and_match_reference(
+    weighted, lin_pooling, single_hot, monkeypatch
+):
     """DeepFM's layout: a dim-6 table and a dim-1 table per feature, same sizes. The two
     table batches look up the same row ids, so forward maps them once and backward sorts
     them once; each batch still gets its own, correct update (pooling and weights per batch)."""
@@ -170,25 +210,51 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(weighted
 
     sorts, hot_flags = [], []
     real_group_rows, real_pooled_lookup = lookup_module.group_rows, lookup_module.pooled_lookup
-    monkeypatch.setattr(lookup_module, "group_rows",
-                        lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k))
-    monkeypatch.setattr(lookup_module, "pooled_lookup",
-                        lambda b, lk: hot_flags.append(lk.single_hot) or real_pooled_lookup(b, lk))
+    monkeypatch.setattr(
+        lookup_module, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
+    )
+    monkeypatch.setattr(
+        lookup_module,
+        "pooled_lookup",
+        lambda b, lk: hot_flags.append(lk.single_hot) or real_pooled_lookup(b, lk),
+    )
     gen = torch.Generator().manual_seed(11)
     tables = [
         EmbeddingBagConfig(name="emb_a", embedding_dim=6, num_embeddings=30, feature_names=["a"]),
         EmbeddingBagConfig(name="emb_b", embedding_dim=6, num_embeddings=20, feature_names=["b"]),
-        EmbeddingBagConfig(name="lin_a", embedding_dim=1, num_embeddings=30, feature_names=["a"],
-                           pooling=lin_pooling),
-        EmbeddingBagConfig(name="lin_b", embedding_dim=1, num_embeddings=20, feature_names=["b"],
-                           pooling=lin_pooling),
+        EmbeddingBagConfig(
+            name="lin_a",
+            embedding_dim=1,
+            num_embeddings=30,
+            feature_names=["a"],
+            pooling=lin_pooling,
+        ),
+        EmbeddingBagConfig(
+            name="lin_b",
+            embedding_dim=1,
+            num_embeddings=20,
+            feature_names=["b"],
+            pooling=lin_pooling,
+        ),
     ]
-    ebc, ref = _build(tables, gen, "adam", default_cowclip(), unclipped=("lin_a", "lin_b"),
-                      is_weighted=weighted, **HYPER)
+    ebc, ref = _build(
+        tables,
+        gen,
+        "adam",
+        default_cowclip(),
+        unclipped=("lin_a", "lin_b"),
+        is_weighted=weighted,
+        **HYPER,
+    )
     input_tables = tables[:2]  # the KJT carries each feature once
     for step in range(3):
-        kjt = random_kjt(input_tables, batch_size=7, generator=gen, weighted=weighted,
-                         **(dict(min_len=1, max_len=1) if single_hot else {}))
+        kjt = random_kjt(
+            input_tables,
+            batch_size=7,
+            generator=gen,
+            weighted=weighted,
+            **(dict(min_len=1, max_len=1) if single_hot else {}),
+        )
         _step_against_reference(ebc, ref, tables, kjt, gen)
         assert len(sorts) == step + 1  # one sort per step for both table batches
     # Single-hot lookups take the sample-major forward; multi-hot ones (with empty and
@@ -230,11 +296,16 @@ def test_row_clip_counts_match_the_reference_row_by_row():
 
 
 def test_weighted_mean_pooling_divides_by_bag_length():
-    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
-                               pooling=PoolingType.MEAN)
-    ebc = CowClipEmbeddingBagCollection([table], optimizer="sgd", lr=1.0, cowclip=None, is_weighted=True)
+    table = EmbeddingBagConfig(
+        name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"], pooling=PoolingType.MEAN
+    )
+    ebc = CowClipEmbeddingBagCollection(
+        [table], optimizer="sgd", lr=1.0, cowclip=None, is_weighted=True
+    )
     with torch.no_grad():
-        ebc.embedding_bags["t"].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [5.0, 5.0]]))
+        ebc.embedding_bags["t"].weight.copy_(
+            torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [5.0, 5.0]])
+        )
     kjt = kjt_from_bags({"f": [[0, 1], [], [2]]}, {"f": [[2.0, 4.0], [], [0.5]]})
     out = ebc(kjt).values()
     assert out.tolist() == [[1.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
@@ -245,8 +316,12 @@ def test_weighted_mean_pooling_divides_by_bag_length():
 
 
 def test_counts_include_duplicates_inside_a_bag_and_shared_features():
-    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["a", "b"])
-    ebc = CowClipEmbeddingBagCollection([table], optimizer="sgd", lr=1.0, cowclip=CowClip(r=1.0, zeta=0.0))
+    table = EmbeddingBagConfig(
+        name="t", embedding_dim=2, num_embeddings=5, feature_names=["a", "b"]
+    )
+    ebc = CowClipEmbeddingBagCollection(
+        [table], optimizer="sgd", lr=1.0, cowclip=CowClip(r=1.0, zeta=0.0)
+    )
     with torch.no_grad():
         ebc.embedding_bags["t"].weight.fill_(0.0).add_(torch.tensor([[3.0, 4.0]]))  # ||W|| = 5
     # Row 1 occurs 3 times (twice in one bag of "a", once in "b"): tau = 15.
@@ -263,8 +338,9 @@ def test_counts_include_duplicates_inside_a_bag_and_shared_features():
 def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
     gen = torch.Generator().manual_seed(0)
     tables = _tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam",
-                                        cowclip=CowClip(r=1.0, zeta=0.0))
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer="adam", cowclip=CowClip(r=1.0, zeta=0.0)
+    )
     with torch.no_grad():
         ebc.embedding_bags["small"].weight.zero_()  # zero rows and zero grads: 0/0 must not appear
     before = {k: v.clone() for k, v in ebc.state_dict().items()}
@@ -321,14 +397,18 @@ def test_state_dict_keys_and_weights_move_both_ways_with_torchrec():
     torch.testing.assert_close(stock(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
     # and the loaded weights are what the fused update trains
     ours(kjt).values().sum().backward()
-    assert not torch.equal(ours.state_dict()["embedding_bags.shared.weight"],
-                           stock.state_dict()["embedding_bags.shared.weight"])
+    assert not torch.equal(
+        ours.state_dict()["embedding_bags.shared.weight"],
+        stock.state_dict()["embedding_bags.shared.weight"],
+    )
 
 
 def test_from_ebc_copies_weights_and_options():
     tables = _tables()
     stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
-    ours = CowClipEmbeddingBagCollection.from_ebc(stock, optimizer="sgd", lr=0.5, unclipped_tables=["linear"])
+    ours = CowClipEmbeddingBagCollection.from_ebc(
+        stock, optimizer="sgd", lr=0.5, unclipped_tables=["linear"]
+    )
     for k, v in stock.state_dict().items():
         assert torch.equal(ours.state_dict()[k], v)
     assert ours.fused_optimizer.optimizer_name == "sgd"
@@ -347,16 +427,26 @@ def _train(ebc, tables, seed, steps):
 def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
     tables = _tables()
     torch.manual_seed(0)
-    a = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer=optimizer, lr=0.05,
-                                      cowclip=default_cowclip(), weight_decay=1e-3)
+    a = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables],
+        optimizer=optimizer,
+        lr=0.05,
+        cowclip=default_cowclip(),
+        weight_decay=1e-3,
+    )
     _train(a, tables, seed=1, steps=3)
     buf = io.BytesIO()
     torch.save({"model": a.state_dict(), "opt": a.fused_optimizer.state_dict()}, buf)
     _train(a, tables, seed=2, steps=3)  # the uninterrupted run
 
     torch.manual_seed(123)  # a different init, overwritten by the checkpoint
-    b = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer=optimizer, lr=0.05,
-                                      cowclip=default_cowclip(), weight_decay=1e-3)
+    b = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables],
+        optimizer=optimizer,
+        lr=0.05,
+        cowclip=default_cowclip(),
+        weight_decay=1e-3,
+    )
     buf.seek(0)
     ckpt = torch.load(buf)
     b.load_state_dict(ckpt["model"])
@@ -373,7 +463,9 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
 
 def test_lr_in_param_groups_takes_effect_between_steps():
     tables = _tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="sgd", lr=0.1, cowclip=None)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer="sgd", lr=0.1, cowclip=None
+    )
     gen = torch.Generator().manual_seed(5)
     kjt = random_kjt(tables, 4, gen)
     ebc.fused_optimizer.param_groups[0]["lr"] = 0.0
@@ -402,10 +494,17 @@ def test_keys_that_do_not_match_are_named():
 @pytest.mark.parametrize("bad_id", [40, -1, 10**9])
 def test_out_of_range_ids_raise_before_any_change(bad_id, device):
     tables = _tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1,
-                                        device=device)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], optimizer="adam", lr=0.1, device=device
+    )
     before = copy.deepcopy(ebc.state_dict())
-    bags = {"fa": [[1], [2]], "fb": [[3], [4, bad_id]], "fc": [[0], [0]], "fd": [[0], []], "fe": [[1], [1]]}
+    bags = {
+        "fa": [[1], [2]],
+        "fb": [[3], [4, bad_id]],
+        "fc": [[0], [0]],
+        "fd": [[0], []],
+        "fe": [[1], [1]],
+    }
     with pytest.raises(IndexError) as err:
         ebc(to_device(kjt_from_bags(bags), device)).values().sum().backward()
     message = str(err.value)
@@ -441,7 +540,9 @@ def test_weighted_collection_requires_weights_and_structure_is_checked():
     with pytest.raises(ValueError, match="has no weights"):
         ebc(kjt_from_bags({"f": [[1]]}))
     plain = CowClipEmbeddingBagCollection([replace(table)])
-    broken = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1]))
+    broken = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1])
+    )
     with pytest.raises(ValueError, match="lengths add up to 2 but it has 3 values"):
         plain(broken)
 
@@ -450,7 +551,9 @@ def test_constructor_arguments_are_validated():
     table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["f"])
     with pytest.raises(ValueError, match="optimizer must be one of"):
         CowClipEmbeddingBagCollection([replace(table)], optimizer="adamw")
-    with pytest.raises(ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"):
+    with pytest.raises(
+        ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"
+    ):
         CowClipEmbeddingBagCollection([replace(table)], unclipped_tables=["nope"])
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="lr must be >= 0 and finite"):
@@ -459,23 +562,48 @@ def test_constructor_arguments_are_validated():
         CowClipEmbeddingBagCollection([replace(table)], weight_decay=float("inf"))
     with pytest.raises(ValueError, match="Duplicate table name"):
         CowClipEmbeddingBagCollection([replace(table), replace(table)])
-    with pytest.raises(ValueError, match=r"give options= or the keyword arguments \['lr'\], not both"):
+    with pytest.raises(
+        ValueError, match=r"give options= or the keyword arguments \['lr'\], not both"
+    ):
         CowClipEmbeddingBagCollection([replace(table)], lr=0.1, options=CowClipOptions(lr=0.2))
 
 
 def test_options_object_and_keywords_build_the_same_module():
     tables = _tables()
-    options = CowClipOptions(optimizer="rowwise_adagrad", lr=0.05, weight_decay=0.01,
-                             cowclip=CowClip(r=0.5, zeta=1e-4), unclipped_tables=frozenset({"linear"}))
-    by_object = CowClipEmbeddingBagCollection([replace(t) for t in tables], options=options, init_seed=1)
+    options = CowClipOptions(
+        optimizer="rowwise_adagrad",
+        lr=0.05,
+        weight_decay=0.01,
+        cowclip=CowClip(r=0.5, zeta=1e-4),
+        unclipped_tables=frozenset({"linear"}),
+    )
+    by_object = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=options, init_seed=1
+    )
     by_keywords = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer="rowwise_adagrad", lr=0.05, weight_decay=0.01,
-        cowclip=CowClip(r=0.5, zeta=1e-4), unclipped_tables=["linear"], init_seed=1)
-    assert CowClipOptions.from_module(by_object) == CowClipOptions.from_module(by_keywords) == options
+        [replace(t) for t in tables],
+        optimizer="rowwise_adagrad",
+        lr=0.05,
+        weight_decay=0.01,
+        cowclip=CowClip(r=0.5, zeta=1e-4),
+        unclipped_tables=["linear"],
+        init_seed=1,
+    )
+    assert (
+        CowClipOptions.from_module(by_object) == CowClipOptions.from_module(by_keywords) == options
+    )
 
 
-@pytest.mark.parametrize("key,value", [("lr", float("inf")), ("lr", float("nan")), ("lr", -0.1),
-                                       ("weight_decay", float("nan")), ("eps", 0.0)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("lr", float("inf")),
+        ("lr", float("nan")),
+        ("lr", -0.1),
+        ("weight_decay", float("nan")),
+        ("eps", 0.0),
+    ],
+)
 def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
     tables = _tables()
     gen = torch.Generator().manual_seed(3)
@@ -503,7 +631,9 @@ def test_module_moves_and_copies_keep_tables_and_views_together():
     kjt = random_kjt(tables, 4, gen)
     before = copy.deepcopy(ebc.state_dict())
     clone(kjt).values().sum().backward()
-    assert all(torch.equal(v, before[k]) for k, v in ebc.state_dict().items()), "copy shares storage"
+    assert all(torch.equal(v, before[k]) for k, v in ebc.state_dict().items()), (
+        "copy shares storage"
+    )
     changed = [k for k, v in clone.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) == len(tables), "the copy's update reaches its own state_dict views"
     assert clone.clip_stats()["shared"].steps == 1 and ebc.clip_stats()["shared"].steps == 0

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torchrec
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.distributed import sharding_plan as plans
 from torchrec.distributed.embedding_sharding import EmbeddingSharding
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
-from torchrec.distributed import sharding_plan as plans
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingMode
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -68,20 +68,30 @@ def sharded():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
     try:
         tables = [
-            EmbeddingBagConfig(name=name, embedding_dim=8, num_embeddings=16,
-                               feature_names=[f"f_{name}"], pooling=pooling)
+            EmbeddingBagConfig(
+                name=name,
+                embedding_dim=8,
+                num_embeddings=16,
+                feature_names=[f"f_{name}"],
+                pooling=pooling,
+            )
             for name, (_, pooling) in PLAN.items()
         ]
         module = CowClipEmbeddingBagCollection(tables, lr=0.1)
         sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
         plan = plans.construct_module_sharding_plan(
-            module, {name: helper() for name, (helper, _) in PLAN.items()}, sharder=sharder,
-            local_size=1, world_size=1, device_type="cpu",
+            module,
+            {name: helper() for name, (helper, _) in PLAN.items()},
+            sharder=sharder,
+            local_size=1,
+            world_size=1,
+            device_type="cpu",
         )
         # Sharding reads most of the names: a moved one fails here, named by the traceback.
         with private_name("a TorchRec name read while sharding", "the accessor in the traceback"):
-            built = sharder.shard(module, plan, ShardingEnv.from_process_group(dist.group.WORLD),
-                                  torch.device("cpu"))
+            built = sharder.shard(
+                module, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu")
+            )
         yield built
     finally:
         dist.destroy_process_group()
@@ -91,40 +101,53 @@ def _inner(lookup: nn.Module) -> nn.Module:
     return lookup.module if isinstance(lookup, ReplicatedLookup) else lookup
 
 
-@pytest.mark.parametrize("owner, method, parameters", compat.extension_points(),
-                         ids=[f"{c.__name__}.{m}" for c, m, _ in compat.extension_points()])
+@pytest.mark.parametrize(
+    "owner, method, parameters",
+    compat.extension_points(),
+    ids=[f"{c.__name__}.{m}" for c, m, _ in compat.extension_points()],
+)
 def test_extension_point(owner, method, parameters):
     with private_name(f"{owner.__name__}.{method}", "extension_points"):
         assert tuple(inspect.signature(getattr(owner, method)).parameters) == parameters
 
 
-@pytest.mark.parametrize("module, name", [
-    ("torch.distributed._shard.metadata", "ShardMetadata"),
-    ("torch.distributed._shard.sharded_tensor", "Shard"),
-    ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
-    ("torch.distributed._shard.sharded_tensor", "ShardedTensorMetadata"),
-    ("torch.fx._symbolic_trace", "is_fx_symbolic_tracing"),
-    ("torchrec.distributed.composable.table_batched_embedding_slice", "TableBatchedEmbeddingSlice"),
-])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.distributed._shard.metadata", "ShardMetadata"),
+        ("torch.distributed._shard.sharded_tensor", "Shard"),
+        ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
+        ("torch.distributed._shard.sharded_tensor", "ShardedTensorMetadata"),
+        ("torch.fx._symbolic_trace", "is_fx_symbolic_tracing"),
+        (
+            "torchrec.distributed.composable.table_batched_embedding_slice",
+            "TableBatchedEmbeddingSlice",
+        ),
+    ],
+)
 def test_private_import_path(module, name):
     with private_name(f"{module}.{name}", name):
         assert getattr(importlib.import_module(module), name) is getattr(compat, name)
 
 
 def test_sharded_lookups_and_embedding_shardings(sharded):
-    with private_name("ShardedEmbeddingBagCollection._lookups/_embedding_shardings/_sharding_types",
-                      "sharded_lookups, embedding_shardings"):
+    with private_name(
+        "ShardedEmbeddingBagCollection._lookups/_embedding_shardings/_sharding_types",
+        "sharded_lookups, embedding_shardings",
+    ):
         shardings = compat.embedding_shardings(sharded)
         lookups = compat.sharded_lookups(sharded)
         assert sorted(t for _, t in shardings) == sorted(
-            p.sharding_type for p in sharded.module_sharding_plan.values())
+            p.sharding_type for p in sharded.module_sharding_plan.values()
+        )
         assert all(isinstance(s, EmbeddingSharding) for s, _ in shardings)
         assert len(lookups) == len(shardings)
         assert all(isinstance(_inner(lookup), CowClipPooledEmbeddingsLookup) for lookup in lookups)
         # The live list: what TorchRec's forward and state dict iterate.
         assert compat.sharded_lookups(sharded) is lookups
         assert {type(lookups[i]) for i, (_, t) in enumerate(shardings) if t == "data_parallel"} == {
-            ReplicatedLookup}
+            ReplicatedLookup
+        }
 
 
 def test_grouped_configs(sharded):
@@ -133,14 +156,19 @@ def test_grouped_configs(sharded):
             groups = compat.grouped_configs(sharding)
             assert all(isinstance(g, GroupedEmbeddingConfig) for g in groups), sharding_type
             names = {t.name for g in groups for t in g.embedding_tables}
-            expected = {n for n, p in sharded.module_sharding_plan.items()
-                        if p.sharding_type == sharding_type}
+            expected = {
+                n
+                for n, p in sharded.module_sharding_plan.items()
+                if p.sharding_type == sharding_type
+            }
             assert names == expected, sharding_type
 
 
 def test_row_wise_divisor_features(sharded):
-    with private_name("ShardedEmbeddingBagCollection._pooling_type_to_rs_features/"
-                      "_has_mean_pooling_callback", "row_wise_divisor_features"):
+    with private_name(
+        "ShardedEmbeddingBagCollection._pooling_type_to_rs_features/_has_mean_pooling_callback",
+        "row_wise_divisor_features",
+    ):
         divided = compat.row_wise_divisor_features(sharded)
         assert divided is not None
         assert divided[PoolingType.MEAN.value] == ["f_rw"]
@@ -149,11 +177,14 @@ def test_row_wise_divisor_features(sharded):
 
 
 def test_lookup_kernels_and_their_pooling_mode(sharded):
-    with private_name("GroupedPooledEmbeddingsLookup._emb_modules / "
-                      "BaseBatchedEmbeddingBag._pooling", "lookup_kernels, kernel_pooling_mode"):
+    with private_name(
+        "GroupedPooledEmbeddingsLookup._emb_modules / BaseBatchedEmbeddingBag._pooling",
+        "lookup_kernels, kernel_pooling_mode",
+    ):
         modes = {}
-        for lookup, (sharding, _) in zip(compat.sharded_lookups(sharded),
-                                        compat.embedding_shardings(sharded)):
+        for lookup, (sharding, _) in zip(
+            compat.sharded_lookups(sharded), compat.embedding_shardings(sharded)
+        ):
             kernels = compat.lookup_kernels(_inner(lookup))
             assert len(kernels) == len(compat.grouped_configs(sharding))
             for kernel in kernels:
@@ -181,14 +212,15 @@ def test_set_planner_optimizer_class():
         compat.set_planner_optimizer_class(param, torch.optim.Adam)
         # What TorchRec's storage estimator reads (its numbers: test_distributed_units.py).
         assert "_optimizer_classes" in inspect.getsource(estimators)
-        assert getattr(param, "_optimizer_classes") == [torch.optim.Adam]
+        assert param._optimizer_classes == [torch.optim.Adam]
 
 
 def test_table_batched_embedding_slice_views_its_data():
     data = torch.arange(12.0).view(6, 2)
     with private_name("TableBatchedEmbeddingSlice", "TableBatchedEmbeddingSlice"):
-        view = compat.TableBatchedEmbeddingSlice(data=data, start_offset=1, end_offset=3,
-                                                 num_embeddings=-1, embedding_dim=2)
+        view = compat.TableBatchedEmbeddingSlice(
+            data=data, start_offset=1, end_offset=3, num_embeddings=-1, embedding_dim=2
+        )
         assert isinstance(view, nn.Parameter)
         assert view.tolist() == [[2.0, 3.0], [4.0, 5.0]]
         assert view.data_ptr() == data[1].data_ptr()  # rows 1-2, not a copy
@@ -204,11 +236,15 @@ def test_sharded_tensor_wraps_local_shards_without_copying(sharded):
     from torch.distributed._shard.sharded_tensor import TensorProperties
 
     local = torch.ones(4, 3)
-    with private_name("ShardedTensor._init_from_local_shards_and_global_metadata", "sharded_tensor"):
-        shard_meta = compat.ShardMetadata(shard_offsets=[0, 0], shard_sizes=[4, 3],
-                                          placement="rank:0/cpu")
+    with private_name(
+        "ShardedTensor._init_from_local_shards_and_global_metadata", "sharded_tensor"
+    ):
+        shard_meta = compat.ShardMetadata(
+            shard_offsets=[0, 0], shard_sizes=[4, 3], placement="rank:0/cpu"
+        )
         global_meta = compat.ShardedTensorMetadata(
-            shards_metadata=[shard_meta], size=torch.Size([4, 3]),
+            shards_metadata=[shard_meta],
+            size=torch.Size([4, 3]),
             tensor_properties=TensorProperties(dtype=torch.float32),
         )
         st = compat.sharded_tensor([compat.Shard(local, shard_meta)], global_meta, dist.group.WORLD)
@@ -245,8 +281,10 @@ def test_fx_tracing_logger():
 def test_mark_static_dim_and_recompile_limit():
     config = torch._dynamo.config
     before = config.recompile_limit
-    with private_name("torch._dynamo.mark_static / config.recompile_limit",
-                      "mark_static_dim, recompile_limit_at_least"):
+    with private_name(
+        "torch._dynamo.mark_static / config.recompile_limit",
+        "mark_static_dim, recompile_limit_at_least",
+    ):
         compat.mark_static_dim(torch.zeros(2, 3), 1)
         with compat.recompile_limit_at_least(before + 5):
             assert config.recompile_limit == before + 5
@@ -259,17 +297,26 @@ def test_mark_static_dim_and_recompile_limit():
 #: classes also use, such as ``_device``, ``_pg`` or ``_embedding_bag_configs``, are told
 #: apart by review, not here).
 TORCHREC_PRIVATE_ATTRIBUTES = {
-    "_lookups", "_embedding_shardings", "_sharding_types", "_pooling_type_to_rs_features",
-    "_has_mean_pooling_callback", "_grouped_embedding_configs",
-    "_grouped_embedding_configs_per_rank", "_emb_modules", "_pooling",
-    "_in_backward_optimizers", "_optimizer_classes",
-    "_init_from_local_shards_and_global_metadata", "_get_backend", "_timeout",
+    "_lookups",
+    "_embedding_shardings",
+    "_sharding_types",
+    "_pooling_type_to_rs_features",
+    "_has_mean_pooling_callback",
+    "_grouped_embedding_configs",
+    "_grouped_embedding_configs_per_rank",
+    "_emb_modules",
+    "_pooling",
+    "_in_backward_optimizers",
+    "_optimizer_classes",
+    "_init_from_local_shards_and_global_metadata",
+    "_get_backend",
+    "_timeout",
 }
 
 
 def test_only_compat_names_private_torchrec_and_torch_names():
-    from pathlib import Path
     import ast
+    from pathlib import Path
 
     package = Path(compat.__file__).parent
     found = []
@@ -280,13 +327,18 @@ def test_only_compat_names_private_torchrec_and_torch_names():
             where = f"{path.relative_to(package.parent)}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 top = node.module.split(".")[0]
-                if top in ("torch", "torchrec") and any(p.startswith("_") for p in node.module.split(".")):
+                if top in ("torch", "torchrec") and any(
+                    p.startswith("_") for p in node.module.split(".")
+                ):
                     found.append(f"{where} imports {node.module}")
             elif isinstance(node, ast.Attribute):
                 if node.attr in TORCHREC_PRIVATE_ATTRIBUTES:
                     found.append(f"{where} reads .{node.attr}")
-                elif (isinstance(node.value, ast.Name) and node.value.id == "torch"
-                      and node.attr.startswith("_")):
+                elif (
+                    isinstance(node.value, ast.Name)
+                    and node.value.id == "torch"
+                    and node.attr.startswith("_")
+                ):
                     found.append(f"{where} reads torch.{node.attr}")
     assert not found, "private TorchRec/torch names outside compat.py: " + "; ".join(found)
 

@@ -99,7 +99,9 @@ def test_shuffle_is_deterministic_per_seed_and_epoch() -> None:
     ds = _toy()
 
     def order(seed: int, epoch: int) -> list:
-        return [_rows(b) for b in BatchIterator(ds, batch_size=16, shuffle=True, seed=seed, epoch=epoch)]
+        return [
+            _rows(b) for b in BatchIterator(ds, batch_size=16, shuffle=True, seed=seed, epoch=epoch)
+        ]
 
     assert order(0, 0) == order(0, 0)
     assert order(0, 0) != order(0, 1)
@@ -115,7 +117,9 @@ def test_shuffle_is_deterministic_per_seed_and_epoch() -> None:
 def test_start_batch_resumes_exactly(start: int) -> None:
     ds = _toy()
     full = list(BatchIterator(ds, batch_size=15, shuffle=True, seed=9, epoch=5))
-    resumed = list(BatchIterator(ds, batch_size=15, shuffle=True, seed=9, epoch=5, start_batch=start))
+    resumed = list(
+        BatchIterator(ds, batch_size=15, shuffle=True, seed=9, epoch=5, start_batch=start)
+    )
     assert len(resumed) == len(full) - start
     assert all(_same(x, y) for x, y in zip(full[start:], resumed))
 

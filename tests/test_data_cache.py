@@ -31,7 +31,12 @@ def _forbid_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cache_layout_and_meta(tmp_path: Path) -> None:
     ds = open_dataset(f"criteo:{CRITEO_TSV}", tmp_path)
-    assert {p.name for p in ds.path.iterdir()} == {"dense.npy", "sparse.npy", "labels.npy", "meta.json"}
+    assert {p.name for p in ds.path.iterdir()} == {
+        "dense.npy",
+        "sparse.npy",
+        "labels.npy",
+        "meta.json",
+    }
     meta = json.loads((ds.path / "meta.json").read_text())
     assert meta["version"] == CACHE_VERSION
     assert meta["rows"] == 200
@@ -145,7 +150,10 @@ def test_criteo_npy_round_trip(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ds.dense, dense)  # already log-transformed by TorchRec: kept
     # one prefix as the test set
     split = open_dataset(
-        f"criteo-npy:{out / 'day_0'}", tmp_path / "cache", hash_size=size, test_paths=[out / "day_1"]
+        f"criteo-npy:{out / 'day_0'}",
+        tmp_path / "cache",
+        hash_size=size,
+        test_paths=[out / "day_1"],
     )
     assert split.test_start == 120 and len(split) == 200
     assert split.split()[2].tolist() == list(range(120, 200))
@@ -170,7 +178,9 @@ def test_criteo_npy_bad_rows(tmp_path: Path) -> None:
     d.mkdir()
     np.save(d / "day_0_dense.npy", np.zeros((4, 13), np.float32))
     np.save(d / "day_0_sparse.npy", np.ones((4, 26), np.int64))
-    np.save(d / "day_0_labels.npy", np.array([[0], [1], [-1], [1]], np.int32))  # -1: Kaggle test filler
+    np.save(
+        d / "day_0_labels.npy", np.array([[0], [1], [-1], [1]], np.int32)
+    )  # -1: Kaggle test filler
     with pytest.raises(DataError, match=f"day_0_labels.npy:3: {BAD_LABEL}"):
         open_dataset(f"criteo-npy:{d}", tmp_path / "cache")
     ds = open_dataset(f"criteo-npy:{d}", tmp_path / "cache", on_bad_row="skip")

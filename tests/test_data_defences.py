@@ -12,8 +12,19 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from torchrec_cowclip.data import BAD_LABEL, DENSE_CLIP, CacheCorrupt, CTRDataset, DataError, DataOptionError
-from torchrec_cowclip.data import SourceKind, SourceOptions, open_dataset, register_source, source_kinds
+from torchrec_cowclip.data import (
+    BAD_LABEL,
+    DENSE_CLIP,
+    CacheCorrupt,
+    CTRDataset,
+    DataError,
+    DataOptionError,
+    SourceKind,
+    SourceOptions,
+    open_dataset,
+    register_source,
+    source_kinds,
+)
 from torchrec_cowclip.data import cache as cache_module
 from torchrec_cowclip.data.cache import build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.criteo_npy import StoredIds
@@ -36,7 +47,9 @@ def _copy(tmp_path: Path, name: str = "train.txt") -> Path:
 # ---------------------------------------------------------------- cache verification
 
 
-def test_truncated_array_is_rebuilt_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_truncated_array_is_rebuilt_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     src = _copy(tmp_path)
     first = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     expected = np.array(first.sparse)
@@ -83,7 +96,9 @@ def test_corrupt_statistics_entry_is_rebuilt_and_a_killed_build_cleaned_up(
     stale = tmp_path / "c" / f".tmp-{first.path.name}-killed"
     stale.mkdir()
     with caplog.at_level(logging.WARNING):
-        again = open_dataset(f"criteo:{src}", tmp_path / "c", min_count=2)  # re-encodes from the statistics
+        again = open_dataset(
+            f"criteo:{src}", tmp_path / "c", min_count=2
+        )  # re-encodes from the statistics
     assert "vocab.npz is corrupt (size" in caplog.text
     assert again.schema.cardinalities != first.schema.cardinalities
     assert "vocab.npz" in json.loads((stats / "meta.json").read_text())["checks"]
@@ -125,7 +140,9 @@ def test_corrupt_entry_whose_source_is_gone_fails_in_one_line(tmp_path: Path) ->
     with pytest.raises(CacheCorrupt) as e2:
         build_entry(tmp_path / "c", "demo", payload, gone)
     assert "\n" not in str(e2.value)
-    assert "a.npy is corrupt" in str(e2.value) and f"its source is gone: data file not found: {src}" in str(e2.value)
+    assert "a.npy is corrupt" in str(
+        e2.value
+    ) and f"its source is gone: data file not found: {src}" in str(e2.value)
 
 
 def test_checksums_are_read_once_per_process_and_after_a_change(
@@ -135,7 +152,9 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     ds = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     reads: List[str] = []
     real = cache_module._crc
-    monkeypatch.setattr(cache_module, "_crc", lambda p, offset=0: reads.append(Path(p).name) or real(p, offset))
+    monkeypatch.setattr(
+        cache_module, "_crc", lambda p, offset=0: reads.append(Path(p).name) or real(p, offset)
+    )
     open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     assert reads == []  # built by this process: sizes only
     cache_module._VERIFIED.clear()  # as a new process
@@ -155,7 +174,12 @@ def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Pa
     # the key as the version-1 format computed it: unchanged, so old entries are found
     options = {"on_bad_row": "error", "min_count": 1, "hash_size": None, "dense_transform": "log"}
     columns = {"label": None, "dense": None, "sparse": None, "delimiter": None}
-    payload = {"sources": fingerprint([src]), "test": fingerprint([]), "options": options, "columns": columns}
+    payload = {
+        "sources": fingerprint([src]),
+        "test": fingerprint([]),
+        "options": options,
+        "columns": columns,
+    }
     assert ds.path.name == f"criteo-{cache_key({'kind': 'criteo', **payload})}"
     meta = json.loads((ds.path / "meta.json").read_text())
     meta["version"] = 1
@@ -164,7 +188,11 @@ def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Pa
     with pytest.raises(CacheCorrupt, match="format version 1, expected 2"):
         CTRDataset(ds.path)  # an entry without checksums is not trusted
     again = open_dataset(f"criteo:{src}", tmp_path / "c")
-    assert again.path == ds.path and again.meta["version"] == 2 and "sparse.npy" in again.meta["checks"]
+    assert (
+        again.path == ds.path
+        and again.meta["version"] == 2
+        and "sparse.npy" in again.meta["checks"]
+    )
 
 
 # ---------------------------------------------------------------- first row
@@ -182,7 +210,10 @@ def test_bom_does_not_hide_the_first_row(tmp_path: Path) -> None:
     avazu = DATA / "avazu_sample.csv"
     bom_csv = tmp_path / "bom.csv"
     bom_csv.write_bytes(b"\xef\xbb\xbf" + avazu.read_bytes())
-    assert open_dataset(f"avazu:{bom_csv}", tmp_path / "c").schema == open_dataset(f"avazu:{avazu}", tmp_path / "c").schema
+    assert (
+        open_dataset(f"avazu:{bom_csv}", tmp_path / "c").schema
+        == open_dataset(f"avazu:{avazu}", tmp_path / "c").schema
+    )
 
 
 def test_non_numeric_first_label_is_a_bad_row(tmp_path: Path) -> None:
@@ -203,8 +234,14 @@ def test_non_numeric_first_label_is_a_bad_row(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--data", "synthetic:0"], "--data: synthetic:0: synthetic:ROWS needs a positive whole row count"),
-        (["--data", "synthetic:abc"], "--data: synthetic:abc: synthetic:ROWS needs a positive whole row count"),
+        (
+            ["--data", "synthetic:0"],
+            "--data: synthetic:0: synthetic:ROWS needs a positive whole row count",
+        ),
+        (
+            ["--data", "synthetic:abc"],
+            "--data: synthetic:abc: synthetic:ROWS needs a positive whole row count",
+        ),
         (["--data", f"table:{DATA / 'criteo_sample.csv'}"], "table: sources need label= (--label)"),
         (
             ["--data", f"criteo:{CRITEO_TSV}", "--hash-size", "1000", "--min-count", "2"],
@@ -217,20 +254,45 @@ def test_cli_option_errors_are_one_line(
     args: List[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["train", *args, "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c"),
-              "--no-progress"])
+        main(
+            [
+                "train",
+                *args,
+                "--out",
+                str(tmp_path / "run"),
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "--no-progress",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert err.count("\n") == 1 and err.startswith("torchrec-cowclip: error: ") and expected in err, err
+    assert (
+        err.count("\n") == 1 and err.startswith("torchrec-cowclip: error: ") and expected in err
+    ), err
     assert not (tmp_path / "c").exists()  # refused before anything was written
 
 
 def test_option_of_another_kind(tmp_path: Path) -> None:
     # the trainer passes every kind's options: at their defaults they are not "given"
-    assert len(open_dataset("synthetic:100", tmp_path, min_count=1, hash_size=None, label=None,
-                            cardinality_scale=0.001)) == 100
-    with pytest.raises(DataOptionError, match=r"^criteo-npy: does not take min_count \(--min-count\); "
-                       r"it applies to criteo:, avazu:, table: only$"):
+    assert (
+        len(
+            open_dataset(
+                "synthetic:100",
+                tmp_path,
+                min_count=1,
+                hash_size=None,
+                label=None,
+                cardinality_scale=0.001,
+            )
+        )
+        == 100
+    )
+    with pytest.raises(
+        DataOptionError,
+        match=r"^criteo-npy: does not take min_count \(--min-count\); "
+        r"it applies to criteo:, avazu:, table: only$",
+    ):
         open_dataset(f"criteo-npy:{tmp_path}", tmp_path, min_count=2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'hash_sizes'"):
         open_dataset("synthetic:100", tmp_path, hash_sizes=3)
@@ -241,7 +303,9 @@ def test_option_of_another_kind(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- dense outliers
 
 
-def test_huge_dense_value_is_clipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_huge_dense_value_is_clipped_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     lines = CRITEO_TSV.read_text().splitlines(keepends=True)
     fields = lines[5].split("\t")
     fields[1] = "1e300"  # I1
@@ -256,7 +320,9 @@ def test_huge_dense_value_is_clipped_and_counted(tmp_path: Path, caplog: pytest.
     raw = np.array([float(line.split("\t")[1] or 0) for line in lines])
     raw[5] = DENSE_CLIP
     np.testing.assert_allclose(i1, raw / DENSE_CLIP, rtol=1e-6)  # min 0, max the bound
-    assert (i1[np.arange(200) != 5] > 0).sum() == (raw[np.arange(200) != 5] > 0).sum()  # not flattened
+    assert (i1[np.arange(200) != 5] > 0).sum() == (
+        raw[np.arange(200) != 5] > 0
+    ).sum()  # not flattened
     none = open_dataset(f"criteo:{p}", tmp_path / "c", hash_size=1000, dense_transform="none")
     assert np.isfinite(none.dense).all() and none.dense[5, 0] == np.float32(DENSE_CLIP)
 
@@ -274,34 +340,62 @@ class _ArrayRows:
 
     def names(self, path: str) -> Tuple[List[str], List[str]]:
         with np.load(path) as z:
-            return [f"d{i}" for i in range(z["dense"].shape[1])], [f"s{i}" for i in range(z["sparse"].shape[1])]
+            return [f"d{i}" for i in range(z["dense"].shape[1])], [
+                f"s{i}" for i in range(z["sparse"].shape[1])
+            ]
 
     def part_name(self, path: str) -> str:
         return str(path)
 
-    def blocks(self, path: str, log: BadRowLog, sparse_check: Optional[SparseCheck] = None) -> Iterator[RowBlock]:
+    def blocks(
+        self, path: str, log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
         with np.load(path) as z:
-            dense, sparse, raw = z["dense"].astype(np.float64), z["sparse"].astype(np.int64), z["labels"]
+            dense, sparse, raw = (
+                z["dense"].astype(np.float64),
+                z["sparse"].astype(np.int64),
+                z["labels"],
+            )
         labels, bad = check_labels(raw)
         block = RowBlock(str(path), np.arange(1, len(raw) + 1), labels, dense, sparse)
-        yield validate_block(block, log, bad, ~np.isfinite(dense), self.names(path)[0], raw, dense.T, sparse_check)
+        yield validate_block(
+            block, log, bad, ~np.isfinite(dense), self.names(path)[0], raw, dense.T, sparse_check
+        )
 
 
 def test_a_new_format_is_one_registered_kind(tmp_path: Path) -> None:
     @register_source
     class ArraysSource(SourceKind, name="arrays", usage="arrays:PATH.npz", options=ArraysOptions):
-        def payload(self, args: List[str], test_paths: List[str], opts: ArraysOptions) -> Dict[str, Any]:
-            return {"sources": fingerprint(args), "on_bad_row": opts.on_bad_row,
-                    "dense_transform": opts.dense_transform}
+        def payload(
+            self, args: List[str], test_paths: List[str], opts: ArraysOptions
+        ) -> Dict[str, Any]:
+            return {
+                "sources": fingerprint(args),
+                "on_bad_row": opts.on_bad_row,
+                "dense_transform": opts.dense_transform,
+            }
 
-        def conversion(self, args: List[str], test_paths: List[str], opts: ArraysOptions) -> Conversion:
-            return Conversion(_ArrayRows(), args, test_paths, StoredIds(), stats_key={"train": fingerprint(args)},
-                              dense_transform=opts.dense_transform, on_bad_row=opts.on_bad_row)
+        def conversion(
+            self, args: List[str], test_paths: List[str], opts: ArraysOptions
+        ) -> Conversion:
+            return Conversion(
+                _ArrayRows(),
+                args,
+                test_paths,
+                StoredIds(),
+                stats_key={"train": fingerprint(args)},
+                dense_transform=opts.dense_transform,
+                on_bad_row=opts.on_bad_row,
+            )
 
     try:
         p = tmp_path / "a.npz"
-        np.savez(p, dense=np.array([[1.0], [3.0], [7.0]]), sparse=np.array([[0, 4], [2, 1], [1, 1]]),
-                 labels=np.array([1, 0, 2]))
+        np.savez(
+            p,
+            dense=np.array([[1.0], [3.0], [7.0]]),
+            sparse=np.array([[0, 4], [2, 1], [1, 1]]),
+            labels=np.array([1, 0, 2]),
+        )
         assert "arrays" in source_kinds()
         with pytest.raises(DataError, match=f"^{p}:3: {BAD_LABEL}: got 2$"):
             open_dataset(f"arrays:{p}", tmp_path / "c")
@@ -316,4 +410,3 @@ def test_a_new_format_is_one_registered_kind(tmp_path: Path) -> None:
         from torchrec_cowclip.data import registry
 
         registry._KINDS.pop("arrays", None)
-

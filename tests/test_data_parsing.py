@@ -22,9 +22,9 @@ from torchrec_cowclip.data import (
     CRITEO_SPARSE_NAMES,
     MISSING_ID,
     OOV_ID,
+    SPEC_KINDS,
     WRONG_COLUMN_COUNT,
     DataError,
-    SPEC_KINDS,
     open_dataset,
     parse_spec,
 )
@@ -67,7 +67,9 @@ def test_criteo_tsv_sample_shapes_labels_dense(tmp_path: Path) -> None:
     assert ds.schema.sparse_names == CRITEO_SPARSE_NAMES
     n_pos = sum(r[0] == "1" for r in rows)
     assert int(ds.labels.sum()) == n_pos
-    np.testing.assert_array_equal(ds.labels, np.array([float(r[0]) for r in rows], dtype=np.float32))
+    np.testing.assert_array_equal(
+        ds.labels, np.array([float(r[0]) for r in rows], dtype=np.float32)
+    )
     np.testing.assert_allclose(ds.dense, expected_log_dense(rows), rtol=1e-6)
     assert (ds.sparse >= 0).all() and (ds.sparse < np.array(ds.schema.cardinalities)).all()
     assert ds.bad_rows == {}
@@ -166,7 +168,9 @@ def test_vocabulary_min_count_maps_rare_values_to_oov(tmp_path: Path) -> None:
         counts = {v: col.count(v) for v in set(col) if v}
         kept = sorted(v for v, n in counts.items() if n >= 3)
         assert ds.schema.cardinalities[c] == 2 + len(kept)
-        expected = [MISSING_ID if not v else (2 + kept.index(v) if v in kept else OOV_ID) for v in col]
+        expected = [
+            MISSING_ID if not v else (2 + kept.index(v) if v in kept else OOV_ID) for v in col
+        ]
         assert ds.sparse[:, c].tolist() == expected
     # C3 is almost all singletons: nearly every row becomes OOV
     assert (ds.sparse[:, 2] == OOV_ID).mean() > 0.5
@@ -250,7 +254,9 @@ def test_table_tsv_and_delimiter(tmp_path: Path) -> None:
     semi.write_text("y;a\n1;u\n0;v\n")
     with pytest.raises(ValueError, match="delimiter"):
         open_dataset(f"table:{semi}", tmp_path / "c", label="y", dense=[], sparse=["a"])
-    ds2 = open_dataset(f"table:{semi}", tmp_path / "c", label="y", dense=[], sparse=["a"], delimiter=";")
+    ds2 = open_dataset(
+        f"table:{semi}", tmp_path / "c", label="y", dense=[], sparse=["a"], delimiter=";"
+    )
     assert ds2.sparse[:, 0].tolist() == [2, 3]
 
 
@@ -286,7 +292,11 @@ def test_parquet_table(tmp_path: Path) -> None:
     p = tmp_path / "c.parquet"
     pq.write_table(table, p)
     ds = open_dataset(
-        f"table:{p}", tmp_path / "c", label="label", dense=CRITEO_DENSE_NAMES, sparse=CRITEO_SPARSE_NAMES
+        f"table:{p}",
+        tmp_path / "c",
+        label="label",
+        dense=CRITEO_DENSE_NAMES,
+        sparse=CRITEO_SPARSE_NAMES,
     )
     ref = open_dataset(
         f"table:{CRITEO_CSV}",
@@ -364,7 +374,9 @@ def _bad_criteo_file(tmp_path: Path) -> Path:
     "hash_size, first_line, reason",
     [(None, 4, WRONG_COLUMN_COUNT), (1000, 4, WRONG_COLUMN_COUNT)],
 )
-def test_bad_rows_error_mode_reports_file_line(tmp_path: Path, hash_size, first_line, reason) -> None:
+def test_bad_rows_error_mode_reports_file_line(
+    tmp_path: Path, hash_size, first_line, reason
+) -> None:
     p = _bad_criteo_file(tmp_path)
     with pytest.raises(DataError) as e:
         open_dataset(f"criteo:{p}", tmp_path / "c", hash_size=hash_size)
@@ -402,7 +414,9 @@ def test_each_bad_row_reason(tmp_path: Path, line, mutate, reason, detail) -> No
     assert detail in str(e.value)
 
 
-def test_bad_rows_skip_mode_counts_per_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_rows_skip_mode_counts_per_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     p = _bad_criteo_file(tmp_path)
     with caplog.at_level(logging.WARNING):
         ds = open_dataset(f"criteo:{p}", tmp_path / "c", on_bad_row="skip", hash_size=1000)

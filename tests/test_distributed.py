@@ -16,12 +16,12 @@ import shutil
 from dataclasses import replace
 from typing import Dict
 
+import distributed_cases as cases
 import pytest
 import torch
+from distributed_harness import run_ranks, start_ranks
 from torchrec import EmbeddingBagConfig, PoolingType
 
-import distributed_cases as cases
-from distributed_harness import run_ranks, start_ranks
 from torchrec_cowclip import CowClip
 from torchrec_cowclip.optim.functional import CountLR, cowclip_row_update_
 
@@ -35,22 +35,39 @@ def _load(path):
 def mixed_tables():
     return [
         # table-wise on rank 0; one table, two features
-        EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]),
+        EmbeddingBagConfig(
+            name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
+        ),
         # table-wise on rank 1, MEAN pooling (a second kernel in the table-wise lookup)
-        EmbeddingBagConfig(name="tw_mean", embedding_dim=4, num_embeddings=30, feature_names=["fc"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="tw_mean",
+            embedding_dim=4,
+            num_embeddings=30,
+            feature_names=["fc"],
+            pooling=PoolingType.MEAN,
+        ),
         # column-wise over ranks 0 and 1
         EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=50, feature_names=["fd"]),
         # column-wise, 3 shards: two on rank 0 (their partial norms add up locally first)
         EmbeddingBagConfig(name="cw3", embedding_dim=12, num_embeddings=30, feature_names=["fe"]),
         # table-column-wise over ranks 1 and 0, MEAN pooling
-        EmbeddingBagConfig(name="twcw", embedding_dim=8, num_embeddings=30, feature_names=["ff"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="twcw",
+            embedding_dim=8,
+            num_embeddings=30,
+            feature_names=["ff"],
+            pooling=PoolingType.MEAN,
+        ),
         # data-parallel
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fg"]),
         # row-wise over both ranks (each id's row, and its count, on one rank), MEAN pooling
-        EmbeddingBagConfig(name="rw", embedding_dim=8, num_embeddings=30, feature_names=["fh"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="rw",
+            embedding_dim=8,
+            num_embeddings=30,
+            feature_names=["fh"],
+            pooling=PoolingType.MEAN,
+        ),
         # table-row-wise within the host
         EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=26, feature_names=["fi"]),
         # unclipped first-order table sharing feature "fa" with "tw"
@@ -72,8 +89,14 @@ MIXED_PLAN = {
 
 
 def mixed(optimizer: str, **kw) -> cases.Scenario:
-    return cases.Scenario(tables=mixed_tables(), plan=dict(MIXED_PLAN), optimizer=optimizer,
-                          unclipped=("lin",), steps=3, **kw)
+    return cases.Scenario(
+        tables=mixed_tables(),
+        plan=dict(MIXED_PLAN),
+        optimizer=optimizer,
+        unclipped=("lin",),
+        steps=3,
+        **kw,
+    )
 
 
 # --- the column-wise norm case -------------------------------------------------------------
@@ -104,7 +127,9 @@ def norm_scenario() -> cases.Scenario:
     u1 = 2 * g[3] - u0
     batch = ({"f": [[3, 6], [3]]}, None, {"f": torch.stack([u0, u1])})
     return cases.Scenario(
-        tables=[EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=10, feature_names=["f"])],
+        tables=[
+            EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=10, feature_names=["f"])
+        ],
         plan={"cw": ("column_wise", [0, 1])},
         optimizer="sgd",
         cowclip=CowClip(r=1.0, zeta=NORM_ZETA),
@@ -119,11 +144,19 @@ def norm_scenario() -> cases.Scenario:
 def planner_scenario() -> cases.Scenario:
     tables = [
         EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=60, feature_names=["fa"]),
-        EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=40, feature_names=["fb", "fc"]),
+        EmbeddingBagConfig(
+            name="b", embedding_dim=16, num_embeddings=40, feature_names=["fb", "fc"]
+        ),
         EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=30, feature_names=["fd"]),
     ]
-    return cases.Scenario(tables=tables, plan=None, optimizer="adam", steps=2, weighted=True,
-                          constraints={"a": ["table_wise"], "b": ["column_wise"]})
+    return cases.Scenario(
+        tables=tables,
+        plan=None,
+        optimizer="adam",
+        steps=2,
+        weighted=True,
+        constraints={"a": ["table_wise"], "b": ["column_wise"]},
+    )
 
 
 SCENARIOS = {
@@ -135,7 +168,8 @@ SCENARIOS = {
     # The module is a CowClipEmbeddingBagCollection (rowwise_adagrad, lr 0.05, "lin"
     # unclipped); the sharder's own options differ and must not be used.
     "cowclip_module": replace(
-        mixed("rowwise_adagrad", seed=3), cowclip_module=True,
+        mixed("rowwise_adagrad", seed=3),
+        cowclip_module=True,
         sharder_options=dict(optimizer="sgd", lr=123.0, unclipped_tables=("tw",)),
     ),
     "planner": planner_scenario(),
@@ -149,13 +183,16 @@ def results(tmp_path_factory):
     return _load(out)
 
 
-def _assert_states_equal(sharded: Dict[str, torch.Tensor], unsharded: Dict[str, torch.Tensor]) -> None:
+def _assert_states_equal(
+    sharded: Dict[str, torch.Tensor], unsharded: Dict[str, torch.Tensor]
+) -> None:
     assert set(sharded) == set(unsharded), sorted(set(sharded) ^ set(unsharded))
     for key, expected in unsharded.items():
         actual = sharded[key]
         assert not torch.isnan(actual).any(), f"{key}: some shard never reported"
-        torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=RTOL, atol=1e-7,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            actual, expected.to(actual.dtype), rtol=RTOL, atol=1e-7, msg=lambda m: f"{key}: {m}"
+        )
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -246,8 +283,14 @@ def test_column_shards_clip_with_whole_row_norms(results):
         w = per_shard[rows, cols].clone()
         g = torch.stack([grads[j][cols] for j in sorted(grads)])
         was = cowclip_row_update_(
-            "sgd", w, g, torch.tensor([counts[j] for j in sorted(grads)]), {}, torch.tensor(1),
-            lr=NORM_LR, cowclip=CowClip(r=1.0, zeta=NORM_ZETA),
+            "sgd",
+            w,
+            g,
+            torch.tensor([counts[j] for j in sorted(grads)]),
+            {},
+            torch.tensor(1),
+            lr=NORM_LR,
+            cowclip=CowClip(r=1.0, zeta=NORM_ZETA),
         )
         per_shard[rows, cols] = w
         clipped_per_shard += int(was.sum())
@@ -281,24 +324,45 @@ CKPT_STEPS, CKPT_A, CKPT_B = 6, 2, 4
 
 def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
     tables = [
-        EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]),
+        EmbeddingBagConfig(
+            name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
+        ),
         EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=50, feature_names=["fc"]),
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fd"]),
-        EmbeddingBagConfig(name="mean", embedding_dim=4, num_embeddings=30, feature_names=["fe"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="mean",
+            embedding_dim=4,
+            num_embeddings=30,
+            feature_names=["fe"],
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=22, feature_names=["ff"]),
     ]
     if world == 2:
-        plan = {"tw": ("table_wise", [0]), "cw": ("column_wise", [0, 1]),
-                "dp": ("data_parallel", []), "mean": ("table_wise", [1]),
-                "rw": ("row_wise", [0, 1])}
+        plan = {
+            "tw": ("table_wise", [0]),
+            "cw": ("column_wise", [0, 1]),
+            "dp": ("data_parallel", []),
+            "mean": ("table_wise", [1]),
+            "rw": ("row_wise", [0, 1]),
+        }
     else:  # one rank: the column-wise table as two local shards, the data/row-sharded ones whole
-        plan = {"tw": ("table_wise", [0]), "cw": ("column_wise", [0, 0]),
-                "dp": ("table_wise", [0]), "mean": ("table_wise", [0]),
-                "rw": ("table_wise", [0])}
+        plan = {
+            "tw": ("table_wise", [0]),
+            "cw": ("column_wise", [0, 0]),
+            "dp": ("table_wise", [0]),
+            "mean": ("table_wise", [0]),
+            "rw": ("table_wise", [0]),
+        }
     return {
-        opt: cases.Scenario(tables=tables, plan=plan, optimizer=opt, steps=CKPT_STEPS,
-                            local_batch=8 // world, seed=10 + i)
+        opt: cases.Scenario(
+            tables=tables,
+            plan=plan,
+            optimizer=opt,
+            steps=CKPT_STEPS,
+            local_batch=8 // world,
+            seed=10 + i,
+        )
         for i, opt in enumerate(["adam", "rowwise_adagrad"])
     }
 
@@ -307,14 +371,41 @@ def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_back(tmp_path):
     ckpt_a, ckpt_b = str(tmp_path / "a"), str(tmp_path / "b")
     out = {k: str(tmp_path / f"{k}.pt") for k in ("two", "one", "two_again")}
     # 2 ranks: steps 0-2, checkpoint A, steps 2-6.
-    run_ranks(cases.checkpoint_phase, 2, _ckpt_scenarios(2), None, 0, ckpt_a, CKPT_A, out["two"],
-              timeout_s=90)
+    run_ranks(
+        cases.checkpoint_phase,
+        2,
+        _ckpt_scenarios(2),
+        None,
+        0,
+        ckpt_a,
+        CKPT_A,
+        out["two"],
+        timeout_s=90,
+    )
     # 1 rank: load A, steps 2-4, checkpoint B, steps 4-6.
-    run_ranks(cases.checkpoint_phase, 1, _ckpt_scenarios(1), ckpt_a, CKPT_A, ckpt_b, CKPT_B,
-              out["one"], timeout_s=90)
+    run_ranks(
+        cases.checkpoint_phase,
+        1,
+        _ckpt_scenarios(1),
+        ckpt_a,
+        CKPT_A,
+        ckpt_b,
+        CKPT_B,
+        out["one"],
+        timeout_s=90,
+    )
     # 2 ranks: load B, steps 4-6.
-    run_ranks(cases.checkpoint_phase, 2, _ckpt_scenarios(2), ckpt_b, CKPT_B, None, CKPT_B,
-              out["two_again"], timeout_s=90)
+    run_ranks(
+        cases.checkpoint_phase,
+        2,
+        _ckpt_scenarios(2),
+        ckpt_b,
+        CKPT_B,
+        None,
+        CKPT_B,
+        out["two_again"],
+        timeout_s=90,
+    )
     finals = {k: _load(v) for k, v in out.items()}
     for opt, s in _ckpt_scenarios(2).items():
         reference = cases.reference_states(s, 2, [CKPT_STEPS])[CKPT_STEPS]
@@ -349,15 +440,24 @@ def test_three_ranks_column_shards_over_subgroups(tmp_path):
     tables = [
         EmbeddingBagConfig(name="cw01", embedding_dim=8, num_embeddings=40, feature_names=["fa"]),
         EmbeddingBagConfig(name="cw12", embedding_dim=8, num_embeddings=30, feature_names=["fb"]),
-        EmbeddingBagConfig(name="cw_all", embedding_dim=12, num_embeddings=30, feature_names=["fc"]),
+        EmbeddingBagConfig(
+            name="cw_all", embedding_dim=12, num_embeddings=30, feature_names=["fc"]
+        ),
         EmbeddingBagConfig(name="tw", embedding_dim=4, num_embeddings=20, feature_names=["fd"]),
         EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fe"]),
     ]
-    plan = {"cw01": ("column_wise", [0, 1]), "cw12": ("column_wise", [2, 1]),
-            "cw_all": ("column_wise", [0, 1, 2]), "tw": ("table_wise", [2]),
-            "dp": ("data_parallel", [])}
-    scenarios = {"three": cases.Scenario(tables=tables, plan=plan, optimizer="rowwise_adagrad",
-                                         steps=3, local_batch=3, seed=5)}
+    plan = {
+        "cw01": ("column_wise", [0, 1]),
+        "cw12": ("column_wise", [2, 1]),
+        "cw_all": ("column_wise", [0, 1, 2]),
+        "tw": ("table_wise", [2]),
+        "dp": ("data_parallel", []),
+    }
+    scenarios = {
+        "three": cases.Scenario(
+            tables=tables, plan=plan, optimizer="rowwise_adagrad", steps=3, local_batch=3, seed=5
+        )
+    }
     out = str(tmp_path / "three.pt")
     run_ranks(cases.run_scenarios, 3, scenarios, out, timeout_s=90)
     r = _load(out)["three"]

@@ -41,17 +41,21 @@ def test_column_shards_with_whole_row_sums_step_like_the_whole_rows(optimizer):
     weight = torch.randn(u, d, generator=gen) * torch.logspace(-4, 0, u)[:, None]
     grad = torch.randn(u, d, generator=gen) * 0.05
     counts = torch.randint(1, 5, (u,), generator=gen)
-    hyper = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.3,
-                 cowclip=CowClip(r=1.0, zeta=1e-3))
+    hyper = dict(
+        lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.3, cowclip=CowClip(r=1.0, zeta=1e-3)
+    )
 
     def fresh_state():
         g = torch.Generator().manual_seed(1)
-        return {n: torch.rand((u, d) if per == "D" else (u,), generator=g)
-                for n, per in STATE_LAYOUT[optimizer]}
+        return {
+            n: torch.rand((u, d) if per == "D" else (u,), generator=g)
+            for n, per in STATE_LAYOUT[optimizer]
+        }
 
     whole_w, whole_state = weight.clone(), fresh_state()
-    whole_clipped = cowclip_row_update_(optimizer, whole_w, grad, counts, whole_state,
-                                        torch.tensor(3), **hyper)
+    whole_clipped = cowclip_row_update_(
+        optimizer, whole_w, grad, counts, whole_state, torch.tensor(3), **hyper
+    )
     assert 0 < int(whole_clipped.sum()) < u
 
     splits = [slice(0, 4), slice(4, 6), slice(6, 12)]  # uneven shards
@@ -59,9 +63,12 @@ def test_column_shards_with_whole_row_sums_step_like_the_whole_rows(optimizer):
     row_sums = RowSums.from_sums(sums, dim=d)
     for s in splits:
         w = weight[:, s].clone()
-        state = {n: (t[:, s].clone() if t.dim() == 2 else t.clone()) for n, t in fresh_state().items()}
-        clipped = cowclip_row_update_(optimizer, w, grad[:, s], counts, state, torch.tensor(3),
-                                      row_sums=row_sums, **hyper)
+        state = {
+            n: (t[:, s].clone() if t.dim() == 2 else t.clone()) for n, t in fresh_state().items()
+        }
+        clipped = cowclip_row_update_(
+            optimizer, w, grad[:, s], counts, state, torch.tensor(3), row_sums=row_sums, **hyper
+        )
         assert torch.equal(clipped, whole_clipped)
         torch.testing.assert_close(w, whole_w[:, s], rtol=1e-5, atol=1e-7)
         for n, t in state.items():
@@ -73,20 +80,30 @@ def test_row_sums_mark_a_row_non_finite_on_every_shard():
     grad = torch.ones(3, 4)
     grad[1, 3] = float("nan")
     weight = torch.ones(3, 4)
-    sums = partial_row_sums(grad[:, :2], weight[:, :2]) + partial_row_sums(grad[:, 2:], weight[:, 2:])
+    sums = partial_row_sums(grad[:, :2], weight[:, :2]) + partial_row_sums(
+        grad[:, 2:], weight[:, 2:]
+    )
     assert RowSums.from_sums(sums, 4).finite.tolist() == [True, False, True]
 
 
 def test_data_parallel_union_sums_counts_and_averages_gradients():
-    a = RowGradients(rows=torch.tensor([1, 4]), counts=torch.tensor([2, 1]),
-                     grad=torch.tensor([[1.0, 1.0], [2.0, 0.0]]))
-    b = RowGradients(rows=torch.tensor([0, 4]), counts=torch.tensor([1, 3]),
-                     grad=torch.tensor([[5.0, 5.0], [0.0, 2.0]]))
+    a = RowGradients(
+        rows=torch.tensor([1, 4]),
+        counts=torch.tensor([2, 1]),
+        grad=torch.tensor([[1.0, 1.0], [2.0, 0.0]]),
+    )
+    b = RowGradients(
+        rows=torch.tensor([0, 4]),
+        counts=torch.tensor([1, 3]),
+        grad=torch.tensor([[5.0, 5.0], [0.0, 2.0]]),
+    )
     union = union_row_gradients([a, b], scale=0.5)
     assert union.rows.tolist() == [0, 1, 4]
     assert union.counts.tolist() == [1, 2, 4]
     assert union.grad.tolist() == [[2.5, 2.5], [0.5, 0.5], [1.0, 1.0]]
-    empty = RowGradients(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
+    empty = RowGradients(
+        torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2)
+    )
     assert union_row_gradients([empty, empty]).rows.numel() == 0
 
 
@@ -94,7 +111,11 @@ class _Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=10_000, feature_names=["f"])],
+            tables=[
+                EmbeddingBagConfig(
+                    name="t", embedding_dim=16, num_embeddings=10_000, feature_names=["f"]
+                )
+            ],
             device=torch.device("meta"),
         )
 
@@ -104,9 +125,13 @@ def _planned_bytes(optimizer: str) -> dict:
     enumerator = EmbeddingEnumerator(
         topology=topology, batch_size=512, estimator=[EmbeddingStorageEstimator(topology=topology)]
     )
-    options = enumerator.enumerate(_Model(), [CowClipEmbeddingBagCollectionSharder(optimizer=optimizer)])
-    return {(o.sharding_type, o.compute_kernel): (o.shards[0].storage.ddr, o.shards[0].size)
-            for o in options}
+    options = enumerator.enumerate(
+        _Model(), [CowClipEmbeddingBagCollectionSharder(optimizer=optimizer)]
+    )
+    return {
+        (o.sharding_type, o.compute_kernel): (o.shards[0].storage.ddr, o.shards[0].size)
+        for o in options
+    }
 
 
 def test_planner_counts_the_optimizer_state_in_table_memory():
@@ -132,7 +157,9 @@ def test_sharder_offers_only_supported_types_and_refuses_others():
     uvm = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm", ranks=[0])
     with pytest.raises(ValueError, match="fused_uvm"):
         _checked_plan({"t": uvm}, env)
-    dense_dp = ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1])
+    dense_dp = ParameterSharding(
+        sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1]
+    )
     assert _checked_plan({"t": dense_dp}, env)["t"].compute_kernel == "fused"
 
 
@@ -144,16 +171,27 @@ def test_sharder_options_are_validated_and_read_from_cowclip_modules():
     with pytest.raises(ValueError, match="unclipped_tables.*nope"):
         CowClipOptions(unclipped_tables=frozenset({"nope"})).check_tables(["t"])
     module = CowClipEmbeddingBagCollection(
-        [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"]),
-         EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=10, feature_names=["f"])],
-        optimizer="rowwise_adagrad", lr=0.3, eps=1e-5, weight_decay=0.1, cowclip=None,
+        [
+            EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"]),
+            EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=10, feature_names=["f"]),
+        ],
+        optimizer="rowwise_adagrad",
+        lr=0.3,
+        eps=1e-5,
+        weight_decay=0.1,
+        cowclip=None,
         unclipped_tables=("lin",),
     )
     module.fused_optimizer.param_groups[0]["lr"] = 0.2  # e.g. moved by a schedule
-    sharder = CowClipEmbeddingBagCollectionSharder(optimizer="sgd", lr=9.0,
-                                                   module_type=CowClipEmbeddingBagCollection)
+    sharder = CowClipEmbeddingBagCollectionSharder(
+        optimizer="sgd", lr=9.0, module_type=CowClipEmbeddingBagCollection
+    )
     assert sharder.options_for(module) == CowClipOptions(
-        optimizer="rowwise_adagrad", lr=0.2, eps=1e-5, weight_decay=0.1, cowclip=None,
+        optimizer="rowwise_adagrad",
+        lr=0.2,
+        eps=1e-5,
+        weight_decay=0.1,
+        cowclip=None,
         unclipped_tables=frozenset({"lin"}),
     )
     # The planner's view: aliases tagged with the optimizer, the module's own parameters untouched.
@@ -166,14 +204,27 @@ def test_sharder_options_are_validated_and_read_from_cowclip_modules():
 def test_torchrec_extension_points_still_exist():
     """The sharder overrides these TorchRec methods; a TorchRec upgrade that renames or
     re-signs them must fail here, not silently fall back to FBGEMM's kernels."""
-    assert list(inspect.signature(GroupedPooledEmbeddingsLookup._create_embedding_kernel).parameters) == [
-        "self", "config", "device", "pg", "sharding_type", "env",
+    assert list(
+        inspect.signature(GroupedPooledEmbeddingsLookup._create_embedding_kernel).parameters
+    ) == [
+        "self",
+        "config",
+        "device",
+        "pg",
+        "sharding_type",
+        "env",
     ]
-    assert list(inspect.signature(ShardedEmbeddingBagCollection._create_lookups).parameters) == ["self"]
-    assert list(inspect.signature(ShardedEmbeddingBagCollection.init_data_parallel).parameters) == ["self"]
+    assert list(inspect.signature(ShardedEmbeddingBagCollection._create_lookups).parameters) == [
+        "self"
+    ]
+    assert list(inspect.signature(ShardedEmbeddingBagCollection.init_data_parallel).parameters) == [
+        "self"
+    ]
     init = inspect.getsource(ShardedEmbeddingBagCollection.__init__)
     assert "self._create_lookups()" in init and "self.init_data_parallel()" in init
     assert init.index("self._create_lookups()") < init.index("self.init_data_parallel()")
     for module in ("tw_sharding", "cw_sharding", "dp_sharding"):
-        source = inspect.getsource(__import__(f"torchrec.distributed.sharding.{module}", fromlist=["x"]))
+        source = inspect.getsource(
+            __import__(f"torchrec.distributed.sharding.{module}", fromlist=["x"])
+        )
         assert "grouped_configs=self._grouped_embedding_configs" in source, module

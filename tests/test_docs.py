@@ -22,8 +22,11 @@ def test_readme_usage_snippet_runs():
     assert stats["t0"].rows_updated == 3 and stats["t0"].steps == 1  # rows 1, 2, 3 of f0
 
 
-@pytest.mark.parametrize("module", [functional, reference, row_gradients, scaling],
-                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "module",
+    [functional, reference, row_gradients, scaling],
+    ids=lambda m: m.__name__.rsplit(".", 1)[-1],
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

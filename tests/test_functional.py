@@ -9,9 +9,9 @@ from torchrec_cowclip.optim.functional import (
     CountLR,
     CowClip,
     adam_rows_,
+    couple_weight_decay,
     cowclip_clip,
     cowclip_row_update_,
-    couple_weight_decay,
     rowwise_adagrad_rows_,
     sgd_rows_,
 )
@@ -28,7 +28,10 @@ def _scalar_clip(g, w, c, r, zeta):
 
 def test_clip_matches_hand_computation_row_by_row():
     torch.manual_seed(0)
-    g = torch.randn(50, 6, dtype=torch.float64) * torch.logspace(-3, 1, 50, dtype=torch.float64)[:, None]
+    g = (
+        torch.randn(50, 6, dtype=torch.float64)
+        * torch.logspace(-3, 1, 50, dtype=torch.float64)[:, None]
+    )
     w = torch.randn(50, 6, dtype=torch.float64) * 0.1
     c = torch.randint(1, 9, (50,))
     r, zeta = 0.7, 1e-3
@@ -42,13 +45,17 @@ def test_clip_matches_hand_computation_row_by_row():
 
 def test_clip_worked_example():
     # ||W|| = 5, c = 2 -> tau = 10; ||g|| = 50 -> scaled to norm 10.
-    g, was = cowclip_clip(torch.tensor([[30.0, 40.0]]), torch.tensor([[3.0, 4.0]]), torch.tensor([2]), 1.0, 1e-5)
+    g, was = cowclip_clip(
+        torch.tensor([[30.0, 40.0]]), torch.tensor([[3.0, 4.0]]), torch.tensor([2]), 1.0, 1e-5
+    )
     assert g.tolist() == [[6.0, 8.0]] and was.tolist() == [True]
 
 
 def test_clip_zeta_floor_applies_to_zero_rows():
     # W = 0: tau = c * zeta = 3 * 0.5 = 1.5; ||g|| = 5 -> scale 0.3.
-    g, was = cowclip_clip(torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2), torch.tensor([3]), 1.0, 0.5)
+    g, was = cowclip_clip(
+        torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2), torch.tensor([3]), 1.0, 0.5
+    )
     assert g.flatten().tolist() == pytest.approx([0.9, 1.2]) and was.tolist() == [True]
 
 
@@ -60,19 +67,32 @@ def test_zero_gradient_stays_zero_and_never_nan():
 def test_clip_enabled_mask_exempts_rows():
     g = torch.full((2, 2), 100.0)
     w = torch.ones(2, 2)
-    out, was = cowclip_clip(g, w, torch.tensor([1, 1]), 1.0, 0.0, clip_enabled=torch.tensor([True, False]))
+    out, was = cowclip_clip(
+        g, w, torch.tensor([1, 1]), 1.0, 0.0, clip_enabled=torch.tensor([True, False])
+    )
     assert was.tolist() == [True, False]
     assert torch.equal(out[1], g[1]) and torch.linalg.vector_norm(out[0]) == pytest.approx(2**0.5)
 
 
 def test_weight_decay_is_coupled_after_clip():
     w = torch.tensor([[1.0, 2.0]])
-    assert couple_weight_decay(torch.zeros(1, 2), w, 0.1).flatten().tolist() == pytest.approx([0.1, 0.2])
+    assert couple_weight_decay(torch.zeros(1, 2), w, 0.1).flatten().tolist() == pytest.approx(
+        [0.1, 0.2]
+    )
     # In the full step: the clipped gradient (norm tau) plus wd * W, not clip(g + wd * W).
     weight = torch.tensor([[3.0, 4.0]])
     grad = torch.tensor([[300.0, 400.0]])
-    cowclip_row_update_("sgd", weight, grad, torch.tensor([1]), {}, torch.tensor(1), lr=1.0,
-                        weight_decay=0.5, cowclip=CowClip(1.0, 0.0))
+    cowclip_row_update_(
+        "sgd",
+        weight,
+        grad,
+        torch.tensor([1]),
+        {},
+        torch.tensor(1),
+        lr=1.0,
+        weight_decay=0.5,
+        cowclip=CowClip(1.0, 0.0),
+    )
     # clipped g = (3, 4) (norm 5 = tau), + 0.5 * (3, 4) -> (4.5, 6); W - g = (-1.5, -2).
     assert weight.flatten().tolist() == pytest.approx([-1.5, -2.0])
 
@@ -137,7 +157,15 @@ def test_cowclip_validation_and_reference_mapping():
 
 def test_unknown_optimizer_is_rejected():
     with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
-        cowclip_row_update_("adamw", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), {}, torch.tensor(1), lr=1.0)
+        cowclip_row_update_(
+            "adamw",
+            torch.zeros(1, 1),
+            torch.zeros(1, 1),
+            torch.ones(1),
+            {},
+            torch.tensor(1),
+            lr=1.0,
+        )
 
 
 def test_count_lr_multiplier_and_validation():
@@ -165,31 +193,44 @@ def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
 
     def fresh_state():
         if optimizer == "adam":
-            return {"exp_avg": torch.full((n, d), 0.01, dtype=torch.float64),
-                    "exp_avg_sq": torch.full((n, d), 0.002, dtype=torch.float64)}
+            return {
+                "exp_avg": torch.full((n, d), 0.01, dtype=torch.float64),
+                "exp_avg_sq": torch.full((n, d), 0.002, dtype=torch.float64),
+            }
         if optimizer == "rowwise_adagrad":
             return {"sum": torch.full((n,), 0.3, dtype=torch.float64)}
         return {}
 
     kw = dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.02, cowclip=CowClip(r=1.0, zeta=1e-5))
     w_all, s_all = weight.clone(), fresh_state()
-    clipped = cowclip_row_update_(optimizer, w_all, grad, counts, s_all, torch.tensor(3),
-                                  lr=0.1, count_lr=rule, **kw)
+    clipped = cowclip_row_update_(
+        optimizer, w_all, grad, counts, s_all, torch.tensor(3), lr=0.1, count_lr=rule, **kw
+    )
     assert bool(clipped.any()) and not bool(clipped.all())
     for j in range(n):
-        w_j, s_full = weight[j:j + 1].clone(), fresh_state()
-        s_j = {k: v[j:j + 1].clone() for k, v in s_full.items()}
+        w_j, s_full = weight[j : j + 1].clone(), fresh_state()
+        s_j = {k: v[j : j + 1].clone() for k, v in s_full.items()}
         lr_j = 0.1 * min(float(counts[j]), 8.0) ** 0.5
-        clipped_j = cowclip_row_update_(optimizer, w_j, grad[j:j + 1], counts[j:j + 1], s_j,
-                                        torch.tensor(3), lr=lr_j, **kw)
-        torch.testing.assert_close(w_all[j:j + 1], w_j, rtol=1e-12, atol=1e-15)
+        clipped_j = cowclip_row_update_(
+            optimizer, w_j, grad[j : j + 1], counts[j : j + 1], s_j, torch.tensor(3), lr=lr_j, **kw
+        )
+        torch.testing.assert_close(w_all[j : j + 1], w_j, rtol=1e-12, atol=1e-15)
         for k in s_j:
-            torch.testing.assert_close(s_all[k][j:j + 1], s_j[k], rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(s_all[k][j : j + 1], s_j[k], rtol=1e-12, atol=1e-15)
         assert bool(clipped_j[0]) == bool(clipped[j])
     # cap 1 (the base batch) is the plain update to the bit.
     w_one, s_one = weight.clone(), fresh_state()
     w_plain, s_plain = weight.clone(), fresh_state()
-    cowclip_row_update_(optimizer, w_one, grad, counts, s_one, torch.tensor(3), lr=0.1,
-                        count_lr=CountLR(power=1.0, cap=1.0), **kw)
+    cowclip_row_update_(
+        optimizer,
+        w_one,
+        grad,
+        counts,
+        s_one,
+        torch.tensor(3),
+        lr=0.1,
+        count_lr=CountLR(power=1.0, cap=1.0),
+        **kw,
+    )
     cowclip_row_update_(optimizer, w_plain, grad, counts, s_plain, torch.tensor(3), lr=0.1, **kw)
     assert torch.equal(w_one, w_plain)

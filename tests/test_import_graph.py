@@ -79,7 +79,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -116,31 +116,45 @@ BASE = {"__init__.py": "", "a/__init__.py": "", "b/__init__.py": ""}
 
 
 def test_a_cycle_hidden_under_type_checking_is_found(tmp_path):
-    package = _write(tmp_path, {
-        **BASE,
-        "a/x.py": "from torchrec_cowclip.b.y import Y\n",
-        "b/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                  "    from torchrec_cowclip.a.x import X\n",
-    })
+    package = _write(
+        tmp_path,
+        {
+            **BASE,
+            "a/x.py": "from torchrec_cowclip.b.y import Y\n",
+            "b/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from torchrec_cowclip.a.x import X\n",
+        },
+    )
     assert find_cycle(import_graph(package)) == [
-        f"{PACKAGE}.a.x", f"{PACKAGE}.b.y", f"{PACKAGE}.a.x"]
+        f"{PACKAGE}.a.x",
+        f"{PACKAGE}.b.y",
+        f"{PACKAGE}.a.x",
+    ]
 
 
 def test_a_cycle_through_a_function_local_relative_import_is_found(tmp_path):
-    package = _write(tmp_path, {
-        **BASE,
-        "a/x.py": "def f():\n    from ..b import y\n",
-        "b/y.py": "from . import z\n",
-        "b/z.py": "import torchrec_cowclip.a.x\n",
-    })
+    package = _write(
+        tmp_path,
+        {
+            **BASE,
+            "a/x.py": "def f():\n    from ..b import y\n",
+            "b/y.py": "from . import z\n",
+            "b/z.py": "import torchrec_cowclip.a.x\n",
+        },
+    )
     cycle = find_cycle(import_graph(package))
-    assert cycle is not None and set(cycle) == {f"{PACKAGE}.a.x", f"{PACKAGE}.b.y", f"{PACKAGE}.b.z"}
+    assert cycle is not None and set(cycle) == {
+        f"{PACKAGE}.a.x",
+        f"{PACKAGE}.b.y",
+        f"{PACKAGE}.b.z",
+    }
 
 
 def test_a_name_from_a_running_package_init_is_a_cycle_a_submodule_is_not(tmp_path):
     files = {**BASE, "a/__init__.py": "from torchrec_cowclip.a.x import X\n"}
-    package = _write(tmp_path, {**files, "a/x.py": "from torchrec_cowclip.a import y\nX = 1\n",
-                                "a/y.py": ""})
+    package = _write(
+        tmp_path, {**files, "a/x.py": "from torchrec_cowclip.a import y\nX = 1\n", "a/y.py": ""}
+    )
     assert find_cycle(import_graph(package)) is None
     package = _write(tmp_path, {**files, "a/x.py": "from torchrec_cowclip.a import Z\nX = 1\n"})
     assert find_cycle(import_graph(package)) == [f"{PACKAGE}.a", f"{PACKAGE}.a.x", f"{PACKAGE}.a"]
@@ -150,7 +164,6 @@ def test_a_cycle_through_a_package_init_is_found_and_none_without_it(tmp_path):
     files = {**BASE, "a/x.py": "from torchrec_cowclip.b.y import Y\n", "b/y.py": "Y = 1\n"}
     # Importing b.y runs b/__init__.py, which imports a.x.
     package = _write(tmp_path, {**files, "b/__init__.py": "from torchrec_cowclip.a.x import *\n"})
-    assert find_cycle(import_graph(package)) == [
-        f"{PACKAGE}.a.x", f"{PACKAGE}.b", f"{PACKAGE}.a.x"]
+    assert find_cycle(import_graph(package)) == [f"{PACKAGE}.a.x", f"{PACKAGE}.b", f"{PACKAGE}.a.x"]
     package = _write(tmp_path, {**files, "b/__init__.py": ""})
     assert find_cycle(import_graph(package)) is None

@@ -10,13 +10,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 TINY = [
-    "--model", "deepfm", "--data", "synthetic:12000", "--batch-size", "2048", "--hidden", "16,16",
-    "--synthetic-scale", "0.01", "--synthetic-max-cardinality", "3000", "--lr-embed", "1e-2",
-    "--no-progress", "--dist-timeout", "60",
+    "--model",
+    "deepfm",
+    "--data",
+    "synthetic:12000",
+    "--batch-size",
+    "2048",
+    "--hidden",
+    "16,16",
+    "--synthetic-scale",
+    "0.01",
+    "--synthetic-max-cardinality",
+    "3000",
+    "--lr-embed",
+    "1e-2",
+    "--no-progress",
+    "--dist-timeout",
+    "60",
 ]
 
 
@@ -29,14 +42,31 @@ def _env() -> dict:
 
 
 def _torchrun(args, timeout=240):
-    cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
-           "-m", "torchrec_cowclip", "train", *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "torchrec_cowclip",
+        "train",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_torchrun_two_processes_train_resume_and_agree(tmp_path):
     out = tmp_path / "tw"
-    common = TINY + ["--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--sharding", "table_wise"]
+    common = TINY + [
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out),
+        "--sharding",
+        "table_wise",
+    ]
     first = _torchrun(common + ["--epochs", "1"])
     assert first.returncode == 0, first.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -55,9 +85,25 @@ def test_torchrun_two_processes_train_resume_and_agree(tmp_path):
 
 def test_torchx_component_runs_with_local_cwd(tmp_path):
     out = tmp_path / "tx"
-    cmd = [str(VENV_BIN / "torchx"), "run", "-s", "local_cwd", "launch/components.py:train",
-           "-j", "1x2", "--", *TINY, "--epochs", "1", "--cache-dir", str(tmp_path / "cache"),
-           "--out", str(out), "--sharding", "column_wise"]
+    cmd = [
+        str(VENV_BIN / "torchx"),
+        "run",
+        "-s",
+        "local_cwd",
+        "launch/components.py:train",
+        "-j",
+        "1x2",
+        "--",
+        *TINY,
+        "--epochs",
+        "1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out),
+        "--sharding",
+        "column_wise",
+    ]
     run = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert "SUCCEEDED" in run.stdout + run.stderr or (out / "metrics.json").exists()
@@ -67,14 +113,29 @@ def test_torchx_component_runs_with_local_cwd(tmp_path):
 
 def test_row_wise_sharding_trains_through_torchrun(tmp_path):
     out = tmp_path / "rw"
-    run = _torchrun(TINY + ["--cache-dir", str(tmp_path / "c"), "--out", str(out),
-                            "--sharding", "row_wise", "--epochs", "1"], timeout=180)
+    run = _torchrun(
+        TINY
+        + [
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--out",
+            str(out),
+            "--sharding",
+            "row_wise",
+            "--epochs",
+            "1",
+        ],
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["sharding"] == "row_wise" and metrics["rows_updated"] > 0
 
 
 def test_unknown_sharding_is_a_cli_error(tmp_path):
-    run = _torchrun(TINY + ["--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
-                            "--sharding", "grid"], timeout=60)
+    run = _torchrun(
+        TINY
+        + ["--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--sharding", "grid"],
+        timeout=60,
+    )
     assert run.returncode != 0 and "invalid choice: 'grid'" in run.stderr

@@ -12,10 +12,17 @@ from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
 def _batch(dim, tables):
-    configs = [EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=fs)
-               for n, rows, fs in tables]
-    return TableBatch(configs, [c.feature_names for c in configs], "sgd",
-                      [True] * len(configs), torch.device("cpu"))
+    configs = [
+        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=fs)
+        for n, rows, fs in tables
+    ]
+    return TableBatch(
+        configs,
+        [c.feature_names for c in configs],
+        "sgd",
+        [True] * len(configs),
+        torch.device("cpu"),
+    )
 
 
 # Config (TorchRec) order t0 (dim 4), t1 (dim 2), t2 (dim 4): batches [t0, t2] and [t1].
@@ -31,7 +38,9 @@ def test_each_batch_gets_its_slice_with_ids_mapped_to_its_rows():
     bounds = layout.value_bounds(offsets, starts, b, values.numel())
     assert starts == [0, 2, 3] and bounds == [0, 4, 6]
     weights = torch.arange(6, dtype=torch.float64)
-    wide, narrow = layout.prepare_lookups([WIDE, NARROW], values, offsets, b, starts, bounds, weights)
+    wide, narrow = layout.prepare_lookups(
+        [WIDE, NARROW], values, offsets, b, starts, bounds, weights
+    )
     assert wide.row_ids.tolist() == [1, 0, 4, 5 + 2]  # t2's rows follow t0's 5
     assert wide.bag_offsets.tolist() == [0, 1, 3, 4, 4]
     assert narrow.row_ids.tolist() == [6, 3] and narrow.bag_offsets.tolist() == [0, 1, 2]
@@ -41,8 +50,11 @@ def test_each_batch_gets_its_slice_with_ids_mapped_to_its_rows():
 
 def test_an_id_out_of_range_names_feature_table_id_and_sample():
     values, offsets = torch.tensor([1, 0, 3, 2]), torch.tensor([0, 1, 3, 4, 4])
-    with pytest.raises(IndexError, match=r"feature 'c' \(table 't2', num_embeddings=3\) has id 3 "
-                                         r"in sample 0; ids must be in \[0, 3\)"):
+    with pytest.raises(
+        IndexError,
+        match=r"feature 'c' \(table 't2', num_embeddings=3\) has id 3 "
+        r"in sample 0; ids must be in \[0, 3\)",
+    ):
         layout.prepare_lookup(WIDE, torch.tensor([1, 0, 4, 3]), offsets, None, 2)
     assert layout.prepare_lookup(WIDE, values, offsets, None, 2).row_ids.tolist() == [1, 0, 3, 7]
 

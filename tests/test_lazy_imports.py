@@ -48,8 +48,13 @@ WITHOUT_TORCHREC = textwrap.dedent("""
 
 
 def test_core_imports_and_steps_without_torchrec_or_fbgemm():
-    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCHREC], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    run = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCHREC],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert lines[-1] == "ok"
@@ -65,7 +70,11 @@ def test_every_public_name_resolves():
         for name in package.__all__:
             assert getattr(package, name) is not None, (package.__name__, name)
             assert name in dir(package)
-    from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipFusedOptimizer, TableClipStats
+    from torchrec_cowclip import (
+        CowClipEmbeddingBagCollection,
+        CowClipFusedOptimizer,
+        TableClipStats,
+    )
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection as direct
 
     assert CowClipEmbeddingBagCollection is direct

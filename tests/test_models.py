@@ -165,8 +165,11 @@ def test_forward_avoids_the_deprecated_fx_tracing_check(monkeypatch: pytest.Monk
     import torch.fx._symbolic_trace as symbolic_trace
 
     callers: List[str] = []
-    monkeypatch.setattr(symbolic_trace, "is_fx_tracing_warning",
-                        lambda: callers.append(sys._getframe(2).f_code.co_filename))
+    monkeypatch.setattr(
+        symbolic_trace,
+        "is_fx_tracing_warning",
+        lambda: callers.append(sys._getframe(2).f_code.co_filename),
+    )
     for name in FIELD_MODELS:
         dense, kjt, _ = make_batch(5, 4)
         small_model(name)(dense, kjt)
@@ -186,12 +189,12 @@ def test_unknown_model_lists_valid_names() -> None:
 
 
 def test_dense_names_or_count() -> None:
-    model = build_model("wdl", dense_names=["i0", "i1"], sparse_names=NAMES,
-                        cardinalities=CARDS, hidden=HIDDEN)
+    model = build_model(
+        "wdl", dense_names=["i0", "i1"], sparse_names=NAMES, cardinalities=CARDS, hidden=HIDDEN
+    )
     assert model.num_dense == 2
     with pytest.raises(ValueError, match="disagrees"):
-        build_model("wdl", num_dense=3, dense_names=["i0"], sparse_names=NAMES,
-                    cardinalities=CARDS)
+        build_model("wdl", num_dense=3, dense_names=["i0"], sparse_names=NAMES, cardinalities=CARDS)
     with pytest.raises(ValueError, match="num_dense or dense_names"):
         build_model("wdl", sparse_names=NAMES, cardinalities=CARDS)
     with pytest.raises(ValueError, match="cardinalities"):
@@ -211,7 +214,10 @@ def test_spec_layout_and_torchrec_blocks() -> None:
     assert isinstance(deepfm.deep, TorchRecDeepFM)
     linears = [m for m in deepfm.deep.modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [
-        (26 * 10 + 13, 400), (400, 400), (400, 400), (400, 1)
+        (26 * 10 + 13, 400),
+        (400, 400),
+        (400, 400),
+        (400, 1),
     ]
     # 26k rows of dim 10 + 26k of dim 1; dense: DNN 430,800 + 13 dense weights + bias.
     assert sum(p.numel() for p in deepfm.parameters()) == 716_814
@@ -229,8 +235,15 @@ def test_spec_layout_and_torchrec_blocks() -> None:
 
 def test_init_std_is_applied() -> None:
     for backend in BACKENDS:
-        model = build_model("wdl", num_dense=0, sparse_names=["a"], cardinalities=[4000],
-                            hidden=HIDDEN, init_std=0.05, embedding_backend=backend)
+        model = build_model(
+            "wdl",
+            num_dense=0,
+            sparse_names=["a"],
+            cardinalities=[4000],
+            hidden=HIDDEN,
+            init_std=0.05,
+            embedding_backend=backend,
+        )
         for param in model.embedding_collection.parameters():
             assert abs(param.detach().std().item() - 0.05) < 0.005
             assert abs(param.detach().mean().item()) < 0.005
@@ -292,8 +305,13 @@ def test_first_order_tables_are_never_clipped() -> None:
     # the dim-1 tables see the same kind of gradient but must not be clipped.
     for name in FIELD_MODELS:
         torch.manual_seed(0)
-        model = small_model(name, embedding_dim=10, init_std=1e-6,
-                            cowclip=CowClip(r=1.0, zeta=1e-12), embedding_lr=10.0)
+        model = small_model(
+            name,
+            embedding_dim=10,
+            init_std=1e-6,
+            cowclip=CowClip(r=1.0, zeta=1e-12),
+            embedding_lr=10.0,
+        )
         dense, kjt, labels = make_batch(32, 4)
         (1e4 * F.binary_cross_entropy_with_logits(model(dense, kjt), labels)).backward()
         stats = model.embedding_collection.clip_stats()
@@ -351,13 +369,22 @@ def test_fm_term_matches_hand_computation() -> None:
 
 def test_deepfm_logit_is_linear_plus_fm_plus_deep() -> None:
     torch.manual_seed(0)
-    model = build_model("deepfm", num_dense=2, sparse_names=["a", "b"], cardinalities=[6, 5],
-                        embedding_dim=3, hidden=(4,), init_std=0.5)
+    model = build_model(
+        "deepfm",
+        num_dense=2,
+        sparse_names=["a", "b"],
+        cardinalities=[6, 5],
+        embedding_dim=3,
+        hidden=(4,),
+        init_std=0.5,
+    )
     assert isinstance(model, DeepFM)
     ids = {"a": torch.tensor([1, 4]), "b": torch.tensor([0, 3])}
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["a", "b"], values=torch.cat([ids["a"], ids["b"]]),
-        lengths=torch.ones(4, dtype=torch.int64))
+        keys=["a", "b"],
+        values=torch.cat([ids["a"], ids["b"]]),
+        lengths=torch.ones(4, dtype=torch.int64),
+    )
     dense = torch.tensor([[0.5, -1.0], [2.0, 0.25]])
     weights = {k: v.detach() for k, v in model.embedding_collection.state_dict().items()}
     emb = torch.stack(
@@ -365,7 +392,7 @@ def test_deepfm_logit_is_linear_plus_fm_plus_deep() -> None:
     )
     first = sum(weights[f"embedding_bags.{linear_table_name(f)}.weight"][ids[f], 0] for f in "ab")
     linear = first + dense @ model.linear.dense.weight[0] + model.linear.bias
-    fm = 0.5 * ((emb.sum(1) ** 2) - (emb ** 2).sum(1)).sum(1)
+    fm = 0.5 * ((emb.sum(1) ** 2) - (emb**2).sum(1)).sum(1)
     deep = model.deep.dense_module(torch.cat([emb.flatten(1), dense], dim=1)).squeeze(1)
     with torch.no_grad():
         torch.testing.assert_close(model(dense, kjt), linear + fm + deep)
@@ -393,15 +420,17 @@ def test_training_lowers_the_loss(name: str) -> None:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     effects = [torch.randn(c, generator=gen) for c in CARDS]
-    model = small_model(name, num_dense=2, embedding_lr=3e-2, init_std=1e-1,
-                        cowclip=CowClip(r=1.0, zeta=1e-4))
+    model = small_model(
+        name, num_dense=2, embedding_lr=3e-2, init_std=1e-1, cowclip=CowClip(r=1.0, zeta=1e-4)
+    )
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=1e-2)
     eval_dense, eval_kjt, eval_labels = synthetic_task(1024, gen, effects)
 
     def eval_loss() -> float:
         with torch.no_grad():
             return F.binary_cross_entropy_with_logits(
-                model(eval_dense, eval_kjt), eval_labels).item()
+                model(eval_dense, eval_kjt), eval_labels
+            ).item()
 
     start = eval_loss()
     for _ in range(30):

@@ -16,10 +16,22 @@ from torchrec_cowclip.train.trainer import Trainer
 # embedding lr 1e-4, L2 lambda 1e-5, bound 1e-5, D = 10), at s = 16 (batch 16384).
 S = 16
 DOCUMENTED = {
-    "paper": dict(dense_lr=8e-4 * math.sqrt(S), embedding_lr=1e-4, l2=1e-5 * S,
-                  warmup_epochs=1.0, clip_r=1.0, clip_zeta=math.sqrt(10) * 1e-5),
-    "fixed-l2": dict(dense_lr=8e-4 * math.sqrt(S), embedding_lr=1e-4, l2=1e-5,
-                     warmup_epochs=0.0, clip_r=1.0, clip_zeta=math.sqrt(10) * 1e-5),
+    "paper": dict(
+        dense_lr=8e-4 * math.sqrt(S),
+        embedding_lr=1e-4,
+        l2=1e-5 * S,
+        warmup_epochs=1.0,
+        clip_r=1.0,
+        clip_zeta=math.sqrt(10) * 1e-5,
+    ),
+    "fixed-l2": dict(
+        dense_lr=8e-4 * math.sqrt(S),
+        embedding_lr=1e-4,
+        l2=1e-5,
+        warmup_epochs=0.0,
+        clip_r=1.0,
+        clip_zeta=math.sqrt(10) * 1e-5,
+    ),
 }
 
 
@@ -43,18 +55,49 @@ def test_recipe_sets_the_documented_hyperparameters(name):
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
 def test_explicit_options_override_the_recipe(name):
-    hp = scale_hyperparameters(1024 * S, recipe=name, dense_lr=1e-3, embedding_lr=2e-3, l2=0.0,
-                               clip_r=0.5, clip_zeta=1e-6, warmup_epochs=0.0)
+    hp = scale_hyperparameters(
+        1024 * S,
+        recipe=name,
+        dense_lr=1e-3,
+        embedding_lr=2e-3,
+        l2=0.0,
+        clip_r=0.5,
+        clip_zeta=1e-6,
+        warmup_epochs=0.0,
+    )
     assert (hp.dense_lr, hp.embedding_lr, hp.l2, hp.clip_r, hp.clip_zeta, hp.warmup_epochs) == (
-        1e-3, 2e-3, 0.0, 0.5, 1e-6, 0.0)
+        1e-3,
+        2e-3,
+        0.0,
+        0.5,
+        1e-6,
+        0.0,
+    )
 
 
 def test_cli_recipe_reaches_the_trainer(tmp_path):
     name = sorted(DOCUMENTED)[-1]
-    args = build_parser().parse_args([
-        "train", "--data", "synthetic:3000", "--synthetic-scale", "0.001",
-        "--synthetic-max-cardinality", "500", "--hidden", "8", "--batch-size", str(1024 * S),
-        "--recipe", name, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--data",
+            "synthetic:3000",
+            "--synthetic-scale",
+            "0.001",
+            "--synthetic-max-cardinality",
+            "500",
+            "--hidden",
+            "8",
+            "--batch-size",
+            str(1024 * S),
+            "--recipe",
+            name,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg.recipe == name and cfg.clip_r is None and cfg.warmup_epochs is None
     cfg.validate()
@@ -65,7 +108,9 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
     power = DOCUMENTED[name].get("count_lr_power", 0.0)
     count_lr = trainer.model.embedding_collection.fused_optimizer.hyperparameters["count_lr"]
-    assert (count_lr is None) if power == 0 else ((count_lr.power, count_lr.cap) == (power, float(S)))
+    assert (
+        (count_lr is None) if power == 0 else ((count_lr.power, count_lr.cap) == (power, float(S)))
+    )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--data", "synthetic:10", "--recipe", "nope"])
 
@@ -82,9 +127,16 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
     assert (hp.count_lr.power, hp.count_lr.cap) == (0.5, float(S))
     assert scale_hyperparameters(1024 * S).count_lr is None  # off in the paper's recipe
     assert scale_hyperparameters(512, count_lr_power=1.0).count_lr.cap == 1.0  # never below 1
-    cfg = TrainConfig(data="synthetic:3000", synthetic_scale=0.001, synthetic_max_cardinality=500,
-                      hidden=(8,), batch_size=1024 * S, count_lr_power=1.0,
-                      cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "run"))
+    cfg = TrainConfig(
+        data="synthetic:3000",
+        synthetic_scale=0.001,
+        synthetic_max_cardinality=500,
+        hidden=(8,),
+        batch_size=1024 * S,
+        count_lr_power=1.0,
+        cache_dir=str(tmp_path / "cache"),
+        out=str(tmp_path / "run"),
+    )
     cfg.validate()
     trainer = Trainer(cfg)
     hyper = trainer.model.embedding_collection.fused_optimizer.hyperparameters

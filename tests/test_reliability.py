@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,20 @@ import torchrec_cowclip.train.resume_guard as resume_guard
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.fused import validate_hyperparameters
 from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.checkpoint import TRAINER_STATE, CheckpointStore, NonFiniteStateError, nonfinite_tensors
+from torchrec_cowclip.train.checkpoint import (
+    TRAINER_STATE,
+    CheckpointStore,
+    NonFiniteStateError,
+    nonfinite_tensors,
+)
 from torchrec_cowclip.train.cli import main
 from torchrec_cowclip.train.resume_guard import ResumeRefused
-from torchrec_cowclip.train.run_dir import LOCK_NAME, RUN_FILES, RunDirError, claim_run_dir, lock_holder
+from torchrec_cowclip.train.run_dir import (
+    LOCK_NAME,
+    RUN_FILES,
+    RunDirError,
+    lock_holder,
+)
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,16 +41,25 @@ CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
 
 # 2,700 training rows at batch 256: 11 steps an epoch.
 TINY = dict(
-    model="deepfm", data="synthetic:3000", batch_size=256, epochs=1, hidden=(8, 8),
-    embedding_dim=4, synthetic_scale=0.001, synthetic_max_cardinality=200, progress=False,
-    eval_batch_size=4096, log_every=1, threads=1,
+    model="deepfm",
+    data="synthetic:3000",
+    batch_size=256,
+    epochs=1,
+    hidden=(8, 8),
+    embedding_dim=4,
+    synthetic_scale=0.001,
+    synthetic_max_cardinality=200,
+    progress=False,
+    eval_batch_size=4096,
+    log_every=1,
+    threads=1,
 )
-
 
 
 def _saved_state(run: Path) -> dict:
     """The trainer state of the run's latest checkpoint."""
     return CheckpointStore(run / "checkpoints").trainer_state("latest")
+
 
 def _config(out, cache, **overrides):
     return TrainConfig(**{**TINY, "out": str(out), "cache_dir": str(cache), **overrides})
@@ -49,8 +67,11 @@ def _config(out, cache, **overrides):
 
 def _snapshot(directory: Path):
     """Every file under ``directory`` with its content hash: what 'untouched' means."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +111,8 @@ REFUSED = [
 
 @pytest.mark.parametrize("override, flag, old, new", REFUSED, ids=[r[1] for r in REFUSED])
 def test_resume_with_a_result_changing_setting_is_refused_before_anything_changes(
-        interrupted, override, flag, old, new):
+    interrupted, override, flag, old, new
+):
     out = interrupted / "run"
     before = _snapshot(out)
     cfg = _config(out, interrupted / "cache", resume=True, **override)
@@ -98,37 +120,51 @@ def test_resume_with_a_result_changing_setting_is_refused_before_anything_change
         Trainer(cfg).run()
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"--resume refused: the checkpoint in {out}")
-    assert re.search(rf"{re.escape(flag)} {re.escape(old)}(, this command has | vs ){re.escape(new)}",
-                     message), message
+    assert re.search(
+        rf"{re.escape(flag)} {re.escape(old)}(, this command has | vs ){re.escape(new)}", message
+    ), message
     assert _snapshot(out) == before, "a refused resume changed the run directory"
     assert not (out / LOCK_NAME).exists()
 
 
 def test_resume_refusal_names_every_difference_and_fewer_epochs(interrupted):
     with pytest.raises(ResumeRefused) as refused:
-        Trainer(_config(interrupted / "run", interrupted / "cache", resume=True, seed=3,
-                        model="dcn")).run()
+        Trainer(
+            _config(interrupted / "run", interrupted / "cache", resume=True, seed=3, model="dcn")
+        ).run()
     message = str(refused.value)
     assert "--model deepfm, this command has dcn" in message
-    assert "; --seed 0 vs 3" in message and "; --data content 3000 rows in cache entry synthetic-" in message
+    assert (
+        "; --seed 0 vs 3" in message
+        and "; --data content 3000 rows in cache entry synthetic-" in message
+    )
     base = _saved_state(interrupted / "run")["run_record"]["settings"]
     saved = {"settings": {**base, "epochs": 3}, "data": {"rows": 1, "cache_entry": "x"}}
     now = {"settings": base, "data": {"rows": 1, "cache_entry": "x"}}
     assert resume_guard.resume_differences(saved, now) == [
-        ("--epochs", "3", "1 (a resumed run may only add epochs)")]
+        ("--epochs", "3", "1 (a resumed run may only add epochs)")
+    ]
 
 
 def test_resume_refused_when_the_data_files_changed(tmp_path):
     data = tmp_path / "day.tsv"
     shutil.copy(CRITEO_SAMPLE, data)
-    kw = dict(data=f"criteo:{data}", batch_size=32, test_fraction=0.2, synthetic_scale=None,
-              synthetic_max_cardinality=None)
+    kw = dict(
+        data=f"criteo:{data}",
+        batch_size=32,
+        test_fraction=0.2,
+        synthetic_scale=None,
+        synthetic_max_cardinality=None,
+    )
     Trainer(_config(tmp_path / "run", tmp_path / "cache", max_steps=2, **kw)).run()
     before = _snapshot(tmp_path / "run")
     lines = CRITEO_SAMPLE.read_text().splitlines(keepends=True)
     data.write_text("".join(lines[:150]))  # same --data, other content
-    with pytest.raises(ResumeRefused, match=r"--data content 200 rows in cache entry criteo-\w+, "
-                                            r"this command has 150 rows in cache entry criteo-\w+"):
+    with pytest.raises(
+        ResumeRefused,
+        match=r"--data content 200 rows in cache entry criteo-\w+, "
+        r"this command has 150 rows in cache entry criteo-\w+",
+    ):
         Trainer(_config(tmp_path / "run", tmp_path / "cache", resume=True, **kw)).run()
     assert _snapshot(tmp_path / "run") == before
 
@@ -155,7 +191,9 @@ HARMLESS = [
 ]
 
 
-@pytest.mark.parametrize("override", HARMLESS, ids=lambda o: o if isinstance(o, str) else next(iter(o)))
+@pytest.mark.parametrize(
+    "override", HARMLESS, ids=lambda o: o if isinstance(o, str) else next(iter(o))
+)
 def test_resume_with_a_harmless_change_is_accepted(interrupted, tmp_path, capsys, override):
     out = tmp_path / "run"
     shutil.copytree(interrupted / "run", out)
@@ -192,14 +230,27 @@ _HOLD_LOCK = (
 
 def test_a_second_run_into_a_locked_out_fails_naming_the_holder(tmp_path, capsys):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert lock_holder(out) == holder.pid
         with pytest.raises(SystemExit) as exit_info:
-            main(["train", "--data", "synthetic:3000", "--out", str(out),
-                  "--cache-dir", str(tmp_path / "cache")])
+            main(
+                [
+                    "train",
+                    "--data",
+                    "synthetic:3000",
+                    "--out",
+                    str(out),
+                    "--cache-dir",
+                    str(tmp_path / "cache"),
+                ]
+            )
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert f"--out {out} is in use by another run (pid {holder.pid}" in err
@@ -218,13 +269,19 @@ def test_an_out_holding_another_run_is_refused_unless_overwrite(interrupted, tmp
     shutil.copytree(interrupted / "run", out)
     (out / "notes.txt").write_text("mine")
     before = _snapshot(out)
-    with pytest.raises(RunDirError, match=rf"--out {re.escape(str(out))} holds another run's files "
-                                          r"\(checkpoints, metrics.json, steps.csv, tb\): add --resume"):
+    with pytest.raises(
+        RunDirError,
+        match=rf"--out {re.escape(str(out))} holds another run's files "
+        r"\(checkpoints, metrics.json, steps.csv, tb\): add --resume",
+    ):
         Trainer(_config(out, interrupted / "cache", max_steps=2))
     assert _snapshot(out) == before
     capsys.readouterr()
     metrics = Trainer(_config(out, interrupted / "cache", max_steps=2, overwrite=True)).run()
-    assert "--overwrite: removed checkpoints, metrics.json, steps.csv, tb from" in capsys.readouterr().err
+    assert (
+        "--overwrite: removed checkpoints, metrics.json, steps.csv, tb from"
+        in capsys.readouterr().err
+    )
     assert metrics["steps"] == 2 and (out / "notes.txt").read_text() == "mine"
     steps = (out / "steps.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in steps] == ["step", "1", "2"], "the old run's rows are gone"
@@ -248,14 +305,27 @@ def test_stale_temp_files_are_removed_at_start(interrupted, tmp_path, capsys):
     assert f"removed metrics.json.tmp from {out}, left by an interrupted write" in err
     assert f"removed {half}, left by an interrupted checkpoint write" in err
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"])
-    assert sorted(p.name.split("-")[0] for p in (out / "checkpoints").iterdir()) == ["latest", "latest"]
+        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"]
+    )
+    assert sorted(p.name.split("-")[0] for p in (out / "checkpoints").iterdir()) == [
+        "latest",
+        "latest",
+    ]
 
 
 # --- non-finite hyperparameters and checkpoints ------------------------------------------
 
-@pytest.mark.parametrize("key, value", [("lr", math.inf), ("lr", math.nan), ("lr", -1.0),
-                                        ("eps", math.inf), ("weight_decay", math.nan)])
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("lr", math.inf),
+        ("lr", math.nan),
+        ("lr", -1.0),
+        ("eps", math.inf),
+        ("weight_decay", math.nan),
+    ],
+)
 def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
     with pytest.raises(ValueError, match=f"{key} must be >=? 0 and finite, got {value}"):
@@ -265,26 +335,42 @@ def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
 def _ebc():
     torch.manual_seed(0)
     return CowClipEmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=20, feature_names=["f0"])],
-        optimizer="adam", lr=1e-2,
+        tables=[
+            EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=20, feature_names=["f0"])
+        ],
+        optimizer="adam",
+        lr=1e-2,
     )
 
 
 def _step(ebc):
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=torch.tensor([1, 2, 3]),
-                                              lengths=torch.tensor([2, 1]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])
+    )
     ebc(kjt).values().square().sum().backward()
 
 
-@pytest.mark.parametrize("key, value", [("lr", math.inf), ("lr", math.nan), ("lr", -1e-3),
-                                        ("weight_decay", math.inf), ("eps", math.nan),
-                                        ("betas", (0.9, math.nan))])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("lr", math.inf),
+        ("lr", math.nan),
+        ("lr", -1e-3),
+        ("weight_decay", math.inf),
+        ("eps", math.nan),
+        ("betas", (0.9, math.nan)),
+    ],
+)
 def test_param_group_edited_to_non_finite_raises_before_any_weight_changes(key, value):
     ebc = _ebc()
     _step(ebc)
+
     def optimizer_state():
-        return {(k, name): t.clone() for k, per_param in ebc.fused_optimizer.state_dict()["state"].items()
-                for name, t in per_param.items()}
+        return {
+            (k, name): t.clone()
+            for k, per_param in ebc.fused_optimizer.state_dict()["state"].items()
+            for name, t in per_param.items()
+        }
 
     before = optimizer_state()
     assert before
@@ -293,16 +379,23 @@ def test_param_group_edited_to_non_finite_raises_before_any_weight_changes(key, 
     ebc.fused_optimizer.param_groups[0][key] = value
     with pytest.raises(ValueError, match=rf"param_groups\[0\]: {key}"):
         _step(ebc)
-    torch.testing.assert_close(ebc.state_dict()["embedding_bags.t0.weight"], weights, rtol=0, atol=0)
+    torch.testing.assert_close(
+        ebc.state_dict()["embedding_bags.t0.weight"], weights, rtol=0, atol=0
+    )
     assert ebc.clip_stats()["t0"].steps == steps
     after = optimizer_state()
-    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert after.keys() == before.keys() and all(
+        torch.equal(after[k], v) for k, v in before.items()
+    )
 
 
 def test_nonfinite_tensors_names_each_bad_tensor_once_per_tensor():
     state = {
         "model": {"w": torch.ones(3), "b": torch.tensor([1.0, math.nan]), "ids": torch.arange(3)},
-        "optimizer": [{"exp_avg": torch.tensor([math.inf])}, torch.full((4,), 3e38)],  # sum overflows
+        "optimizer": [
+            {"exp_avg": torch.tensor([math.inf])},
+            torch.full((4,), 3e38),
+        ],  # sum overflows
         "progress": {"epoch": 1},
     }
     assert nonfinite_tensors(state) == ["model.b", "optimizer.0.exp_avg"]
@@ -315,9 +408,12 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
     name, param = next(iter(trainer.model.named_parameters()))
     with torch.no_grad():
         param.view(-1)[0] = math.inf
-    with pytest.raises(NonFiniteStateError, match=rf"refusing to write .*latest-\S+: non-finite values in "
-                                                  rf"model.model.{re.escape(name)}.*the last good checkpoint is "
-                                                  r".*latest-\S+ \(step 2"):
+    with pytest.raises(
+        NonFiniteStateError,
+        match=rf"refusing to write .*latest-\S+: non-finite values in "
+        rf"model.model.{re.escape(name)}.*the last good checkpoint is "
+        r".*latest-\S+ \(step 2",
+    ):
         trainer.save()
     assert _snapshot(tmp_path / "run") == before
     assert _saved_state(tmp_path / "run")["progress"]["global_step"] == 2
@@ -342,14 +438,19 @@ def test_non_finite_loss_names_only_this_runs_checkpoint(interrupted, tmp_path, 
     out = tmp_path / "run"
     shutil.copytree(interrupted / "run", out)  # another run's checkpoint, deleted by --overwrite
     _poison_loss_at(monkeypatch, 2)
-    with pytest.raises(NonFiniteLossError, match="at step 2 .*stopping: this run wrote no checkpoint"):
+    with pytest.raises(
+        NonFiniteLossError, match="at step 2 .*stopping: this run wrote no checkpoint"
+    ):
         Trainer(_config(out, interrupted / "cache", overwrite=True)).run()
     shutil.rmtree(out)
     shutil.copytree(interrupted / "run", out)
     monkeypatch.undo()
     _poison_loss_at(monkeypatch, 3)  # a resumed run: the checkpoint it resumed from counts
-    with pytest.raises(NonFiniteLossError, match=rf"at step 7 .*the last good checkpoint is "
-                                                 rf"{re.escape(str(out))}/checkpoints/latest-\S+ \(step 4;"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=rf"at step 7 .*the last good checkpoint is "
+        rf"{re.escape(str(out))}/checkpoints/latest-\S+ \(step 4;",
+    ):
         Trainer(_config(out, interrupted / "cache", resume=True)).run()
 
 
@@ -357,9 +458,19 @@ def test_skipped_rows_per_reason_are_in_metrics_json(tmp_path):
     lines = CRITEO_SAMPLE.read_text().splitlines(keepends=True)
     data = tmp_path / "day.tsv"
     data.write_text("".join(lines[:100]) + "1\t2\t3\n" + "".join(lines[100:]))  # one short row
-    metrics = Trainer(_config(tmp_path / "run", tmp_path / "cache", data=f"criteo:{data}",
-                              batch_size=32, test_fraction=0.2, on_bad_row="skip", max_steps=2,
-                              synthetic_scale=None, synthetic_max_cardinality=None)).run()
+    metrics = Trainer(
+        _config(
+            tmp_path / "run",
+            tmp_path / "cache",
+            data=f"criteo:{data}",
+            batch_size=32,
+            test_fraction=0.2,
+            on_bad_row="skip",
+            max_steps=2,
+            synthetic_scale=None,
+            synthetic_max_cardinality=None,
+        )
+    ).run()
     skipped = metrics["dataset"]["bad_rows_skipped"]
     assert sum(skipped.values()) == 1 and metrics["dataset"]["rows"] == 200, skipped
 
@@ -381,7 +492,10 @@ FLAG_ERRORS = [
     (["--l2=-1e-5"], "--l2 must be >= 0"),
     (["--clip-r", "2", "--no-cowclip"], "--clip-r 2 has no effect with --no-cowclip"),
     (["--clip-zeta", "1e-5", "--no-cowclip"], "--clip-zeta 1e-05 has no effect with --no-cowclip"),
-    (["--sharding", "table_wise"], "--sharding table_wise shards tables over processes: this is one process"),
+    (
+        ["--sharding", "table_wise"],
+        "--sharding table_wise shards tables over processes: this is one process",
+    ),
     (["--device", "cuda:99"], "--device cuda:99: this machine has"),
     (["--device", "tpu"], "--device must be auto, cpu or cuda[:N], got 'tpu'"),
     (["--resume", "--overwrite"], "give one"),
@@ -391,8 +505,18 @@ FLAG_ERRORS = [
 @pytest.mark.parametrize("flags, message", FLAG_ERRORS, ids=[" ".join(f[0]) for f in FLAG_ERRORS])
 def test_flag_errors_are_one_line_naming_the_flag(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--data", "synthetic:3000", "--out", str(tmp_path / "o"),
-              "--cache-dir", str(tmp_path / "c")] + flags)
+        main(
+            [
+                "train",
+                "--data",
+                "synthetic:3000",
+                "--out",
+                str(tmp_path / "o"),
+                "--cache-dir",
+                str(tmp_path / "c"),
+            ]
+            + flags
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
@@ -402,7 +526,9 @@ def test_flag_errors_are_one_line_naming_the_flag(tmp_path, capsys, flags, messa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--data", "synthetic:3000", "--out", str(tmp_path / "o"), "--device", "cuda"])
+        main(
+            ["train", "--data", "synthetic:3000", "--out", str(tmp_path / "o"), "--device", "cuda"]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--device cuda: this machine has no CUDA device" in err and err.count("\n") == 1
@@ -410,10 +536,31 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path, capsys):
 
 def test_refused_resume_through_the_cli_is_one_line(interrupted, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--data", "synthetic:3000", "--out", str(interrupted / "run"),
-              "--cache-dir", str(interrupted / "cache"), "--resume", "--batch-size", "512",
-              "--synthetic-scale", "0.001", "--synthetic-max-cardinality", "200", "--hidden", "8,8",
-              "--embedding-dim", "4", "--threads", "1", "--no-progress"])
+        main(
+            [
+                "train",
+                "--data",
+                "synthetic:3000",
+                "--out",
+                str(interrupted / "run"),
+                "--cache-dir",
+                str(interrupted / "cache"),
+                "--resume",
+                "--batch-size",
+                "512",
+                "--synthetic-scale",
+                "0.001",
+                "--synthetic-max-cardinality",
+                "200",
+                "--hidden",
+                "8,8",
+                "--embedding-dim",
+                "4",
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("torchrec-cowclip: error: --resume refused:") and err.count("\n") == 1

@@ -48,15 +48,18 @@ def test_no_tracked_file_names_a_path_outside_the_repository() -> None:
     assert not offending, "paths outside the repository:\n" + "\n".join(offending)
 
 
-@pytest.mark.parametrize("line, outside", [
-    ("see ../shared/docs/cowclip-spec.md", True),
-    ('SAMPLE = Path("/work/shared/data")', True),
-    ("cache in /home/alice/cache", True),
-    ("written to /root/.cache/x", True),
-    ("tests/data/criteo_sample.tsv", False),
-    ("criteo:/data/criteo/train.txt", False),
-    ("a shared table, shared by two features", False),
-    ("framework/work/x and ~/workspace", False),
-])
+@pytest.mark.parametrize(
+    "line, outside",
+    [
+        ("see ../shared/docs/cowclip-spec.md", True),
+        ('SAMPLE = Path("/work/shared/data")', True),
+        ("cache in /home/alice/cache", True),
+        ("written to /root/.cache/x", True),
+        ("tests/data/criteo_sample.tsv", False),
+        ("criteo:/data/criteo/train.txt", False),
+        ("a shared table, shared by two features", False),
+        ("framework/work/x and ~/workspace", False),
+    ],
+)
 def test_the_pattern_tells_outside_paths_from_repository_ones(line: str, outside: bool) -> None:
     assert bool(OUTSIDE.search(line)) is outside

@@ -28,7 +28,9 @@ needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler f
 
 
 #: The row step's hyperparameters for a plain SGD step at lr 0.1.
-SGD_0_1 = dict(optimizer="sgd", lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
+SGD_0_1 = dict(
+    optimizer="sgd", lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None
+)
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +46,10 @@ def _problem(optimizer, num_rows=50, dim=6, touched=17, seed=0):
     weight[:5] *= 1e-4
     state = {}
     if optimizer == "adam":
-        state = {"exp_avg": torch.randn(num_rows, dim, generator=gen) * 1e-2,
-                 "exp_avg_sq": torch.rand(num_rows, dim, generator=gen) * 1e-3}
+        state = {
+            "exp_avg": torch.randn(num_rows, dim, generator=gen) * 1e-2,
+            "exp_avg_sq": torch.rand(num_rows, dim, generator=gen) * 1e-3,
+        }
     elif optimizer == "rowwise_adagrad":
         state = {"sum": torch.rand(num_rows, generator=gen)}
     rows = torch.sort(torch.randperm(num_rows, generator=gen)[:touched]).values
@@ -65,8 +69,9 @@ def _expected(optimizer, weight, state, rows, grad, counts, step, **kw):
     rows, counts, step = rows.cpu(), counts.cpu(), step.cpu()
     w_rows = w[rows].clone()
     s_rows = {k: v[rows].clone() for k, v in f64.items()}
-    clipped = cowclip_row_update_(optimizer, w_rows, grad.to("cpu", torch.float64), counts, s_rows,
-                                  step, **kw)
+    clipped = cowclip_row_update_(
+        optimizer, w_rows, grad.to("cpu", torch.float64), counts, s_rows, step, **kw
+    )
     w[rows] = w_rows
     for k in f64:
         f64[k][rows] = s_rows[k]
@@ -75,8 +80,9 @@ def _expected(optimizer, weight, state, rows, grad, counts, step, **kw):
 
 def assert_close_to_reference(actual, expected, rtol=1e-5, atol=1e-7):
     """float32 on any device against the float64 CPU reference."""
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, check_dtype=False,
-                               check_device=False)
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=atol, check_dtype=False, check_device=False
+    )
 
 
 # (optimizer, dim, cowclip, coupled L2, per-row clip mask); dim 1 is DeepFM's first-order
@@ -93,30 +99,55 @@ CASES = [
 SIZES = {"cpu": ((50, 17), (50, 9)), "cuda": ((20_000, 6_000), (20_000, 4_001))}
 
 
-@pytest.mark.parametrize("mode", [pytest.param("1", marks=needs_compiler), "0"],
-                         ids=["compiled", "eager"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("1", marks=needs_compiler), "0"], ids=["compiled", "eager"]
+)
 @pytest.mark.parametrize("optimizer,dim,cowclip,weight_decay,masked", CASES)
-def test_row_step_matches_the_functional_math(device, mode, optimizer, dim, cowclip, weight_decay,
-                                              masked):
+def test_row_step_matches_the_functional_math(
+    device, mode, optimizer, dim, cowclip, weight_decay, masked
+):
     """The row step in float32 on ``device`` (Inductor's Triton kernels on CUDA when
     compiled) against the float64 functional math on CPU. Two calls with different lr and
     row counts: one graph serves both (dynamic shapes, lr not baked in), and both are right."""
     set_compiled_update(mode)
     any_clipped = any_unclipped = False
     for seed, ((num_rows, touched), lr) in enumerate(zip(SIZES[device.type], (0.05, 0.02))):
-        weight, state, rows, grad, counts, step, mask = _problem(optimizer, num_rows, dim, touched, seed)
-        kw = dict(lr=lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
-                  cowclip=cowclip, clip_enabled=mask if masked else None)
-        want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad, counts,
-                                                 step, **kw)
-        weight, rows, grad, counts, step = (t.to(device) for t in (weight, rows, grad, counts, step))
+        weight, state, rows, grad, counts, step, mask = _problem(
+            optimizer, num_rows, dim, touched, seed
+        )
+        kw = dict(
+            lr=lr,
+            betas=(0.8, 0.99),
+            eps=1e-6,
+            weight_decay=weight_decay,
+            cowclip=cowclip,
+            clip_enabled=mask if masked else None,
+        )
+        want_w, want_s, want_clipped = _expected(
+            optimizer, weight, state, rows, grad, counts, step, **kw
+        )
+        weight, rows, grad, counts, step = (
+            t.to(device) for t in (weight, rows, grad, counts, step)
+        )
         state = {k: v.to(device) for k, v in state.items()}
         bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
         clip_enabled = mask.to(device) if masked else None
-        clipped = row_step.row_step_(weight, state, rows, grad, counts, step=step,
-                                     optimizer=optimizer, lr=lr, betas=kw["betas"], eps=kw["eps"],
-                                     weight_decay=weight_decay, cowclip=cowclip,
-                                     clip_enabled=clip_enabled, adam_bias=bias)
+        clipped = row_step.row_step_(
+            weight,
+            state,
+            rows,
+            grad,
+            counts,
+            step=step,
+            optimizer=optimizer,
+            lr=lr,
+            betas=kw["betas"],
+            eps=kw["eps"],
+            weight_decay=weight_decay,
+            cowclip=cowclip,
+            clip_enabled=clip_enabled,
+            adam_bias=bias,
+        )
         assert_close_to_reference(weight, want_w)
         for key in state:
             assert_close_to_reference(state[key], want_s[key])
@@ -141,15 +172,29 @@ def test_compiled_column_shard_step_uses_whole_row_sums(optimizer):
     weight, state, rows, grad, counts, step, _ = _problem(optimizer, dim=8)
     cols = slice(0, 3)
     shard_w = weight[:, cols].contiguous()
-    shard_state = {k: (v[:, cols].contiguous() if v.dim() == 2 else v.clone()) for k, v in state.items()}
+    shard_state = {
+        k: (v[:, cols].contiguous() if v.dim() == 2 else v.clone()) for k, v in state.items()
+    }
     sums = RowSums.from_sums(partial_row_sums(grad, weight[rows]), 8)
     results = []
     for mode in ("0", "1"):
         set_compiled_update(mode)
         w, s = shard_w.clone(), {k: v.clone() for k, v in shard_state.items()}
-        clipped = row_step_(w, s, rows, grad[:, cols].contiguous(), counts, step=step,
-                            optimizer=optimizer, lr=0.05, betas=(0.8, 0.99), eps=1e-6,
-                            weight_decay=0.01, cowclip=CowClip(r=1.0, zeta=1e-5), row_sums=sums)
+        clipped = row_step_(
+            w,
+            s,
+            rows,
+            grad[:, cols].contiguous(),
+            counts,
+            step=step,
+            optimizer=optimizer,
+            lr=0.05,
+            betas=(0.8, 0.99),
+            eps=1e-6,
+            weight_decay=0.01,
+            cowclip=CowClip(r=1.0, zeta=1e-5),
+            row_sums=sums,
+        )
         results.append((w, s, clipped))
     (w0, s0, c0), (w1, s1, c1) = results
     torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-7)
@@ -197,8 +242,20 @@ def test_a_failed_build_falls_back_to_eager_once_with_a_warning(monkeypatch):
 def test_gather_step_scatter_touches_only_the_given_rows():
     weight, state, rows, grad, counts, step, _ = _problem("adam")
     before_w, before_s = weight.clone(), {k: v.clone() for k, v in state.items()}
-    gather_step_scatter_(weight, state, rows, grad, counts, step=step, optimizer="adam", lr=0.05,
-                         betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, cowclip=CowClip(1.0, 1e-5))
+    gather_step_scatter_(
+        weight,
+        state,
+        rows,
+        grad,
+        counts,
+        step=step,
+        optimizer="adam",
+        lr=0.05,
+        betas=(0.8, 0.99),
+        eps=1e-6,
+        weight_decay=0.01,
+        cowclip=CowClip(1.0, 1e-5),
+    )
     untouched = torch.ones(weight.shape[0], dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(weight[untouched], before_w[untouched])
@@ -207,24 +264,47 @@ def test_gather_step_scatter_touches_only_the_given_rows():
         assert torch.equal(state[key][untouched], before_s[key][untouched])
 
 
-@pytest.mark.parametrize("mode", [pytest.param("1", marks=needs_compiler), "0"],
-                         ids=["compiled", "eager"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("1", marks=needs_compiler), "0"], ids=["compiled", "eager"]
+)
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
 def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
     set_compiled_update(mode)
     weight, state, rows, grad, counts, step, mask = _problem(optimizer)
     counts = counts * 3  # counts 3..9 against cap 4: both sides of the cap
-    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01,
-              cowclip=CowClip(r=1.0, zeta=1e-5), clip_enabled=mask,
-              count_lr=CountLR(power=1.0, cap=4.0))
-    want_w, want_s, want_clipped = _expected(optimizer, weight, state, rows, grad, counts, step, **kw)
-    plain_w, _, _ = _expected(optimizer, weight, state, rows, grad, counts, step,
-                              **{**kw, "count_lr": None})
+    kw = dict(
+        lr=0.05,
+        betas=(0.8, 0.99),
+        eps=1e-6,
+        weight_decay=0.01,
+        cowclip=CowClip(r=1.0, zeta=1e-5),
+        clip_enabled=mask,
+        count_lr=CountLR(power=1.0, cap=4.0),
+    )
+    want_w, want_s, want_clipped = _expected(
+        optimizer, weight, state, rows, grad, counts, step, **kw
+    )
+    plain_w, _, _ = _expected(
+        optimizer, weight, state, rows, grad, counts, step, **{**kw, "count_lr": None}
+    )
     bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-    clipped = row_step_(weight, state, rows, grad, counts, step=step, optimizer=optimizer,
-                        lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=0.01,
-                        cowclip=kw["cowclip"], clip_enabled=mask, adam_bias=bias,
-                        count_lr=kw["count_lr"])
+    clipped = row_step_(
+        weight,
+        state,
+        rows,
+        grad,
+        counts,
+        step=step,
+        optimizer=optimizer,
+        lr=kw["lr"],
+        betas=kw["betas"],
+        eps=kw["eps"],
+        weight_decay=0.01,
+        cowclip=kw["cowclip"],
+        clip_enabled=mask,
+        adam_bias=bias,
+        count_lr=kw["count_lr"],
+    )
     assert_close_to_reference(weight, want_w)
     for key in state:
         assert_close_to_reference(state[key], want_s[key])

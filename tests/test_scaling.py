@@ -36,7 +36,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("scaling_benchmark", REPO / "benchmarks" / "scaling.py")
+_spec = importlib.util.spec_from_file_location(
+    "scaling_benchmark", REPO / "benchmarks" / "scaling.py"
+)
 scaling = importlib.util.module_from_spec(_spec)
 sys.modules["scaling_benchmark"] = scaling
 _spec.loader.exec_module(scaling)
@@ -53,11 +55,23 @@ UNREACHABLE_ZETA = 1e3
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     common = dict(
-        model="deepfm", data="synthetic:100000", seeds=[SEED], epochs=EPOCHS, out_root=out,
-        cache_dir=str(out / "cache"), base_batch_size=SMALL, base_lr_embed=1e-2, base_lr=4e-3,
-        extra=dict(hidden=(32, 32), synthetic_scale=0.01, synthetic_max_cardinality=5000,
-                   eval_batch_size=8192, log_every=1000,
-                   row_clip_stats=True),
+        model="deepfm",
+        data="synthetic:100000",
+        seeds=[SEED],
+        epochs=EPOCHS,
+        out_root=out,
+        cache_dir=str(out / "cache"),
+        base_batch_size=SMALL,
+        base_lr_embed=1e-2,
+        base_lr=4e-3,
+        extra=dict(
+            hidden=(32, 32),
+            synthetic_scale=0.01,
+            synthetic_max_cardinality=5000,
+            eval_batch_size=8192,
+            log_every=1000,
+            row_clip_stats=True,
+        ),
         verbose=False,
     )
     # At the base batch every method has the same lrs; only CowClip is run there.
@@ -66,10 +80,15 @@ def study(tmp_path_factory):
     # CowClip with the sqrt method's lrs and a threshold floor (zeta) no gradient reaches,
     # so the clip cannot bind: it must then BE that method.
     records += scaling.run_study(
-        batch_sizes=[LARGE], methods=["cowclip"],
-        method_options={"rules": {"embedding_lr_scaling": "sqrt"}, "clip_zeta": UNREACHABLE_ZETA,
-                        "label": "cowclip-sqrt"},
-        **common)
+        batch_sizes=[LARGE],
+        methods=["cowclip"],
+        method_options={
+            "rules": {"embedding_lr_scaling": "sqrt"},
+            "clip_zeta": UNREACHABLE_ZETA,
+            "label": "cowclip-sqrt",
+        },
+        **common,
+    )
     return out, {(r["batch_size"], r["method"]): r for r in records}
 
 
@@ -85,12 +104,19 @@ def test_method_hyperparameters_follow_the_rule():
     li = scaling.method_hyperparameters("linear", 8192, **base)
     assert (li["lr"], li["lr_embed"]) == (pytest.approx(8e-3), pytest.approx(8e-4))
     assert scaling.method_hyperparameters("none", 8192, **base) == {
-        "cowclip": False, "lr": 1e-3, "lr_embed": 1e-4, "l2": 1e-5}
+        "cowclip": False,
+        "lr": 1e-3,
+        "lr_embed": 1e-4,
+        "l2": 1e-5,
+    }
     # Without overrides, cowclip is the trainer's own rule (Criteo profile).
     hp = scaling.scale_hyperparameters(8192)
     cc = scaling.method_hyperparameters("cowclip", 8192)
     assert (cc["lr"], cc["lr_embed"], cc["l2"]) == (
-        pytest.approx(hp.dense_lr), hp.embedding_lr, pytest.approx(hp.l2))
+        pytest.approx(hp.dense_lr),
+        hp.embedding_lr,
+        pytest.approx(hp.l2),
+    )
     with pytest.raises(ValueError):
         scaling.method_hyperparameters("adamw", 1024)
     # Rule changes (the recipe search) apply to the cowclip method only.
@@ -153,8 +179,12 @@ def test_clip_counts_by_id_frequency_cover_every_clipped_table_update(study):
         buckets = r["clip_per_id_frequency_bucket"]
         assert buckets and [b["low"] for b in buckets] == [1, 2, 11, 101, 1001], key
         per_table = {t: v for t, v in r["clipped_per_table"].items() if t.startswith("emb_")}
-        assert sum(b["rows_updated"] for b in buckets) == sum(v["rows_updated"] for v in per_table.values())
-        assert sum(b["rows_clipped"] for b in buckets) == sum(v["rows_clipped"] for v in per_table.values())
+        assert sum(b["rows_updated"] for b in buckets) == sum(
+            v["rows_updated"] for v in per_table.values()
+        )
+        assert sum(b["rows_clipped"] for b in buckets) == sum(
+            v["rows_clipped"] for v in per_table.values()
+        )
 
 
 def test_equal_steps_trains_each_batch_the_base_batch_number_of_steps(monkeypatch, tmp_path):
@@ -167,11 +197,20 @@ def test_equal_steps_trains_each_batch_the_base_batch_number_of_steps(monkeypatc
         return {"auc": 0.5, "logloss": 0.7, "clipped_frac": None, "wall_s": 0.0}
 
     monkeypatch.setattr(scaling, "run_one", fake_run_one)
-    scaling.run_study(data="synthetic:10", batch_sizes=[512, 2048, 32768], methods=["cowclip"],
-                      epochs=3, out_root=tmp_path, base_batch_size=512, equal_steps=True,
-                      extra={"early_stop_patience": 2}, verbose=False)
+    scaling.run_study(
+        data="synthetic:10",
+        batch_sizes=[512, 2048, 32768],
+        methods=["cowclip"],
+        epochs=3,
+        out_root=tmp_path,
+        base_batch_size=512,
+        equal_steps=True,
+        extra={"early_stop_patience": 2},
+        verbose=False,
+    )
     assert seen == [(512, 3, 2), (2048, 12, 2), (32768, 192, 2)]
-    cc = scaling.method_hyperparameters("cowclip", 8192, base_batch_size=512,
-                                        rules={"count_lr_power": 0.5})
+    cc = scaling.method_hyperparameters(
+        "cowclip", 8192, base_batch_size=512, rules={"count_lr_power": 0.5}
+    )
     assert cc["count_lr_power"] == 0.5
     assert "count_lr_power" not in scaling.method_hyperparameters("none", 8192, base_batch_size=512)

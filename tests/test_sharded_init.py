@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import distributed_cases as cases
 import pytest
 import torch
-
-import distributed_cases as cases
 from distributed_harness import run_ranks
+
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 
 
@@ -27,7 +27,9 @@ def _unsharded_start(optimizer: str) -> dict:
 
 
 @pytest.mark.parametrize("world,optimizer", [(1, "adam"), (2, "adam"), (3, "rowwise_adagrad")])
-def test_every_world_size_and_sharding_type_starts_from_the_unsharded_weights(tmp_path, world, optimizer):
+def test_every_world_size_and_sharding_type_starts_from_the_unsharded_weights(
+    tmp_path, world, optimizer
+):
     out = str(tmp_path / "init.pt")
     run_ranks(cases.init_invariance_case, world, optimizer, out, timeout_s=150)
     result = torch.load(out, weights_only=False)
@@ -38,11 +40,16 @@ def test_every_world_size_and_sharding_type_starts_from_the_unsharded_weights(tm
         # Bit-identical: the same generator draws for the same global rows and columns.
         assert torch.equal(result["weights"][key], weight), key
     whole = CowClipEmbeddingBagCollection(
-        [replace(t) for t in cases.init_tables()], optimizer=optimizer).table_storage_bytes()
+        [replace(t) for t in cases.init_tables()], optimizer=optimizer
+    ).table_storage_bytes()
     for rank, (held, shards) in enumerate(result["storage"]):
-        assert held == shards > 0, f"rank {rank} holds {held} bytes of tables and state, its shards need {shards}"
+        assert held == shards > 0, (
+            f"rank {rank} holds {held} bytes of tables and state, its shards need {shards}"
+        )
         if world > 1:
-            assert held < 0.75 * whole, f"rank {rank} holds {held} of the whole model's {whole} bytes"
+            assert held < 0.75 * whole, (
+                f"rank {rank} holds {held} of the whole model's {whole} bytes"
+            )
 
 
 def test_meta_collection_allocates_nothing_and_materialises_like_a_cpu_one():
@@ -62,7 +69,9 @@ def test_meta_collection_allocates_nothing_and_materialises_like_a_cpu_one():
     for key, value in lazy.state_dict().items():
         assert torch.equal(value, eager[key]), key
     for batch in lazy._batches:
-        assert batch.weight.data_ptr() == lazy.embedding_bags[batch.table_names[0]].weight.data_ptr()
+        assert (
+            batch.weight.data_ptr() == lazy.embedding_bags[batch.table_names[0]].weight.data_ptr()
+        )
         assert all(float(t.abs().sum()) == 0.0 for t in batch.state.values())
         assert batch.row_offsets.tolist() == batch.row_offsets_list
 

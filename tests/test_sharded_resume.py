@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import trainer_cases as cases
 from distributed_harness import JobFailed, run_ranks
-from torchrec_cowclip.train.trainer import Trainer
 
+from torchrec_cowclip.train.trainer import Trainer
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
 
@@ -60,7 +59,9 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
         restored = reference
     else:
         out = str(tmp_path / "restored.pt")
-        run_ranks(cases.restored_state, second, root, {"sharding": "table_wise"}, out, timeout_s=240)
+        run_ranks(
+            cases.restored_state, second, root, {"sharding": "table_wise"}, out, timeout_s=240
+        )
         restored = torch.load(out, weights_only=False)
     assert restored["progress"]["global_step"] == 5
     assert set(restored["tensors"]) == set(reference["tensors"])

@@ -16,8 +16,6 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-
 from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.cli import main
 from torchrec_cowclip.train.run_dir import LOCK_NAME, lock_holder
@@ -27,12 +25,46 @@ SEED = 13
 # 2,700 training rows at batch 128: 22 steps an epoch, 88 in all; a checkpoint every 2.
 # The kills are placed by steps logged, not by time, so that a faster machine does not
 # finish the run before the 20th kill.
-ARGV = ["train", "--data", "synthetic:3000", "--synthetic-scale", "0.001",
-        "--synthetic-max-cardinality", "200", "--hidden", "8,8", "--embedding-dim", "4",
-        "--batch-size", "128", "--epochs", "4", "--checkpoint-every", "2", "--log-every", "1",
-        "--eval-batch-size", "4096", "--threads", "1", "--no-progress"]
-COMPARED = ("auc", "logloss", "epoch_auc", "epoch_logloss", "best_epoch", "epochs", "steps",
-            "train_samples", "rows_updated", "rows_clipped", "rows_nonfinite", "clipped_per_table")
+ARGV = [
+    "train",
+    "--data",
+    "synthetic:3000",
+    "--synthetic-scale",
+    "0.001",
+    "--synthetic-max-cardinality",
+    "200",
+    "--hidden",
+    "8,8",
+    "--embedding-dim",
+    "4",
+    "--batch-size",
+    "128",
+    "--epochs",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-batch-size",
+    "4096",
+    "--threads",
+    "1",
+    "--no-progress",
+]
+COMPARED = (
+    "auc",
+    "logloss",
+    "epoch_auc",
+    "epoch_logloss",
+    "best_epoch",
+    "epochs",
+    "steps",
+    "train_samples",
+    "rows_updated",
+    "rows_clipped",
+    "rows_nonfinite",
+    "clipped_per_table",
+)
 
 
 def _last_step(out: Path) -> int:
@@ -46,8 +78,10 @@ def _last_step(out: Path) -> int:
 
 def _rows(path: Path, columns=None):
     with path.open(newline="") as f:
-        return [{k: v for k, v in row.items() if columns is None or k in columns}
-                for row in csv.DictReader(f)]
+        return [
+            {k: v for k, v in row.items() if columns is None or k in columns}
+            for row in csv.DictReader(f)
+        ]
 
 
 def _start(ctx, argv):
@@ -91,7 +125,9 @@ def test_twenty_random_kills_each_resumed_give_the_uninterrupted_metrics(tmp_pat
             time.sleep(0.002)
         if not startup:
             time.sleep(rng.uniform(0.0, 0.01))
-        assert process.is_alive(), f"kill {kills + 1}: the run ended first (exit {process.exitcode})"
+        assert process.is_alive(), (
+            f"kill {kills + 1}: the run ended first (exit {process.exitcode})"
+        )
         os.kill(process.pid, signal.SIGKILL)
         process.join(30)
         assert process.exitcode == -signal.SIGKILL
@@ -108,16 +144,22 @@ def test_twenty_random_kills_each_resumed_give_the_uninterrupted_metrics(tmp_pat
     # Each step and epoch logged once, with the uninterrupted run's values (running_loss
     # restarts with each process; samples_per_s is a timing).
     assert _rows(out / "steps.csv", ("step", "loss", "dense_lr")) == _rows(
-        tmp_path / "full" / "steps.csv", ("step", "loss", "dense_lr"))
+        tmp_path / "full" / "steps.csv", ("step", "loss", "dense_lr")
+    )
     assert _rows(out / "epochs.csv") == _rows(tmp_path / "full" / "epochs.csv")
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"]), "stray files left"
+        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"]
+    ), "stray files left"
     assert [p.name.split("-")[0] for p in sorted((out / "checkpoints").iterdir())] == [
-        "latest", "latest"], "a killed checkpoint write was left behind"
+        "latest",
+        "latest",
+    ], "a killed checkpoint write was left behind"
     assert not (out / LOCK_NAME).exists() and lock_holder(out) is None
     latest = CheckpointStore(out / "checkpoints").trainer_state("latest")
     assert latest["progress"]["global_step"] == 88
-    print(f"soak: {kills} kills survived ({startup_kills} in start-up, {mid_write} inside a "
-          f"checkpoint write, {fresh_starts} before a first checkpoint; the last at step {reached} of "
-          f"88); uninterrupted run "
-          f"{uninterrupted_s:.1f} s, whole soak {time.perf_counter() - t0:.1f} s")
+    print(
+        f"soak: {kills} kills survived ({startup_kills} in start-up, {mid_write} inside a "
+        f"checkpoint write, {fresh_starts} before a first checkpoint; the last at step {reached} of "
+        f"88); uninterrupted run "
+        f"{uninterrupted_s:.1f} s, whole soak {time.perf_counter() - t0:.1f} s"
+    )

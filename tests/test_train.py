@@ -17,8 +17,13 @@ from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
 # The paper's table (Criteo, DeepFM; docs/algorithm.md): batch -> (dense lr, L2 lambda).
 SPEC_TABLE = {
-    1024: (8e-4, 1e-5), 2048: (11.31e-4, 2e-5), 4096: (16e-4, 4e-5), 8192: (22.62e-4, 8e-5),
-    16384: (32e-4, 16e-5), 32768: (45.25e-4, 32e-5), 65536: (64e-4, 64e-5),
+    1024: (8e-4, 1e-5),
+    2048: (11.31e-4, 2e-5),
+    4096: (16e-4, 4e-5),
+    8192: (22.62e-4, 8e-5),
+    16384: (32e-4, 16e-5),
+    32768: (45.25e-4, 32e-5),
+    65536: (64e-4, 64e-5),
     131072: (90.50e-4, 128e-5),
 }
 
@@ -44,10 +49,19 @@ def test_scaling_rule_avazu_and_overrides():
 
 def _config(tmp_path, **overrides):
     base = dict(
-        model="deepfm", data="synthetic:30000", out=str(tmp_path / "run"),
-        cache_dir=str(tmp_path / "cache"), batch_size=1024, epochs=1, hidden=(32, 32),
-        lr_embed=1e-2, synthetic_scale=0.01, synthetic_max_cardinality=5000,
-        progress=False, eval_batch_size=8192, log_every=5,
+        model="deepfm",
+        data="synthetic:30000",
+        out=str(tmp_path / "run"),
+        cache_dir=str(tmp_path / "cache"),
+        batch_size=1024,
+        epochs=1,
+        hidden=(32, 32),
+        lr_embed=1e-2,
+        synthetic_scale=0.01,
+        synthetic_max_cardinality=5000,
+        progress=False,
+        eval_batch_size=8192,
+        log_every=5,
     )
     base.update(overrides)
     return TrainConfig(**base)
@@ -62,8 +76,13 @@ def learned(tmp_path_factory):
 
 def test_short_run_learns_the_planted_model(learned):
     cfg, metrics = learned
-    ds = open_dataset(cfg.data, cfg.cache_dir, seed=cfg.seed, cardinality_scale=cfg.synthetic_scale,
-                      max_cardinality=cfg.synthetic_max_cardinality)
+    ds = open_dataset(
+        cfg.data,
+        cfg.cache_dir,
+        seed=cfg.seed,
+        cardinality_scale=cfg.synthetic_scale,
+        max_cardinality=cfg.synthetic_max_cardinality,
+    )
     _, _, test = ds.split(cfg.test_fraction, cfg.val_fraction, cfg.seed)
     planted = rank_auc(np.asarray(ds.labels)[test], np.asarray(ds.planted_logit)[test])
     # Chance is 0.5; the planted model's own logit bounds what any model can reach.
@@ -77,8 +96,19 @@ def test_metrics_json_and_logs(learned):
     cfg, metrics = learned
     out = os.path.join(cfg.out)
     written = json.loads(open(os.path.join(out, "metrics.json")).read())
-    for key in ("auc", "logloss", "epoch_auc", "epoch_logloss", "best_epoch", "train_samples_per_s",
-                "epochs", "batch_size", "rows_updated", "rows_clipped", "hyperparameters"):
+    for key in (
+        "auc",
+        "logloss",
+        "epoch_auc",
+        "epoch_logloss",
+        "best_epoch",
+        "train_samples_per_s",
+        "epochs",
+        "batch_size",
+        "rows_updated",
+        "rows_clipped",
+        "hyperparameters",
+    ):
         assert key in written, key
     assert written["epochs"] == 2 and len(written["epoch_auc"]) == 2
     assert written["batch_size"] == 1024 and written["train_samples_per_s"] > 0
@@ -87,7 +117,9 @@ def test_metrics_json_and_logs(learned):
     assert hp["embedding_lr"] == 1e-2 and hp["dense_lr"] == pytest.approx(8e-4)
     assert hp["l2"] == pytest.approx(1e-5) and hp["cowclip"]["r"] == 1.0
     assert open(os.path.join(out, "epochs.csv")).read().count("\n") == 3
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
+    assert any(
+        name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb"))
+    )
 
 
 def test_resume_after_interruption_gives_the_uninterrupted_metrics(tmp_path):
@@ -128,7 +160,9 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_checkpoint_refuses_a_model_of_another_shape(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints")
     store.save("latest", "s1", {"model": {"emb": torch.ones(10, 4)}}, {"step": 1})
-    with pytest.raises(CheckpointMismatchError, match=r"'model.emb' is \[10, 4\] there and \[12, 4\] here"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'model.emb' is \[10, 4\] there and \[12, 4\] here"
+    ):
         store.load("latest", {"model": {"emb": torch.zeros(12, 4)}})
     with pytest.raises(CheckpointMismatchError, match="not in it"):
         store.load("latest", {"model": {"emb": torch.zeros(10, 4), "other": torch.zeros(2)}})
@@ -161,7 +195,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypa
 
 
 def test_early_stopping_restores_the_best_epoch(tmp_path):
-    cfg = _config(tmp_path, epochs=4, val_fraction=0.1, early_stop_patience=1, lr_embed=0.3, lr=0.05)
+    cfg = _config(
+        tmp_path, epochs=4, val_fraction=0.1, early_stop_patience=1, lr_embed=0.3, lr=0.05
+    )
     metrics = Trainer(cfg).run()
     best = metrics["best_epoch"]
     assert metrics["auc"] == metrics["epoch_auc"][best - 1]
@@ -199,10 +235,31 @@ def test_cli_run_prints_no_torch_fx_deprecation_notice(tmp_path, capsys, caplog)
     import torch.fx._symbolic_trace as symbolic_trace
 
     symbolic_trace.is_fx_tracing_warning.cache_clear()
-    assert main(["train", "--data", "synthetic:3000", "--synthetic-scale", "0.01",
-                 "--synthetic-max-cardinality", "500", "--hidden", "8", "--batch-size", "512",
-                 "--max-steps", "2", "--no-progress", "--out", str(tmp_path / "o"),
-                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                "synthetic:3000",
+                "--synthetic-scale",
+                "0.01",
+                "--synthetic-max-cardinality",
+                "500",
+                "--hidden",
+                "8",
+                "--batch-size",
+                "512",
+                "--max-steps",
+                "2",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "o"),
+                "--cache-dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 0
+    )
     assert '"steps": 2' in capsys.readouterr().out
     notices = [r for r in caplog.records if "is_fx_tracing" in r.getMessage()]
     assert notices == []
@@ -232,7 +289,9 @@ def test_every_model_trains_through_the_cli_path(tmp_path, model):
 
 
 def test_stock_torchrec_backend_trains_with_dense_adam(tmp_path):
-    metrics = Trainer(_config(tmp_path, embedding_backend="torchrec", cowclip=False, max_steps=4)).run()
+    metrics = Trainer(
+        _config(tmp_path, embedding_backend="torchrec", cowclip=False, max_steps=4)
+    ).run()
     assert metrics["steps"] == 4 and metrics["rows_updated"] is None
     assert math.isfinite(metrics["logloss"])
 
@@ -245,8 +304,12 @@ def test_row_clip_stats_report_clip_rates_by_id_frequency(tmp_path):
     buckets = metrics["clip_by_frequency"]
     assert [b["low"] for b in buckets] == [1, 2, 11, 101, 1001]
     clipped_tables = {k: v for k, v in metrics["clipped_per_table"].items() if k.startswith("emb_")}
-    assert sum(b["rows_updated"] for b in buckets) == sum(v["rows_updated"] for v in clipped_tables.values())
-    assert sum(b["rows_clipped"] for b in buckets) == sum(v["rows_clipped"] for v in clipped_tables.values())
+    assert sum(b["rows_updated"] for b in buckets) == sum(
+        v["rows_updated"] for v in clipped_tables.values()
+    )
+    assert sum(b["rows_clipped"] for b in buckets) == sum(
+        v["rows_clipped"] for v in clipped_tables.values()
+    )
     assert sum(b["rows_clipped"] for b in buckets) > 0
     assert all(0.0 <= b["clip_rate"] <= 1.0 for b in buckets)
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -267,4 +330,6 @@ def test_row_clip_stats_survive_a_resume(tmp_path):
 
 def test_row_clip_stats_need_the_cowclip_backend(tmp_path):
     with pytest.raises(ConfigError, match="--row-clip-stats"):
-        _config(tmp_path, row_clip_stats=True, embedding_backend="torchrec", cowclip=False).validate()
+        _config(
+            tmp_path, row_clip_stats=True, embedding_backend="torchrec", cowclip=False
+        ).validate()

@@ -57,11 +57,14 @@ def test_a_registered_rule_trains_a_collection_end_to_end(toy_rule):
 
     ebc = CowClipEmbeddingBagCollection(
         [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=5, feature_names=["f"])],
-        optimizer=toy_rule.name, lr=0.1, cowclip=None,
+        optimizer=toy_rule.name,
+        lr=0.1,
+        cowclip=None,
     )
     start = ebc.embedding_bags["t"].weight.detach().clone()
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f"], values=torch.tensor([1, 1, 4]), lengths=torch.tensor([2, 1]))
+        keys=["f"], values=torch.tensor([1, 1, 4]), lengths=torch.tensor([2, 1])
+    )
     for _ in range(2):
         ebc(kjt).values().sum().backward()
     # Row 1 is seen twice per step (g = 2), row 4 once (g = 1): v1 = g, v2 = m * g + g.

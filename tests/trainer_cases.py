@@ -13,22 +13,42 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-
 from distributed_cases import gather_full
+
 from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.trainer import Trainer
 
 #: Metrics that a resumed run must reproduce exactly.
-EXACT = ("epoch_auc", "epoch_logloss", "steps", "train_samples", "rows_updated", "rows_clipped",
-         "rows_nonfinite", "clipped_per_table", "best_epoch")
+EXACT = (
+    "epoch_auc",
+    "epoch_logloss",
+    "steps",
+    "train_samples",
+    "rows_updated",
+    "rows_clipped",
+    "rows_nonfinite",
+    "clipped_per_table",
+    "best_epoch",
+)
 
 
 def tiny_config(root: str, **overrides: Any) -> TrainConfig:
     base = TrainConfig(
-        model="deepfm", data="synthetic:16000", batch_size=1536, hidden=(16, 16),
-        synthetic_scale=0.01, synthetic_max_cardinality=3000, lr_embed=1e-2, epochs=2,
-        progress=False, cache_dir=os.path.join(root, "cache"), out=os.path.join(root, "run"),
-        dist_timeout_s=60, val_fraction=0.1, early_stop_patience=3, embedding_dim=6,
+        model="deepfm",
+        data="synthetic:16000",
+        batch_size=1536,
+        hidden=(16, 16),
+        synthetic_scale=0.01,
+        synthetic_max_cardinality=3000,
+        lr_embed=1e-2,
+        epochs=2,
+        progress=False,
+        cache_dir=os.path.join(root, "cache"),
+        out=os.path.join(root, "run"),
+        dist_timeout_s=60,
+        val_fraction=0.1,
+        early_stop_patience=3,
+        embedding_dim=6,
     )
     return replace(base, **overrides)
 
@@ -70,7 +90,9 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
     Trainer(tiny_config(root, **overrides)).run()
 
 
-def restored_state(rank: int, world: int, root: str, overrides: Dict[str, Any], out_path: str) -> None:
+def restored_state(
+    rank: int, world: int, root: str, overrides: Dict[str, Any], out_path: str
+) -> None:
     """Loads the run's latest checkpoint at this world size; rank 0 writes the full
     weights and optimizer states, gathered from every rank. Then trains on from there."""
     _as_torchrun(rank, world)
@@ -86,8 +108,9 @@ def restored_state(rank: int, world: int, root: str, overrides: Dict[str, Any], 
     full = gather_full(named)
     counters = trainer.runtime.table_counters()
     if rank == 0:
-        torch.save({"tensors": full, "counters": counters, "progress": trainer.progress.__dict__},
-                   out_path)
+        torch.save(
+            {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
+        )
     dist.barrier()
     Trainer(tiny_config(root, resume=True, **overrides)).run()
 
@@ -103,7 +126,8 @@ def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
                 named[f"optimizer/{key}/{name}"] = value.detach().clone()
-    return {"tensors": named, "counters": trainer.runtime.table_counters(),
-            "progress": dict(trainer.progress.__dict__)}
-
-
+    return {
+        "tensors": named,
+        "counters": trainer.runtime.table_counters(),
+        "progress": dict(trainer.progress.__dict__),
+    }

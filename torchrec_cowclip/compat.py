@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Ty
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 
-
 def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
     """The TorchRec methods the sharder overrides, with the parameters they must keep:
     ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups, then the
@@ -91,6 +90,7 @@ def __getattr__(name: str) -> Any:
 
         return TableBatchedEmbeddingSlice
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The logger torch's one-time ``is_fx_tracing()`` deprecation notice goes to (the CLI
 #: filters that notice; it concerns a call torch.fx itself makes).
@@ -163,7 +163,9 @@ def mark_updated_in_backward(param: Tensor) -> None:
     param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
 
 
-def set_planner_optimizer_class(param: Tensor, optimizer_class: Type[torch.optim.Optimizer]) -> None:
+def set_planner_optimizer_class(
+    param: Tensor, optimizer_class: Type[torch.optim.Optimizer]
+) -> None:
     """Tells TorchRec's storage estimator which optimizer's state size to plan for
     ``param`` (``_optimizer_classes``)."""
     # A new attribute on a torch Parameter, which the stubs do not declare.

@@ -39,7 +39,12 @@ from torchrec_cowclip.data.schema import (
     Schema,
 )
 from torchrec_cowclip.data.splits import split_indices
-from torchrec_cowclip.data.synthetic import PlantedModel, SyntheticConfig, rank_auc, synthetic_arrays
+from torchrec_cowclip.data.synthetic import (
+    PlantedModel,
+    SyntheticConfig,
+    rank_auc,
+    synthetic_arrays,
+)
 from torchrec_cowclip.data.vocab import MISSING_ID, OOV_ID
 
 __all__ = [

@@ -51,7 +51,9 @@ def avazu_layout(
         raise DataError(f"{path}: no label column {label!r}; columns are {header}", path=path)
     dense = tuple(dense or ())
     if sparse is None:
-        sparse = tuple(c for c in header if c != label and c not in AVAZU_DROPPED and c not in dense)
+        sparse = tuple(
+            c for c in header if c != label and c not in AVAZU_DROPPED and c not in dense
+        )
     return TextLayout(
         delimiter=delimiter or ",", header=True, label=label, dense=dense, sparse=tuple(sparse)
     )

@@ -127,7 +127,9 @@ def epoch_order(indices: np.ndarray, shuffle: bool, seed: int, epoch: int) -> np
     indices = np.asarray(indices, dtype=np.int64)
     if not shuffle:
         return indices
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, _SHUFFLE_STREAM, epoch])))
+    rng = np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([seed, _SHUFFLE_STREAM, epoch]))
+    )
     return indices[rng.permutation(len(indices))]
 
 
@@ -202,7 +204,12 @@ class BatchIterator:
     def _batch(self, order: np.ndarray, k: int) -> Batch:
         ds = self.dataset
         return make_batch(
-            ds.dense, ds.sparse, ds.labels, self.keys, self.batch_rows(order, k), _layout=self._layout
+            ds.dense,
+            ds.sparse,
+            ds.labels,
+            self.keys,
+            self.batch_rows(order, k),
+            _layout=self._layout,
         )
 
     def __iter__(self) -> Iterator[Batch]:

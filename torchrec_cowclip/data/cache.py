@@ -53,7 +53,20 @@ import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import numpy as np
 
@@ -151,7 +164,9 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
             except ValueError as e:
                 return f"unreadable header ({e})"
         if list(shape) != list(record["shape"]) or dtype.str != record["dtype"]:
-            return f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
+            return (
+                f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
+            )
     if checksum and _crc(path, record.get("data_offset", 0))[1] != record[CHECKSUM]:
         return "checksum mismatch"
     return None

@@ -64,14 +64,25 @@ class CriteoSource(SourceKind, name="criteo", usage="criteo:PATH[,PATH...]", opt
     """``criteo:PATH[,PATH...]``: raw Criteo files; categoricals hashed as hex."""
 
     def _layout(self, opts: CriteoOptions) -> TextLayout:
-        return CRITEO_LAYOUT if opts.delimiter is None else replace(CRITEO_LAYOUT, delimiter=opts.delimiter)
+        return (
+            CRITEO_LAYOUT
+            if opts.delimiter is None
+            else replace(CRITEO_LAYOUT, delimiter=opts.delimiter)
+        )
 
-    def payload(self, args: List[str], test_paths: List[str], opts: CriteoOptions) -> Dict[str, Any]:
+    def payload(
+        self, args: List[str], test_paths: List[str], opts: CriteoOptions
+    ) -> Dict[str, Any]:
         columns = {"label": None, "dense": None, "sparse": None, "delimiter": opts.delimiter}
         return text_payload(args, test_paths, opts, "hex", columns)
 
     def conversion(self, args: List[str], test_paths: List[str], opts: CriteoOptions) -> Conversion:
         return text_conversion(
-            self._layout(opts), args, test_paths, opts, "hex",
-            layout_name="criteo", source_format="criteo raw (label, I1..I13, C1..C26)",
+            self._layout(opts),
+            args,
+            test_paths,
+            opts,
+            "hex",
+            layout_name="criteo",
+            source_format="criteo raw (label, I1..I13, C1..C26)",
         )

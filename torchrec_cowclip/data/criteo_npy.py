@@ -46,8 +46,21 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, 
 import numpy as np
 
 from torchrec_cowclip.data.cache import fingerprint
-from torchrec_cowclip.data.encode import Conversion, HashSize, SparseEncoding, TableSizes, json_sizes
-from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, BAD_SPARSE_ID, BadRowLog, DataError, DataOptionError
+from torchrec_cowclip.data.encode import (
+    Conversion,
+    HashSize,
+    SparseEncoding,
+    TableSizes,
+    json_sizes,
+)
+from torchrec_cowclip.data.errors import (
+    BAD_DENSE,
+    BAD_LABEL,
+    BAD_SPARSE_ID,
+    BadRowLog,
+    DataError,
+    DataOptionError,
+)
 from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import SourceOptions, option_field
 from torchrec_cowclip.data.registry import SourceKind, register_source
@@ -78,7 +91,11 @@ def _natural_key(name: str) -> Tuple[Any, ...]:
 
 def _day(directory: Path, prefix: str) -> NpyDay:
     sparse = next(
-        (directory / f"{prefix}{s}" for s in _SPARSE_SUFFIXES if (directory / f"{prefix}{s}").exists()),
+        (
+            directory / f"{prefix}{s}"
+            for s in _SPARSE_SUFFIXES
+            if (directory / f"{prefix}{s}").exists()
+        ),
         None,
     )
     labels = directory / f"{prefix}_labels.npy"
@@ -158,10 +175,16 @@ class NpyRowSource:
     def part_name(self, day: NpyDay) -> str:
         return str(day.dense.parent.resolve() / day.prefix)
 
-    def blocks(self, day: NpyDay, log: BadRowLog, sparse_check: Optional[SparseCheck] = None) -> Iterator[RowBlock]:
+    def blocks(
+        self, day: NpyDay, log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
         dense, sparse, labels = _open(day)
         dense_names = _dense_names(dense.shape[1])
-        paths = {BAD_LABEL: str(day.labels), BAD_DENSE: str(day.dense), BAD_SPARSE_ID: str(day.sparse)}
+        paths = {
+            BAD_LABEL: str(day.labels),
+            BAD_DENSE: str(day.dense),
+            BAD_SPARSE_ID: str(day.sparse),
+        }
         for start in range(0, len(labels), CHUNK_ROWS):
             stop = min(start + CHUNK_ROWS, len(labels))
             d = np.asarray(dense[start:stop], dtype=np.float64)
@@ -175,7 +198,9 @@ class NpyRowSource:
                 sparse=np.asarray(sparse[start:stop], dtype=np.int64),
                 paths=paths,
             )
-            block = validate_block(block, log, bad_label, ~np.isfinite(d), dense_names, y, d.T, sparse_check)
+            block = validate_block(
+                block, log, bad_label, ~np.isfinite(d), dense_names, y, d.T, sparse_check
+            )
             if len(block):
                 yield block
 
@@ -185,7 +210,10 @@ def _negative_ids(sparse: np.ndarray) -> Optional[Tuple[np.ndarray, str, List[st
     bad = cast(np.ndarray, (sparse < 0).any(axis=1))
     if not bad.any():
         return None
-    details = [f"negative id in {sparse[i].tolist()} (pass hash_size)" for i in np.flatnonzero(bad).tolist()]
+    details = [
+        f"negative id in {sparse[i].tolist()} (pass hash_size)"
+        for i in np.flatnonzero(bad).tolist()
+    ]
     return bad, BAD_SPARSE_ID, details
 
 
@@ -273,7 +301,10 @@ class CriteoNpySource(SourceKind, name="criteo-npy", usage="criteo-npy:DIR", opt
 
     def conversion(self, args: List[str], test_paths: List[str], opts: NpyOptions) -> Conversion:
         encoding = StoredIds() if opts.hash_size is None else ModuloIds(opts.hash_size)
-        stats_key: Dict[str, Any] = {"train": fingerprint(npy_source_files(args)), "layout": {"layout": "criteo-npy"}}
+        stats_key: Dict[str, Any] = {
+            "train": fingerprint(npy_source_files(args)),
+            "layout": {"layout": "criteo-npy"},
+        }
         if encoding.count_test:
             stats_key["test"] = fingerprint(npy_source_files(test_paths))
         minmax = opts.dense_transform == "minmax"

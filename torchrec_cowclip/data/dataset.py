@@ -131,7 +131,9 @@ class CTRDataset:
         """``(train, val, test)`` row indices: explicit test files if there were any,
         else a random split (``seed`` defaults to the one given to ``open_dataset``)."""
         seed = int(self.meta.get("seed", 0)) if seed is None else seed
-        return split_indices(len(self), test_fraction, val_fraction, seed, test_start=self.test_start)
+        return split_indices(
+            len(self), test_fraction, val_fraction, seed, test_start=self.test_start
+        )
 
     def batches(
         self, indices: Optional[np.ndarray] = None, batch_size: int = 1024, **kwargs: Any
@@ -188,7 +190,8 @@ def kind_options(kind: SourceKind, options: Mapping[str, Any]) -> SourceOptions:
             continue
         if name not in own:
             raise DataOptionError(
-                f"{kind.name}: does not take {name}" + (f" ({flag})" if flag else "")
+                f"{kind.name}: does not take {name}"
+                + (f" ({flag})" if flag else "")
                 + f"; it applies to {', '.join(k + ':' for k in takers)} only"
             )
         given[name] = value

@@ -208,7 +208,10 @@ class DelimitedFile:
         if not good.all():
             for i in np.flatnonzero(~good & ~blank).tolist():
                 bad_lines.append(
-                    (first_line + i, f"expected {self.n_columns} columns, got {int(fields_per_line[i])}")
+                    (
+                        first_line + i,
+                        f"expected {self.n_columns} columns, got {int(fields_per_line[i])}",
+                    )
                 )
             seps = seps[np.repeat(good, fields_per_line)]
         ends = seps.reshape(-1, self.n_columns)
@@ -228,15 +231,21 @@ class DelimitedFile:
             if not row and not text_lines[i]:
                 continue
             if len(row) != self.n_columns:
-                bad_lines.append((first_line + i, f"expected {self.n_columns} columns, got {len(row)}"))
+                bad_lines.append(
+                    (first_line + i, f"expected {self.n_columns} columns, got {len(row)}")
+                )
                 continue
             rows.append(row)
             lines.append(first_line + i)
         columns = {
-            c: np.array([r[c].encode() for r in rows], dtype=np.bytes_) if rows else np.zeros(0, "S1")
+            c: np.array([r[c].encode() for r in rows], dtype=np.bytes_)
+            if rows
+            else np.zeros(0, "S1")
             for c in wanted
         }
-        return RawBlock(columns=columns, lines=np.asarray(lines, dtype=np.int64), bad_lines=bad_lines)
+        return RawBlock(
+            columns=columns, lines=np.asarray(lines, dtype=np.int64), bad_lines=bad_lines
+        )
 
 
 def _gather(padded: np.ndarray, starts: np.ndarray, ends: np.ndarray, path: Path) -> np.ndarray:

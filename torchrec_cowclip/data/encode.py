@@ -335,7 +335,10 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
     if dense_clipped:
         logger.warning(
             "%s: clipped %d dense values above %g (per feature: %s)",
-            w.file_rows[0]["path"], sum(dense_clipped.values()), DENSE_CLIP, dense_clipped,
+            w.file_rows[0]["path"],
+            sum(dense_clipped.values()),
+            DENSE_CLIP,
+            dense_clipped,
         )
     meta: Dict[str, Any] = {
         "schema": Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities)).to_json(),
@@ -393,7 +396,10 @@ def text_conversion(
         paths,
         test_paths,
         opts.encoding(method),
-        stats_key={"train": fingerprint(paths), "layout": {"layout": layout_name, **layout.payload()}},
+        stats_key={
+            "train": fingerprint(paths),
+            "layout": {"layout": layout_name, **layout.payload()},
+        },
         dense_transform=opts.dense_transform,
         on_bad_row=opts.on_bad_row,
         source_format=source_format,

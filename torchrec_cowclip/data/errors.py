@@ -16,9 +16,8 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Optional, Union
-
 from pathlib import Path
+from typing import Dict, List, Literal, Optional, Union
 
 OnBadRow = Literal["error", "skip"]
 

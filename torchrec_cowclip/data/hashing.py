@@ -77,7 +77,9 @@ def hex_to_uint64(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     return acc, missing, bad
 
 
-def _hex_fixed_width(col: np.ndarray, width: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _hex_fixed_width(
+    col: np.ndarray, width: int
+) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Fast path when every value is empty or exactly ``width`` hex digits (Criteo: 8).
 
     Pairs of nibbles are packed into bytes and the bytes read as one big-endian
@@ -148,7 +150,10 @@ class HashEncoder:
     """
 
     def __init__(
-        self, sizes: Sequence[int], method: HashMethod = "fnv", names: Optional[Sequence[str]] = None
+        self,
+        sizes: Sequence[int],
+        method: HashMethod = "fnv",
+        names: Optional[Sequence[str]] = None,
     ) -> None:
         if method not in ("hex", "fnv"):
             raise ValueError(f"hash method must be 'hex' or 'fnv', got {method!r}")
@@ -192,7 +197,9 @@ class HashEncoder:
         details = []
         for i in np.flatnonzero(any_bad).tolist():
             c = next(k for k, bad in enumerate(bads) if bad[i])
-            details.append(f"{self.names[c]}={sparse[c][i].decode('utf-8', 'replace')!r} is not hex")
+            details.append(
+                f"{self.names[c]}={sparse[c][i].decode('utf-8', 'replace')!r} is not hex"
+            )
         return any_bad, BAD_HEX, details
 
     def encode(self, sparse: List[np.ndarray]) -> np.ndarray:

@@ -84,7 +84,9 @@ class NpyAppender(Closing):
         row_shape: shape of one row, e.g. ``(13,)`` or ``()`` for a vector.
     """
 
-    def __init__(self, path: Union[str, Path], dtype: DTypeLike, row_shape: Tuple[int, ...]) -> None:
+    def __init__(
+        self, path: Union[str, Path], dtype: DTypeLike, row_shape: Tuple[int, ...]
+    ) -> None:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
         self.row_shape = tuple(int(x) for x in row_shape)
@@ -96,7 +98,9 @@ class NpyAppender(Closing):
     def append(self, rows: np.ndarray) -> None:
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
         if rows.shape[1:] != self.row_shape:
-            raise ValueError(f"{self.path}: rows of shape {rows.shape[1:]}, expected {self.row_shape}")
+            raise ValueError(
+                f"{self.path}: rows of shape {rows.shape[1:]}, expected {self.row_shape}"
+            )
         data = rows.reshape(-1).data.cast("B")
         self._crc = zlib.crc32(data, self._crc)
         self._f.write(data)
@@ -118,5 +122,3 @@ class NpyAppender(Closing):
         self._f.seek(0)
         self._f.write(_header(self.dtype, (self.rows, *self.row_shape)))
         self._f.close()
-
-

@@ -52,7 +52,9 @@ class SourceKind(ABC):
     usage: ClassVar[str]
     options: ClassVar[Type[SourceOptions]]
 
-    def __init_subclass__(cls, *, name: str, usage: str, options: Type[SourceOptions], **kw: Any) -> None:
+    def __init_subclass__(
+        cls, *, name: str, usage: str, options: Type[SourceOptions], **kw: Any
+    ) -> None:
         super().__init_subclass__(**kw)
         cls.name, cls.usage, cls.options = name, usage, options
 
@@ -81,7 +83,9 @@ def register_source(cls: K) -> K:
         ValueError: another kind has that name already.
     """
     if cls.name in _KINDS and type(_KINDS[cls.name]) is not cls:
-        raise ValueError(f"source kind {cls.name!r} is registered already ({type(_KINDS[cls.name])})")
+        raise ValueError(
+            f"source kind {cls.name!r} is registered already ({type(_KINDS[cls.name])})"
+        )
     _KINDS[cls.name] = cls()
     return cls
 

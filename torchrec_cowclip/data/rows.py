@@ -29,7 +29,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 import numpy as np
 
 from torchrec_cowclip.data.delimited import DelimitedFile, infer_delimiter
-from torchrec_cowclip.data.errors import BAD_DENSE, BAD_LABEL, WRONG_COLUMN_COUNT, BadRowLog, DataError
+from torchrec_cowclip.data.errors import (
+    BAD_DENSE,
+    BAD_LABEL,
+    WRONG_COLUMN_COUNT,
+    BadRowLog,
+    DataError,
+)
 from torchrec_cowclip.data.fields import parse_labels, parse_numeric
 
 # Given the raw categoricals of a block: None if every row is encodable, else
@@ -61,7 +67,11 @@ class RowBlock:
         return len(self.labels)
 
     def take(self, keep: np.ndarray) -> "RowBlock":
-        sparse = self.sparse[keep] if isinstance(self.sparse, np.ndarray) else [c[keep] for c in self.sparse]
+        sparse = (
+            self.sparse[keep]
+            if isinstance(self.sparse, np.ndarray)
+            else [c[keep] for c in self.sparse]
+        )
         return RowBlock(
             path=self.path,
             lines=self.lines[keep],
@@ -191,7 +201,9 @@ class TextLayout:
         def names(refs: Tuple[ColumnRef, ...], given: Optional[Tuple[str, ...]]) -> List[str]:
             if given is not None:
                 return list(given)
-            return [r if isinstance(r, str) else (f.header[r] if f.header else f"col{r}") for r in refs]
+            return [
+                r if isinstance(r, str) else (f.header[r] if f.header else f"col{r}") for r in refs
+            ]
 
         return (
             label,
@@ -214,7 +226,9 @@ class RowSource(Protocol):
         """How ``part`` is named in ``meta["file_rows"]`` and in errors."""
         ...
 
-    def blocks(self, part: Any, log: BadRowLog, sparse_check: Optional[SparseCheck] = None) -> Iterator[RowBlock]:
+    def blocks(
+        self, part: Any, log: BadRowLog, sparse_check: Optional[SparseCheck] = None
+    ) -> Iterator[RowBlock]:
         """Validated blocks of ``part``; bad rows go to ``log``."""
         ...
 

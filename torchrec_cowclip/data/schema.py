@@ -110,7 +110,9 @@ class Schema:
 
 
 def resolve_sizes(
-    sizes: Union[int, Sequence[int], Mapping[str, int]], names: Sequence[str], what: str = "hash_size"
+    sizes: Union[int, Sequence[int], Mapping[str, int]],
+    names: Sequence[str],
+    what: str = "hash_size",
 ) -> Tuple[int, ...]:
     """Expand an int, a per-feature sequence or a ``{name: size}`` mapping to one size per name.
 

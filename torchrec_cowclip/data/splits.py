@@ -43,7 +43,9 @@ def split_indices(
         test_start: rows ``[test_start, n)`` are the test set (explicit test files).
     """
     if not 0.0 <= test_fraction < 1.0 or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"fractions must be in [0, 1), got test={test_fraction}, val={val_fraction}")
+        raise ValueError(
+            f"fractions must be in [0, 1), got test={test_fraction}, val={val_fraction}"
+        )
     all_rows = np.arange(n, dtype=np.int64)
     if test_start is not None:
         if not 0 <= test_start <= n:

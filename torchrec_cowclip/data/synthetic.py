@@ -96,7 +96,9 @@ SIGMA_LATENT = 0.40  # <U_f, U_g> has std LATENT_DIM**0.5 * SIGMA_LATENT**2 = 0.
 PAIRS: Tuple[Tuple[int, int], ...] = ((0, 1), (2, 13), (5, 8), (9, 23))
 
 # Per dense feature I1..I13: probability of missing, median count, log-scale spread.
-DENSE_MISSING = np.array([0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.77, 0.22])
+DENSE_MISSING = np.array(
+    [0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.77, 0.22]
+)
 DENSE_MEDIAN = np.array([1.0, 3.0, 8.0, 5.0, 3000.0, 30.0, 3.0, 8.0, 40.0, 1.0, 1.0, 0.5, 5.0])
 DENSE_SPREAD = np.array([1.2, 1.5, 1.3, 1.0, 1.5, 1.6, 1.4, 0.9, 1.3, 0.8, 1.0, 1.0, 1.3])
 
@@ -173,7 +175,9 @@ def _power_sum(n: int, s: float) -> float:
 
 
 @lru_cache(maxsize=None)
-def fit_zipf_exponent(cardinality: int, top_share: float, top_fraction: float = TOP_FRACTION) -> float:
+def fit_zipf_exponent(
+    cardinality: int, top_share: float, top_fraction: float = TOP_FRACTION
+) -> float:
     """Exponent ``s`` such that the top ``ceil(top_fraction * K)`` ranks of a Zipf(s)
     law over ``K = cardinality`` ids carry ``top_share`` of the mass (0 if a uniform
     law already does).
@@ -262,7 +266,9 @@ class PlantedModel:
             sparse[:, f] = ids
             logit += self._weight[f][ids]
         for f, g in PAIRS:
-            logit += np.einsum("ij,ij->i", self._latent[f][sparse[:, f]], self._latent[g][sparse[:, g]])
+            logit += np.einsum(
+                "ij,ij->i", self._latent[f][sparse[:, f]], self._latent[g][sparse[:, g]]
+            )
         z = rng.standard_normal((n, len(CRITEO_DENSE_NAMES)))
         counts = np.floor(np.exp(self._dense_mu + DENSE_SPREAD * z)) - 1.0
         np.maximum(counts, 0.0, out=counts)
@@ -318,7 +324,9 @@ def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """
     labels = np.asarray(labels)
     if check_labels(labels)[1].any():
-        raise ValueError("rank_auc(labels, scores): labels must be 0/1 (were the arguments swapped?)")
+        raise ValueError(
+            "rank_auc(labels, scores): labels must be 0/1 (were the arguments swapped?)"
+        )
     labels = labels > 0.5
     order = np.argsort(scores, kind="mergesort")
     s = np.asarray(scores)[order]
@@ -336,7 +344,9 @@ def rank_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def synthetic_arrays(config: SyntheticConfig) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def synthetic_arrays(
+    config: SyntheticConfig,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All rows in memory: ``(dense float32, sparse int64, labels float32, logit float32)``.
 
     For tests and small experiments; ``open_dataset("synthetic:ROWS", ...)`` streams to disk instead.
@@ -462,12 +472,16 @@ class SyntheticOptions(SourceOptions):
         self.config(1)  # validates the generator's options
 
     def config(self, rows: int) -> SyntheticConfig:
-        return SyntheticConfig(rows=rows, **{f.name: getattr(self, f.name) for f in fields(self)
-                                             if f.name != "on_bad_row"})
+        return SyntheticConfig(
+            rows=rows,
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "on_bad_row"},
+        )
 
 
 @register_source
-class SyntheticSource(SourceKind, name="synthetic", usage="synthetic:ROWS", options=SyntheticOptions):
+class SyntheticSource(
+    SourceKind, name="synthetic", usage="synthetic:ROWS", options=SyntheticOptions
+):
     """``synthetic:ROWS``: Criteo-like rows with a planted model."""
 
     def check_args(self, spec: str, args: List[str]) -> None:
@@ -477,12 +491,18 @@ class SyntheticSource(SourceKind, name="synthetic", usage="synthetic:ROWS", opti
 
     def check_test_paths(self, test_paths: Sequence[str]) -> None:
         if test_paths:
-            raise DataOptionError(f"synthetic: takes no test files (--test-data), got {list(test_paths)}")
+            raise DataOptionError(
+                f"synthetic: takes no test files (--test-data), got {list(test_paths)}"
+            )
 
-    def payload(self, args: List[str], test_paths: List[str], opts: SyntheticOptions) -> Dict[str, Any]:
+    def payload(
+        self, args: List[str], test_paths: List[str], opts: SyntheticOptions
+    ) -> Dict[str, Any]:
         return {"synthetic": opts.config(parse_rows(self.name, args[0])).payload()}
 
-    def conversion(self, args: List[str], test_paths: List[str], opts: SyntheticOptions) -> Conversion:
+    def conversion(
+        self, args: List[str], test_paths: List[str], opts: SyntheticOptions
+    ) -> Conversion:
         config = opts.config(parse_rows(self.name, args[0]))
         rows = _SyntheticRows(config)
         return Conversion(

@@ -134,7 +134,11 @@ def _as_bytes(pa: Any, col: Any) -> np.ndarray:
 
 def _numeric(pa: Any, col: Any, raw: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Float64 values (NaN = null) and a mask of non-numeric / non-finite values."""
-    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
+    if (
+        pa.types.is_integer(col.type)
+        or pa.types.is_floating(col.type)
+        or pa.types.is_boolean(col.type)
+    ):
         values = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
         return values, np.isinf(values)
     return parse_numeric(raw)
@@ -217,8 +221,13 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
         dense, sparse = list(opts.dense or ()), list(opts.sparse)
         if not self._is_parquet(args, test_paths, opts):
             return text_conversion(
-                table_layout(opts.label, dense, sparse, opts.delimiter), args, test_paths, opts, "fnv",
-                layout_name="table", source_format="delimited text",
+                table_layout(opts.label, dense, sparse, opts.delimiter),
+                args,
+                test_paths,
+                opts,
+                "fnv",
+                layout_name="table",
+                source_format="delimited text",
             )
         layout = {"layout": "parquet", "label": opts.label, "dense": dense, "sparse": sparse}
         return Conversion(

@@ -117,7 +117,9 @@ class Vocabulary:
         counts = np.concatenate([self._counts[c]] + [n for _, n in self._pending[c]])
         uniq, inverse = np.unique(keys, return_inverse=True)
         # float64 sums are exact below 2**53 occurrences
-        summed = np.bincount(inverse.reshape(-1), weights=counts, minlength=len(uniq)).astype(np.int64)
+        summed = np.bincount(inverse.reshape(-1), weights=counts, minlength=len(uniq)).astype(
+            np.int64
+        )
         self._keys[c], self._counts[c] = uniq, summed
         self._pending[c], self._pending_size[c] = [], 0
 
@@ -146,7 +148,9 @@ class Vocabulary:
 
     def cardinalities(self, min_count: int = 1) -> Tuple[int, ...]:
         """Table size per column: kept values plus the OOV and missing ids."""
-        return tuple(FIRST_VALUE_ID + len(self._kept_keys(c, min_count)) for c in range(len(self.names)))
+        return tuple(
+            FIRST_VALUE_ID + len(self._kept_keys(c, min_count)) for c in range(len(self.names))
+        )
 
     def encode(self, sparse: Sequence[np.ndarray], min_count: int = 1) -> np.ndarray:
         """Ids ``int64 [n, n_columns]`` of one block."""

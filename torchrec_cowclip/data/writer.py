@@ -63,11 +63,14 @@ class CacheWriter(Closing):
     ) -> None:
         self._stack = ExitStack()
         specs: List[Tuple[str, DTypeLike, Tuple[int, ...]]] = [
-            ("dense", np.float32, (n_dense,)), ("sparse", sparse_dtype, (n_sparse,))
+            ("dense", np.float32, (n_dense,)),
+            ("sparse", sparse_dtype, (n_sparse,)),
         ]
         specs += [(name, np.float32, ()) for name in ("labels", *extra)]
         self._arrays: Dict[str, NpyAppender] = {
-            name: self._stack.enter_context(NpyAppender(Path(out_dir) / f"{name}.npy", dtype, shape))
+            name: self._stack.enter_context(
+                NpyAppender(Path(out_dir) / f"{name}.npy", dtype, shape)
+            )
             for name, dtype, shape in specs
         }
         self.test_start: Optional[int] = None
@@ -108,7 +111,8 @@ class CacheWriter(Closing):
         rows = self.rows - first
         if rows == 0:
             raise DataError(
-                f"no valid data rows in {name}" + (f" ({why_empty})" if why_empty else ""), path=name
+                f"no valid data rows in {name}" + (f" ({why_empty})" if why_empty else ""),
+                path=name,
             )
         secs = max(time.time() - start, 1e-9)
         self.file_rows.append({"path": name, "rows": rows, "seconds": round(secs, 3)})

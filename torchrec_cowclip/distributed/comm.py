@@ -153,9 +153,7 @@ def all_gather_row_gradients(
     sizes = torch.tensor([p.rows.numel() for p in parts], dtype=torch.int64, device=device)
     ints = torch.cat([torch.cat([p.rows, p.counts]) for p in parts]) if parts else sizes[:0]
     floats = (
-        torch.cat([p.grad.reshape(-1) for p in parts])
-        if parts
-        else torch.zeros(0, device=device)
+        torch.cat([p.grad.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=device)
     )
 
     def exchange() -> Tuple[Tensor, List[Tensor], List[Tensor]]:
@@ -178,7 +176,9 @@ def all_gather_row_gradients(
         float_chunks = all_floats[r].split([u * d for u, d in zip(counts_r, dims)])
         for p, (u, d) in enumerate(zip(counts_r, dims)):
             rows, counts = int_chunks[p].split([u, u])
-            result[p].append(RowGradients(rows=rows, counts=counts, grad=float_chunks[p].view(u, d)))
+            result[p].append(
+                RowGradients(rows=rows, counts=counts, grad=float_chunks[p].view(u, d))
+            )
     return result
 
 

@@ -139,7 +139,9 @@ class ReplicatedRows(RowSync):
         world = dist.get_world_size(self._pg)
         scale = 1.0 / world if get_gradient_division() else 1.0
         for sub, per_rank in zip(submissions, gathered):
-            apply_fused_update_(sub.batch, union_row_gradients(per_rank, scale), sub.hyperparameters)
+            apply_fused_update_(
+                sub.batch, union_row_gradients(per_rank, scale), sub.hyperparameters
+            )
 
 
 def union_row_gradients(per_rank: List[RowGradients], scale: float = 1.0) -> RowGradients:

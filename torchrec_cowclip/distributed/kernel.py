@@ -21,7 +21,12 @@ from torch import Tensor, nn
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingMode, PoolingType
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    PoolingMode,
+    PoolingType,
+)
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -106,7 +111,9 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         # Row-wise shards hold part of each bag: TorchRec pools them with SUM (its
         # `pooling_type_to_pooling_mode`, read into the base class's pooling mode) and
         # divides by the whole bag's length after the reduce-scatter.
-        pooling = PoolingType.SUM if kernel_pooling_mode(self) == PoolingMode.SUM else config.pooling
+        pooling = (
+            PoolingType.SUM if kernel_pooling_mode(self) == PoolingMode.SUM else config.pooling
+        )
         local = [
             EmbeddingBagConfig(
                 name=shard.name,
@@ -137,7 +144,9 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                 )
             )
             self._whole_dims.append(
-                torch.tensor([shards[k].embedding_dim for k in group], dtype=torch.float32, device=device)
+                torch.tensor(
+                    [shards[k].embedding_dim for k in group], dtype=torch.float32, device=device
+                )
             )
             for i, k in enumerate(group):
                 self._shard_location[k] = (b, i)
@@ -151,9 +160,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             layout.output_permutation(self._batches, [str(p) for p in range(num_features)]), device
         )
         self._param_per_table = self._table_parameters()
-        self._optim = ShardedCowClipFusedOptimizer(
-            self._shard_views(), options, pg
-        )
+        self._optim = ShardedCowClipFusedOptimizer(self._shard_views(), options, pg)
         self.init_parameters()
 
     # --- TorchRec kernel interface ---------------------------------------------------

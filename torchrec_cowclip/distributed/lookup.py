@@ -68,7 +68,9 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         # TorchRec's constructor creates the kernels (`_create_embedding_kernel`), which
         # need these; plain attributes may be set before nn.Module.__init__.
         self._options = options
-        self._updates = DeferredUpdates(row_sync, device if device is not None else torch.device("cpu"))
+        self._updates = DeferredUpdates(
+            row_sync, device if device is not None else torch.device("cpu")
+        )
         super().__init__(
             grouped_configs=grouped_configs,
             device=device,

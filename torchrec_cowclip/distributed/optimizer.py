@@ -131,7 +131,9 @@ def _global_view(
     metadata = copy.deepcopy(first.global_metadata)
     metadata.tensor_properties.dtype = local[0].dtype
     metadata.tensor_properties.requires_grad = False
-    return sharded_tensor([Shard(t, v.table.local_metadata) for t, v in zip(local, views)], metadata, pg)
+    return sharded_tensor(
+        [Shard(t, v.table.local_metadata) for t, v in zip(local, views)], metadata, pg
+    )
 
 
 def _holds_all_rows(view: ShardViews) -> bool:
@@ -152,8 +154,11 @@ def _per_row_view(
         return local[0]
     weight_meta = views[0].table.global_metadata
     shards_meta = [
-        ShardMetadata(shard_offsets=[m.shard_offsets[0]], shard_sizes=[m.shard_sizes[0]],
-                      placement=m.placement)
+        ShardMetadata(
+            shard_offsets=[m.shard_offsets[0]],
+            shard_sizes=[m.shard_sizes[0]],
+            placement=m.placement,
+        )
         for m in weight_meta.shards_metadata
     ]
     properties = copy.deepcopy(weight_meta.tensor_properties)
@@ -164,9 +169,14 @@ def _per_row_view(
         tensor_properties=properties,
     )
     local_shards = [
-        Shard(t, ShardMetadata(shard_offsets=[v.table.local_metadata.shard_offsets[0]],
-                               shard_sizes=[v.table.local_metadata.shard_sizes[0]],
-                               placement=v.table.local_metadata.placement))
+        Shard(
+            t,
+            ShardMetadata(
+                shard_offsets=[v.table.local_metadata.shard_offsets[0]],
+                shard_sizes=[v.table.local_metadata.shard_sizes[0]],
+                placement=v.table.local_metadata.placement,
+            ),
+        )
         for t, v in zip(local, views)
     ]
     return sharded_tensor(local_shards, metadata, pg)

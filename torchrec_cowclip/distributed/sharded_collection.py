@@ -159,7 +159,8 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         gathered: List[Optional[Dict[str, TableClipStats]]] = [None] * env.world_size
         torch.distributed.all_gather_object(gathered, self.clip_stats(), group=env.process_group)
         row_split = {
-            name for name, p in self.module_sharding_plan.items()
+            name
+            for name, p in self.module_sharding_plan.items()
             if p.sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
         }
         merged: Dict[str, TableClipStats] = {}
@@ -187,7 +188,9 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         shards."""
         names = sorted(t.name for t in self._cowclip_tables)
         if sorted(counters) != names:
-            raise ValueError(f"clip counters are for tables {sorted(counters)}, this module has {names}")
+            raise ValueError(
+                f"clip counters are for tables {sorted(counters)}, this module has {names}"
+            )
         for kernel in self._kernels():
             kernel.load_table_counters(counters)
 
@@ -274,7 +277,9 @@ def _agreed_row_initializers(
 
 def _add_stats(a: TableClipStats, b: TableClipStats) -> TableClipStats:
     """Counts of two row shards of one table (same steps)."""
-    counts = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.name != "steps"}
+    counts = {
+        f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.name != "steps"
+    }
     return TableClipStats(**counts, steps=max(a.steps, b.steps))
 
 

@@ -5,7 +5,19 @@ inside backward.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 from torch import Tensor, nn
@@ -123,8 +135,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
         options = CowClipOptions.resolve(
-            options, optimizer=optimizer, lr=lr, betas=betas, eps=eps,
-            weight_decay=weight_decay, cowclip=cowclip, unclipped_tables=unclipped_tables,
+            options,
+            optimizer=optimizer,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            cowclip=cowclip,
+            unclipped_tables=unclipped_tables,
             count_lr=count_lr,
         )
         optimizer = options.optimizer
@@ -241,7 +259,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
         starts = self._slot_feature_starts
         bounds = layout.value_bounds(offsets, starts, b, values.numel())
-        slot_lookups = layout.prepare_lookups(self._slot_batches, values, offsets, b, starts, bounds)
+        slot_lookups = layout.prepare_lookups(
+            self._slot_batches, values, offsets, b, starts, bounds
+        )
         outs: List[Tensor] = []
         for batch, s in zip(self._batches, self._slot_of_batch):
             batch_weights = None
@@ -397,7 +417,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         counts: Dict[str, Tuple[Tensor, Tensor]] = {}
         for batch in self._batches:
             if batch.row_counters is None:
-                raise RuntimeError("row clip counts are off: call track_row_clips() before training")
+                raise RuntimeError(
+                    "row clip counts are off: call track_row_clips() before training"
+                )
             for i, name in enumerate(batch.table_names):
                 lo, hi = batch.row_offsets_list[i], batch.row_offsets_list[i + 1]
                 counts[name] = (batch.row_counters[0, lo:hi], batch.row_counters[1, lo:hi])
@@ -503,9 +525,13 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
                 f"got {table.num_embeddings} and {table.embedding_dim}"
             )
         if table.data_type != DataType.FP32:
-            raise ValueError(f"table '{table.name}': only FP32 tables are supported, got {table.data_type}")
+            raise ValueError(
+                f"table '{table.name}': only FP32 tables are supported, got {table.data_type}"
+            )
         if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-            raise ValueError(f"table '{table.name}': pooling must be SUM or MEAN, got {table.pooling}")
+            raise ValueError(
+                f"table '{table.name}': pooling must be SUM or MEAN, got {table.pooling}"
+            )
         if not table.feature_names:
             table.feature_names = [table.name]  # TorchRec's convention
         if len(set(table.feature_names)) != len(table.feature_names):

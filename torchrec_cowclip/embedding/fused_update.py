@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients
-from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.embedding.row_step import row_step_
+from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections, update_rule
 from torchrec_cowclip.optim.options import CowClipOptions
 
@@ -56,7 +56,10 @@ def apply_fused_update_(
     else:
         nonfinite_per_table = torch.bincount(table_of_row[~finite], minlength=num_tables)
         rows, counts, grad, table_of_row = (
-            rows[finite], counts[finite], grad[finite], table_of_row[finite]
+            rows[finite],
+            counts[finite],
+            grad[finite],
+            table_of_row[finite],
         )
         if row_sums is not None:
             row_sums = row_sums.select(finite)
@@ -70,7 +73,11 @@ def apply_fused_update_(
             per_row = torch.stack(corrections, dim=1)[table_of_row]  # one gather for both
             adam_bias = (per_row[:, 0], per_row[:, 1])
         clipped = row_step_(
-            batch.weight, batch.state, rows, grad, counts,
+            batch.weight,
+            batch.state,
+            rows,
+            grad,
+            counts,
             optimizer=batch.optimizer,
             **options.hyperparameters(),
             clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],

@@ -32,7 +32,9 @@ def feature_starts(batches: Sequence[TableBatch]) -> List[int]:
     return starts
 
 
-def value_bounds(offsets: Tensor, starts: Sequence[int], batch_size: int, num_values: int) -> List[int]:
+def value_bounds(
+    offsets: Tensor, starts: Sequence[int], batch_size: int, num_values: int
+) -> List[int]:
     """Where each table batch's values start in the KJT's ``values`` (and the end): the
     offsets of its first bag; one device sync, none for a single batch.
 
@@ -73,7 +75,9 @@ def prepare_lookups(
     return lookups
 
 
-def output_permutation(batches: Sequence[TableBatch], embedding_names: Sequence[str]) -> Optional[List[int]]:
+def output_permutation(
+    batches: Sequence[TableBatch], embedding_names: Sequence[str]
+) -> Optional[List[int]]:
     """Columns of the concatenated batch outputs in the order of ``embedding_names``
     (TorchRec's table order), or None for the identity.
 

@@ -73,7 +73,9 @@ def group_rows(
     # reproducible steps, which resume-from-checkpoint equality relies on.
     keys = row_ids
     if num_rows is not None and num_rows <= torch.iinfo(torch.int32).max:
-        keys = row_ids.to(torch.int32)  # int32 keys sort faster (docs/performance.md, "Measured reasons behind code choices")
+        keys = row_ids.to(
+            torch.int32
+        )  # int32 keys sort faster (docs/performance.md, "Measured reasons behind code choices")
     sorted_ids, order = torch.sort(keys, stable=True)
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     segment_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)

@@ -132,13 +132,16 @@ class RowInit:
                 values = torch.empty(BLOCK_ROWS, table_dim).normal_(
                     self.a, self.b, generator=generator
                 )
-            piece = values[lo - block * BLOCK_ROWS : hi - block * BLOCK_ROWS,
-                           col_offset : col_offset + cols]
+            piece = values[
+                lo - block * BLOCK_ROWS : hi - block * BLOCK_ROWS, col_offset : col_offset + cols
+            ]
             weight[lo - row_offset : hi - row_offset].copy_(piece)
         return weight
 
 
-def _as_row_init(init_fn: Optional[Callable[..., object]], seed: int, table: str) -> Optional[RowInit]:
+def _as_row_init(
+    init_fn: Optional[Callable[..., object]], seed: int, table: str
+) -> Optional[RowInit]:
     """The counter-based equivalent of ``init_fn`` where one exists: a :class:`RowInit`
     itself, or a ``functools.partial`` of ``torch.nn.init.uniform_`` / ``normal_`` with
     keyword parameters (TorchRec's default init is the former)."""
@@ -154,7 +157,9 @@ def _as_row_init(init_fn: Optional[Callable[..., object]], seed: int, table: str
     return None
 
 
-def row_initializers(tables: Sequence[EmbeddingBagConfig], seed: int) -> Dict[str, Optional[RowInit]]:
+def row_initializers(
+    tables: Sequence[EmbeddingBagConfig], seed: int
+) -> Dict[str, Optional[RowInit]]:
     """Per table, the :class:`RowInit` its weights start from, or None for an
     ``init_fn`` with no counter-based equivalent (it is then called as given: on the
     whole table unsharded, on each local shard sharded, as TorchRec does).
@@ -172,4 +177,6 @@ def row_initializers(tables: Sequence[EmbeddingBagConfig], seed: int) -> Dict[st
 
 def with_seed(inits: Dict[str, Optional[RowInit]], seed: int) -> Dict[str, Optional[RowInit]]:
     """The same initialisers under another seed."""
-    return {name: None if init is None else replace(init, seed=seed) for name, init in inits.items()}
+    return {
+        name: None if init is None else replace(init, seed=seed) for name, init in inits.items()
+    }

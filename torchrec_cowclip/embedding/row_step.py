@@ -140,9 +140,20 @@ def gather_step_scatter_(
     weight = weight_table.index_select(0, rows)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
     clipped = cowclip_row_update_(
-        optimizer, weight, grad, counts, state, step,
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cowclip=cowclip,
-        clip_enabled=clip_enabled, row_sums=row_sums, adam_bias=adam_bias,
+        optimizer,
+        weight,
+        grad,
+        counts,
+        state,
+        step,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        cowclip=cowclip,
+        clip_enabled=clip_enabled,
+        row_sums=row_sums,
+        adam_bias=adam_bias,
         count_lr=count_lr,
     )
     weight_table.index_copy_(0, rows, weight)

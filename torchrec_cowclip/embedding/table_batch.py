@@ -160,7 +160,8 @@ class TableBatch:
     def unit_offsets(self, num_bags: int) -> Tensor:
         """``arange(num_bags + 1)``: offsets of ``num_bags`` bags of one id each (cached)."""
         return self._cached_index(
-            "unit_offsets", num_bags,
+            "unit_offsets",
+            num_bags,
             lambda: torch.arange(num_bags + 1, device=self.weight.device),
         )
 
@@ -186,7 +187,12 @@ class TableBatch:
         them uninitialised); the weights are then :meth:`reset_parameters`' to fill."""
         from_meta = self.weight.device.type == "meta"
         for attr in (
-            "weight", "step", "row_offsets", "clip_enabled", "feature_num_rows", "counters",
+            "weight",
+            "step",
+            "row_offsets",
+            "clip_enabled",
+            "feature_num_rows",
+            "counters",
         ):
             setattr(self, attr, fn(getattr(self, attr)))
         self.state = {name: fn(t) for name, t in self.state.items()}
@@ -196,7 +202,9 @@ class TableBatch:
         if from_meta and self.weight.device.type != "meta":
             device = self.weight.device
             self.row_offsets = torch.tensor(self.row_offsets_list, dtype=torch.int64, device=device)
-            self.clip_enabled = torch.tensor(self.clip_enabled_list, dtype=torch.bool, device=device)
+            self.clip_enabled = torch.tensor(
+                self.clip_enabled_list, dtype=torch.bool, device=device
+            )
             self.feature_num_rows = torch.tensor(
                 self.feature_num_rows_list, dtype=torch.int64, device=device
             )

@@ -189,9 +189,7 @@ def build_model(
 def _resolve_num_dense(num_dense: Optional[int], dense_names: Optional[Sequence[str]]) -> int:
     if dense_names is not None:
         if num_dense is not None and len(dense_names) != num_dense:
-            raise ValueError(
-                f"num_dense={num_dense} disagrees with {len(dense_names)} dense_names"
-            )
+            raise ValueError(f"num_dense={num_dense} disagrees with {len(dense_names)} dense_names")
         n = len(dense_names)
     elif num_dense is not None:
         n = int(num_dense)

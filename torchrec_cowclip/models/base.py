@@ -80,9 +80,7 @@ class CTRModel(nn.Module):
         if is_fx_symbolic_tracing():
             return
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
-            raise ValueError(
-                f"dense must be [B, {self.num_dense}], got {tuple(dense.shape)}"
-            )
+            raise ValueError(f"dense must be [B, {self.num_dense}], got {tuple(dense.shape)}")
 
 
 class FirstOrderLogit(nn.Module):
@@ -135,8 +133,12 @@ class FieldCTRModel(CTRModel):
         self.num_dense = num_dense
         self.embedding_dim = embedding_dim
         self.fields = FieldEmbeddings(
-            sparse_names, cardinalities, embedding_dim, embedding,
-            with_first_order=True, device=device,
+            sparse_names,
+            cardinalities,
+            embedding_dim,
+            embedding,
+            with_first_order=True,
+            device=device,
         )
         self.sparse_feature_names = list(sparse_names)
         with device_scope(device):

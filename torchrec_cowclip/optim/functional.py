@@ -40,7 +40,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    overload,
+)
 
 import torch
 from torch import Tensor
@@ -70,9 +81,14 @@ class CowClip:
     def __post_init__(self) -> None:
         for name in ("r", "zeta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value != value or value in (
-                float("inf"),
-                float("-inf"),
+            if (
+                not isinstance(value, (int, float))
+                or value != value
+                or value
+                in (
+                    float("inf"),
+                    float("-inf"),
+                )
             ):
                 raise ValueError(f"CowClip.{name} must be a finite number, got {value!r}")
         if self.r <= 0:
@@ -125,7 +141,9 @@ class CountLR:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"CountLR.{name} must be a finite number, got {value!r}")
         if self.cap < 1:
-            raise ValueError(f"CountLR.cap must be >= 1 (a row is seen at least once), got {self.cap}")
+            raise ValueError(
+                f"CountLR.cap must be >= 1 (a row is seen at least once), got {self.cap}"
+            )
 
     def multiplier(self, counts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """``[U]`` ``min(c_j, cap) ** power`` for the rows' counts ``c_j``."""
@@ -207,8 +225,11 @@ class RowSums:
         """The rows where ``mask`` is True."""
         dim = self.dim[mask] if self.dim.dim() == 1 else self.dim
         return RowSums(
-            self.nonfinite[mask], self.grad_sq[mask], self.weight_sq[mask],
-            self.grad_dot_weight[mask], dim,
+            self.nonfinite[mask],
+            self.grad_sq[mask],
+            self.weight_sq[mask],
+            self.grad_dot_weight[mask],
+            dim,
         )
 
     def mean_square_after(self, scale: Tensor, weight_decay: float) -> Tensor:
@@ -498,33 +519,70 @@ STATE_LAYOUT: Mapping[str, Tuple[Tuple[str, str], ...]] = RuleView(lambda rule: 
 
 
 def _adam_step(
-    weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate,
-    step: Optional[Tensor], betas: Tuple[float, float], eps: float,
-    adam_bias: Optional[Tuple[Tensor, Tensor]], **_: Any,
+    weight: Tensor,
+    grad: Tensor,
+    state: Dict[str, Tensor],
+    *,
+    lr: LearningRate,
+    step: Optional[Tensor],
+    betas: Tuple[float, float],
+    eps: float,
+    adam_bias: Optional[Tuple[Tensor, Tensor]],
+    **_: Any,
 ) -> None:
-    adam_rows_(weight, grad, state["exp_avg"], state["exp_avg_sq"], step, lr,
-               betas[0], betas[1], eps, bias_corrections=adam_bias)
+    adam_rows_(
+        weight,
+        grad,
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        step,
+        lr,
+        betas[0],
+        betas[1],
+        eps,
+        bias_corrections=adam_bias,
+    )
 
 
 def _rowwise_adagrad_step(
-    weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, eps: float,
-    weight_decay: float, scale: Tensor, row_sums: Optional[RowSums], **_: Any,
+    weight: Tensor,
+    grad: Tensor,
+    state: Dict[str, Tensor],
+    *,
+    lr: LearningRate,
+    eps: float,
+    weight_decay: float,
+    scale: Tensor,
+    row_sums: Optional[RowSums],
+    **_: Any,
 ) -> None:
     grad_sq_mean = None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
     rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
 
 
-def _sgd_step(weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, **_: Any) -> None:
+def _sgd_step(
+    weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, **_: Any
+) -> None:
     sgd_rows_(weight, grad, lr)
 
 
-register_update_rule(UpdateRule(
-    "adam", _adam_step, (("exp_avg", "D"), ("exp_avg_sq", "D")), "torch.optim.Adam",
-    adam_bias_corrections=True,
-))
-register_update_rule(UpdateRule(
-    "rowwise_adagrad", _rowwise_adagrad_step, (("sum", "1"),), "torchrec.optim.RowWiseAdagrad",
-))
+register_update_rule(
+    UpdateRule(
+        "adam",
+        _adam_step,
+        (("exp_avg", "D"), ("exp_avg_sq", "D")),
+        "torch.optim.Adam",
+        adam_bias_corrections=True,
+    )
+)
+register_update_rule(
+    UpdateRule(
+        "rowwise_adagrad",
+        _rowwise_adagrad_step,
+        (("sum", "1"),),
+        "torchrec.optim.RowWiseAdagrad",
+    )
+)
 register_update_rule(UpdateRule("sgd", _sgd_step, (), "torch.optim.SGD"))
 
 
@@ -594,7 +652,16 @@ def cowclip_row_update_(
     if count_lr is not None and count_lr.power != 0.0:
         row_lr = lr * count_lr.multiplier(counts, grad.dtype)
     rule.step(
-        weight, grad, state, lr=row_lr, step=step, betas=betas, eps=eps,
-        weight_decay=weight_decay, scale=scale, row_sums=row_sums, adam_bias=adam_bias,
+        weight,
+        grad,
+        state,
+        lr=row_lr,
+        step=step,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        scale=scale,
+        row_sums=row_sums,
+        adam_bias=adam_bias,
     )
     return was_clipped

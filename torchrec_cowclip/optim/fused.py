@@ -19,7 +19,7 @@ Example::
     >>> opt.param_groups[0]["lr"] = 5e-5          # takes effect at the next backward
     >>> sorted(opt.state_dict()["state"]["embedding_bags.t.weight"])
     ['exp_avg', 'exp_avg_sq', 'step']
-    >>> import os, tempfile
+    >>> import os, tempfile, torch
     >>> torch.save(opt.state_dict(), os.path.join(tempfile.mkdtemp(), "fused_opt.pt"))
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Set
 
-import torch
 from torch import Tensor
 from torchrec.optim.fused import FusedOptimizer
 

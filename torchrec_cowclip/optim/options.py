@@ -25,10 +25,15 @@ def validate_hyperparameters(
 ) -> None:
     """Raises ValueError naming the first bad hyperparameter (NaN, inf and negative
     values included: ``inf >= 0`` holds, so finiteness is checked on its own)."""
-    for name, value, zero_ok in (("lr", lr, True), ("eps", eps, False),
-                                 ("weight_decay", weight_decay, True)):
+    for name, value, zero_ok in (
+        ("lr", lr, True),
+        ("eps", eps, False),
+        ("weight_decay", weight_decay, True),
+    ):
         if not (math.isfinite(value) and (value >= 0.0 if zero_ok else value > 0.0)):
-            raise ValueError(f"{name} must be {'>=' if zero_ok else '>'} 0 and finite, got {value!r}")
+            raise ValueError(
+                f"{name} must be {'>=' if zero_ok else '>'} 0 and finite, got {value!r}"
+            )
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if cowclip is not None and not isinstance(cowclip, CowClip):
@@ -83,7 +88,8 @@ class CowClipOptions:
             raise TypeError(f"options must be a CowClipOptions, got {type(options).__name__}")
         defaults = cls()
         given = sorted(
-            k for k, v in keywords.items()
+            k
+            for k, v in keywords.items()
             if (frozenset(v) if k == "unclipped_tables" else v) != getattr(defaults, k)
         )
         if given:
@@ -117,8 +123,9 @@ class CowClipOptions:
         """The options a CowClip collection is trained with now (its fused optimizer's
         live hyperparameters, so an ``lr`` changed by a schedule is kept)."""
         fused = module.fused_optimizer
-        return cls.from_param_group(fused.hyperparameters, fused.optimizer_name,
-                                    module.unclipped_tables)
+        return cls.from_param_group(
+            fused.hyperparameters, fused.optimizer_name, module.unclipped_tables
+        )
 
     def replace(self, **changes: Any) -> "CowClipOptions":
         """A copy with ``changes`` (validated)."""

@@ -104,7 +104,9 @@ class CheckpointStore:
         target = self.root / pointer.read_text().strip()
         return target if (target / TRAINER_STATE).is_file() else None
 
-    def save(self, name: str, tag: str, tensors: Dict[str, Any], trainer_state: Dict[str, Any]) -> Path:
+    def save(
+        self, name: str, tag: str, tensors: Dict[str, Any], trainer_state: Dict[str, Any]
+    ) -> Path:
         """Writes ``tensors`` (nested dicts of tensors / ShardedTensors and plain values)
         and ``trainer_state`` (rank 0's) as checkpoint ``name``, in directory ``tag``.
 
@@ -143,8 +145,9 @@ class CheckpointStore:
             raise FileNotFoundError(f"no '{name}' checkpoint in {self.root}")
         self.check_fits(path, tensors)
         state_dict_loader.load(tensors, checkpoint_id=str(path))
-        state: Dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu",
-                                           weights_only=False)
+        state: Dict[str, Any] = torch.load(
+            path / TRAINER_STATE, map_location="cpu", weights_only=False
+        )
         return state
 
     def describe(self, name: str) -> str:
@@ -162,8 +165,9 @@ class CheckpointStore:
         path = self.path_of(name)
         if path is None:
             return None
-        state: Dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu",
-                                           weights_only=False)
+        state: Dict[str, Any] = torch.load(
+            path / TRAINER_STATE, map_location="cpu", weights_only=False
+        )
         return state
 
     @staticmethod
@@ -191,8 +195,11 @@ class CheckpointStore:
             dist.all_gather_object(gathered, sorted(wanted))
             everyone = {k for keys in gathered for k in keys}
         groups = {k.split(".")[0] for k in everyone}
-        extra = sorted(k for k, m in saved.items()
-                       if hasattr(m, "size") and k not in everyone and k.split(".")[0] in groups)
+        extra = sorted(
+            k
+            for k, m in saved.items()
+            if hasattr(m, "size") and k not in everyone and k.split(".")[0] in groups
+        )
         if missing or extra:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not fit: {len(missing)} tensor(s) of this run are "
@@ -203,8 +210,11 @@ class CheckpointStore:
     def remove_unnamed(self) -> List[Path]:
         """Removes checkpoint directories and temporary files no pointer names (left by
         a killed write, or superseded); returns what it removed. Rank 0 only."""
-        named = {self.root / (self.root / n).read_text().strip()
-                 for n in ("latest", "best") if (self.root / n).is_file()}
+        named = {
+            self.root / (self.root / n).read_text().strip()
+            for n in ("latest", "best")
+            if (self.root / n).is_file()
+        }
         removed: List[Path] = []
         if not self.root.is_dir():
             return removed

@@ -46,33 +46,66 @@ def build_parser() -> argparse.ArgumentParser:
         description="Large-batch CTR training on TorchRec with CowClip (Zheng et al., AAAI 2023).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a CTR model and write metrics.json",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = sub.add_parser(
+        "train",
+        help="train a CTR model and write metrics.json",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d = TrainConfig()
     g = t.add_argument_group("model and data")
     g.add_argument("--model", choices=MODELS, default=d.model)
     g.add_argument("--data", required=True, help=_DATA_HELP)
-    g.add_argument("--test-data", default=None, help="explicit test set (same kinds as --data); "
-                   "default: a random --test-fraction of --data")
+    g.add_argument(
+        "--test-data",
+        default=None,
+        help="explicit test set (same kinds as --data); "
+        "default: a random --test-fraction of --data",
+    )
     g.add_argument("--test-fraction", type=float, default=d.test_fraction)
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="validation split carved from the training rows (for early stopping)")
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=d.val_fraction,
+        help="validation split carved from the training rows (for early stopping)",
+    )
     g.add_argument("--cache-dir", default=d.cache_dir, help="binary cache of converted data")
     g.add_argument("--on-bad-row", choices=("error", "skip"), default=d.on_bad_row)
-    g.add_argument("--hash-size", type=int, default=None,
-                   help="hash categorical values into this many ids per feature (default: exact vocabulary)")
-    g.add_argument("--min-count", type=int, default=d.min_count,
-                   help="vocabulary: values seen fewer times share one OOV id")
+    g.add_argument(
+        "--hash-size",
+        type=int,
+        default=None,
+        help="hash categorical values into this many ids per feature (default: exact vocabulary)",
+    )
+    g.add_argument(
+        "--min-count",
+        type=int,
+        default=d.min_count,
+        help="vocabulary: values seen fewer times share one OOV id",
+    )
     g.add_argument("--dense-transform", choices=("log", "minmax"), default=d.dense_transform)
     g.add_argument("--label", default=None, help="table: label column")
-    g.add_argument("--dense", type=_csv_list, default=[], help="table: dense columns, comma-separated")
-    g.add_argument("--sparse", type=_csv_list, default=[], help="table: categorical columns, comma-separated")
-    g.add_argument("--synthetic-scale", type=float, default=None,
-                   help="synthetic: multiply Criteo Kaggle's cardinalities by this (default 1.0)")
-    g.add_argument("--synthetic-max-cardinality", type=int, default=None,
-                   help="synthetic: cap every table at this many rows (default 1,000,000)")
+    g.add_argument(
+        "--dense", type=_csv_list, default=[], help="table: dense columns, comma-separated"
+    )
+    g.add_argument(
+        "--sparse", type=_csv_list, default=[], help="table: categorical columns, comma-separated"
+    )
+    g.add_argument(
+        "--synthetic-scale",
+        type=float,
+        default=None,
+        help="synthetic: multiply Criteo Kaggle's cardinalities by this (default 1.0)",
+    )
+    g.add_argument(
+        "--synthetic-max-cardinality",
+        type=int,
+        default=None,
+        help="synthetic: cap every table at this many rows (default 1,000,000)",
+    )
     g.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
-    g.add_argument("--hidden", type=_int_list, default=list(d.hidden), help="DNN sizes, e.g. 400,400,400")
+    g.add_argument(
+        "--hidden", type=_int_list, default=list(d.hidden), help="DNN sizes, e.g. 400,400,400"
+    )
     g.add_argument("--cross-layers", type=int, default=d.cross_layers)
     g.add_argument("--init-std", type=float, default=d.init_std, help="embedding init N(0, std)")
 
@@ -80,58 +113,122 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=d.batch_size)
     s.add_argument("--base-batch-size", type=int, default=d.base_batch_size)
     s.add_argument("--epochs", type=int, default=d.epochs)
-    s.add_argument("--recipe", choices=tuple(RECIPES), default=d.recipe,
-                   help="how every value below scales from --base-batch-size; "
-                        + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
-                        + ". Explicit options override the recipe")
-    s.add_argument("--lr", type=float, default=None,
-                   help="dense lr (default, recipe paper: 8e-4 * sqrt(batch/base))")
-    s.add_argument("--lr-embed", type=float, default=None,
-                   help="embedding lr (default, recipe paper: 1e-4, not scaled)")
-    s.add_argument("--l2", type=float, default=None,
-                   help="embedding L2 lambda (default, recipe paper: 1e-5 * batch/base)")
+    s.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default=d.recipe,
+        help="how every value below scales from --base-batch-size; "
+        + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
+        + ". Explicit options override the recipe",
+    )
+    s.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="dense lr (default, recipe paper: 8e-4 * sqrt(batch/base))",
+    )
+    s.add_argument(
+        "--lr-embed",
+        type=float,
+        default=None,
+        help="embedding lr (default, recipe paper: 1e-4, not scaled)",
+    )
+    s.add_argument(
+        "--l2",
+        type=float,
+        default=None,
+        help="embedding L2 lambda (default, recipe paper: 1e-5 * batch/base)",
+    )
     s.add_argument("--clip-r", type=float, default=None, help="default: the recipe's (paper: 1)")
-    s.add_argument("--clip-zeta", type=float, default=None,
-                   help="default: r^2 * sqrt(dim) * bound (1e-5 Criteo, 1e-4 Avazu)")
-    s.add_argument("--warmup-epochs", type=float, default=None,
-                   help="dense lr warm-up (default: the recipe's; paper: 1 epoch)")
-    s.add_argument("--count-lr-power", type=float, default=None,
-                   help="per-id-frequency embedding lr: a row seen c times in the batch "
-                        "steps with lr * min(c, batch/base) ** POWER (not in the paper; "
-                        "default: the recipe's, paper: 0 = off; docs/scaling.md)")
-    s.add_argument("--no-cowclip", dest="cowclip", action="store_false",
-                   help="no clipping (lazy optimizer on the same fused tables)")
-    s.add_argument("--embedding-backend", choices=EMBEDDING_BACKENDS, default=d.embedding_backend,
-                   help="torchrec: stock EmbeddingBagCollection + torch.optim.Adam (needs --no-cowclip)")
-    s.add_argument("--embedding-optimizer", choices=EMBEDDING_OPTIMIZERS, default=d.embedding_optimizer)
+    s.add_argument(
+        "--clip-zeta",
+        type=float,
+        default=None,
+        help="default: r^2 * sqrt(dim) * bound (1e-5 Criteo, 1e-4 Avazu)",
+    )
+    s.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help="dense lr warm-up (default: the recipe's; paper: 1 epoch)",
+    )
+    s.add_argument(
+        "--count-lr-power",
+        type=float,
+        default=None,
+        help="per-id-frequency embedding lr: a row seen c times in the batch "
+        "steps with lr * min(c, batch/base) ** POWER (not in the paper; "
+        "default: the recipe's, paper: 0 = off; docs/scaling.md)",
+    )
+    s.add_argument(
+        "--no-cowclip",
+        dest="cowclip",
+        action="store_false",
+        help="no clipping (lazy optimizer on the same fused tables)",
+    )
+    s.add_argument(
+        "--embedding-backend",
+        choices=EMBEDDING_BACKENDS,
+        default=d.embedding_backend,
+        help="torchrec: stock EmbeddingBagCollection + torch.optim.Adam (needs --no-cowclip)",
+    )
+    s.add_argument(
+        "--embedding-optimizer", choices=EMBEDDING_OPTIMIZERS, default=d.embedding_optimizer
+    )
 
     r = t.add_argument_group("run")
     r.add_argument("--out", default=d.out, help="run directory (metrics.json, logs, checkpoint)")
     r.add_argument("--seed", type=int, default=d.seed)
     r.add_argument("--early-stop-patience", type=int, default=d.early_stop_patience)
-    r.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out/checkpoints (any number of "
-                        "processes); refused if a setting that changes "
-                        "the result differs from the checkpoint's (README, Reliability)")
-    r.add_argument("--overwrite", action="store_true",
-                   help="delete the previous run's files in --out first (without it, or "
-                        "--resume, an --out holding a run is refused)")
-    r.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (0: no limit)")
+    r.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only"
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --out/checkpoints (any number of "
+        "processes); refused if a setting that changes "
+        "the result differs from the checkpoint's (README, Reliability)",
+    )
+    r.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the previous run's files in --out first (without it, or "
+        "--resume, an --out holding a run is refused)",
+    )
+    r.add_argument(
+        "--max-steps",
+        type=int,
+        default=d.max_steps,
+        help="stop after this many steps (0: no limit)",
+    )
     r.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     r.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
-    r.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)")
-    r.add_argument("--sharding", default=d.sharding,
-                   choices=SHARDING_CHOICES,
-                   help="under torchrun/torchx: how the embedding tables are sharded "
-                        "(auto: TorchRec's planner); refused on one process")
-    r.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,
-                   help="seconds any collective may wait (a dead rank fails the job after this)")
+    r.add_argument(
+        "--threads", type=int, default=d.threads, help="torch intra-op threads (0: default)"
+    )
+    r.add_argument(
+        "--sharding",
+        default=d.sharding,
+        choices=SHARDING_CHOICES,
+        help="under torchrun/torchx: how the embedding tables are sharded "
+        "(auto: TorchRec's planner); refused on one process",
+    )
+    r.add_argument(
+        "--dist-timeout",
+        dest="dist_timeout_s",
+        type=float,
+        default=d.dist_timeout_s,
+        help="seconds any collective may wait (a dead rank fails the job after this)",
+    )
     r.add_argument("--no-progress", dest="progress", action="store_false")
     r.add_argument("--log-every", type=int, default=d.log_every)
-    r.add_argument("--row-clip-stats", action="store_true",
-                   help="count clipped updates per embedding row and report the clip rate by "
-                        "id frequency in the training split (clip_by_frequency.json; one process)")
+    r.add_argument(
+        "--row-clip-stats",
+        action="store_true",
+        help="count clipped updates per embedding row and report the clip rate by "
+        "id frequency in the training split (clip_by_frequency.json; one process)",
+    )
     return parser
 
 
@@ -175,8 +272,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.exit(3, f"torchrec-cowclip: {e}\n")
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for a multi-process run
-    summary = {k: metrics[k] for k in ("auc", "logloss", "best_epoch", "epochs", "steps",
-                                       "train_samples_per_s", "rows_updated", "rows_clipped")}
+    summary = {
+        k: metrics[k]
+        for k in (
+            "auc",
+            "logloss",
+            "best_epoch",
+            "epochs",
+            "steps",
+            "train_samples_per_s",
+            "rows_updated",
+            "rows_clipped",
+        )
+    }
     print(json.dumps(summary, indent=2))
     return 0
 

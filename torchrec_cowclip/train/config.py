@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
-from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
 from torchrec_cowclip.optim.functional import OPTIMIZERS
 
 #: The CLI's choices, read from the registries they select from.
@@ -89,19 +88,25 @@ class TrainConfig:
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.count_lr_power and self.embedding_backend != "cowclip":
-            raise ConfigError("--count-lr-power sets the fused update's per-row lr: use "
-                              "--embedding-backend cowclip")
+            raise ConfigError(
+                "--count-lr-power sets the fused update's per-row lr: use "
+                "--embedding-backend cowclip"
+            )
         if self.row_clip_stats and self.embedding_backend != "cowclip":
-            raise ConfigError("--row-clip-stats counts the CowClip update's clips: use "
-                              "--embedding-backend cowclip")
+            raise ConfigError(
+                "--row-clip-stats counts the CowClip update's clips: use "
+                "--embedding-backend cowclip"
+            )
         if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(
                 f"--embedding-optimizer must be one of {', '.join(EMBEDDING_OPTIMIZERS)}, "
                 f"got {self.embedding_optimizer!r}"
             )
         positive = {
-            "--batch-size": self.batch_size, "--base-batch-size": self.base_batch_size,
-            "--epochs": self.epochs, "--embedding-dim": self.embedding_dim,
+            "--batch-size": self.batch_size,
+            "--base-batch-size": self.base_batch_size,
+            "--epochs": self.epochs,
+            "--embedding-dim": self.embedding_dim,
             "--eval-batch-size": self.eval_batch_size,
         }
         for flag, count in positive.items():
@@ -109,8 +114,10 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be > 0, got {count}")
         non_negative = {
             "--early-stop-patience": self.early_stop_patience,
-            "--checkpoint-every": self.checkpoint_every, "--max-steps": self.max_steps,
-            "--init-std": self.init_std, "--cross-layers": self.cross_layers,
+            "--checkpoint-every": self.checkpoint_every,
+            "--max-steps": self.max_steps,
+            "--init-std": self.init_std,
+            "--cross-layers": self.cross_layers,
         }
         for flag, value in non_negative.items():
             if value < 0:
@@ -121,7 +128,9 @@ class TrainConfig:
                 if clip is not None:
                     raise ConfigError(f"{flag} {clip:g} has no effect with --no-cowclip: drop one")
         if self.resume and self.overwrite:
-            raise ConfigError("--resume continues the run in --out, --overwrite deletes it: give one")
+            raise ConfigError(
+                "--resume continues the run in --out, --overwrite deletes it: give one"
+            )
         from torchrec_cowclip.train.scaling import RECIPES
 
         if self.recipe not in RECIPES:
@@ -151,7 +160,9 @@ class TrainConfig:
         from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 
         if self.sharding not in SHARDING_CHOICES:
-            raise ConfigError(f"--sharding must be one of {', '.join(SHARDING_CHOICES)}, got {self.sharding!r}")
+            raise ConfigError(
+                f"--sharding must be one of {', '.join(SHARDING_CHOICES)}, got {self.sharding!r}"
+            )
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"--dist-timeout must be > 0, got {self.dist_timeout_s}")
         if any(h <= 0 for h in self.hidden):
@@ -162,19 +173,29 @@ class TrainConfig:
         # NaN passes every ordered comparison's negation and inf every lower bound, so
         # finiteness is checked first, for every float option.
         floats = {
-            "--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
-            "--clip-r": self.clip_r, "--clip-zeta": self.clip_zeta,
-            "--warmup-epochs": self.warmup_epochs, "--count-lr-power": self.count_lr_power,
-            "--init-std": self.init_std, "--test-fraction": self.test_fraction,
-            "--val-fraction": self.val_fraction, "--synthetic-scale": self.synthetic_scale,
+            "--lr": self.lr,
+            "--lr-embed": self.lr_embed,
+            "--l2": self.l2,
+            "--clip-r": self.clip_r,
+            "--clip-zeta": self.clip_zeta,
+            "--warmup-epochs": self.warmup_epochs,
+            "--count-lr-power": self.count_lr_power,
+            "--init-std": self.init_std,
+            "--test-fraction": self.test_fraction,
+            "--val-fraction": self.val_fraction,
+            "--synthetic-scale": self.synthetic_scale,
             "--dist-timeout": self.dist_timeout_s,
         }
         for flag, value in floats.items():
             if value is not None and not math.isfinite(value):
                 raise ConfigError(f"{flag} must be a finite number, got {value}")
-        for flag, value in {"--lr": self.lr, "--lr-embed": self.lr_embed, "--l2": self.l2,
-                            "--clip-zeta": self.clip_zeta,
-                            "--warmup-epochs": self.warmup_epochs}.items():
+        for flag, value in {
+            "--lr": self.lr,
+            "--lr-embed": self.lr_embed,
+            "--l2": self.l2,
+            "--clip-zeta": self.clip_zeta,
+            "--warmup-epochs": self.warmup_epochs,
+        }.items():
             if value is not None and value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         if self.clip_r is not None and self.clip_r <= 0:
@@ -195,15 +216,21 @@ class TrainConfig:
         try:
             device = torch.device(self.device)
         except RuntimeError:
-            raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}") from None
+            raise ConfigError(
+                f"--device must be auto, cpu or cuda[:N], got {self.device!r}"
+            ) from None
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
-                raise ConfigError(f"--device {self.device}: this machine has no CUDA device "
-                                  "(use --device cpu or auto)")
+                raise ConfigError(
+                    f"--device {self.device}: this machine has no CUDA device "
+                    "(use --device cpu or auto)"
+                )
             if device.index is not None and device.index >= count:
-                raise ConfigError(f"--device {self.device}: this machine has {count} CUDA "
-                                  f"device(s), cuda:0 to cuda:{count - 1}")
+                raise ConfigError(
+                    f"--device {self.device}: this machine has {count} CUDA "
+                    f"device(s), cuda:0 to cuda:{count - 1}"
+                )
         elif device.type != "cpu":
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -32,7 +32,9 @@ from torchrec.datasets.utils import Batch
 
 
 @torch.no_grad()
-def evaluate(task: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> Dict[str, float]:
+def evaluate(
+    task: torch.nn.Module, batches: Iterable[Batch], device: torch.device
+) -> Dict[str, float]:
     """AUC and mean binary log-loss of a ``CTRTrainTask`` (``task(batch) -> (loss,
     (loss, logits, labels))``) over ``batches``.
 

@@ -52,7 +52,9 @@ def build_optimizer(
         >>> opt.step(); opt.zero_grad()
     """
     embedding_ids = (
-        {id(p) for p in embedding_collection.parameters()} if embedding_collection is not None else set()
+        {id(p) for p in embedding_collection.parameters()}
+        if embedding_collection is not None
+        else set()
     )
     dense_params: Dict[str, nn.Parameter] = {}
     embedding_params: Dict[str, nn.Parameter] = {}
@@ -87,13 +89,15 @@ def build_optimizer(
             fused_part = CombinedOptimizer([(path, fused_part)])
         parts.append(("embedding", fused_part))
     elif embedding_params:
-        parts.append((
-            "embedding",
-            KeyedOptimizerWrapper(
-                embedding_params,
-                lambda params: torch.optim.Adam(
-                    params, lr=hp.embedding_lr, weight_decay=hp.embedding_weight_decay
+        parts.append(
+            (
+                "embedding",
+                KeyedOptimizerWrapper(
+                    embedding_params,
+                    lambda params: torch.optim.Adam(
+                        params, lr=hp.embedding_lr, weight_decay=hp.embedding_weight_decay
+                    ),
                 ),
-            ),
-        ))
+            )
+        )
     return CombinedOptimizer(parts)

@@ -38,16 +38,31 @@ from torchrec_cowclip.train.scaling import ScaledHyperparameters
 # math on the same global batches; only float summation order differs). Everything else -
 # including --threads, --device and --eval-batch-size, which can move the last bits of float
 # sums, and --init-std, which metrics.json reports - must be the checkpoint's.
-RESUMABLE_SETTINGS: FrozenSet[str] = frozenset({
-    "epochs", "progress", "log_every", "checkpoint_every", "max_steps", "resume",
-    "overwrite", "out", "cache_dir", "dist_timeout_s", "sharding",
-})
+RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
+    {
+        "epochs",
+        "progress",
+        "log_every",
+        "checkpoint_every",
+        "max_steps",
+        "resume",
+        "overwrite",
+        "out",
+        "cache_dir",
+        "dist_timeout_s",
+        "sharding",
+    }
+)
 
 # Config fields a scaling recipe fills in when left None -> the resolved value's field
 # in ScaledHyperparameters.
 _RESOLVED: Dict[str, str] = {
-    "lr": "dense_lr", "lr_embed": "embedding_lr", "l2": "l2", "clip_r": "clip_r",
-    "clip_zeta": "clip_zeta", "warmup_epochs": "warmup_epochs",
+    "lr": "dense_lr",
+    "lr_embed": "embedding_lr",
+    "l2": "l2",
+    "clip_r": "clip_r",
+    "clip_zeta": "clip_zeta",
+    "warmup_epochs": "warmup_epochs",
     "count_lr_power": "count_lr_power",
 }
 
@@ -118,13 +133,19 @@ def resume_differences(
             continue  # a setting newer than the checkpoint: nothing recorded to compare
         if field == "epochs":
             if value < old[field]:  # a resumed run may only add epochs
-                found.append((_flag(field), _shown(field, old[field]),
-                              f"{_shown(field, value)} (a resumed run may only add epochs)"))
+                found.append(
+                    (
+                        _flag(field),
+                        _shown(field, old[field]),
+                        f"{_shown(field, value)} (a resumed run may only add epochs)",
+                    )
+                )
             continue
         if field not in RESUMABLE_SETTINGS and old[field] != value:
             found.append((_flag(field), _shown(field, old[field]), _shown(field, value)))
     old_data, new_data = saved["data"], current["data"]
     if (old_data["rows"], old_data["cache_entry"]) != (new_data["rows"], new_data["cache_entry"]):
+
         def content(d: Mapping[str, Any]) -> str:
             return f"{d['rows']} rows in cache entry {d['cache_entry']}"
 
@@ -158,5 +179,7 @@ def resumed_message(
 ) -> str:
     """The line a resumed run logs at start (``epoch`` counts finished epochs, as in the
     trainer's progress; the message numbers epochs from 1)."""
-    return (f"resumed from step {global_step} of epoch {epoch + 1} (batch {batch_in_epoch} of "
-            f"{steps_per_epoch}) from {path}")
+    return (
+        f"resumed from step {global_step} of epoch {epoch + 1} (batch {batch_in_epoch} of "
+        f"{steps_per_epoch}) from {path}"
+    )

@@ -59,8 +59,9 @@ class RunDirLock:
 
     def __init__(self, path: Optional[Path], fd: int = -1, inode: int = 0) -> None:
         self.path = path
-        self._finalizer = (weakref.finalize(self, _unlock, fd, str(path), inode)
-                           if path is not None else None)
+        self._finalizer = (
+            weakref.finalize(self, _unlock, fd, str(path), inode) if path is not None else None
+        )
 
     @classmethod
     def acquire(cls, out: Path) -> "RunDirLock":
@@ -181,7 +182,9 @@ def claim_run_dir(
         stale = stale_temp_files(out)
         if stale:
             _remove(stale)
-            say(f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write")
+            say(
+                f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write"
+            )
     except BaseException:
         lock.release()
         raise

@@ -89,16 +89,25 @@ class RunLog:
             return
         dropped = self._steps.truncate("step", step) + self._epochs.truncate("epoch", epoch)
         if dropped:
-            self.info(f"dropped {dropped} log rows written after the checkpoint (logged again as "
-                      "the run repeats those steps)")
+            self.info(
+                f"dropped {dropped} log rows written after the checkpoint (logged again as "
+                "the run repeats those steps)"
+            )
 
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
 
     def progress_bar(self, total: int, initial: int, desc: str) -> tqdm:
-        return tqdm(total=total, initial=initial, desc=desc, disable=not self.enabled_progress,
-                    unit="step", dynamic_ncols=True, file=sys.stderr)
+        return tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            disable=not self.enabled_progress,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
 
     def step(self, step: int, values: Dict[str, float]) -> None:
         if self._tb is None:  # not enabled

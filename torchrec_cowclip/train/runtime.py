@@ -53,7 +53,11 @@ if TYPE_CHECKING:
 
 def rng_state() -> Dict[str, Any]:
     """This process's Python, NumPy and torch RNG states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -87,14 +91,22 @@ class Runtime(ABC):
     optimizer: CombinedOptimizer
     steps_per_epoch: int
 
-    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
-                 hp: ScaledHyperparameters, cowclip: Optional[CowClip]) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        dataset: Any,
+        train_idx: np.ndarray,
+        hp: ScaledHyperparameters,
+        cowclip: Optional[CowClip],
+    ) -> None:
         self.config, self.dataset, self.train_idx, self.hp = config, dataset, train_idx, hp
         # The tables' training, built once from the scaled hyperparameters and passed
         # on as is to the model factory, the collection and the sharder.
         self.embedding_options = CowClipOptions(
-            optimizer=config.embedding_optimizer, lr=hp.embedding_lr,
-            weight_decay=hp.embedding_weight_decay, cowclip=cowclip,
+            optimizer=config.embedding_optimizer,
+            lr=hp.embedding_lr,
+            weight_decay=hp.embedding_weight_decay,
+            cowclip=cowclip,
             count_lr=hp.count_lr if config.embedding_backend == "cowclip" else None,
         )
 
@@ -183,8 +195,15 @@ class Runtime(ABC):
 class LocalRuntime(Runtime):
     """The whole model in this process."""
 
-    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
-                 hp: ScaledHyperparameters, cowclip: Optional[CowClip], device: torch.device) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        dataset: Any,
+        train_idx: np.ndarray,
+        hp: ScaledHyperparameters,
+        cowclip: Optional[CowClip],
+        device: torch.device,
+    ) -> None:
         super().__init__(config, dataset, train_idx, hp, cowclip)
         self.device = device
         self.model = self._build_model(table_device=None)
@@ -195,10 +214,18 @@ class LocalRuntime(Runtime):
         )
 
     def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        return iter(BatchIterator(
-            self.dataset, self.train_idx, self.config.batch_size, shuffle=True,
-            seed=self.config.seed, epoch=epoch, start_batch=start_batch, prefetch=2,
-        ))
+        return iter(
+            BatchIterator(
+                self.dataset,
+                self.train_idx,
+                self.config.batch_size,
+                shuffle=True,
+                seed=self.config.seed,
+                epoch=epoch,
+                start_batch=start_batch,
+                prefetch=2,
+            )
+        )
 
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
         return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
@@ -227,11 +254,20 @@ class ShardedRuntime(Runtime):
     are ever allocated.
     """
 
-    def __init__(self, config: TrainConfig, dataset: Any, train_idx: np.ndarray,
-                 hp: ScaledHyperparameters, cowclip: Optional[CowClip], ctx: DistContext) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        dataset: Any,
+        train_idx: np.ndarray,
+        hp: ScaledHyperparameters,
+        cowclip: Optional[CowClip],
+        ctx: DistContext,
+    ) -> None:
         super().__init__(config, dataset, train_idx, hp, cowclip)
         if config.embedding_backend != "cowclip":
-            raise ConfigError("multi-process runs shard the CowClip tables: use --embedding-backend cowclip")
+            raise ConfigError(
+                "multi-process runs shard the CowClip tables: use --embedding-backend cowclip"
+            )
         if config.row_clip_stats:
             raise ConfigError("--row-clip-stats counts rows of unsharded tables: run one process")
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
@@ -243,26 +279,40 @@ class ShardedRuntime(Runtime):
         ebc = self.model.embedding_collection
         sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
         self.train_module = shard_model(
-            CTRTrainTask(self.model), [t.name for t in ebc.embedding_bag_configs()], [sharder],
-            config.sharding, ctx, config.batch_size,
+            CTRTrainTask(self.model),
+            [t.name for t in ebc.embedding_bag_configs()],
+            [sharder],
+            config.sharding,
+            ctx,
+            config.batch_size,
         )
         self.steps_per_epoch = len(train_idx) // config.batch_size
         self.optimizer = build_optimizer(
-            self.train_module, None, hp, self.steps_per_epoch,
+            self.train_module,
+            None,
+            hp,
+            self.steps_per_epoch,
             fused=self.train_module.fused_optimizer,
         )
 
     def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         order = epoch_order(self.train_idx, True, self.config.seed, epoch)
         rows = rank_rows_of_epoch(order, self.config.batch_size, self.ctx)
-        return iter(BatchIterator(
-            self.dataset, rows, self.config.batch_size // self.world_size,
-            start_batch=start_batch, prefetch=2,
-        ))
+        return iter(
+            BatchIterator(
+                self.dataset,
+                rows,
+                self.config.batch_size // self.world_size,
+                start_batch=start_batch,
+                prefetch=2,
+            )
+        )
 
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
         size = max(self.config.eval_batch_size // self.world_size, 1)
-        return iter(BatchIterator(self.dataset, rank_rows_for_eval(indices, self.ctx), size, prefetch=2))
+        return iter(
+            BatchIterator(self.dataset, rank_rows_for_eval(indices, self.ctx), size, prefetch=2)
+        )
 
     def pipeline(self) -> Any:
         return TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
@@ -274,8 +324,11 @@ class ShardedRuntime(Runtime):
     def embedding_module(self) -> ShardedCowClipEmbeddingBagCollection:
         from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
 
-        return next(m for m in self.train_module.modules()
-                    if isinstance(m, ShardedCowClipEmbeddingBagCollection))
+        return next(
+            m
+            for m in self.train_module.modules()
+            if isinstance(m, ShardedCowClipEmbeddingBagCollection)
+        )
 
     def table_counters(self) -> Optional[Dict[str, Tensor]]:
         return self.embedding_module().table_counters()
@@ -292,8 +345,13 @@ class ShardedRuntime(Runtime):
         dist.barrier()
 
 
-def make_runtime(config: TrainConfig, dataset: Any, train_idx: np.ndarray,
-                 hp: ScaledHyperparameters, cowclip: Optional[CowClip]) -> Runtime:
+def make_runtime(
+    config: TrainConfig,
+    dataset: Any,
+    train_idx: np.ndarray,
+    hp: ScaledHyperparameters,
+    cowclip: Optional[CowClip],
+) -> Runtime:
     """A :class:`ShardedRuntime` under a multi-process launcher, else a :class:`LocalRuntime`."""
     ctx = init_distributed(config.device, config.dist_timeout_s)
     if ctx is not None:

@@ -86,7 +86,7 @@ RECIPES: Dict[str, Recipe] = {
     "paper": Recipe(
         name="paper",
         summary="the paper's rule: embedding lr fixed, dense lr x sqrt(s), L2 x s, "
-                "1 epoch warm-up, r = 1, zeta = sqrt(D) * bound",
+        "1 epoch warm-up, r = 1, zeta = sqrt(D) * bound",
     ),
     # docs/scaling.md, "Recipe search": on Criteo-like synthetic data at 32x the base batch,
     # scaling L2 linearly cost the most AUC (likely because coupled L2 grows with s while a
@@ -98,8 +98,8 @@ RECIPES: Dict[str, Recipe] = {
         l2_scaling="fixed",
         warmup_epochs=0.0,
         summary="the paper's rule with L2 NOT scaled and no warm-up: embedding lr fixed, "
-                "dense lr x sqrt(s), L2 unchanged, r = 1, zeta = sqrt(D) * bound "
-                "(docs/scaling.md)",
+        "dense lr x sqrt(s), L2 unchanged, r = 1, zeta = sqrt(D) * bound "
+        "(docs/scaling.md)",
     ),
 }
 
@@ -110,6 +110,7 @@ def get_recipe(name: str) -> Recipe:
         return RECIPES[name]
     except KeyError:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}") from None
+
 
 #: Base-batch settings of the reference README (DeepFM, batch 1024).
 PROFILES: Dict[str, Dict[str, float]] = {
@@ -199,10 +200,16 @@ def scale_hyperparameters(
         batch_size=batch_size,
         base_batch_size=base_batch_size,
         scale=s,
-        dense_lr=(dense_lr if dense_lr is not None
-                  else base["dense_lr"] * scale_factor(rec.dense_lr_scaling, s)),
-        embedding_lr=(embedding_lr if embedding_lr is not None
-                      else base["embedding_lr"] * scale_factor(rec.embedding_lr_scaling, s)),
+        dense_lr=(
+            dense_lr
+            if dense_lr is not None
+            else base["dense_lr"] * scale_factor(rec.dense_lr_scaling, s)
+        ),
+        embedding_lr=(
+            embedding_lr
+            if embedding_lr is not None
+            else base["embedding_lr"] * scale_factor(rec.embedding_lr_scaling, s)
+        ),
         l2=l2 if l2 is not None else base["l2"] * scale_factor(rec.l2_scaling, s),
         clip_r=r,
         clip_zeta=clip_zeta if clip_zeta is not None else r * r * embedding_dim**0.5 * bound,

@@ -80,7 +80,9 @@ def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     if not hasattr(embedding_collection, "clip_stats"):
         return {"rows_updated": None, "rows_clipped": None, "rows_nonfinite": None, "per_table": {}}
     # Looked up by name: nn.Module types the attributes it does not declare as tensors.
-    method = "global_clip_stats" if hasattr(embedding_collection, "global_clip_stats") else "clip_stats"
+    method = (
+        "global_clip_stats" if hasattr(embedding_collection, "global_clip_stats") else "clip_stats"
+    )
     stats: Dict[str, TableClipStats] = getattr(embedding_collection, method)()
     return {
         "rows_updated": sum(s.total_rows_updated for s in stats.values()),
@@ -107,24 +109,30 @@ class Trainer:
         self.out = Path(config.out)
         # Rank 0 (the environment names it before the process group exists) holds the
         # output directory's lock for the run's life.
-        self.run_dir = claim_run_dir(self.out, config.resume, config.overwrite,
-                                     main=int(os.environ.get("RANK", "0")) == 0)
+        self.run_dir = claim_run_dir(
+            self.out, config.resume, config.overwrite, main=int(os.environ.get("RANK", "0")) == 0
+        )
         if config.threads:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
 
         data_options: Dict[str, Any] = dict(
-            on_bad_row=config.on_bad_row, min_count=config.min_count,
-            hash_size=config.hash_size, dense_transform=config.dense_transform,
+            on_bad_row=config.on_bad_row,
+            min_count=config.min_count,
+            hash_size=config.hash_size,
+            dense_transform=config.dense_transform,
             seed=config.seed,
         )
         if config.data.startswith(("table:", "avazu:")):
             # Column choices exist for these kinds only; others have a fixed layout.
-            data_options.update(label=config.label, dense=config.dense or None,
-                                sparse=config.sparse or None)
+            data_options.update(
+                label=config.label, dense=config.dense or None, sparse=config.sparse or None
+            )
         if config.data.startswith("synthetic:"):
-            data_options.update(cardinality_scale=config.synthetic_scale,
-                                max_cardinality=config.synthetic_max_cardinality)
+            data_options.update(
+                cardinality_scale=config.synthetic_scale,
+                max_cardinality=config.synthetic_max_cardinality,
+            )
         test_paths = None
         if config.test_data:
             kind, test_paths = parse_spec(config.test_data)
@@ -135,7 +143,9 @@ class Trainer:
                 )
         # Explicit test files are converted with the training files' vocabulary and
         # scaling, as the last rows of one cache entry.
-        self.dataset = open_dataset(config.data, config.cache_dir, test_paths=test_paths, **data_options)
+        self.dataset = open_dataset(
+            config.data, config.cache_dir, test_paths=test_paths, **data_options
+        )
         self.train_idx, self.val_idx, self.test_idx = self.dataset.split(
             config.test_fraction, config.val_fraction, config.seed
         )
@@ -147,14 +157,20 @@ class Trainer:
             dataset="avazu" if config.data.startswith("avazu:") else "criteo",
             base_batch_size=config.base_batch_size,
             embedding_dim=config.embedding_dim,
-            dense_lr=config.lr, embedding_lr=config.lr_embed, l2=config.l2,
-            clip_r=config.clip_r, clip_zeta=config.clip_zeta,
-            warmup_epochs=config.warmup_epochs, recipe=config.recipe,
+            dense_lr=config.lr,
+            embedding_lr=config.lr_embed,
+            l2=config.l2,
+            clip_r=config.clip_r,
+            clip_zeta=config.clip_zeta,
+            warmup_epochs=config.warmup_epochs,
+            recipe=config.recipe,
             count_lr_power=config.count_lr_power,
         )
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
-        self.runtime: Runtime = make_runtime(config, self.dataset, self.train_idx, self.hp, self.cowclip)
+        self.runtime: Runtime = make_runtime(
+            config, self.dataset, self.train_idx, self.hp, self.cowclip
+        )
         self.device = self.runtime.device
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
@@ -165,8 +181,11 @@ class Trainer:
         if self.runtime.is_main:
             # A checkpoint write killed last time: its directory and temp files go.
             for stale in self.checkpoints.remove_unnamed():
-                print(f"removed {stale}, left by an interrupted checkpoint write",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"removed {stale}, left by an interrupted checkpoint write",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.progress = Progress()
 
     # --- checkpoints -----------------------------------------------------------------
@@ -195,8 +214,12 @@ class Trainer:
 
     def _save_best(self) -> None:
         """Early stopping's best weights, as their own checkpoint (not kept in memory)."""
-        self.checkpoints.save("best", f"e{self.progress.epoch}", self.runtime.model_tensors(),
-                              {"epoch": self.progress.epoch})
+        self.checkpoints.save(
+            "best",
+            f"e{self.progress.epoch}",
+            self.runtime.model_tensors(),
+            {"epoch": self.progress.epoch},
+        )
 
     def restore(self) -> None:
         """Loads the "latest" checkpoint of ``--out`` into the model, optimizers,
@@ -244,8 +267,11 @@ class Trainer:
             p = self.progress
             latest = self.checkpoints.path_of("latest")
             assert latest is not None  # restore() has just loaded it
-            log.info(resumed_message(p.global_step, p.epoch, p.batch_in_epoch,
-                                     self.steps_per_epoch, latest))
+            log.info(
+                resumed_message(
+                    p.global_step, p.epoch, p.batch_in_epoch, self.steps_per_epoch, latest
+                )
+            )
             log.rewind(p.global_step, p.epoch)
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
@@ -264,8 +290,11 @@ class Trainer:
         pipeline = self.runtime.pipeline()
         batches = self.runtime.train_batches(p.epoch, p.batch_in_epoch)
         self.runtime.train_module.train()
-        bar = log.progress_bar(total=self.steps_per_epoch, initial=p.batch_in_epoch,
-                               desc=f"epoch {p.epoch + 1}/{cfg.epochs}")
+        bar = log.progress_bar(
+            total=self.steps_per_epoch,
+            initial=p.batch_in_epoch,
+            desc=f"epoch {p.epoch + 1}/{cfg.epochs}",
+        )
         running = None
         t_last, samples_since = time.perf_counter(), 0
         try:
@@ -296,12 +325,20 @@ class Trainer:
                     now = time.perf_counter()
                     rate = samples_since / max(now - t_last, 1e-9)
                     t_last, samples_since = now, 0
-                    log.step(p.global_step, {"loss": loss_value, "running_loss": running,
-                                             "samples_per_s": rate,
-                                             "dense_lr": self._dense_lr()})
+                    log.step(
+                        p.global_step,
+                        {
+                            "loss": loss_value,
+                            "running_loss": running,
+                            "samples_per_s": rate,
+                            "dense_lr": self._dense_lr(),
+                        },
+                    )
                 bar.update(1)
-                bar.set_postfix(loss=f"{running:.4f}",
-                                samples_s=f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}")
+                bar.set_postfix(
+                    loss=f"{running:.4f}",
+                    samples_s=f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
+                )
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
                     self.save()
         finally:
@@ -314,8 +351,11 @@ class Trainer:
         test = self._evaluate(self.test_idx)
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
-        row: Dict[str, Any] = {"epoch": p.epoch + 1, "test_auc": test["auc"],
-                               "test_logloss": test["logloss"]}
+        row: Dict[str, Any] = {
+            "epoch": p.epoch + 1,
+            "test_auc": test["auc"],
+            "test_logloss": test["logloss"],
+        }
         if len(self.val_idx):
             val = self._evaluate(self.val_idx)
             p.epoch_val_auc.append(val["auc"])
@@ -327,7 +367,10 @@ class Trainer:
                     self._save_best()
             else:
                 p.epochs_without_improvement += 1
-                if cfg.early_stop_patience and p.epochs_without_improvement >= cfg.early_stop_patience:
+                if (
+                    cfg.early_stop_patience
+                    and p.epochs_without_improvement >= cfg.early_stop_patience
+                ):
                     p.stopped_early = True
         else:
             p.best_epoch = p.epoch
@@ -351,7 +394,11 @@ class Trainer:
         if cfg.early_stop_patience and self.checkpoints.path_of("best") is not None:
             # Early stopping: the final model is the best validation epoch's.
             self._load_best()
-        final_epoch = p.best_epoch if (cfg.early_stop_patience and p.best_epoch >= 0) else len(p.epoch_auc) - 1
+        final_epoch = (
+            p.best_epoch
+            if (cfg.early_stop_patience and p.best_epoch >= 0)
+            else len(p.epoch_auc) - 1
+        )
         if p.epoch_auc:
             auc, logloss = p.epoch_auc[final_epoch], p.epoch_logloss[final_epoch]
         else:  # --max-steps ended the run before the first epoch finished
@@ -375,14 +422,21 @@ class Trainer:
             "rows_clipped": counts["rows_clipped"],
             "rows_nonfinite": counts["rows_nonfinite"],
             "clipped_per_table": counts["per_table"],
-            "hyperparameters": {**cfg.as_dict(), **self.hp.as_dict(),
-                                "cowclip": None if self.cowclip is None else vars(self.cowclip)},
+            "hyperparameters": {
+                **cfg.as_dict(),
+                **self.hp.as_dict(),
+                "cowclip": None if self.cowclip is None else vars(self.cowclip),
+            },
             "world_size": self.runtime.world_size,
             "sharding": self.runtime.sharding,
-            "dataset": {"source": str(getattr(self.dataset, "source", cfg.data)),
-                        "rows": len(self.dataset), "train": len(self.train_idx),
-                        "val": len(self.val_idx), "test": len(self.test_idx),
-                        "bad_rows_skipped": self.dataset.bad_rows},
+            "dataset": {
+                "source": str(getattr(self.dataset, "source", cfg.data)),
+                "rows": len(self.dataset),
+                "train": len(self.train_idx),
+                "val": len(self.val_idx),
+                "test": len(self.test_idx),
+                "bad_rows_skipped": self.dataset.bad_rows,
+            },
         }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
@@ -399,14 +453,16 @@ class Trainer:
         schema = self.dataset.schema
         counts = self.model.embedding_collection.row_clip_counts()
         # The D-dim tables; not the first-order ones.
-        fields = [(i, embedding_table_name(name), int(card))
-                  for i, (name, card) in enumerate(zip(schema.sparse_names, schema.cardinalities))
-                  if embedding_table_name(name) in counts]
+        fields = [
+            (i, embedding_table_name(name), int(card))
+            for i, (name, card) in enumerate(zip(schema.sparse_names, schema.cardinalities))
+            if embedding_table_name(name) in counts
+        ]
         occurrences = {table: np.zeros(card, dtype=np.int64) for _, table, card in fields}
         # One pass over the memory-mapped training rows, in bounded blocks, for all fields.
         train_rows = np.sort(np.asarray(self.train_idx))
         for start in range(0, len(train_rows), 1 << 20):
-            block = np.asarray(self.dataset.sparse[train_rows[start:start + (1 << 20)]])
+            block = np.asarray(self.dataset.sparse[train_rows[start : start + (1 << 20)]])
             for i, table, card in fields:
                 occurrences[table] += np.bincount(block[:, i].astype(np.int64), minlength=card)
         frequency = {table: torch.from_numpy(n) for table, n in occurrences.items()}
@@ -414,8 +470,7 @@ class Trainer:
 
     def _banner(self) -> str:
         hp, count_lr = self.hp, self.hp.count_lr
-        clip = (f"CowClip r={hp.clip_r:g} zeta={hp.clip_zeta:.3g}" if self.cowclip
-                else "no clipping")
+        clip = f"CowClip r={hp.clip_r:g} zeta={hp.clip_zeta:.3g}" if self.cowclip else "no clipping"
         return (
             f"model {self.config.model} | data {self.config.data}: {len(self.train_idx):,} train, "
             f"{len(self.val_idx):,} val, {len(self.test_idx):,} test | batch {hp.batch_size} "
