@@ -224,6 +224,23 @@ class Timing:
         }
 
 
+def paper_deepfm(schema: Any, **overrides: Any) -> Any:
+    """The paper's DeepFM (D 10, DNN 400-400-400, table Adam lr 1e-4, the reference's
+    CowClip) over a dataset's ``schema``; ``overrides`` are ``build_model`` arguments."""
+    from torchrec_cowclip.models import build_model
+
+    options: Dict[str, Any] = dict(
+        sparse_names=list(schema.sparse_names),
+        cardinalities=list(schema.cardinalities),
+        num_dense=schema.n_dense,
+        embedding_dim=10,
+        hidden=(400, 400, 400),
+        embedding_lr=1e-4,
+        cowclip=CowClip.from_reference(1.0, 1e-5, 10),
+    )
+    return build_model("deepfm", **{**options, **overrides})
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -55,6 +55,7 @@ warnings.filterwarnings("ignore")
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
+import common as bench  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     SEED,
@@ -62,12 +63,8 @@ from common import (  # noqa: E402
     Timing,
     copy_bandwidth,
     cpu_model,
-    fbgemm_step,
     floor_bytes,
     format_table,
-    make_ours,
-    make_tbe,
-    ours_step,
     paired_ratio,
     run_interleaved,
     single_hot_batches,
@@ -247,19 +244,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     bandwidth_before = copy_bandwidth()
     grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
-    adam = make_ours(shape.table_rows, shape.dim, "adam")
-    adagrad = make_ours(shape.table_rows, shape.dim, "rowwise_adagrad")
+    adam = bench.make_ours(shape.table_rows, shape.dim, "adam")
+    adagrad = bench.make_ours(shape.table_rows, shape.dim, "rowwise_adagrad")
     with torch.no_grad():  # all three start from the same tables
         initial = [adam.embedding_bags[f"t{t}"].weight for t in range(shape.tables)]
         for t in range(shape.tables):
             adagrad.embedding_bags[f"t{t}"].weight.copy_(initial[t])
-    tbe = make_tbe(shape.table_rows, shape.dim, initial=initial)
+    tbe = bench.make_tbe(shape.table_rows, shape.dim, initial=initial)
 
     adam_backward = Timing()
     variants: Dict[str, Callable[[Batch], None]] = {
         ADAM_NAME: ours_step_split(adam, grad, adam_backward),
-        ADAGRAD_NAME: ours_step(adagrad, grad),
-        FBGEMM_NAME: fbgemm_step(tbe, grad),
+        ADAGRAD_NAME: bench.ours_step(adagrad, grad),
+        FBGEMM_NAME: bench.fbgemm_step(tbe, grad),
         FORWARD_NAME: ours_forward(adam),
     }
     print(

@@ -175,27 +175,19 @@ def build_models(
         cowclip=CowClip.from_reference(1.0, 1e-5, DIM),
     )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
-    if "ours" in kinds:
-        ours = build_model("deepfm", embedding_backend="cowclip", **common)
-        built["ours"] = (
-            ours,
-            torch.optim.Adam(ours.dense_parameters(), lr=DENSE_LR),
-            CTRTrainTask(ours),
-        )
-    if "stock" in kinds:
-        stock = build_model("deepfm", embedding_backend="torchrec", **common)
-        built["stock"] = (
-            stock,
-            torch.optim.Adam(stock.parameters(), lr=DENSE_LR),
-            CTRTrainTask(stock),
-        )
-    if "dense" in kinds:
-        dense_model = build_model("deepfm", embedding_backend="cowclip", **common)
-        built["dense"] = (
-            dense_model,
-            torch.optim.Adam(dense_model.dense_parameters(), lr=DENSE_LR),
-            None,
-        )
+    # kind -> (embedding backend, trained as a task, dense parameters only)
+    recipes = {
+        "ours": ("cowclip", True, True),
+        "stock": ("torchrec", True, False),
+        "dense": ("cowclip", False, True),
+    }
+    for kind, (backend, as_task, dense_only) in recipes.items():
+        if kind not in kinds:
+            continue
+        model = build_model("deepfm", embedding_backend=backend, **common)
+        params = model.dense_parameters() if dense_only else model.parameters()
+        task = CTRTrainTask(model) if as_task else None
+        built[kind] = (model, torch.optim.Adam(params, lr=DENSE_LR), task)
     if "deepctr" in kinds:
         deepctr = build_deepctr(names, cards, n_dense)
         built["deepctr"] = (deepctr, deepctr.optim, None)

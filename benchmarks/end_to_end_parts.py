@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -28,12 +29,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchrec_cowclip.data import open_dataset
-from torchrec_cowclip.embedding.row_step import set_compiled_update
-from torchrec_cowclip.models import build_model
-from torchrec_cowclip.models.deepfm import fm_second_order
-from torchrec_cowclip.optim.functional import CowClip
-from torchrec_cowclip.train.task import CTRTrainTask
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
+from common import paper_deepfm  # noqa: E402
+
+from torchrec_cowclip.data import open_dataset  # noqa: E402
+from torchrec_cowclip.embedding.row_step import set_compiled_update  # noqa: E402
+from torchrec_cowclip.models.deepfm import fm_second_order  # noqa: E402
+from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
 
 
 def median_ms(step: Callable[[int], None], steps: int) -> float:
@@ -64,17 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     ds = open_dataset(
         f"synthetic:{max(args.rows, 2 * bs)}", args.cache_dir, max_cardinality=args.max_cardinality
     )
-    model = build_model(
-        "deepfm",
-        embedding_backend="cowclip",
-        sparse_names=list(ds.schema.sparse_names),
-        cardinalities=list(ds.schema.cardinalities),
-        num_dense=ds.schema.n_dense,
-        embedding_dim=10,
-        hidden=(400, 400, 400),
-        embedding_lr=1e-4,
-        cowclip=CowClip.from_reference(1.0, 1e-5, 10),
-    )
+    model = paper_deepfm(ds.schema, embedding_backend="cowclip")
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=1e-3)
     task = CTRTrainTask(model)
     batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]

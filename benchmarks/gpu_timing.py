@@ -68,6 +68,7 @@ from common import (  # noqa: E402
     make_ours,
     make_tbe,
     ours_step,
+    paper_deepfm,
     run_interleaved,
     single_hot_batches,
     sync,
@@ -301,11 +302,9 @@ def embedding_table(result: Dict[str, Any]) -> str:
 def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineBase
 
-    from torchrec_cowclip import CowClip
     from torchrec_cowclip.data import open_dataset
     from torchrec_cowclip.data.batches import BatchIterator
     from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES, CRITEO_KAGGLE_ROWS
-    from torchrec_cowclip.models import build_model
     from torchrec_cowclip.train.task import CTRTrainTask
 
     max_card = args.max_rows if args.max_rows is not None else max(CRITEO_KAGGLE_CARDINALITIES)
@@ -335,18 +334,7 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
     # do not change the cost of a step, only keep the run a realistic one.
     scale = bs / 1024
-    model = build_model(
-        "deepfm",
-        sparse_names=list(ds.schema.sparse_names),
-        cardinalities=list(ds.schema.cardinalities),
-        num_dense=ds.schema.n_dense,
-        embedding_dim=10,
-        hidden=(400, 400, 400),
-        embedding_lr=1e-4,
-        embedding_weight_decay=2 * 1e-5 * scale,
-        cowclip=CowClip.from_reference(1.0, 1e-5, 10),
-        device=device,
-    )
+    model = paper_deepfm(ds.schema, embedding_weight_decay=2 * 1e-5 * scale, device=device)
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
     task = CTRTrainTask(model)
     task.train()

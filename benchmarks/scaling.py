@@ -759,23 +759,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra["synthetic_max_cardinality"] = args.synthetic_max_cardinality
     out_root = Path(args.out)
     t0 = time.perf_counter()
+    # The study's own flags pass through under their names.
+    study_flags = (
+        "model",
+        "data",
+        "batch_sizes",
+        "methods",
+        "seeds",
+        "epochs",
+        "cache_dir",
+        "base_batch_size",
+        "init_std",
+        "base_lr",
+        "base_lr_embed",
+        "base_l2",
+        "equal_steps",
+    )
     records = run_study(
-        model=args.model,
-        data=args.data,
-        batch_sizes=args.batch_sizes,
-        methods=args.methods,
-        seeds=args.seeds,
-        epochs=args.epochs,
+        **{name: getattr(args, name) for name in study_flags},
         out_root=out_root,
-        cache_dir=args.cache_dir,
-        base_batch_size=args.base_batch_size,
-        init_std=args.init_std,
-        base_lr=args.base_lr,
-        base_lr_embed=args.base_lr_embed,
-        base_l2=args.base_l2,
         extra=extra,
         method_options=method_options,
-        equal_steps=args.equal_steps,
     )
     meta = {
         k: (v if isinstance(v, (int, float, str, list, type(None))) else str(v))
