@@ -666,3 +666,26 @@ def test_single_and_multiple_table_batches_agree_with_torchrec_order():
     a, b = ours(kjt), stock(kjt)
     assert a.keys() == b.keys() == ["x@a", "y", "z", "x@c"]
     torch.testing.assert_close(a.values(), b.values(), rtol=0, atol=0)
+
+
+def test_table_batch_tensors_are_module_buffers_outside_the_state_dict():
+    tables = _tables()
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam")
+    batch = ebc._batches[0]
+    names = dict(batch.named_buffers())
+    assert {
+        "weight",
+        "step",
+        "counters",
+        "state_exp_avg",
+        "state_exp_avg_sq",
+        "row_offsets",
+    } <= set(names)
+    assert batch.state_dict() == {}  # TorchRec's per-table keys are the collection's
+    assert set(ebc.state_dict()) == {f"embedding_bags.{t.name}.weight" for t in tables}
+    ebc.track_row_clips()
+    assert dict(batch.named_buffers())["row_counters"].shape == (2, batch.weight.shape[0])
+    copy_of = copy.deepcopy(ebc)
+    for a, b in zip(ebc._batches, copy_of._batches):
+        assert a.weight.data_ptr() != b.weight.data_ptr()
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)

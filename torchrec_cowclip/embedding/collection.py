@@ -456,7 +456,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         # Device and dtype moves must move the table batches and re-point the per-table
         # views; moving the views alone would silently detach them from the batches.
         for batch in self._batches:
-            batch.apply_(fn)
+            batch._apply(fn)
         self._device = self._batches[0].weight.device
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._output_permutation = layout.as_index(self._output_columns, self._device)

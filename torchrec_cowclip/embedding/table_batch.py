@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from torchrec_cowclip.optim.functional import STATE_LAYOUT
+
+#: Buffer-name prefix of the optimizer state tensors (``state_exp_avg``, ...).
+_STATE_PREFIX = "state_"
 
 #: Rows of :attr:`TableBatch.counters`, one column per table.
 COUNTER_NAMES = (
@@ -53,8 +56,12 @@ class TableClipStats:
         return self.total_rows_clipped / max(self.total_rows_updated, 1)
 
 
-class TableBatch:
+class TableBatch(nn.Module):
     """Tables sharing one embedding dim and pooling, stored and updated together.
+
+    Its tensors are buffers of this module (not persistent: ``state_dict`` keeps
+    TorchRec's per-table keys, which the owning collection serves as views), so device
+    moves, ``to_empty`` and copies are ``nn.Module``'s own.
 
     Args:
         tables: the configs, in the collection's order.
@@ -80,6 +87,7 @@ class TableBatch:
         clipped: Sequence[bool],
         device: torch.device,
     ) -> None:
+        super().__init__()
         self.tables: List[EmbeddingBagConfig] = list(tables)
         self.dim: int = tables[0].embedding_dim
         self.pooling: PoolingType = tables[0].pooling
@@ -98,31 +106,54 @@ class TableBatch:
         self.clip_enabled_list: List[bool] = [bool(c) for c in clipped]
 
         total = offsets[-1]
-        self.weight = torch.empty(total, self.dim, dtype=torch.float32, device=device)
-        self.state: Dict[str, Tensor] = {}
-        for name, per_row in STATE_LAYOUT[optimizer]:
-            shape = (total, self.dim) if per_row == "D" else (total,)
-            self.state[name] = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.step = torch.zeros(len(tables), dtype=torch.int64, device=device)
-        self.row_offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
-        self.clip_enabled = torch.tensor(list(clipped), dtype=torch.bool, device=device)
         self.feature_row_offset_list: List[int] = [offsets[i] for i in feature_table]
         self.feature_num_rows_list: List[int] = [rows[i] for i in feature_table]
-        self.feature_num_rows = torch.tensor(
-            self.feature_num_rows_list, dtype=torch.int64, device=device
-        )
-        self.counters = torch.zeros(
-            len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
-        )
+        buffers: Dict[str, Optional[Tensor]] = {
+            "weight": torch.empty(total, self.dim, dtype=torch.float32, device=device),
+            "step": torch.zeros(len(tables), dtype=torch.int64, device=device),
+            "counters": torch.zeros(
+                len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
+            ),
+            # Optional per-row [2, R] int64 (updated, clipped) counts; None unless asked for.
+            "row_counters": None,
+        }
+        self.state_names: List[str] = [name for name, _ in STATE_LAYOUT[optimizer]]
+        for name, per_row in STATE_LAYOUT[optimizer]:
+            shape = (total, self.dim) if per_row == "D" else (total,)
+            buffers[_STATE_PREFIX + name] = torch.zeros(shape, dtype=torch.float32, device=device)
+        for name, tensor in {**buffers, **self._index_tensors(device)}.items():
+            self.register_buffer(name, tensor, persistent=False)
         self._index_cache: Dict[Tuple[str, int], Tensor] = {}
-        # Optional per-row [2, R] int64 (updated, clipped) counts; None unless asked for.
-        self.row_counters: Optional[Tensor] = None
         # Batches equal in this look up the same row ids for the same KJT.
         self.lookup_layout: Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]] = (
             tuple(self.feature_names),
             tuple(self.feature_row_offset_list),
             tuple(self.feature_num_rows_list),
         )
+
+    # Registered buffers, declared for type checkers.
+    weight: Tensor
+    step: Tensor
+    counters: Tensor
+    row_counters: Optional[Tensor]
+    row_offsets: Tensor
+    clip_enabled: Tensor
+    feature_num_rows: Tensor
+
+    def _index_tensors(self, device: torch.device) -> Dict[str, Tensor]:
+        """The index tensors, from their Python lists."""
+        return {
+            "row_offsets": torch.tensor(self.row_offsets_list, dtype=torch.int64, device=device),
+            "clip_enabled": torch.tensor(self.clip_enabled_list, dtype=torch.bool, device=device),
+            "feature_num_rows": torch.tensor(
+                self.feature_num_rows_list, dtype=torch.int64, device=device
+            ),
+        }
+
+    @property
+    def state(self) -> Dict[str, Tensor]:
+        """The optimizer state tensors over all rows, by name (see ``STATE_LAYOUT``)."""
+        return {name: getattr(self, _STATE_PREFIX + name) for name in self.state_names}
 
     @property
     def num_tables(self) -> int:
@@ -180,35 +211,18 @@ class TableBatch:
         """Index of the table each batch row id belongs to."""
         return torch.bucketize(rows, self.row_offsets[1:], right=True)
 
-    def apply_(self, fn: Callable[[Tensor], Tensor]) -> None:
-        """Applies a ``Module._apply`` function (device or dtype move, ``to_empty``) to
-        every tensor. Leaving the meta device rebuilds the index tensors from their
-        Python lists and zeroes the optimizer state and counters (``to_empty`` leaves
-        them uninitialised); the weights are then :meth:`reset_parameters`' to fill."""
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TableBatch":
+        # Leaving the meta device (``to_empty``) leaves every buffer uninitialised: the
+        # index tensors are rebuilt from their lists and the state zeroed; the weights are
+        # then the owner's ``reset_parameters`` to fill.
         from_meta = self.weight.device.type == "meta"
-        for attr in (
-            "weight",
-            "step",
-            "row_offsets",
-            "clip_enabled",
-            "feature_num_rows",
-            "counters",
-        ):
-            setattr(self, attr, fn(getattr(self, attr)))
-        self.state = {name: fn(t) for name, t in self.state.items()}
-        if self.row_counters is not None:
-            self.row_counters = fn(self.row_counters)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # (no annotations in torch)
         self._index_cache = {}
         if from_meta and self.weight.device.type != "meta":
-            device = self.weight.device
-            self.row_offsets = torch.tensor(self.row_offsets_list, dtype=torch.int64, device=device)
-            self.clip_enabled = torch.tensor(
-                self.clip_enabled_list, dtype=torch.bool, device=device
-            )
-            self.feature_num_rows = torch.tensor(
-                self.feature_num_rows_list, dtype=torch.int64, device=device
-            )
+            for name, tensor in self._index_tensors(self.weight.device).items():
+                setattr(self, name, tensor)
             self.reset_state()
+        return self
 
     def storage_bytes(self) -> int:
         """Bytes of the weight and optimizer-state tensors (0 on the meta device)."""
