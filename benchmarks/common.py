@@ -459,6 +459,13 @@ def vm_hwm_kib() -> int:
     return -1
 
 
+def self_command(script: str, *words: str, **flags: Any) -> List[str]:
+    """The command that reruns ``script`` with this python: ``words`` as given, then each
+    of ``flags`` as ``--name value`` (underscores as dashes)."""
+    options = [item for k, v in flags.items() for item in (f"--{k.replace('_', '-')}", str(v))]
+    return [sys.executable, os.path.abspath(script), *words, *options]
+
+
 def child_memory(cmd: List[str]) -> Dict[str, Any]:
     """Runs a benchmark's memory child, whose last stdout line is a JSON object with
     ``before_kib`` and ``peak_kib``; adds ``peak_mib`` and ``delta_mib`` (the peak over

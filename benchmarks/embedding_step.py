@@ -180,13 +180,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16_384)
     parser.add_argument("--steps", type=int, default=200, help="timed rounds (steps per variant)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
-    parser.add_argument(
-        "--zipf",
-        type=float,
-        default=1.0,
-        help="power-law exponent of the id distribution (1.0: ~170K distinct rows per "
-        "step at the default shape)",
-    )
+    # 1.0: about 170K distinct rows per step at the default shape.
+    parser.add_argument("--zipf", type=float, default=1.0, help="power-law exponent of the ids")
     parser.add_argument(
         "--time-limit",
         type=float,

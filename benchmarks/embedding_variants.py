@@ -69,6 +69,7 @@ from common import (  # noqa: E402
     ours_step,
     paired_ratio,
     run_interleaved,
+    self_command,
     single_hot_batches,
     slow_rounds,
     vm_hwm_kib,
@@ -200,20 +201,9 @@ def memory_child(args: argparse.Namespace) -> None:
 
 
 def measure_memory(args: argparse.Namespace, key: str, dim: int, batch_size: int) -> Dict[str, Any]:
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--memory-child",
-        key,
-        "--dims",
-        str(dim),
-        "--batch-sizes",
-        str(batch_size),
-        "--max-rows",
-        str(args.max_rows),
-        "--zipf",
-        str(args.zipf),
-    ] + (["--full"] if args.full else [])
+    flags = dict(dims=dim, batch_sizes=batch_size, max_rows=args.max_rows, zipf=args.zipf)
+    words = ["--memory-child", key, *(["--full"] if args.full else [])]
+    cmd = self_command(__file__, *words, **flags)
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return child_memory(cmd)

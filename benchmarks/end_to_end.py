@@ -66,6 +66,7 @@ from common import (  # noqa: E402
     grouped_bars,
     optimizer_state_bytes,
     run_interleaved,
+    self_command,
     vm_hwm_kib,
     write_csv,
     write_json,
@@ -165,14 +166,9 @@ def build_models(
 ) -> Dict[str, Tuple[Any, torch.optim.Optimizer, Any]]:
     """``(model, optimizer, task or None)`` of each of ``kinds`` (ours, stock, dense,
     deepctr), built in that order."""
-    common = dict(
-        sparse_names=names,
-        cardinalities=cards,
-        num_dense=n_dense,
-        embedding_dim=DIM,
-        hidden=HIDDEN,
-        embedding_lr=EMB_LR,
-        cowclip=CowClip.from_reference(1.0, 1e-5, DIM),
+    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM)
+    common.update(
+        hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM)
     )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
     # kind -> (embedding backend, trained as a task, dense parameters only)
@@ -324,22 +320,9 @@ def memory_child(args: argparse.Namespace) -> None:
 
 
 def measure_memory(args: argparse.Namespace, variant: str, rows: int, bs: int) -> Dict[str, Any]:
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--memory-child",
-        variant,
-        "--rows",
-        str(rows),
-        "--batch-sizes",
-        str(bs),
-        "--max-cardinality",
-        str(args.max_cardinality),
-        "--cache-dir",
-        args.cache_dir,
-        "--fit-steps",
-        str(args.fit_steps),
-    ]
+    flags = dict(rows=rows, batch_sizes=bs, max_cardinality=args.max_cardinality)
+    flags.update(cache_dir=args.cache_dir, fit_steps=args.fit_steps)
+    cmd = self_command(__file__, "--memory-child", variant, **flags)
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return {"variant": variant, "batch_size": bs, **child_memory(cmd)}

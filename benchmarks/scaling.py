@@ -328,22 +328,13 @@ def run_study(
     cache_dir = cache_dir or str(out_root / "cache")
     records = []
     total = len(batch_sizes) * len(methods) * len(seeds)
+    fixed = dict(model=model, data=data, out_root=out_root, cache_dir=cache_dir)
+    fixed.update(base_batch_size=base_batch_size, **run_options)
     for b in batch_sizes:
         for method in methods:
             for seed in seeds:
                 run_epochs = max(1, round(epochs * b / base_batch_size)) if equal_steps else epochs
-                rec = run_one(
-                    method=method,
-                    batch_size=b,
-                    seed=seed,
-                    model=model,
-                    data=data,
-                    epochs=run_epochs,
-                    out_root=out_root,
-                    cache_dir=cache_dir,
-                    base_batch_size=base_batch_size,
-                    **run_options,
-                )
+                rec = run_one(method=method, batch_size=b, seed=seed, epochs=run_epochs, **fixed)
                 records.append(rec)
                 if verbose:
                     print(

@@ -166,11 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument(
-        "--cases",
-        default="one,table_wise,row_wise",
-        help="comma-separated: one (one process) and sharding types",
-    )
+    parser.add_argument("--cases", default="one,table_wise,row_wise", help="one, sharding types")
     parser.add_argument("--out", default=str(RESULTS / "sharded_memory.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
