@@ -115,7 +115,7 @@ class CheckpointStore:
                 written and ``name`` still points at its previous checkpoint.
         """
         target = self.root / f"{name}-{tag}"
-        require_finite(tensors, target, self.describe(name))
+        require_finite(tensors, target, lambda: self.describe(name))
         if _is_main():
             self.root.mkdir(parents=True, exist_ok=True)
             if target.exists():  # a write of this very checkpoint that was killed
@@ -281,10 +281,13 @@ def nonfinite_tensors(state: Any, prefix: str = "") -> List[str]:
     return found
 
 
-def require_finite(tensors: Dict[str, Any], path: Union[str, Path], previous: str) -> None:
+def require_finite(
+    tensors: Dict[str, Any], path: Union[str, Path], previous: Callable[[], str]
+) -> None:
     """Raises :class:`NonFiniteStateError` on every rank, before anything is written to
-    ``path``, if any rank's tensors are not all finite; ``previous`` says which
-    checkpoint is kept. One reduction per tensor, one collective."""
+    ``path``, if any rank's tensors are not all finite; ``previous()`` says which
+    checkpoint is kept (called only then: it reads that checkpoint's trainer state). One
+    reduction per tensor, one collective."""
     bad = nonfinite_tensors(tensors)
     count = len(bad)
     if _distributed():
@@ -295,5 +298,5 @@ def require_finite(tensors: Dict[str, Any], path: Union[str, Path], previous: st
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise NonFiniteStateError(
             f"refusing to write {path}: non-finite values in {shown or 'another rank'}; "
-            f"{previous}. Lower --lr / --lr-embed or check the data."
+            f"{previous()}. Lower --lr / --lr-embed or check the data."
         )
