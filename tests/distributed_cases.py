@@ -35,7 +35,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, Helen
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 
 HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
@@ -61,6 +61,7 @@ class Scenario:
     weighted: bool = False  # per-sample weights on every feature
     constraints: Optional[Dict[str, List[str]]] = None  # planner: allowed types per table
     sharder_options: Dict[str, Any] = field(default_factory=dict)  # for cowclip_module
+    helen: Optional[Helen] = None  # train with Helen's two-pass step (a curved loss)
 
 
 class Model(nn.Module):
@@ -136,6 +137,22 @@ def mean_loss(outputs: Dict[str, Tensor], upstream: Dict[str, Tensor]) -> Tensor
     return sum((outputs[k] * u).sum() for k, u in upstream.items()) / batch
 
 
+def curved_mean_loss(outputs: Dict[str, Tensor], upstream: Dict[str, Tensor]) -> Tensor:
+    """:func:`mean_loss` plus half the squared outputs, so that the gradient depends on
+    the weights (Helen's second pass differs from its first)."""
+    batch = next(iter(upstream.values())).shape[0]
+    square = sum(0.5 * outputs[k].square().sum() for k in upstream)
+    return mean_loss(outputs, upstream) + square / batch
+
+
+def _step(module: nn.Module, s: Scenario, forward: Any, upstream: Dict[str, Tensor]) -> None:
+    """One training step: one backward, or Helen's two passes through ``helen_step``."""
+    if s.helen is None:
+        mean_loss(forward(), upstream).backward()
+    else:
+        module.helen_step(lambda: curved_mean_loss(forward(), upstream))
+
+
 # --- building -----------------------------------------------------------------------------
 
 
@@ -145,7 +162,11 @@ def sharder_for(s: Scenario) -> CowClipEmbeddingBagCollectionSharder:
             module_type=CowClipEmbeddingBagCollection, **s.sharder_options
         )
     return CowClipEmbeddingBagCollectionSharder(
-        optimizer=s.optimizer, cowclip=s.cowclip, unclipped_tables=s.unclipped, **s.hyper
+        optimizer=s.optimizer,
+        cowclip=s.cowclip,
+        unclipped_tables=s.unclipped,
+        helen=s.helen,
+        **s.hyper,
     )
 
 
@@ -157,6 +178,7 @@ def unsharded(s: Scenario, device: str = "cpu") -> CowClipEmbeddingBagCollection
         unclipped_tables=s.unclipped,
         is_weighted=s.weighted,
         device=device,
+        helen=s.helen,
         **s.hyper,
     )
     with torch.no_grad():
@@ -288,14 +310,14 @@ def sharded_clip_totals(dmp: DistributedModelParallel) -> Dict[str, Tuple[int, i
 def train_sharded(dmp, s: Scenario, batches, rank: int, world: int) -> None:
     for batch in batches:
         bags, weights, upstream = local_slice(batch, rank, s.local_batch)
-        out = dmp(kjt_from_bags(bags, weights)).to_dict()
-        mean_loss(out, upstream).backward()
+        kjt = kjt_from_bags(bags, weights)
+        _step(dmp.module.ebc, s, lambda: dmp(kjt).to_dict(), upstream)
 
 
-def train_unsharded(ebc: CowClipEmbeddingBagCollection, batches) -> None:
+def train_unsharded(ebc: CowClipEmbeddingBagCollection, batches, s: Scenario) -> None:
     for bags, weights, upstream in batches:
-        out = ebc(kjt_from_bags(bags, weights)).to_dict()
-        mean_loss(out, upstream).backward()
+        kjt = kjt_from_bags(bags, weights)
+        _step(ebc, s, lambda: ebc(kjt).to_dict(), upstream)
 
 
 def equality_case(rank: int, world: int, s: Scenario) -> Optional[Dict[str, Any]]:
@@ -304,7 +326,15 @@ def equality_case(rank: int, world: int, s: Scenario) -> Optional[Dict[str, Any]
     batches = global_batches(s, world, s.steps)
     train_sharded(dmp, s, batches, rank, world)
     sharded_ebc = dmp.module.ebc
+    plain_backward_error = None
+    if s.helen is not None:
+        bags, weights, upstream = local_slice(batches[0], rank, s.local_batch)
+        try:
+            mean_loss(dmp(kjt_from_bags(bags, weights)).to_dict(), upstream).backward()
+        except RuntimeError as e:
+            plain_backward_error = str(e)
     result = {
+        "plain_backward_error": plain_backward_error,
         "sharded": sharded_state(dmp),
         "sharded_clips": sharded_clip_totals(dmp),
         "plan": {t: p.sharding_type for t, p in sharded_ebc.module_sharding_plan.items()},
@@ -328,7 +358,7 @@ def equality_case(rank: int, world: int, s: Scenario) -> Optional[Dict[str, Any]
     if rank != 0:
         return None
     ref = unsharded(s)
-    train_unsharded(ref, batches)
+    train_unsharded(ref, batches, s)
     result["unsharded"] = unsharded_state(ref)
     result["unsharded_clips"] = {
         t: (v.total_rows_updated, v.total_rows_clipped) for t, v in ref.clip_stats().items()
@@ -392,7 +422,7 @@ def reference_states(
     batches = global_batches(s, world, s.steps)
     states = {}
     for step, batch in enumerate(batches, start=1):
-        train_unsharded(ref, [batch])
+        train_unsharded(ref, [batch], s)
         if step in at_steps:
             states[step] = unsharded_state(ref)
     return states

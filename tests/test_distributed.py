@@ -22,7 +22,7 @@ import torch
 from distributed_harness import run_ranks, start_ranks
 from torchrec import EmbeddingBagConfig, PoolingType
 
-from torchrec_cowclip import CowClip
+from torchrec_cowclip import CowClip, Helen
 from torchrec_cowclip.optim.functional import CountLR, cowclip_row_update_
 
 RTOL = 1e-5
@@ -173,6 +173,20 @@ SCENARIOS = {
         sharder_options=dict(optimizer="sgd", lr=123.0, unclipped_tables=("tw",)),
     ),
     "planner": planner_scenario(),
+    # Helen's two passes: the norms and largest counts combine over every sharding type.
+    # A table's norm sums its shards' parts in another order than the unsharded sum, so the
+    # second gradients differ in the last bits; eps 1e-3 keeps Adam from magnifying that
+    # on gradient entries near eps (by lr / eps: 5e4 at eps 1e-6).
+    "helen_adam": mixed(
+        "adam", seed=4, helen=Helen(rho=0.5, bound=0.3), hyper={**cases.HYPER, "eps": 1e-3}
+    ),
+    "helen_rowwise_adagrad": mixed(
+        "rowwise_adagrad",
+        seed=5,
+        cowclip=None,
+        helen=Helen(rho=0.5),
+        hyper={**cases.HYPER, "eps": 1e-3},
+    ),
 }
 
 
@@ -208,6 +222,19 @@ def test_sharded_steps_equal_unsharded_on_the_global_batch(results, optimizer):
     assert r["sharded_clips"]["lin"][1] == 0  # unclipped table
     steps = {k: v for k, v in r["sharded"].items() if k.endswith("/step")}
     assert steps and all(int(v) == 3 for v in steps.values())  # one counter per table
+
+
+@pytest.mark.parametrize("name", ["helen_adam", "helen_rowwise_adagrad"])
+def test_sharded_helen_steps_equal_unsharded_on_the_global_batch(results, name):
+    """Table-, column-, table-column-, row-, table-row-wise and data-parallel tables take
+    the unsharded Helen step of the global batch; a plain backward is refused."""
+    r = results[name]
+    assert r["plan"] == {t: kind for t, (kind, _) in MIXED_PLAN.items()}
+    _assert_states_equal(r["sharded"], r["unsharded"])
+    assert r["sharded_clips"] == r["unsharded_clips"]
+    assert "trained by Helen" in r["plain_backward_error"]
+    steps = {k: v for k, v in r["sharded"].items() if k.endswith("/step")}
+    assert steps and all(int(v) == 3 for v in steps.values())
 
 
 @pytest.fixture(scope="module")
@@ -355,15 +382,18 @@ def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
             "rw": ("table_wise", [0]),
         }
     return {
-        opt: cases.Scenario(
+        name: cases.Scenario(
             tables=tables,
             plan=plan,
             optimizer=opt,
             steps=CKPT_STEPS,
             local_batch=8 // world,
             seed=10 + i,
+            helen=Helen(rho=0.5) if name == "helen" else None,
         )
-        for i, opt in enumerate(["adam", "rowwise_adagrad"])
+        for i, (name, opt) in enumerate(
+            [("adam", "adam"), ("rowwise_adagrad", "rowwise_adagrad"), ("helen", "adam")]
+        )
     }
 
 

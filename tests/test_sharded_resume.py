@@ -12,9 +12,16 @@ import torch
 import trainer_cases as cases
 from distributed_harness import JobFailed, run_ranks
 
+from torchrec_cowclip.train.resume_guard import ResumeRefused
 from torchrec_cowclip.train.trainer import Trainer
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
+#: Helen runs: the second pass under DDP's no_sync (dense keeps the first gradient), and
+#: with the dense parameters perturbed (their second gradient is all-reduced).
+HELEN_RUNS = {
+    "row_wise": {"helen_rho": 0.05},
+    "data_parallel": {"helen_rho": 0.05, "helen_perturb_dense": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +29,11 @@ def two_process_runs(tmp_path_factory):
     """Per sharding type, an uninterrupted 2-process run and one stopped mid-epoch 1 and
     resumed (two jobs in all)."""
     root = tmp_path_factory.mktemp("two_process")
-    full = [(str(root / f"full-{s}"), {"sharding": s}) for s in SHARDINGS]
-    part = [(str(root / f"part-{s}"), {"sharding": s, "max_steps": 4}) for s in SHARDINGS]
-    resumed = [(r, {"sharding": o["sharding"], "resume": True}) for r, o in part]
+    runs = {s: {"sharding": s} for s in SHARDINGS}
+    runs.update({f"helen-{s}": {"sharding": s, **o} for s, o in HELEN_RUNS.items()})
+    full = [(str(root / f"full-{name}"), o) for name, o in runs.items()]
+    part = [(str(root / f"part-{name}"), {**o, "max_steps": 4}) for name, o in runs.items()]
+    resumed = [(str(root / f"part-{name}"), {**o, "resume": True}) for name, o in runs.items()]
     run_ranks(cases.train_phases, 2, full, timeout_s=300)
     run_ranks(cases.train_phases, 2, part + resumed, timeout_s=400)
     return root
@@ -44,6 +53,34 @@ def test_two_process_resume_is_exact(two_process_runs, sharding):
     resumed = cases.exact_metrics(str(two_process_runs / f"part-{sharding}" / "run"))
     assert resumed == cases.exact_metrics(str(two_process_runs / f"full-{sharding}" / "run"))
     assert resumed["steps"] > 4 and resumed["rows_updated"] > 0
+
+
+@pytest.mark.parametrize("sharding", list(HELEN_RUNS))
+def test_two_process_helen_resume_is_exact(two_process_runs, sharding):
+    resumed = cases.exact_metrics(str(two_process_runs / f"part-helen-{sharding}" / "run"))
+    full = cases.exact_metrics(str(two_process_runs / f"full-helen-{sharding}" / "run"))
+    assert resumed == full
+    plain = cases.exact_metrics(str(two_process_runs / f"full-{sharding}" / "run"))
+    assert full["epoch_logloss"] != plain["epoch_logloss"]  # Helen changed the training
+
+
+def test_one_process_helen_resume_is_exact_and_reports_its_cost(tmp_path):
+    helen = {"helen_rho": 0.05, "helen_bound": 0.5}
+    full = Trainer(cases.tiny_config(str(tmp_path / "full"), **helen)).run()
+    Trainer(cases.tiny_config(str(tmp_path / "part"), max_steps=5, **helen)).run()
+    with pytest.raises(
+        ResumeRefused, match=r"trained with --helen-bound 0.5, this command has 0.3"
+    ):
+        Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True, helen_rho=0.05)).run()
+    Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True, **helen)).run()
+    resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
+    assert resumed == {k: full[k] for k in cases.EXACT}
+    cost = full["helen"]
+    assert (cost["rho"], cost["bound"], cost["perturb_dense"]) == (0.05, 0.5, False)
+    assert cost["extra_s_per_step"] > 0 and cost["first_pass_s_per_step"] > 0
+    assert cost["extra_fraction"] == pytest.approx(
+        cost["extra_s_per_step"] / cost["first_pass_s_per_step"]
+    )
 
 
 @pytest.mark.parametrize("first,second", [(1, 2), (2, 1), (2, 3)])

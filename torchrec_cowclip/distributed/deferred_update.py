@@ -40,7 +40,7 @@ from torchrec_cowclip.distributed.comm import ColumnShardGroups, all_gather_row_
 from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients, aggregate_row_gradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import RowSums, partial_row_sums
+from torchrec_cowclip.optim.functional import Helen, RowSums, partial_row_sums
 
 
 @dataclass
@@ -70,6 +70,12 @@ class RowSync(abc.ABC):
     @abc.abstractmethod
     def apply(self, submissions: List[Submission]) -> None:
         """Updates every submitted batch; ``submissions`` are in canonical order."""
+
+    def perturbation_rows(self, submissions: List[Submission]) -> List[Tuple[RowGradients, bool]]:
+        """Per submission, the row gradients Helen perturbs its rows along, and whether
+        their squares count towards the table's norm on this rank: the local ones, for
+        shards whose rows or columns no other rank holds."""
+        return [(sub.row_grads, True) for sub in submissions]
 
 
 class LocalRows(RowSync):
@@ -143,6 +149,16 @@ class ReplicatedRows(RowSync):
                 sub.batch, union_row_gradients(per_rank, scale), sub.hyperparameters
             )
 
+    def perturbation_rows(self, submissions: List[Submission]) -> List[Tuple[RowGradients, bool]]:
+        """The union of all replicas' rows (as the update uses), so that every replica
+        perturbs alike; rank 0 alone counts it towards the table's norm."""
+        if not submissions:
+            return []
+        gathered = all_gather_row_gradients([s.row_grads for s in submissions], self._pg)
+        scale = 1.0 / dist.get_world_size(self._pg) if get_gradient_division() else 1.0
+        first = dist.get_rank(self._pg) == 0
+        return [(union_row_gradients(per_rank, scale), first) for per_rank in gathered]
+
 
 def union_row_gradients(per_rank: List[RowGradients], scale: float = 1.0) -> RowGradients:
     """One :class:`RowGradients` for the rows of all ranks: counts summed, gradients
@@ -165,11 +181,21 @@ def union_row_gradients(per_rank: List[RowGradients], scale: float = 1.0) -> Row
     return RowGradients(rows=union.rows, counts=union_counts, grad=union.grad)
 
 
-class PendingStep:
-    """The submissions of one forward of a lookup, applied once, when all are in."""
+@dataclass
+class HeldStep:
+    """A lookup step's submissions, held for Helen instead of applied."""
 
-    def __init__(self, sync: RowSync) -> None:
+    sync: RowSync
+    submissions: List[Submission]
+
+
+class PendingStep:
+    """The submissions of one forward of a lookup, applied once, when all are in (or,
+    inside a Helen step, handed to its owner's ``held`` list)."""
+
+    def __init__(self, sync: RowSync, owner: "DeferredUpdates") -> None:
         self._sync = sync
+        self._owner = owner
         self._submissions: List[Submission] = []
         self._applied = False
 
@@ -191,7 +217,17 @@ class PendingStep:
         self._applied = True
         submissions = sorted(self._submissions, key=lambda s: s.key)
         self._submissions = []
-        self._sync.apply(submissions)
+        owner = self._owner
+        if owner.held is not None:
+            owner.held.append(HeldStep(self._sync, submissions))
+        elif owner.helen is not None:
+            raise RuntimeError(
+                f"this sharded CowClip collection is trained by Helen ({owner.helen}): call "
+                "loss = sharded_ebc.helen_step(closure) instead of loss.backward() (nothing "
+                "was updated)"
+            )
+        else:
+            self._sync.apply(submissions)
 
 
 class _ApplyPendingStep(torch.autograd.Function):
@@ -224,19 +260,23 @@ class DeferredUpdates:
         ...                                      # kernel backward: step.submit(...)
     """
 
-    def __init__(self, sync: RowSync, device: torch.device) -> None:
+    def __init__(self, sync: RowSync, device: torch.device, helen: Optional[Helen] = None) -> None:
         self.sync = sync
-        self._leaf = torch.zeros(0, device=device, requires_grad=True)
-        self._anchor: Tensor = self._leaf
+        self.leaf = torch.zeros(0, device=device, requires_grad=True)
+        self._anchor: Tensor = self.leaf
         self._step: Optional[PendingStep] = None
+        #: Helen's settings when the tables train by ``helen_step`` (a plain backward
+        #: then raises); and, during one of its passes, where the steps are held.
+        self.helen = helen
+        self.held: Optional[List[HeldStep]] = None
 
     def begin_forward(self) -> None:
         """Starts the step of a new forward (none when autograd is off: no update)."""
         if torch.is_grad_enabled():
-            self._step = PendingStep(self.sync)
-            self._anchor = _ApplyPendingStep.apply(self._leaf, self._step)
+            self._step = PendingStep(self.sync, self)
+            self._anchor = _ApplyPendingStep.apply(self.leaf, self._step)
         else:
-            self._step, self._anchor = None, self._leaf
+            self._step, self._anchor = None, self.leaf
 
     def current(self) -> Tuple[Tensor, Optional[PendingStep]]:
         """The anchor kernel lookups must take as autograd input, and the step."""

@@ -69,7 +69,7 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         # need these; plain attributes may be set before nn.Module.__init__.
         self._options = options
         self._updates = DeferredUpdates(
-            row_sync, device if device is not None else torch.device("cpu")
+            row_sync, device if device is not None else torch.device("cpu"), options.helen
         )
         super().__init__(
             grouped_configs=grouped_configs,
@@ -106,6 +106,11 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             # TorchRec appends each kernel as it is created: this is its index.
             index=len(compat.lookup_kernels(self)),
         )
+
+    @property
+    def deferred_updates(self) -> DeferredUpdates:
+        """Where this lookup's kernels hand in their row gradients (Helen holds them)."""
+        return self._updates
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Tensor:
         self._updates.begin_forward()

@@ -16,7 +16,7 @@ the lookups' fused optimizers. This subclass overrides exactly two steps:
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor
@@ -37,10 +37,12 @@ from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.comm import ColumnShardGroups
 from torchrec_cowclip.distributed.deferred_update import (
     ColumnShardRows,
+    DeferredUpdates,
     LocalRows,
     ReplicatedRows,
     RowSync,
 )
+from torchrec_cowclip.distributed.helen_rows import ShardedHelenRows
 from torchrec_cowclip.distributed.lookup import (
     SUPPORTED_COMPUTE_KERNELS,
     CowClipPooledEmbeddingsLookup,
@@ -48,8 +50,10 @@ from torchrec_cowclip.distributed.lookup import (
 )
 from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding.helen import HelenCost, helen_step
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
+from torchrec_cowclip.optim.functional import Helen
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
 #: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).
@@ -119,6 +123,54 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             module_fqn=module_fqn,
         )
         self._divide_only_row_wise_means()
+        self._helen_rows = ShardedHelenRows(
+            self._deferred_updates,
+            [t.name for t in self._cowclip_tables],
+            env.process_group,
+            device if device is not None else torch.device("cpu"),
+        )
+        #: The last :meth:`helen_step`'s cost (None before the first).
+        self.last_helen_cost: Optional[HelenCost] = None
+
+    # --- Helen ------------------------------------------------------------------------
+
+    @property
+    def helen(self) -> Optional[Helen]:
+        """Helen's settings when the tables train by :meth:`helen_step`, else None."""
+        return self._cowclip_options.helen
+
+    def helen_step(
+        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
+    ) -> Tensor:
+        """One Helen step, as the unsharded
+        :meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`, on every rank
+        (a collective): each table's gradient norm and largest count are combined over
+        its row and column shards, so the step equals the unsharded one on the global
+        batch (:mod:`.helen_rows`)."""
+        helen = self._cowclip_options.helen
+        if helen is None:
+            raise RuntimeError(
+                "helen_step needs a collection built with helen=Helen(...); this one "
+                "trains with one pass: call loss.backward()"
+            )
+        self.last_helen_cost = None
+
+        def keep(cost: HelenCost) -> None:
+            self.last_helen_cost = cost
+
+        return helen_step(
+            self._helen_rows,
+            helen,
+            closure,
+            None if dense_params is None else list(dense_params),
+            on_cost=keep,
+        )
+
+    def _deferred_updates(self) -> List[DeferredUpdates]:
+        return [
+            (lookup.module if isinstance(lookup, ReplicatedLookup) else lookup).deferred_updates
+            for lookup in compat.sharded_lookups(self)
+        ]
 
     def _divide_only_row_wise_means(self) -> None:
         """TorchRec applies MEAN pooling of row-wise tables after its reduce-scatter, by

@@ -29,7 +29,7 @@ from torchrec_cowclip.distributed.sharded_collection import (
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -44,7 +44,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         options: how plain ``EmbeddingBagCollection`` modules are trained, as one
             :class:`~torchrec_cowclip.optim.options.CowClipOptions`; or the separate
             keywords ``optimizer, lr, betas, eps, weight_decay, cowclip,
-            unclipped_tables, count_lr`` (as for
+            unclipped_tables, count_lr, helen`` (as for
             :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`). A
             ``CowClipEmbeddingBagCollection`` keeps its own options.
         module_type: the module class this sharder shards (TorchRec matches sharders to
@@ -82,6 +82,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         count_lr: Optional[CountLR] = None,
         options: Optional[CowClipOptions] = None,
+        helen: Optional[Helen] = None,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         if module_type not in (EmbeddingBagCollection, CowClipEmbeddingBagCollection):
@@ -100,6 +101,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             cowclip=cowclip,
             unclipped_tables=frozenset(unclipped_tables),
             count_lr=count_lr,
+            helen=helen,
         )
 
     @property

@@ -710,6 +710,9 @@ class _CollectionHelenRows(HelenTarget):
     def num_tables(self) -> int:
         return len(self._module.embedding_bag_configs())
 
+    def device(self) -> torch.device:
+        return self._module.device
+
     def apply_updates(self, descent: List[HeldRows]) -> None:
         hyper = self._module._hyperparameters()
         for held in descent:

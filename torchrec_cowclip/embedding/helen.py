@@ -64,6 +64,8 @@ class HeldRows:
         counts_in_norm: whether this block's squared gradients count towards its table's
             norm (False for a data-parallel replica on all ranks but one, whose union
             gradient another rank already counts).
+        local_rows: the rows this rank's backward handed in (``row_grads.rows`` unless
+            those are the union of all replicas' rows); both passes must hand in the same.
     """
 
     key: Tuple[int, ...]
@@ -71,6 +73,10 @@ class HeldRows:
     row_grads: RowGradients
     table_index: Tensor
     counts_in_norm: bool = True
+    local_rows: Optional[Tensor] = None
+
+    def handed_in_rows(self) -> Tensor:
+        return self.row_grads.rows if self.local_rows is None else self.local_rows
 
 
 @dataclass
@@ -102,6 +108,10 @@ class HelenTarget(abc.ABC):
     def num_tables(self) -> int:
         """Length of the module's table list (:attr:`HeldRows.table_index`)."""
 
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where the tables (and their statistics) live."""
+
     def reduce_table_statistics(self, sq_norm: Tensor, max_count: Tensor) -> None:
         """Combines the per-table statistics of all blocks in place (sum, max); the
         unsharded module has every block already."""
@@ -115,12 +125,11 @@ def perturb_rows_(
     target: HelenTarget, ascent: Sequence[HeldRows], helen: Helen
 ) -> List[Tuple[TableBatch, Tensor, Tensor]]:
     """Adds Helen's perturbation to every held block's rows; returns, per block, the
-    ``(batch, rows, weights before)`` that :func:`restore_rows_` puts back."""
-    if not ascent:
-        return []
-    device = ascent[0].row_grads.grad.device
-    dtype = ascent[0].row_grads.grad.dtype
-    sq_norm = torch.zeros(target.num_tables(), dtype=dtype, device=device)
+    ``(batch, rows, weights before)`` that :func:`restore_rows_` puts back. Every rank
+    calls :meth:`HelenTarget.reduce_table_statistics`, with or without rows of its own."""
+    device = target.device()
+    # FP32 tables only (the collection refuses others).
+    sq_norm = torch.zeros(target.num_tables(), dtype=torch.float32, device=device)
     max_count = torch.zeros(target.num_tables(), dtype=torch.int64, device=device)
     row_tables: List[Tensor] = []
     for held in ascent:
@@ -200,10 +209,10 @@ def _dense_parameters(helen: Helen, dense_params: Optional[Sequence[Tensor]]) ->
 
 
 def _check_same_rows(ascent: Sequence[HeldRows], descent: Sequence[HeldRows]) -> None:
-    first = {h.key: h.row_grads.rows for h in ascent}
+    first = {h.key: h.handed_in_rows() for h in ascent}
     for held in descent:
         rows = first.get(held.key)
-        if rows is None or not torch.equal(rows, held.row_grads.rows):
+        if rows is None or not torch.equal(rows, held.handed_in_rows()):
             raise RuntimeError(
                 f"helen_step: the closure's second call looked up other rows than its "
                 f"first (table batch {held.key}, tables {held.batch.table_names}); it must "
