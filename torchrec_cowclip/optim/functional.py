@@ -14,7 +14,10 @@ are that section's):
    with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
    the paper; off by default).
 
-:func:`cowclip_row_update_` composes the three. The optimizers of step 5 are a registry
+:func:`cowclip_row_update_` composes the three. Helen (:class:`Helen`, ``docs/algorithm.md``,
+"Helen") adds one rule before them: :func:`helen_table_statistics` and
+:func:`helen_perturbation` give the frequency-scaled perturbation of the touched rows at
+which the second gradient is taken (:func:`sam_perturbations` for dense parameters). The optimizers of step 5 are a registry
 (:class:`UpdateRule`, :data:`UPDATE_RULES`): each names its row step, the state it keeps
 per row and the optimizer class TorchRec's planner sizes that state by; adding one is
 one :func:`register_update_rule` here. :data:`OPTIMIZERS`, :data:`STATE_LAYOUT` and
