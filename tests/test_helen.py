@@ -14,6 +14,7 @@ from cowclip_testing import (
     default_cowclip,
     mixed_scale_weights,
     random_kjt,
+    to_device,
 )
 from torchrec import EmbeddingBagConfig, PoolingType
 
@@ -41,7 +42,7 @@ def _tables():
     ]
 
 
-def _build(optimizer, cowclip, helen, gen, **hyper):
+def _build(optimizer, cowclip, helen, gen, device=None, **hyper):
     tables = _tables()
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
@@ -49,6 +50,7 @@ def _build(optimizer, cowclip, helen, gen, **hyper):
         cowclip=cowclip,
         unclipped_tables=("linear",),
         helen=helen,
+        device=device,
         **{**HYPER, **hyper},
     )
     weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
@@ -70,7 +72,7 @@ def _build(optimizer, cowclip, helen, gen, **hyper):
         head=head,
         **{**HYPER, **hyper},
     )
-    return ebc, head, ref, tables
+    return ebc, head.to(ebc.device), ref, tables
 
 
 def _batch(tables, gen, batch_size=8):
@@ -98,10 +100,11 @@ def _assert_tables_match(ebc, ref, tables):
 def _helen_steps(ebc, head, ref, tables, gen, steps, perturb_dense=False):
     for _ in range(steps):
         kjt, labels = _batch(tables, gen)
+        on_device = to_device(kjt, ebc.device), labels.to(ebc.device)
         head.zero_grad(set_to_none=True)
 
         def closure():
-            return curved_loss(ebc(kjt).values(), head, labels)
+            return curved_loss(ebc(on_device[0]).values(), head, on_device[1])
 
         loss = ebc.helen_step(closure, dense_params=head.parameters() if perturb_dense else None)
         ref_loss = ref.helen_step(kjt, labels)
@@ -113,13 +116,13 @@ def _helen_steps(ebc, head, ref, tables, gen, steps, perturb_dense=False):
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 @pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
-def test_helen_steps_match_dense_two_pass_reference(optimizer, clip):
-    """Three Helen steps (shared table, MEAN pooling, multi-hot bags with duplicates)
-    equal the float64 dense re-derivation: weights, optimizer state, returned loss, and the
-    dense parameters' first-pass gradient."""
+def test_helen_steps_match_dense_two_pass_reference(optimizer, clip, device):
+    """Three Helen steps (shared table, MEAN pooling, multi-hot bags with duplicates) on
+    ``device`` equal the float64 dense re-derivation on CPU: weights, optimizer state,
+    returned loss, and the dense parameters' first-pass gradient."""
     gen = torch.Generator().manual_seed(3)
     cowclip = default_cowclip() if clip else None
-    ebc, head, ref, tables = _build(optimizer, cowclip, Helen(rho=0.5, bound=0.3), gen)
+    ebc, head, ref, tables = _build(optimizer, cowclip, Helen(rho=0.5, bound=0.3), gen, device)
     _helen_steps(ebc, head, ref, tables, gen, steps=3)
     if clip:
         assert sum(s.total_rows_clipped for s in ebc.clip_stats().values()) > 0
