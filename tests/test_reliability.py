@@ -499,6 +499,19 @@ FLAG_ERRORS = [
     (["--device", "cuda:99"], "--device cuda:99: this machine has"),
     (["--device", "tpu"], "--device must be auto, cpu or cuda[:N], got 'tpu'"),
     (["--resume", "--overwrite"], "give one"),
+    (["--helen-rho", "nan"], "--helen-rho: Helen.rho must be >= 0 and finite, got nan"),
+    (["--helen-rho=-0.1"], "--helen-rho: Helen.rho must be >= 0 and finite"),
+    (["--helen-rho", "0.05", "--helen-bound", "2"], "--helen-bound: Helen.bound must be in [0, 1]"),
+    (["--helen-bound", "0.5"], "--helen-bound 0.5 has no effect without --helen-rho"),
+    (["--helen-perturb-dense"], "--helen-perturb-dense has no effect without --helen-rho"),
+    (
+        ["--helen-rho", "0.05", "--embedding-backend", "torchrec", "--no-cowclip"],
+        "--helen-rho trains the fused CowClip tables: use --embedding-backend cowclip",
+    ),
+    (
+        ["--data", f"table:{CRITEO_SAMPLE}", "--synthetic-scale", "0.1"],
+        "table: does not take cardinality_scale (--synthetic-scale); it applies to synthetic:",
+    ),
 ]
 
 

@@ -154,6 +154,8 @@ class TrainConfig:
         if self.embedding_backend == "torchrec" and self.cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
         from torchrec_cowclip.data import parse_spec
+        from torchrec_cowclip.data.dataset import kind_options
+        from torchrec_cowclip.data.registry import source_kind
 
         for flag, spec in (("--data", self.data), ("--test-data", self.test_data)):
             if spec is not None:
@@ -161,6 +163,10 @@ class TrainConfig:
                     parse_spec(spec)
                 except ValueError as e:
                     raise ConfigError(f"{flag}: {e}") from None
+        try:
+            kind_options(source_kind(parse_spec(self.data)[0]), self.data_options())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 
         if self.sharding not in SHARDING_CHOICES:
@@ -262,6 +268,33 @@ class TrainConfig:
                 )
         elif device.type != "cpu":
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def data_options(self) -> Dict[str, Any]:
+        """``open_dataset``'s options for ``--data``: those every kind takes, the kind's
+        own (as the run record has always listed them), and any other kind's that was set
+        (which the kind then refuses, naming its flag: ``data.dataset.kind_options``)."""
+        from dataclasses import fields
+
+        from torchrec_cowclip.data import parse_spec
+        from torchrec_cowclip.data.registry import source_kind
+
+        options: Dict[str, Any] = dict(
+            on_bad_row=self.on_bad_row,
+            min_count=self.min_count,
+            hash_size=self.hash_size,
+            dense_transform=self.dense_transform,
+            seed=self.seed,
+        )
+        takes = {f.name for f in fields(source_kind(parse_spec(self.data)[0]).options)}
+        chosen = {
+            "label": self.label,
+            "dense": self.dense or None,
+            "sparse": self.sparse or None,
+            "cardinality_scale": self.synthetic_scale,
+            "max_cardinality": self.synthetic_max_cardinality,
+        }
+        options.update({k: v for k, v in chosen.items() if k in takes or v is not None})
+        return options
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)

@@ -129,23 +129,7 @@ class Trainer:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
 
-        data_options: Dict[str, Any] = dict(
-            on_bad_row=config.on_bad_row,
-            min_count=config.min_count,
-            hash_size=config.hash_size,
-            dense_transform=config.dense_transform,
-            seed=config.seed,
-        )
-        if config.data.startswith(("table:", "avazu:")):
-            # Column choices exist for these kinds only; others have a fixed layout.
-            data_options.update(
-                label=config.label, dense=config.dense or None, sparse=config.sparse or None
-            )
-        if config.data.startswith("synthetic:"):
-            data_options.update(
-                cardinality_scale=config.synthetic_scale,
-                max_cardinality=config.synthetic_max_cardinality,
-            )
+        data_options = config.data_options()
         test_paths = None
         if config.test_data:
             kind, test_paths = parse_spec(config.test_data)
