@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.optim.reference import (
@@ -164,3 +165,87 @@ def keys_can_be_reordered(device: torch.device) -> bool:
 
 def default_cowclip() -> CowClip:
     return CowClip(r=1.0, zeta=1e-3)
+
+
+def curved_loss(pooled: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient in the embeddings changes with them (a loss linear in the
+    pooled embeddings would make Helen's second pass equal its first)."""
+    logits = head(pooled).squeeze(1) + 0.5 * pooled.square().sum(dim=1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+class HelenDenseReference(DenseReference):
+    """Helen's step re-derived on dense autograd, float64: pass 1 at ``W``, per table
+    ``e_j = rho * max(n_j / max n, bound) * g_j / (||dL/dW||_F + 1e-12)`` on the rows the
+    batch touches, pass 2 at ``W + e``, restore ``W``, then the reference step with the
+    second gradient; the head (dense) keeps the first gradient, or with ``perturb_dense``
+    is perturbed by ``rho * g / ||g||`` and takes the second."""
+
+    def __init__(self, *args, helen, head: torch.nn.Linear, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.helen = helen
+        self.head = copy.deepcopy(head).double()
+
+    def pooled64(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """``[B, sum of dims]`` pooled embeddings in float64 throughout (TorchRec's EBC casts
+        its output to float32), one ``embedding_bag`` per feature, in the tables' order."""
+        features = kjt.to_dict()
+        pooled = []
+        for t in self.tables:
+            weight = self.ebc.embedding_bags[t.name].weight
+            mode = "mean" if t.pooling == PoolingType.MEAN else "sum"
+            for f in t.feature_names:
+                jt = features[f]
+                offsets = torch.cat([torch.zeros(1, dtype=torch.int64), jt.lengths().cumsum(0)])
+                pooled.append(
+                    torch.nn.functional.embedding_bag(
+                        jt.values(), weight, offsets, mode=mode, include_last_offset=True
+                    )
+                )
+        return torch.cat(pooled, dim=1)
+
+    def helen_step(self, kjt: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+        tables = [self.ebc.embedding_bags[t.name].weight for t in self.tables]
+        dense = list(self.head.parameters())
+        labels = labels.double()
+
+        def loss() -> torch.Tensor:
+            return curved_loss(self.pooled64(kjt), self.head, labels)
+
+        first = loss()
+        first_grads = torch.autograd.grad(first, tables + dense)
+        features = kjt.to_dict()
+        counts = [
+            occurrence_counts(
+                torch.cat([features[f].values() for f in t.feature_names]), t.num_embeddings
+            )
+            for t in self.tables
+        ]
+        rho, bound = self.helen.rho, self.helen.bound
+        originals = [w.detach().clone() for w in tables + dense]
+        with torch.no_grad():
+            for w, g, n in zip(tables, first_grads, counts):
+                share = (n.double() / n.max().double()).clamp(min=bound) * (n > 0)
+                w += rho * share[:, None] * g / (g.norm() + 1e-12)
+            if self.helen.perturb_dense:
+                norm = torch.cat([g.reshape(-1) for g in first_grads[len(tables) :]]).norm()
+                for p, g in zip(dense, first_grads[len(tables) :]):
+                    p += rho * g / (norm + 1e-12)
+        second = loss()
+        second_grads = torch.autograd.grad(second, tables + dense)
+        with torch.no_grad():
+            for w, before in zip(tables + dense, originals):
+                w.copy_(before)
+            for t, w, g, n in zip(self.tables, tables, second_grads, counts):
+                self.clipped_rows[t.name] = reference_cowclip_step_(
+                    w.data,
+                    g,
+                    n,
+                    self.state[t.name],
+                    optimizer=self.optimizer,
+                    clip_table=t.name not in self.unclipped,
+                    **self.hyper,
+                )
+        kept = second_grads if self.helen.perturb_dense else first_grads
+        self.dense_grads = list(kept[len(tables) :])
+        return first.detach()

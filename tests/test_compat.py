@@ -226,6 +226,36 @@ def test_table_batched_embedding_slice_views_its_data():
         assert view.data_ptr() == data[1].data_ptr()  # rows 1-2, not a copy
 
 
+def test_dmp_data_parallel(sharded):
+    """DMP keeps the DDP it wraps its dense part in under ``_dmp_wrapped_module``."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = CowClipEmbeddingBagCollection(
+                [
+                    EmbeddingBagConfig(
+                        name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"]
+                    )
+                ]
+            )
+            self.dense = nn.Linear(4, 1)
+
+    sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
+    dmp = DistributedModelParallel(
+        Model(),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        sharders=[sharder],
+    )
+    with private_name("DistributedModelParallel._dmp_wrapped_module", "dmp_data_parallel"):
+        ddp = compat.dmp_data_parallel(dmp)
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+        assert ddp.module.dense is dmp.module.dense
+    assert compat.dmp_data_parallel(nn.Linear(1, 1)) is None
+
+
 def test_process_group_timeout(sharded):
     with private_name("ProcessGroup._get_backend(...).options._timeout", "process_group_timeout"):
         assert compat.process_group_timeout(None) == TIMEOUT

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
@@ -40,6 +40,7 @@ __all__ = [
     "CowClip",
     "CowClipEmbeddingBagCollection",
     "CowClipFusedOptimizer",
+    "Helen",
     "TableClipStats",
 ]
 __version__ = "0.1.0"

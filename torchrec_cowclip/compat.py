@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Ty
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
@@ -44,6 +44,7 @@ __all__ = [
     "ShardedTensorMetadata",
     "TableBatchedEmbeddingSlice",
     "add_fx_tracing_filter",
+    "dmp_data_parallel",
     "embedding_shardings",
     "extension_points",
     "grouped_configs",
@@ -95,6 +96,18 @@ def __getattr__(name: str) -> Any:
 #: The logger torch's one-time ``is_fx_tracing()`` deprecation notice goes to (the CLI
 #: filters that notice; it concerns a call torch.fx itself makes).
 FX_TRACING_LOGGER = "torch.fx._symbolic_trace"
+
+# --- DistributedModelParallel ---------------------------------------------------------
+
+
+def dmp_data_parallel(dmp: nn.Module) -> Optional[nn.Module]:
+    """The ``DistributedDataParallel`` DMP put around its dense part (``_dmp_wrapped_module``;
+    DMP's public ``.module`` skips it), or None (one process, or not a DMP)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = getattr(dmp, "_dmp_wrapped_module", None)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
 
 # --- ShardedEmbeddingBagCollection ----------------------------------------------------
 

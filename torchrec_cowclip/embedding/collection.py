@@ -32,14 +32,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.fused_update import apply_fused_update_
+from torchrec_cowclip.embedding.helen import HeldRows, HelenCost, HelenPass, HelenTarget, helen_step
 from torchrec_cowclip.embedding.lookup import FusedCowClipLookup
+from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.options import CowClipOptions
 
@@ -91,6 +94,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             (each rank then allocates and initialises only its own shards and their
             optimizer state), or materialise it with ``to_empty(device=...)`` followed by
             :meth:`reset_parameters`.
+        helen: train with Helen's two-pass step (:class:`~torchrec_cowclip.optim.functional.Helen`,
+            frequency-wise sharpness-aware minimisation): call :meth:`helen_step` with a
+            closure instead of ``loss.backward()`` (which then raises). None: one pass.
         init_seed: seed of the counter-based initialisation
             (:class:`~torchrec_cowclip.embedding.row_init.RowInit`): a table whose
             ``init_fn`` is a ``RowInit`` keeps its own seed; one whose ``init_fn`` is a
@@ -129,6 +135,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         count_lr: Optional[CountLR] = None,
         init_seed: Optional[int] = None,
         options: Optional[CowClipOptions] = None,
+        helen: Optional[Helen] = None,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
@@ -144,9 +151,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             cowclip=cowclip,
             unclipped_tables=unclipped_tables,
             count_lr=count_lr,
+            helen=helen,
         )
         optimizer = options.optimizer
         options.check_tables(t.name for t in tables)
+        self._helen: Optional[Helen] = options.helen
+        #: The last :meth:`helen_step`'s cost (None before the first).
+        self.last_helen_cost: Optional[HelenCost] = None
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
@@ -203,6 +214,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for table in tables:
             params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
+        self._helen_target = _CollectionHelenRows(self)
         self._bind_views()
         self.reset_parameters()
 
@@ -263,7 +275,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             self._slot_batches, values, offsets, b, starts, bounds
         )
         outs: List[Tensor] = []
-        for batch, s in zip(self._batches, self._slot_of_batch):
+        for index, (batch, s) in enumerate(zip(self._batches, self._slot_of_batch)):
             batch_weights = None
             if weights is not None:
                 batch_weights = weights[bounds[s] : bounds[s + 1]].to(batch.weight.dtype)
@@ -271,7 +283,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             outs.append(
                 # torch.autograd.Function.apply carries no annotations.
                 FusedCowClipLookup.apply(  # type: ignore[no-untyped-call]
-                    self._anchor, batch, lookup, self._hyperparameters
+                    self._anchor, batch, index, lookup, self._take_row_gradients
                 )
             )
         return KeyedTensor(
@@ -303,6 +315,73 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     def table_storage_bytes(self) -> int:
         """Bytes of table weights and optimizer state this module holds (0 on meta)."""
         return sum(batch.storage_bytes() for batch in self._batches)
+
+    # --- Helen -------------------------------------------------------------------------
+
+    @property
+    def helen(self) -> Optional[Helen]:
+        """Helen's settings when the tables are trained by :meth:`helen_step`, else None."""
+        return self._helen
+
+    def helen_step(
+        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
+    ) -> Tensor:
+        """One Helen step (:mod:`torchrec_cowclip.embedding.helen`): ``closure()`` runs
+        the forward pass and returns the scalar loss WITHOUT calling backward.
+
+        The first backward reaches everything: every dense parameter's ``.grad`` gets the
+        first pass's gradient, as a plain ``loss.backward()`` would give it, ready for the
+        dense optimizer. The tables are perturbed on the rows the batch touched, the
+        closure runs again, and its backward reaches only the tables (and, with
+        ``Helen(perturb_dense=True)``, ``dense_params``, which were perturbed SAM-style and
+        then hold the second gradient); then the rows are restored and updated with the
+        second gradient. Returns the first pass's loss (detached).
+
+        Example::
+
+            >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+            >>> ebc = CowClipEmbeddingBagCollection(
+            ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+            ...                         feature_names=["f"])], lr=1e-2, helen=Helen())
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+            ...     keys=["f"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 2]))
+            >>> head = torch.nn.Linear(4, 1)
+            >>> loss = ebc.helen_step(lambda: head(ebc(kjt).values()).square().mean())
+            >>> state = ebc.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]
+            >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
+            (True, 1, 2)
+        """
+        if self._helen is None:
+            raise RuntimeError(
+                "helen_step needs a collection built with helen=Helen(...); this one "
+                "trains with one pass: call loss.backward()"
+            )
+        self.last_helen_cost = None
+
+        def keep(cost: HelenCost) -> None:
+            self.last_helen_cost = cost
+
+        return helen_step(
+            self._helen_target,
+            self._helen,
+            closure,
+            None if dense_params is None else list(dense_params),
+            on_cost=keep,
+        )
+
+    def _take_row_gradients(self, batch_index: int, row_grads: RowGradients) -> None:
+        """Where every table batch's backward hands its row gradients."""
+        target = self._helen_target
+        if target.phase is not None:
+            target.take(batch_index, row_grads)
+        elif self._helen is not None:
+            raise RuntimeError(
+                f"this CowClipEmbeddingBagCollection is trained by Helen ({self._helen}): "
+                "call loss = ebc.helen_step(closure) instead of loss.backward() (nothing "
+                "was updated)"
+            )
+        else:
+            apply_fused_update_(self._batches[batch_index], row_grads, self._hyperparameters())
 
     # --- FusedOptimizerModule ------------------------------------------------------
 
@@ -594,3 +673,44 @@ def _check_structure(
             raise ValueError(
                 f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
             )
+
+
+class _CollectionHelenRows(HelenTarget):
+    """:class:`~torchrec_cowclip.embedding.helen.HelenTarget` of an unsharded collection:
+    every table batch's rows are local, so the table statistics need no reduction."""
+
+    def __init__(self, module: CowClipEmbeddingBagCollection) -> None:
+        self._module = module
+        self.phase: Optional[HelenPass] = None
+        self._held: List[HeldRows] = []
+        position = {t.name: i for i, t in enumerate(module.embedding_bag_configs())}
+        self._table_positions = [[position[n] for n in b.table_names] for b in module._batches]
+
+    def hold(self, phase: Optional[HelenPass]) -> None:
+        self.phase, self._held = phase, []
+
+    def take(self, batch_index: int, row_grads: RowGradients) -> None:
+        if any(h.key == (batch_index,) for h in self._held):
+            raise RuntimeError(
+                "helen_step: the closure looked up the same CowClipEmbeddingBagCollection "
+                "twice in one call; Helen needs one lookup of each table batch per pass"
+            )
+        batch = self._module._batches[batch_index]
+        table_index = torch.tensor(
+            self._table_positions[batch_index], dtype=torch.int64, device=batch.weight.device
+        )
+        self._held.append(HeldRows((batch_index,), batch, row_grads, table_index))
+
+    def held(self) -> List[HeldRows]:
+        return sorted(self._held, key=lambda h: h.key)
+
+    def backward_inputs(self) -> List[Tensor]:
+        return [self._module._anchor]
+
+    def num_tables(self) -> int:
+        return len(self._module.embedding_bag_configs())
+
+    def apply_updates(self, descent: List[HeldRows]) -> None:
+        hyper = self._module._hyperparameters()
+        for held in descent:
+            apply_fused_update_(held.batch, held.row_grads, hyper)

@@ -3,21 +3,21 @@
 Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
 ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
 TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
-Backward: per-row gradients (:mod:`.row_gradients`) and the in-place update
-(:mod:`.fused_update`); it returns no gradient, so the weights never hold a ``.grad``.
+Backward: per-row gradients (:mod:`.row_gradients`), handed to the collection, which
+applies the in-place update (:mod:`.fused_update`) or holds them for Helen's second pass
+(:mod:`.helen`); it returns no gradient, so the weights never hold a ``.grad``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import (
     RowGradients,
     RowGrouping,
@@ -142,11 +142,17 @@ def lookup_row_gradients(
     return sum_row_gradients(grouping, bag_gradients, _position_weights(lookup, batch.pooling))
 
 
+#: What a table batch's backward hands its row gradients to: ``(batch index, row
+#: gradients)``; the collection applies the update (or, inside a Helen step, holds them).
+RowGradientSink = Callable[[int, RowGradients], None]
+
+
 class FusedCowClipLookup(torch.autograd.Function):
     """Autograd node: pooled lookup forward, fused CowClip update backward.
 
     ``anchor`` is a zero-size tensor that requires grad, so autograd records the node
-    and calls backward; the table weights themselves are not autograd inputs.
+    and calls backward; the table weights themselves are not autograd inputs. The
+    backward computes the batch's row gradients and hands them to ``sink``.
     """
 
     @staticmethod
@@ -154,22 +160,23 @@ class FusedCowClipLookup(torch.autograd.Function):
         ctx: Any,
         anchor: Tensor,
         batch: TableBatch,
+        batch_index: int,
         lookup: BatchLookup,
-        hyperparameters: Callable[[], Mapping[str, Any]],
+        sink: RowGradientSink,
     ) -> Tensor:
-        ctx.batch, ctx.lookup, ctx.hyperparameters = batch, lookup, hyperparameters
+        ctx.batch, ctx.batch_index, ctx.lookup, ctx.sink = batch, batch_index, lookup, sink
         lookup.grouping.users += 1
         return pooled_lookup(batch, lookup)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None]:
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None, None]:
         if ctx.batch is None:
             raise RuntimeError(
                 "a second backward reached the same CowClipEmbeddingBagCollection lookup "
                 "(retain_graph=True?); the fused update applies exactly once per forward"
             )
-        batch: TableBatch = ctx.batch
-        row_grads = lookup_row_gradients(batch, ctx.lookup, grad_output)
-        apply_fused_update_(batch, row_grads, ctx.hyperparameters())
-        ctx.batch = ctx.lookup = None  # a second backward through this node is a bug
-        return None, None, None, None
+        row_grads = lookup_row_gradients(ctx.batch, ctx.lookup, grad_output)
+        sink = ctx.sink
+        ctx.batch = ctx.lookup = ctx.sink = None  # a second backward through this node is a bug
+        sink(ctx.batch_index, row_grads)
+        return None, None, None, None, None

@@ -150,6 +150,139 @@ class CountLR:
         return counts.to(dtype).clamp(max=float(self.cap)).pow(float(self.power))
 
 
+@dataclass(frozen=True)
+class Helen:
+    """Helen (Zhu et al., WWW 2024): sharpness-aware minimisation whose perturbation of
+    each embedding row grows with the row's frequency in the batch.
+
+    Per step and table, with ``n_j`` the count of row ``j`` in the batch (CowClip's count,
+    over every feature that uses the table), ``G`` the table's gradient on its touched rows
+    and ``g_j`` row ``j``'s: ``e_j = rho * max(n_j / max_k n_k, bound) * g_j / (||G||_F +
+    1e-12)`` (:func:`helen_perturbation`); the rows take their step with the gradient at
+    ``W + e``. ``perturb_dense`` also perturbs the dense parameters, plain SAM with their
+    global gradient norm (:func:`sam_perturbations`). ``docs/algorithm.md``, "Helen".
+
+    Args:
+        rho: perturbation radius (the reference's default 0.05); 0 makes the second pass
+            evaluate the unperturbed weights.
+        bound: lower bound on a row's frequency share ``n_j / max_k n_k``, in [0, 1]
+            (the reference's default 0.3).
+        perturb_dense: SAM on the dense parameters too (their ``.grad`` then holds the
+            second pass's gradient); default: they keep the first pass's gradient.
+
+    Example::
+
+        >>> Helen()
+        Helen(rho=0.05, bound=0.3, perturb_dense=False)
+        >>> Helen(rho=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Helen.rho must be >= 0 and finite, got -1.0
+    """
+
+    rho: float = 0.05
+    bound: float = 0.3
+    perturb_dense: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("rho", "bound"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"Helen.{name} must be a number, got {value!r}")
+        if not (math.isfinite(self.rho) and self.rho >= 0.0):
+            raise ValueError(f"Helen.rho must be >= 0 and finite, got {self.rho!r}")
+        if not (math.isfinite(self.bound) and 0.0 <= self.bound <= 1.0):
+            raise ValueError(f"Helen.bound must be in [0, 1], got {self.bound!r}")
+        if not isinstance(self.perturb_dense, bool):
+            raise ValueError(f"Helen.perturb_dense must be a bool, got {self.perturb_dense!r}")
+
+
+#: Added to the gradient norm in the denominator of Helen's and SAM's perturbation.
+HELEN_NORM_EPS = 1e-12
+
+
+def helen_table_statistics(
+    grad: Tensor, counts: Tensor, table_index: Tensor, num_tables: int
+) -> Tuple[Tensor, Tensor]:
+    """Per table, what Helen's perturbation needs of the whole table: ``[num_tables]``
+    sums of squared gradient entries (``||G||_F**2`` over the touched rows) and
+    ``[num_tables]`` largest row counts ``max_k n_k``.
+
+    Both combine across blocks of one table by a sum and a max respectively (the row and
+    column shards of a sharded table: see ``distributed``). Rows whose gradient is not
+    finite are left out (the update skips them too).
+
+    Args:
+        grad: ``[U, D]`` gradient of each touched row.
+        counts: ``[U]`` count of each row in the batch.
+        table_index: ``[U]`` int64 table of each row, in ``[0, num_tables)``.
+
+    Example::
+
+        >>> g = torch.tensor([[3.0, 0.0], [0.0, 4.0], [1.0, 0.0]])
+        >>> sq, most = helen_table_statistics(g, torch.tensor([1, 5, 2]),
+        ...                                   torch.tensor([0, 0, 1]), 2)
+        >>> sq.tolist(), most.tolist()
+        ([25.0, 1.0], [5, 2])
+    """
+    finite = torch.isfinite(grad.sum(dim=1))
+    row_sq = torch.where(finite, grad.square().sum(dim=1), torch.zeros((), dtype=grad.dtype))
+    sq = torch.zeros(num_tables, dtype=grad.dtype, device=grad.device)
+    sq.index_add_(0, table_index, row_sq)
+    most = torch.zeros(num_tables, dtype=counts.dtype, device=counts.device)
+    most.scatter_reduce_(0, table_index, counts, reduce="amax", include_self=True)
+    return sq, most
+
+
+def helen_perturbation(
+    grad: Tensor,
+    counts: Tensor,
+    table_sq_norm: Tensor,
+    table_max_count: Tensor,
+    *,
+    rho: float,
+    bound: float,
+) -> Tensor:
+    """``[U, D]`` Helen's perturbation ``e_j = rho * max(n_j / max_k n_k, bound) * g_j /
+    (||G||_F + 1e-12)`` of each touched row; rows with a non-finite gradient get 0.
+
+    Args:
+        grad: ``[U, D]`` gradient ``g_j`` of each row.
+        counts: ``[U]`` count ``n_j`` of each row in the batch.
+        table_sq_norm: ``[U]`` ``||G||_F**2`` of each row's table
+            (:func:`helen_table_statistics`, gathered per row).
+        table_max_count: ``[U]`` ``max_k n_k`` of each row's table.
+
+    Example::
+
+        >>> e = helen_perturbation(torch.tensor([[3.0, 4.0]]), torch.tensor([1]),
+        ...                        torch.tensor([25.0]), torch.tensor([4]), rho=0.5, bound=0.3)
+        >>> e                       # 0.5 * max(1/4, 0.3) * g / 5
+        tensor([[0.0900, 0.1200]])
+    """
+    share = counts.to(grad.dtype) / table_max_count.clamp_min(1).to(grad.dtype)
+    scale = rho * share.clamp_min(bound) / (table_sq_norm.sqrt() + HELEN_NORM_EPS)
+    perturbation = grad * scale.unsqueeze(1)
+    finite = torch.isfinite(perturbation.sum(dim=1, keepdim=True))
+    return torch.where(finite, perturbation, torch.zeros((), dtype=grad.dtype))
+
+
+def sam_perturbations(grads: Sequence[Tensor], rho: float) -> list[Tensor]:
+    """SAM's perturbation ``rho * g / (||g||_2 + 1e-12)`` of a set of parameters, with
+    the norm over all of their gradients together (the global norm).
+
+    Example::
+
+        >>> [e.tolist() for e in sam_perturbations([torch.tensor([3.0]), torch.tensor([4.0])], 1.0)]
+        [[0.6000000238418579], [0.800000011920929]]
+    """
+    if not grads:
+        return []
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    scale = rho / (norm + HELEN_NORM_EPS)
+    return [g * scale for g in grads]
+
+
 #: Columns of :func:`partial_row_sums`.
 ROW_SUM_COLUMNS: Tuple[str, ...] = ("nonfinite", "grad_sq", "weight_sq", "grad_dot_weight")
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
-from torchrec_cowclip.optim.functional import OPTIMIZERS, CountLR, CowClip
+from torchrec_cowclip.optim.functional import OPTIMIZERS, CountLR, CowClip, Helen
 
 
 def validate_hyperparameters(
@@ -64,6 +64,9 @@ class CowClipOptions:
     cowclip: Optional[CowClip] = CowClip()
     unclipped_tables: FrozenSet[str] = field(default_factory=frozenset)
     count_lr: Optional[CountLR] = None
+    #: Train the tables with Helen's two-pass step (``helen_step``) instead of one
+    #: backward; not a param-group entry (it changes how a step runs, not the row step).
+    helen: Optional[Helen] = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -73,6 +76,8 @@ class CowClipOptions:
         validate_hyperparameters(
             self.lr, self.betas, self.eps, self.weight_decay, self.cowclip, self.count_lr
         )
+        if self.helen is not None and not isinstance(self.helen, Helen):
+            raise TypeError(f"helen must be a Helen or None, got {type(self.helen).__name__}")
 
     @classmethod
     def resolve(cls, options: Optional["CowClipOptions"], **keywords: Any) -> "CowClipOptions":
@@ -125,7 +130,7 @@ class CowClipOptions:
         fused = module.fused_optimizer
         return cls.from_param_group(
             fused.hyperparameters, fused.optimizer_name, module.unclipped_tables
-        )
+        ).replace(helen=getattr(module, "helen", None))
 
     def replace(self, **changes: Any) -> "CowClipOptions":
         """A copy with ``changes`` (validated)."""

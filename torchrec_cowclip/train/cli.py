@@ -175,6 +175,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--embedding-optimizer", choices=EMBEDDING_OPTIMIZERS, default=d.embedding_optimizer
     )
+    s.add_argument(
+        "--helen-rho",
+        type=float,
+        default=d.helen_rho,
+        help="train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
+        "passes per step) with this perturbation radius (reference: 0.05); default: off "
+        "(docs/algorithm.md, 'Helen')",
+    )
+    s.add_argument(
+        "--helen-bound",
+        type=float,
+        default=d.helen_bound,
+        help="Helen's lower bound on a row's frequency share n_j / max n (default 0.3)",
+    )
+    s.add_argument(
+        "--helen-perturb-dense",
+        action="store_true",
+        help="Helen also perturbs the dense parameters (SAM with their global gradient "
+        "norm); default: they step with the first pass's gradient",
+    )
 
     r = t.add_argument_group("run")
     r.add_argument("--out", default=d.out, help="run directory (metrics.json, logs, checkpoint)")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
-from torchrec_cowclip.optim.functional import OPTIMIZERS
+from torchrec_cowclip.optim.functional import OPTIMIZERS, Helen
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
@@ -80,6 +80,9 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 20
     row_clip_stats: bool = False
+    helen_rho: Optional[float] = None
+    helen_bound: float = 0.3
+    helen_perturb_dense: bool = False
     sharding: str = "auto"
     dist_timeout_s: float = 300.0
 
@@ -97,6 +100,7 @@ class TrainConfig:
                 "--row-clip-stats counts the CowClip update's clips: use "
                 "--embedding-backend cowclip"
             )
+        self._validate_helen()
         if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(
                 f"--embedding-optimizer must be one of {', '.join(EMBEDDING_OPTIMIZERS)}, "
@@ -200,6 +204,31 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         if self.clip_r is not None and self.clip_r <= 0:
             raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
+
+    def _validate_helen(self) -> None:
+        if self.helen_rho is None:
+            if self.helen_perturb_dense:
+                raise ConfigError("--helen-perturb-dense has no effect without --helen-rho")
+            if self.helen_bound != TrainConfig.helen_bound:
+                raise ConfigError(
+                    f"--helen-bound {self.helen_bound:g} has no effect without --helen-rho"
+                )
+            return
+        if self.embedding_backend != "cowclip":
+            raise ConfigError(
+                "--helen-rho trains the fused CowClip tables: use --embedding-backend cowclip"
+            )
+        try:
+            Helen(self.helen_rho, self.helen_bound, self.helen_perturb_dense)
+        except ValueError as e:
+            flag = "--helen-rho" if "rho" in str(e) else "--helen-bound"
+            raise ConfigError(f"{flag}: {e}") from None
+
+    def helen(self) -> Optional[Helen]:
+        """Helen's settings of this run (None: one pass per step)."""
+        if self.helen_rho is None:
+            return None
+        return Helen(self.helen_rho, self.helen_bound, self.helen_perturb_dense)
 
     def _validate_placement(self) -> None:
         """Options that depend on the machine and the launcher: the device must exist and

@@ -27,7 +27,9 @@ from torch import Tensor, nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from torchrec_cowclip.compat import dmp_data_parallel
 from torchrec_cowclip.data import BatchIterator, epoch_order
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
@@ -43,6 +45,7 @@ from torchrec_cowclip.train.distributed import (
     rank_rows_of_epoch,
     shard_model,
 )
+from torchrec_cowclip.train.helen_pipeline import HelenTrainPipeline
 from torchrec_cowclip.train.optimizers import build_optimizer
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.task import CTRTrainTask
@@ -108,6 +111,7 @@ class Runtime(ABC):
             weight_decay=hp.embedding_weight_decay,
             cowclip=cowclip,
             count_lr=hp.count_lr if config.embedding_backend == "cowclip" else None,
+            helen=config.helen(),
         )
 
     @property
@@ -148,7 +152,23 @@ class Runtime(ABC):
 
     @abstractmethod
     def pipeline(self) -> Any:
-        """A TorchRec train pipeline over :attr:`train_module` for one epoch."""
+        """A TorchRec train pipeline over :attr:`train_module` for one epoch (Helen's
+        two-pass step when the run trains with Helen)."""
+
+    def _helen_pipeline(self, data_parallel: Optional[nn.Module] = None) -> Optional[Any]:
+        helen = self.config.helen()
+        if helen is None:
+            return None
+        dense = [p for _, p in in_backward_optimizer_filter(self.train_module.named_parameters())]
+        return HelenTrainPipeline(
+            self.train_module,
+            self.optimizer,
+            self.device,
+            self.embedding_module(),
+            helen,
+            dense,
+            data_parallel,
+        )
 
     def end_pipeline(self, pipeline: Any) -> None:
         """Releases what :meth:`pipeline` attached to the model."""
@@ -231,7 +251,9 @@ class LocalRuntime(Runtime):
         return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
 
     def pipeline(self) -> Any:
-        return TrainPipelineBase(self.train_module, self.optimizer, self.device)
+        return self._helen_pipeline() or TrainPipelineBase(
+            self.train_module, self.optimizer, self.device
+        )
 
     def embedding_module(self) -> nn.Module:
         ebc: nn.Module = self.model.embedding_collection
@@ -315,7 +337,9 @@ class ShardedRuntime(Runtime):
         )
 
     def pipeline(self) -> Any:
-        return TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
+        return self._helen_pipeline(dmp_data_parallel(self.train_module)) or (
+            TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
+        )
 
     def end_pipeline(self, pipeline: Any) -> None:
         # Restores the sharded modules' own forwards for evaluation and the next epoch.

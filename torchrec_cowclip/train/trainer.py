@@ -25,13 +25,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, cast
 
 import numpy as np
 import torch
 
 from torchrec_cowclip.data import open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding.helen import HelenCost
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
@@ -66,6 +67,18 @@ class Progress:
     best_val_auc: float = -math.inf
     epochs_without_improvement: int = 0
     stopped_early: bool = False
+    # Helen runs: seconds of the first passes and of what Helen adds (second passes).
+    helen_first_pass_s: float = 0.0
+    helen_extra_s: float = 0.0
+
+    def helen_cost(self) -> Dict[str, float]:
+        """Per step: the first pass, Helen's extra time, and their ratio."""
+        steps = max(self.global_step, 1)
+        return {
+            "first_pass_s_per_step": self.helen_first_pass_s / steps,
+            "extra_s_per_step": self.helen_extra_s / steps,
+            "extra_fraction": self.helen_extra_s / max(self.helen_first_pass_s, 1e-9),
+        }
 
 
 def _seed_everything(seed: int) -> None:
@@ -297,6 +310,7 @@ class Trainer:
         )
         running = None
         t_last, samples_since = time.perf_counter(), 0
+        helen_module = self.runtime.embedding_module() if cfg.helen_rho is not None else None
         try:
             while True:
                 if cfg.max_steps and p.global_step >= cfg.max_steps:
@@ -316,6 +330,10 @@ class Trainer:
                     )
                 n = int(labels.numel())
                 p.train_seconds += time.perf_counter() - t0
+                if helen_module is not None:
+                    cost = cast(HelenCost, helen_module.last_helen_cost)
+                    p.helen_first_pass_s += cost.first_pass_s
+                    p.helen_extra_s += cost.extra_s
                 p.train_samples += n
                 p.global_step += 1
                 p.batch_in_epoch += 1
@@ -335,10 +353,13 @@ class Trainer:
                         },
                     )
                 bar.update(1)
-                bar.set_postfix(
-                    loss=f"{running:.4f}",
-                    samples_s=f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
-                )
+                postfix = {
+                    "loss": f"{running:.4f}",
+                    "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
+                }
+                if helen_module is not None:
+                    postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
+                bar.set_postfix(postfix)
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
                     self.save()
         finally:
@@ -426,6 +447,14 @@ class Trainer:
                 **cfg.as_dict(),
                 **self.hp.as_dict(),
                 "cowclip": None if self.cowclip is None else vars(self.cowclip),
+            },
+            "helen": None
+            if cfg.helen_rho is None
+            else {
+                "rho": cfg.helen_rho,
+                "bound": cfg.helen_bound,
+                "perturb_dense": cfg.helen_perturb_dense,
+                **p.helen_cost(),
             },
             "world_size": self.runtime.world_size,
             "sharding": self.runtime.sharding,
