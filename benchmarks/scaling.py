@@ -13,7 +13,15 @@ of ``--methods`` and each seed of ``--seeds``:
   ``docs/scaling.md``);
 - ``sqrt``: no clipping, embedding AND dense lr * sqrt(s), L2 lambda * s;
 - ``linear``: no clipping, embedding AND dense lr * s, L2 lambda * s;
-- ``none``: no clipping, no scaling (the base batch's lrs and L2 at every batch).
+- ``none``: no clipping, no scaling (the base batch's lrs and L2 at every batch);
+  ``adam`` is the same run under the study's name for it (plain Adam);
+- ``helen``: ``none`` plus the trainer's Helen embedding optimizer (``helen_rho``
+  ``--helen-rho``, default 0.05; ``helen_bound`` ``--helen-bound``, default 0.3);
+- ``helen+cowclip``: CowClip with the ``fixed-l2`` recipe (whatever ``--recipe`` says)
+  plus Helen as above; the cowclip-only flags (``--clip-r``, ... ) apply to it too.
+
+The default ``--methods`` are the first four; the helen methods need a trainer whose
+``TrainConfig`` has ``helen_rho`` and ``helen_bound`` (checked before the first run).
 
 ``--equal-steps`` trains batch ``b`` for ``epochs * b / base`` epochs instead (the base
 batch's number of steps); with ``--early-stop-patience N`` a run stops once validation AUC
@@ -25,7 +33,8 @@ the clip bind?", predicts more clipping with a small init such as 1e-4). The bas
 (at ``--base-batch-size``) are the trainer's profile (Criteo's, or Avazu's for
 ``avazu:`` data) unless ``--base-lr`` / ``--base-lr-embed`` / ``--base-l2`` replace them.
 
-Per run it records the final and per-epoch test AUC / logloss, and with ``--val-fraction``
+Per run it records the final and per-epoch test AUC / logloss, the training time per
+step (``step_ms``: the trainer's training seconds, without evaluation, over its steps), and with ``--val-fraction``
 the test AUC / logloss of the epoch with the best validation AUC (the epoch a user would
 keep: CTR models on Criteo-like data overfit after one or two epochs, so the last epoch
 alone can rank methods by how little they trained), steps, wall time, train throughput,
@@ -41,7 +50,9 @@ directory per (method, batch, seed) in ``runs/`` (``metrics.json``, ``epochs.csv
 ``steps.csv``), ``scaling.csv`` and ``scaling.json`` (one record per run), and
 ``scaling_auc.png`` (AUC vs batch size per method: last epoch, best-validation epoch, and
 minus the base batch of the same seed; min/max over seeds as error bars) when matplotlib is
-installed. The table (batch x method) is printed last. All runs share one data cache
+installed. The table (batch x method) is printed last; its "minus base batch" columns give
+each seed's own difference to its base-batch run (the goal is judged in every seed), then
+their mean and min..max. All runs share one data cache
 (``--cache-dir``). ``--combine DIR ...`` merges earlier studies' outputs without training;
 ``--label`` names a recipe variant so it can sit beside the paper's. The full study, with
 its commands and results, is ``docs/scaling.md``.
@@ -79,7 +90,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -94,7 +105,12 @@ from torchrec_cowclip.train.scaling import (  # noqa: E402
     scale_hyperparameters,
 )
 
-METHODS = ("cowclip", "sqrt", "linear", "none")
+METHODS = ("cowclip", "sqrt", "linear", "none")  # the default --methods
+HELEN_METHODS = ("helen", "helen+cowclip")
+ALL_METHODS = ("adam",) + METHODS + HELEN_METHODS
+HELEN_RHO, HELEN_BOUND = 0.05, 0.3
+HELEN_FIELDS = ("helen_rho", "helen_bound")
+HELEN_RECIPE = "fixed-l2"  # the recipe of helen+cowclip
 DEFAULT_BATCHES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 BUCKET_NOTE = (
     "clip counts per id-frequency bucket: only with --row-clip-stats "
@@ -119,6 +135,8 @@ def method_hyperparameters(
     rules: Optional[Dict[str, str]] = None,
     clip_r: Optional[float] = None,
     clip_zeta: Optional[float] = None,
+    helen_rho: float = HELEN_RHO,
+    helen_bound: float = HELEN_BOUND,
 ) -> Dict[str, Any]:
     """The TrainConfig fields (lr, lr_embed, l2, cowclip, ...) of one method at one batch size.
 
@@ -126,10 +144,17 @@ def method_hyperparameters(
     (:func:`scale_hyperparameters`); ``cowclip`` yields exactly the trainer's values for
     ``recipe`` when no base value is overridden. ``rules`` (``dense_lr_scaling``,
     ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear; ``count_lr_power`` ->
-    a float) and ``clip_r`` / ``clip_zeta`` change the recipe for the ``cowclip`` method only.
+    a float) and ``clip_r`` / ``clip_zeta`` change the recipe for the cowclip methods only
+    (``cowclip``, ``helen+cowclip``); the helen methods add ``helen_rho`` / ``helen_bound``.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method not in ALL_METHODS:
+        raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
+    helen: Dict[str, Any] = {}
+    if method in HELEN_METHODS:
+        helen = {"helen_rho": helen_rho, "helen_bound": helen_bound}
+        method, recipe = (
+            ("cowclip", HELEN_RECIPE) if method == "helen+cowclip" else ("none", recipe)
+        )
     base = scale_hyperparameters(
         base_batch_size, dataset=_profile(data), base_batch_size=base_batch_size
     )
@@ -137,6 +162,23 @@ def method_hyperparameters(
     emb0 = base.embedding_lr if base_lr_embed is None else base_lr_embed
     l20 = base.l2 if base_l2 is None else base_l2
     s = batch_size / base_batch_size
+    rule = _rule_hyperparameters(method, s, lr0, emb0, l20, recipe, rules, clip_r, clip_zeta)
+    return {**rule, **helen}
+
+
+def _rule_hyperparameters(
+    method: str,
+    s: float,
+    lr0: float,
+    emb0: float,
+    l20: float,
+    recipe: str,
+    rules: Optional[Dict[str, str]],
+    clip_r: Optional[float],
+    clip_zeta: Optional[float],
+) -> Dict[str, Any]:
+    """``method_hyperparameters`` of a method without Helen, from the base values and the
+    batch ratio ``s``."""
     if method == "cowclip":
         rec = replace(get_recipe(recipe), **(rules or {}))
         hp: Dict[str, Any] = {
@@ -164,6 +206,21 @@ def method_hyperparameters(
     if method == "linear":
         return {"cowclip": False, "lr": lr0 * s, "lr_embed": emb0 * s, "l2": l20 * s}
     return {"cowclip": False, "lr": lr0, "lr_embed": emb0, "l2": l20}
+
+
+def check_trainer_fields(
+    methods: Sequence[str], config_fields: Optional[Sequence[str]] = None
+) -> None:
+    """Refuses the helen methods, before any run, when the trainer's ``TrainConfig`` (or
+    ``config_fields``) has no ``helen_rho`` / ``helen_bound``."""
+    have = {f.name for f in fields(TrainConfig)} if config_fields is None else set(config_fields)
+    wanted = [m for m in methods if m in HELEN_METHODS]
+    missing = [name for name in HELEN_FIELDS if name not in have]
+    if wanted and missing:
+        raise ValueError(
+            f"--methods {','.join(wanted)}: the installed trainer's TrainConfig "
+            f"(torchrec_cowclip/train/config.py) has no {', '.join(missing)}"
+        )
 
 
 def _val_selected(m: Dict[str, Any]) -> Dict[str, Any]:
@@ -223,6 +280,7 @@ def run_one(
     its ``label`` (if any) names the cowclip method in the record and tables instead of
     ``cowclip``, so that a recipe variant can sit beside the paper's in one table.
     """
+    check_trainer_fields([method])
     method_options = dict(method_options or {})
     label = method_options.pop("label", None)
     hp = method_hyperparameters(
@@ -260,6 +318,8 @@ def run_one(
     first = epoch_rows[0] if epoch_rows else {}
     upd1, clip1 = _int_or_none(first.get("rows_updated")), _int_or_none(first.get("rows_clipped"))
     h = m["hyperparameters"]
+    # The trainer times its training steps only (no evaluation, no data loading set-up).
+    train_s = m["train_samples"] / m["train_samples_per_s"] if m["train_samples_per_s"] else None
     return {
         "model": model,
         "method": name,
@@ -276,6 +336,8 @@ def run_one(
         **_val_selected(m),
         "wall_s": wall,
         "train_samples_per_s": m["train_samples_per_s"],
+        "train_s": train_s,
+        "step_ms": 1e3 * train_s / m["steps"] if (train_s is not None and m["steps"]) else None,
         "rows_updated": m["rows_updated"],
         "rows_clipped": m["rows_clipped"],
         "clipped_frac": _ratio(m["rows_clipped"], m["rows_updated"]),
@@ -295,6 +357,7 @@ def run_one(
         "clip_r": h["clip_r"],
         "clip_zeta": h["clip_zeta"],
         "count_lr_power": h.get("count_lr_power", 0.0),
+        **{name: h.get(name) for name in HELEN_FIELDS},
         "out": str(out),
     }
 
@@ -323,6 +386,7 @@ def run_study(
     ``early_stop_patience`` (in ``extra``) a run stops once validation AUC has not improved
     for that many epochs, which selects the same epoch as the full run would.
     """
+    check_trainer_fields(methods)
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or str(out_root / "cache")
@@ -340,7 +404,8 @@ def run_study(
                     print(
                         f"[{len(records)}/{total}] batch {b} {method} seed {seed}: "
                         f"AUC {rec['auc']:.4f} logloss {rec['logloss']:.4f} "
-                        f"clipped {_pct(rec['clipped_frac'])} {rec['wall_s']:.1f}s",
+                        f"clipped {_pct(rec['clipped_frac'])} {rec['wall_s']:.1f}s "
+                        f"({_ms(rec.get('step_ms'))} ms/step)",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -351,9 +416,13 @@ def _pct(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{100 * x:.3g}%"
 
 
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _method_rank(method: str) -> tuple:
-    """The four methods in their usual order, then labelled variants by name."""
-    return (METHODS.index(method), "") if method in METHODS else (len(METHODS), method)
+    """The methods in their usual order, then labelled variants by name."""
+    return (ALL_METHODS.index(method), "") if method in ALL_METHODS else (len(ALL_METHODS), method)
 
 
 def _headline_auc(r: Dict[str, Any]) -> float:
@@ -386,7 +455,11 @@ def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         upd1 = sum(r["epoch1_rows_updated"] or 0 for r in rs)
         clip1 = sum(r["epoch1_rows_clipped"] or 0 for r in rs)
         ref = base.get(method) or base.get("cowclip") or {}
-        deltas = [_headline_auc(r) - ref[r["seed"]] for r in rs if r["seed"] in ref]
+        by_seed = sorted(
+            (r["seed"], _headline_auc(r) - ref[r["seed"]]) for r in rs if r["seed"] in ref
+        )
+        deltas = [d for _, d in by_seed]
+        step_ms = [r["step_ms"] for r in rs if r.get("step_ms") is not None]
         rows.append(
             {
                 "batch_size": b,
@@ -406,11 +479,13 @@ def summarize(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 "delta_mean": statistics.fmean(deltas) if deltas else None,
                 "delta_min": min(deltas) if deltas else None,
                 "delta_max": max(deltas) if deltas else None,
+                "delta_by_seed": [[seed, d] for seed, d in by_seed],
                 "logloss_mean": statistics.fmean(r["logloss"] for r in rs),
                 "steps": rs[0]["steps"],
                 "clipped_frac": _ratio(clip, upd) if rs[0]["cowclip"] else None,
                 "epoch1_clipped_frac": _ratio(clip1, upd1) if rs[0]["cowclip"] else None,
                 "wall_s_mean": statistics.fmean(r["wall_s"] for r in rs),
+                "step_ms_mean": statistics.fmean(step_ms) if len(step_ms) == len(rs) else None,
             }
         )
     return rows
@@ -420,15 +495,25 @@ def _f4(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
+def _signed(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.4f}"
+
+
+def _per_seed(r: Dict[str, Any]) -> str:
+    return " ".join(f"s{seed} {d:+.4f}" for seed, d in r.get("delta_by_seed") or []) or "-"
+
+
 def format_table(summary: List[Dict[str, Any]]) -> str:
     """The summary as a Markdown table: test AUC / logloss at the last epoch and, with a
-    validation split, at the epoch of best validation AUC ("val-best"), means over seeds."""
+    validation split, at the epoch of best validation AUC ("val-best"), means over seeds;
+    the headline AUC minus the base batch's of the same seed, seed by seed, then mean and
+    min..max; the training time per step."""
     head = (
         "| batch | method | seeds | AUC last epoch | min..max | logloss last | AUC val-best "
         "epoch | min..max | logloss val-best | val-best epochs | steps | clipped % (all) | "
-        "clipped % (epoch 1) | minus base batch, same seed | wall s |"
+        "clipped % (epoch 1) | minus base batch, per seed | mean | min..max | ms/step | wall s |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 19]
     for r in summary:
         lines.append(
             f"| {r['batch_size']} | {r['method']} | {r['seeds']} | {r['auc_mean']:.4f} | "
@@ -439,8 +524,9 @@ def format_table(summary: List[Dict[str, Any]]) -> str:
             f"{r['steps']} | "
             f"{_pct(r['clipped_frac']) if r['clipped_frac'] is not None else '- (no clip)'} | "
             f"{_pct(r['epoch1_clipped_frac']) if r['epoch1_clipped_frac'] is not None else '-'} | "
-            f"{'-' if r.get('delta_mean') is None else format(r['delta_mean'], '+.4f')} | "
-            f"{r['wall_s_mean']:.1f} |"
+            f"{_per_seed(r)} | {_signed(r.get('delta_mean'))} | "
+            f"{_signed(r.get('delta_min'))}..{_signed(r.get('delta_max'))} | "
+            f"{_ms(r.get('step_ms_mean'))} | {r['wall_s_mean']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -464,6 +550,8 @@ CSV_FIELDS = (
     "epoch_logloss",
     "wall_s",
     "train_samples_per_s",
+    "train_s",
+    "step_ms",
     "rows_updated",
     "rows_clipped",
     "clipped_frac",
@@ -479,6 +567,8 @@ CSV_FIELDS = (
     "recipe",
     "clip_r",
     "clip_zeta",
+    "helen_rho",
+    "helen_bound",
     "out",
 )
 
@@ -595,7 +685,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help=f"comma-separated subset of {','.join(METHODS)}",
+        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default {','.join(METHODS)})",
     )
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0: one seed)")
     p.add_argument("--epochs", type=int, default=2)
@@ -679,11 +769,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "into --out (table, CSV, JSON, plot)",
     )
     p.add_argument("--title", default="", help="--combine: the plot's title")
+    for name, default in zip(HELEN_FIELDS, (HELEN_RHO, HELEN_BOUND)):
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(
+            flag, type=float, default=default, help=f"helen methods: the trainer's {name}"
+        )
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in METHODS]
+    bad = [m for m in args.methods if m not in ALL_METHODS]
     if bad:
-        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(ALL_METHODS)}")
+    try:
+        check_trainer_fields(args.methods)
+    except ValueError as e:
+        p.error(str(e))
     args.seeds = _int_list(args.seeds)
     return args
 
@@ -743,6 +842,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "clip_r": args.clip_r,
         "clip_zeta": args.clip_zeta,
         "label": args.label,
+        "helen_rho": args.helen_rho,
+        "helen_bound": args.helen_bound,
     }
     if args.synthetic_scale is not None:
         extra["synthetic_scale"] = args.synthetic_scale

@@ -164,3 +164,96 @@ def test_rank_auc_matches_torchmetrics_and_rejects_swapped_arguments() -> None:
     assert abs(rank_auc(labels, scores) - ref) < 1e-6
     with pytest.raises(ValueError, match="swapped"):
         rank_auc(scores, labels)
+
+
+# A draw of the default profile before the hard profile's options existed: sha256 of its
+# four arrays, its solved bias and its cache payload (the cache key of every existing
+# synthetic: entry depends on the payload).
+DEFAULT_DRAW_SHA256 = "c2b193683ff016a2953000cf77c68ab923dd896e1964e415067cf67928420458"
+DEFAULT_DRAW_BIAS = -1.9203847206753673
+
+
+def test_default_profile_is_unchanged() -> None:
+    import hashlib
+
+    cfg = SyntheticConfig(rows=3000, seed=5, cardinality_scale=0.01, max_cardinality=20_000)
+    digest = hashlib.sha256()
+    for a in synthetic_arrays(cfg):
+        digest.update(np.ascontiguousarray(a).tobytes())
+    assert digest.hexdigest() == DEFAULT_DRAW_SHA256
+    assert PlantedModel(cfg).bias == DEFAULT_DRAW_BIAS
+    assert cfg.payload() == {
+        "rows": 3000,
+        "seed": 5,
+        "cardinality_scale": 0.01,
+        "max_cardinality": 20_000,
+        "top1_share": 0.7,
+        "positive_rate": 0.25,
+        "dense_transform": "log",
+    }
+
+
+@pytest.fixture(scope="module")
+def hard(tmp_path_factory: pytest.TempPathFactory):
+    return open_dataset("synthetic-hard:50000", tmp_path_factory.mktemp("hard"), seed=11, **OPTS)
+
+
+def test_hard_profile_is_its_own_reproducible_source(tmp_path: Path, hard, synthetic) -> None:
+    from torchrec_cowclip.data.registry import source_kinds
+    from torchrec_cowclip.data.synthetic import HARD_PROFILE
+
+    assert "synthetic-hard" in source_kinds()
+    assert hard.path.name.startswith("synthetic-hard")
+    assert hard.schema.cardinalities == synthetic.schema.cardinalities
+    meta = hard.meta["synthetic"]
+    assert meta["top1_share"] == 0.35 and meta["latent_dim"] == 8
+    assert [tuple(p) for p in meta["pairs"]] == list(HARD_PROFILE["pairs"])
+    assert not np.array_equal(hard.sparse[:1000], synthetic.sparse[:1000])
+    again = open_dataset("synthetic-hard:20000", tmp_path, seed=11, **OPTS)
+    np.testing.assert_array_equal(again.sparse, hard.sparse[:20_000])
+    np.testing.assert_array_equal(again.labels, hard.labels[:20_000])
+    # The kind is the profile; its options can still be set one by one.
+    cfg = SyntheticConfig(rows=20_000, seed=11, **OPTS, **HARD_PROFILE)
+    _, sparse, labels, _ = synthetic_arrays(cfg)
+    np.testing.assert_array_equal(sparse, again.sparse)
+    np.testing.assert_array_equal(labels, again.labels)
+
+
+def test_hard_profile_puts_the_signal_in_interactions_and_rare_ids(hard, synthetic) -> None:
+    default, tough = synthetic.meta["synthetic"], hard.meta["synthetic"]
+    for meta in (default, tough):
+        v = meta["logit_variance"]
+        parts = v["ids_head"] + v["ids_tail"] + v["dense"] + v["pairs"]
+        assert abs(parts - v["total"]) < 0.1 * v["total"]  # the terms are nearly independent
+    d, h = default["logit_variance"], tough["logit_variance"]
+    assert h["pairs"] / h["total"] > 0.4 and h["pairs"] > 4 * d["pairs"]
+    assert h["ids_tail"] / h["total"] > 0.25 and h["ids_tail"] > 2 * d["ids_tail"]
+    assert h["dense"] < d["dense"]
+    # Bayes limit: sane, and not below the default's (harder to learn, not noisier)
+    assert default["planted_auc"] < tough["planted_auc"] < 0.9
+    assert abs(tough["planted_auc"] - _auc(np.asarray(hard.labels), hard.planted_logit)) < 1e-4
+    # The heavier tail: the top 1% of a large field's ids get about 35% of its rows.
+    sparse, k = np.asarray(hard.sparse), hard.schema.cardinalities[2]
+    counts = np.sort(np.bincount(sparse[:, 2], minlength=k))[::-1]
+    assert 0.25 < counts[: math.ceil(0.01 * k)].sum() / counts.sum() < 0.45
+
+
+def test_logit_terms_add_up_to_the_planted_logit() -> None:
+    from torchrec_cowclip.data.synthetic import HARD_PROFILE
+
+    model = PlantedModel(SyntheticConfig(rows=1, seed=2, **OPTS, **HARD_PROFILE))
+    chunk = model.chunk(1)
+    terms = model.logit_terms(chunk)
+    np.testing.assert_allclose(sum(terms.values()) + model.bias, chunk.logit, atol=1e-4)
+    assert all(t.std() > 0 for t in terms.values())
+
+
+def test_profile_option_errors() -> None:
+    with pytest.raises(ValueError, match="pairs"):
+        SyntheticConfig(rows=10, pairs=(("C1", "C1"),))
+    with pytest.raises(ValueError, match="pairs"):
+        SyntheticConfig(rows=10, pairs=(("C1", "C27"),))
+    with pytest.raises(ValueError, match="latent_dim"):
+        SyntheticConfig(rows=10, latent_dim=0)
+    with pytest.raises(ValueError, match="rare_id_sigma"):
+        SyntheticConfig(rows=10, rare_id_sigma=float("nan"))

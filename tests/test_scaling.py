@@ -214,3 +214,70 @@ def test_equal_steps_trains_each_batch_the_base_batch_number_of_steps(monkeypatc
     )
     assert cc["count_lr_power"] == 0.5
     assert "count_lr_power" not in scaling.method_hyperparameters("none", 8192, base_batch_size=512)
+
+
+def test_study_methods_adam_helen_and_helen_cowclip():
+    """The issue-15 study's methods: adam is none; helen is none plus the Helen fields;
+    helen+cowclip is CowClip's fixed-l2 recipe (whatever recipe is asked) plus Helen."""
+    base = dict(base_batch_size=64, base_lr=1e-3, base_lr_embed=1e-3, base_l2=1e-5)
+    none = scaling.method_hyperparameters("none", 8192, **base)
+    assert scaling.method_hyperparameters("adam", 8192, **base) == none
+    assert scaling.method_hyperparameters("helen", 8192, **base) == {
+        **none,
+        "helen_rho": 0.05,
+        "helen_bound": 0.3,
+    }
+    fixed = scaling.method_hyperparameters("cowclip", 8192, recipe="fixed-l2", **base)
+    assert fixed["l2"] == 1e-5 and fixed["lr"] == pytest.approx(1e-3 * math.sqrt(128))
+    both = scaling.method_hyperparameters(
+        "helen+cowclip", 8192, recipe="paper", helen_rho=0.1, helen_bound=0.5, **base
+    )
+    assert both == {**fixed, "helen_rho": 0.1, "helen_bound": 0.5}
+    assert both["cowclip"] and both["recipe"] == "fixed-l2"
+    paper = scaling.method_hyperparameters("cowclip", 8192, **base)
+    assert paper["l2"] == pytest.approx(1.28e-3)  # the paper's rule scales L2; fixed-l2 not
+    assert "helen_rho" not in paper and "helen_rho" not in none
+
+
+def test_helen_methods_need_the_trainer_fields():
+    with pytest.raises(ValueError, match="helen\\+cowclip: .* has no helen_rho, helen_bound"):
+        scaling.check_trainer_fields(["adam", "helen+cowclip"], config_fields=["lr", "l2"])
+    with pytest.raises(ValueError, match="has no helen_bound"):
+        scaling.check_trainer_fields(["helen"], config_fields=["helen_rho"])
+    scaling.check_trainer_fields(["helen"], config_fields=["helen_rho", "helen_bound"])
+    scaling.check_trainer_fields(["adam", "cowclip"], config_fields=[])
+    args = scaling.parse_args(["--methods", "adam,cowclip", "--helen-rho", "0.1"])
+    assert args.methods == ["adam", "cowclip"] and args.helen_rho == 0.1
+
+
+def test_summary_gives_each_seed_its_delta_and_the_step_time():
+    def rec(method, batch, seed, auc, step_ms):
+        return {
+            "method": method,
+            "batch_size": batch,
+            "seed": seed,
+            "auc": auc,
+            "logloss": 0.5,
+            "val_sel_auc": auc,
+            "val_sel_logloss": 0.5,
+            "val_epoch": 1,
+            "steps": 13360 if batch == 64 else 105,
+            "rows_updated": 10,
+            "rows_clipped": 0,
+            "epoch1_rows_updated": 10,
+            "epoch1_rows_clipped": 0,
+            "cowclip": False,
+            "wall_s": 1.0,
+            "step_ms": step_ms,
+        }
+
+    runs = [rec("adam", 64, s, 0.74 + 0.01 * s, 4.0) for s in (0, 1, 2)]
+    runs += [rec("adam", 8192, s, a, 90.0 + s) for s, a in ((0, 0.745), (1, 0.748), (2, 0.75))]
+    rows = {r["batch_size"]: r for r in scaling.summarize(runs)}
+    big = rows[8192]
+    assert [s for s, _ in big["delta_by_seed"]] == [0, 1, 2]
+    assert [d for _, d in big["delta_by_seed"]] == pytest.approx([0.005, -0.002, -0.01])
+    assert (big["delta_min"], big["delta_max"]) == (pytest.approx(-0.01), pytest.approx(0.005))
+    assert big["step_ms_mean"] == pytest.approx(91.0) and rows[64]["step_ms_mean"] == 4.0
+    table = scaling.format_table(scaling.summarize(runs))
+    assert "| s0 +0.0050 s1 -0.0020 s2 -0.0100 | -0.0023 | -0.0100..+0.0050 | 91.00 |" in table

@@ -8,7 +8,8 @@ Spec kinds:
   (a directory, or one prefix such as ``DIR/day_23``);
 * ``avazu:PATH[,PATH...]``: Avazu CSV;
 * ``table:PATH[,PATH...]``: CSV/TSV/parquet with ``label=``, ``dense=``, ``sparse=``;
-* ``synthetic:ROWS``: Criteo-like rows with a planted model (``200000``, ``200k``, ``1M``).
+* ``synthetic:ROWS``: Criteo-like rows with a planted model (``200000``, ``200k``, ``1M``);
+  ``synthetic-hard:ROWS``: the same generator, more signal in interactions and rare ids.
 
 Each kind is a registered :class:`~torchrec_cowclip.data.registry.SourceKind` with
 its own options dataclass; :func:`open_dataset` is the front that sorts its keyword

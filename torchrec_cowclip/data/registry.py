@@ -13,7 +13,7 @@ works the same way.
 Example::
 
     >>> source_kinds()
-    ('criteo', 'criteo-npy', 'avazu', 'table', 'synthetic')
+    ('criteo', 'criteo-npy', 'avazu', 'table', 'synthetic', 'synthetic-hard')
     >>> kind = source_kind("synthetic")
     >>> kind.usage, kind.options.__name__
     ('synthetic:ROWS', 'SyntheticOptions')

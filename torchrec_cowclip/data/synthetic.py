@@ -43,12 +43,37 @@ defaults (1M rows) and 0.75-0.80 at ``cardinality_scale=0.01`` depending on the
 seed, comparable to the best published Criteo AUCs (~0.81); ``planted_logit.npy``
 is kept in the cache and the AUC in ``meta.json``.
 
+Every number above is a :class:`SyntheticConfig` field (``id_sigma``,
+``rare_id_sigma``, ``dense_sigma``, ``latent_dim``, ``latent_sigma``, ``pairs``,
+``top1_share``); :func:`logit_variance` measures the split for any config and the
+cache's ``meta.json`` keeps it (``logit_variance``).
+
+**The hard profile** (``synthetic-hard:ROWS``, :data:`HARD_PROFILE`): the same
+generator with more of the signal where a model learns it slowly, in interactions
+and in rare ids. Twelve pairs instead of four (the four above plus (C4, C16),
+(C12, C21), (C7, C15), (C10, C26), (C11, C18), (C13, C19), (C3, C24), (C1, C8):
+pairs among mid and large fields), rank 8 and ``latent_sigma = 0.34`` (0.107 of
+variance per pair, 0.102 before); a heavier tail, ``top1_share = 0.35`` (the top 1%
+of ids get 35% of the occurrences, not 70%), and ``rare_id_sigma = 0.26`` for the ids
+outside the top 1% (0.24 for the others); dense weights ``dense_sigma = 0.10``. At
+the defaults' sizes (1M rows, seed 0) the logit's variance (3.2, 2.1 before) splits
+into ids 1.66 (outside the top 1%: 1.14, before 0.43), dense 0.26 and interactions
+1.31 (0.33 before), and the planted AUC is 0.85 (0.81); at
+``cardinality_scale=0.05, max_cardinality=50000``: variance 2.37 = ids 1.07 (tail
+0.81) + dense 0.20 + interactions 1.11, planted AUC 0.82 (seeds 1, 2: 0.83, 0.84; the
+default profile there: 1.36 = ids 0.71 (tail 0.32) + dense 0.52 + interactions 0.12,
+planted AUC 0.77, seeds 1, 2: 0.79). At that size (1M rows, seeds 0-2) DeepFM (DNN
+64-64, Adam, embedding lr 1e-3, batch 64, its best epoch) reaches test AUC 0.717-0.742
+on the hard profile, about 0.10 below the planted AUC, against 0.741-0.768 on the
+default, 0.02-0.03 below; and plain Adam at batch 8192 loses 0.008-0.010 of it on
+the hard profile in every seed, while on the default it loses none (-0.001..+0.002).
+
 **Reproducibility.** Rows are generated in fixed chunks of 65,536 from
 ``SeedSequence([seed, 2, chunk])``, parameters from ``SeedSequence([seed, 0])``:
 the same options give bit-identical arrays, and ``synthetic:N`` is a prefix of
 ``synthetic:M`` for ``N < M``. Generation speed is in docs/performance.md.
 
-As a source kind (``synthetic:ROWS``), the rows are one part written through the
+As a source kind (``synthetic:ROWS``, ``synthetic-hard:ROWS``), the rows are one part written through the
 same pipeline and writer as the files of the other kinds, with the planted logit as
 an extra array; ``dense_transform="minmax"`` generates the rows twice (once for the
 statistics pass) instead of keeping them.
@@ -93,7 +118,27 @@ SIGMA_ID = 0.24
 SIGMA_DENSE = 0.15
 LATENT_DIM = 4
 SIGMA_LATENT = 0.40  # <U_f, U_g> has std LATENT_DIM**0.5 * SIGMA_LATENT**2 = 0.32 per pair
-PAIRS: Tuple[Tuple[int, int], ...] = ((0, 1), (2, 13), (5, 8), (9, 23))
+PAIRS: Tuple[Tuple[str, str], ...] = (("C1", "C2"), ("C3", "C14"), ("C6", "C9"), ("C10", "C24"))
+# The ``synthetic-hard:`` profile (module docstring, "The hard profile"): SyntheticConfig
+# fields that differ from the defaults.
+HARD_PROFILE: Dict[str, Any] = dict(
+    top1_share=0.35,
+    rare_id_sigma=0.26,
+    dense_sigma=0.10,
+    latent_dim=8,
+    latent_sigma=0.34,
+    pairs=PAIRS
+    + (
+        ("C4", "C16"),
+        ("C12", "C21"),
+        ("C7", "C15"),
+        ("C10", "C26"),
+        ("C11", "C18"),
+        ("C13", "C19"),
+        ("C3", "C24"),
+        ("C1", "C8"),
+    ),
+)
 
 # Per dense feature I1..I13: probability of missing, median count, log-scale spread.
 DENSE_MISSING = np.array(
@@ -115,6 +160,12 @@ class SyntheticConfig:
         top1_share: share of occurrences of each feature's top 1% ids.
         positive_rate: target mean click probability.
         dense_transform: ``"log"``, ``"minmax"`` or ``"none"``.
+        id_sigma: std of the per-id weights ``w_f`` of the ids in their field's top 1%.
+        rare_id_sigma: std of ``w_f`` for every other id (the tail).
+        dense_sigma: std of the dense weights ``v_j``.
+        latent_dim: rank of the pairwise interactions.
+        latent_sigma: std of the interaction factors ``U_f``.
+        pairs: the interacting field pairs, by name (``("C1", "C2")``).
     """
 
     rows: int
@@ -124,6 +175,12 @@ class SyntheticConfig:
     top1_share: float = 0.70
     positive_rate: float = 0.25
     dense_transform: str = "log"
+    id_sigma: float = SIGMA_ID
+    rare_id_sigma: float = SIGMA_ID
+    dense_sigma: float = SIGMA_DENSE
+    latent_dim: int = LATENT_DIM
+    latent_sigma: float = SIGMA_LATENT
+    pairs: Tuple[Tuple[str, str], ...] = PAIRS
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -140,6 +197,18 @@ class SyntheticConfig:
             if not 0.0 < getattr(self, name) < 1.0:
                 raise DataOptionError(f"{name} must be in (0, 1), got {getattr(self, name)}")
         check_transform(self.dense_transform)
+        for name in ("id_sigma", "rare_id_sigma", "dense_sigma", "latent_sigma"):
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise DataOptionError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.latent_dim < 1:
+            raise DataOptionError(f"latent_dim must be >= 1, got {self.latent_dim}")
+        for pair in self.pairs:
+            if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(CRITEO_SPARSE_NAMES):
+                raise DataOptionError(
+                    f"pairs: each pair must be two different fields of C1..C26, got {pair!r}"
+                )
+        # Normalised so that a list of lists (JSON) and a tuple of tuples are one config.
+        object.__setattr__(self, "pairs", tuple((str(f), str(g)) for f, g in self.pairs))
 
     def cardinalities(self) -> Tuple[int, ...]:
         """Per-feature cardinality: Kaggle's, scaled, capped, at least 1."""
@@ -152,7 +221,26 @@ class SyntheticConfig:
         return Schema(CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, self.cardinalities())
 
     def payload(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The options as JSON. The options added with the hard profile are left out at
+        their defaults, so that configs that do not set them keep their cache keys."""
+        out = asdict(self)
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _PROFILE_FIELDS:
+            if out[name] == defaults[name]:
+                del out[name]
+        if "pairs" in out:
+            out["pairs"] = [list(p) for p in self.pairs]
+        return out
+
+
+_PROFILE_FIELDS = (
+    "id_sigma",
+    "rare_id_sigma",
+    "dense_sigma",
+    "latent_dim",
+    "latent_sigma",
+    "pairs",
+)
 
 
 def _power_sum(n: int, s: float) -> float:
@@ -227,6 +315,9 @@ class PlantedModel:
         self.config = config
         self.cardinalities = config.cardinalities()
         self.exponents = [fit_zipf_exponent(k, config.top1_share) for k in self.cardinalities]
+        self.pairs = [
+            (CRITEO_SPARSE_NAMES.index(f), CRITEO_SPARSE_NAMES.index(g)) for f, g in config.pairs
+        ]
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([config.seed, 0])))
         self._cdf: List[np.ndarray] = []
         self._rank_to_id: List[np.ndarray] = []
@@ -236,13 +327,18 @@ class PlantedModel:
             cdf = np.cumsum(p)
             cdf /= cdf[-1]
             self._cdf.append(cdf)
-            self._rank_to_id.append(rng.permutation(k).astype(np.int64))
-            self._weight.append(rng.normal(0.0, SIGMA_ID, k).astype(np.float32))
+            rank_to_id = rng.permutation(k).astype(np.int64)
+            self._rank_to_id.append(rank_to_id)
+            sigma = np.full(k, config.id_sigma)
+            sigma[rank_to_id[_top_ranks(k) :]] = config.rare_id_sigma
+            self._weight.append(rng.normal(0.0, sigma, k).astype(np.float32))
         self._latent: Dict[int, np.ndarray] = {
-            f: rng.normal(0.0, SIGMA_LATENT, (self.cardinalities[f], LATENT_DIM)).astype(np.float32)
-            for f in sorted({f for pair in PAIRS for f in pair})
+            f: rng.normal(
+                0.0, config.latent_sigma, (self.cardinalities[f], config.latent_dim)
+            ).astype(np.float32)
+            for f in sorted({f for pair in self.pairs for f in pair})
         }
-        self.dense_weight = rng.normal(0.0, SIGMA_DENSE, len(CRITEO_DENSE_NAMES))
+        self.dense_weight = rng.normal(0.0, config.dense_sigma, len(CRITEO_DENSE_NAMES))
         self._dense_mu = np.log(DENSE_MEDIAN + 1.0)
         # A rough centring of the dense term (presence rate x median log-count) keeps
         # the solved bias close to the logit's mean instead of absorbing dense offsets.
@@ -265,7 +361,7 @@ class PlantedModel:
             ids = self._rank_to_id[f][rank]
             sparse[:, f] = ids
             logit += self._weight[f][ids]
-        for f, g in PAIRS:
+        for f, g in self.pairs:
             logit += np.einsum(
                 "ij,ij->i", self._latent[f][sparse[:, f]], self._latent[g][sparse[:, g]]
             )
@@ -277,6 +373,35 @@ class PlantedModel:
         logit += (np.log1p(np.nan_to_num(counts, nan=0.0)) - self._dense_center) @ self.dense_weight
         labels = (rng.random(n) < _sigmoid(logit)).astype(np.float32)
         return SyntheticChunk(counts, sparse, labels, logit.astype(np.float32))
+
+    def logit_terms(self, chunk: SyntheticChunk) -> Dict[str, np.ndarray]:
+        """The planted logit of ``chunk``'s rows minus the bias, split into its terms:
+        ``ids_head`` (ids in their field's top 1%), ``ids_tail`` (every other id),
+        ``dense`` and ``pairs``; they add up to ``chunk.logit - bias`` up to rounding.
+
+        Example::
+
+            >>> model = PlantedModel(SyntheticConfig(rows=10, cardinality_scale=0.001))
+            >>> c = model.chunk(0)
+            >>> parts = model.logit_terms(c)
+            >>> sorted(parts), bool(abs(sum(parts.values()) + model.bias - c.logit).max() < 1e-4)
+            (['dense', 'ids_head', 'ids_tail', 'pairs'], True)
+        """
+        n = len(chunk.labels)
+        terms = {name: np.zeros(n) for name in ("ids_head", "ids_tail", "dense", "pairs")}
+        for f, k in enumerate(self.cardinalities):
+            ids = chunk.sparse[:, f]
+            head = np.zeros(k, dtype=bool)
+            head[self._rank_to_id[f][: _top_ranks(k)]] = True
+            w = self._weight[f][ids]
+            terms["ids_head"] += np.where(head[ids], w, 0.0)
+            terms["ids_tail"] += np.where(head[ids], 0.0, w)
+        for f, g in self.pairs:
+            u, v = self._latent[f][chunk.sparse[:, f]], self._latent[g][chunk.sparse[:, g]]
+            terms["pairs"] += np.einsum("ij,ij->i", u, v)
+        log_counts = np.log1p(np.nan_to_num(chunk.dense_raw, nan=0.0))
+        terms["dense"] = (log_counts - self._dense_center) @ self.dense_weight
+        return terms
 
     def chunk(self, index: int) -> SyntheticChunk:
         """Rows ``[index * CHUNK_ROWS, (index + 1) * CHUNK_ROWS)`` of every dataset of this config."""
@@ -292,6 +417,11 @@ class PlantedModel:
             if keep < CHUNK_ROWS:
                 c = SyntheticChunk(*(a[:keep] for a in c))
             yield c
+
+
+def _top_ranks(cardinality: int) -> int:
+    """How many ranks are a field's "top 1%" (at least one)."""
+    return max(1, math.ceil(TOP_FRACTION * cardinality))
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -439,6 +569,23 @@ class PlantedIds(SparseEncoding):
         return {"kind": "synthetic ids"}
 
 
+def logit_variance(model: PlantedModel, rows: int = CALIBRATION_ROWS) -> Dict[str, float]:
+    """Variance of the planted logit and of its terms (:meth:`PlantedModel.logit_terms`)
+    over ``rows`` rows of the calibration stream (the module docstring's variance split).
+
+    Example::
+
+        >>> v = logit_variance(PlantedModel(SyntheticConfig(rows=1, cardinality_scale=0.001)))
+        >>> sorted(v)
+        ['dense', 'ids_head', 'ids_tail', 'pairs', 'total']
+    """
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([model.config.seed, 1])))
+    chunk = model._draw(rng, rows)
+    out = {name: float(t.var()) for name, t in model.logit_terms(chunk).items()}
+    out["total"] = float(chunk.logit.astype(np.float64).var())
+    return out
+
+
 def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
     model = rows.model()
     head = 1 << 21  # the planted AUC is measured on the first 2M rows
@@ -449,7 +596,8 @@ def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> 
             **rows.config.payload(),
             "zipf_exponents": [round(s, 6) for s in model.exponents],
             "bias": model.bias,
-            "pairs": [[CRITEO_SPARSE_NAMES[f], CRITEO_SPARSE_NAMES[g]] for f, g in PAIRS],
+            "pairs": [list(p) for p in rows.config.pairs],
+            "logit_variance": logit_variance(model),
             "positive_fraction": float(labels.mean()),
             "planted_auc": rank_auc(labels, logit),
             "planted_auc_rows": int(len(labels)),
@@ -466,6 +614,12 @@ class SyntheticOptions(SourceOptions):
     max_cardinality: int = option_field(1_000_000, "--synthetic-max-cardinality")
     top1_share: float = option_field(0.70)
     positive_rate: float = option_field(0.25)
+    id_sigma: float = option_field(SIGMA_ID)
+    rare_id_sigma: float = option_field(SIGMA_ID)
+    dense_sigma: float = option_field(SIGMA_DENSE)
+    latent_dim: int = option_field(LATENT_DIM)
+    latent_sigma: float = option_field(SIGMA_LATENT)
+    pairs: Tuple[Tuple[str, str], ...] = option_field(PAIRS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -478,6 +632,19 @@ class SyntheticOptions(SourceOptions):
         )
 
 
+@dataclass(frozen=True)
+class SyntheticHardOptions(SyntheticOptions):
+    """``synthetic-hard:`` options: :class:`SyntheticOptions` with :data:`HARD_PROFILE`'s
+    defaults (each can still be set)."""
+
+    top1_share: float = option_field(HARD_PROFILE["top1_share"])
+    rare_id_sigma: float = option_field(HARD_PROFILE["rare_id_sigma"])
+    dense_sigma: float = option_field(HARD_PROFILE["dense_sigma"])
+    latent_dim: int = option_field(HARD_PROFILE["latent_dim"])
+    latent_sigma: float = option_field(HARD_PROFILE["latent_sigma"])
+    pairs: Tuple[Tuple[str, str], ...] = option_field(HARD_PROFILE["pairs"])
+
+
 @register_source
 class SyntheticSource(
     SourceKind, name="synthetic", usage="synthetic:ROWS", options=SyntheticOptions
@@ -486,13 +653,13 @@ class SyntheticSource(
 
     def check_args(self, spec: str, args: List[str]) -> None:
         if len(args) != 1:
-            raise DataOptionError(f"{spec}: synthetic:ROWS takes one row count, got {args}")
+            raise DataOptionError(f"{spec}: {self.usage} takes one row count, got {args}")
         parse_rows(spec, args[0])
 
     def check_test_paths(self, test_paths: Sequence[str]) -> None:
         if test_paths:
             raise DataOptionError(
-                f"synthetic: takes no test files (--test-data), got {list(test_paths)}"
+                f"{self.name}: takes no test files (--test-data), got {list(test_paths)}"
             )
 
     def payload(
@@ -517,3 +684,13 @@ class SyntheticSource(
             extra=("planted_logit",),
             finish=lambda out_dir, meta: _planted_meta(rows, out_dir, meta),
         )
+
+
+@register_source
+class SyntheticHardSource(
+    SyntheticSource,
+    name="synthetic-hard",
+    usage="synthetic-hard:ROWS",
+    options=SyntheticHardOptions,
+):
+    """``synthetic-hard:ROWS``: the same generator with :data:`HARD_PROFILE`."""

@@ -25,7 +25,7 @@ _DATA_HELP = (
     "training data: criteo:PATH[,PATH...] (raw Criteo TSV: Kaggle train.txt or 1TB "
     "day_N), criteo-npy:DIR (TorchRec's preprocessed day_N_{dense,sparse,labels}.npy), "
     "avazu:PATH, table:PATH (CSV/TSV/parquet with --label/--dense/--sparse), "
-    "synthetic:ROWS (built-in Criteo-like data)"
+    "synthetic:ROWS (built-in Criteo-like data), synthetic-hard:ROWS (the same, harder)"
 )
 
 
