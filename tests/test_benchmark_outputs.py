@@ -159,3 +159,21 @@ def test_gpu_timing_runs_both_parts_on_cpu(bench, tmp_path, capsys):
     assert deepfm["epoch_s_extrapolated"] > 0 and not deepfm["goal_applies"]
     printed = capsys.readouterr().out
     assert "EXTRAPOLATED" in printed and "memory-bandwidth floor" in printed
+
+
+def test_method_step_time_writes_paired_ratios(bench, tmp_path):
+    import method_step_time
+
+    result = method_step_time.main(
+        [
+            "--batch-sizes", "64", "--rounds", "2", "--warmup", "1", "--steps-per-round", "1",
+            "--time-limit", "5", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    records = {r["method"]: r for r in result["records"]}
+    assert set(records) == set(method_step_time.METHODS)
+    assert records["adam"]["ratio_to_adam"] == 1.0
+    assert all(r["ms_per_step_median"] > 0 and r["rounds"] == 2 for r in records.values())
+    saved = json.loads((tmp_path / "method_step_time.json").read_text())
+    assert saved["records"] == result["records"]
+    assert (tmp_path / "method_step_time.csv").read_text().startswith("batch_size,method,")
