@@ -180,14 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.helen_rho,
         help="train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
-        "passes per step) with this perturbation radius (reference: 0.05); default: off "
-        "(docs/algorithm.md, 'Helen')",
+        "passes per step) with this perturbation radius at this batch (reference: 0.05); "
+        "default: the recipe's (off but for recipes with Helen; docs/algorithm.md, 'Helen')",
     )
     s.add_argument(
         "--helen-bound",
         type=float,
         default=d.helen_bound,
-        help="Helen's lower bound on a row's frequency share n_j / max n (default 0.3)",
+        help="Helen's lower bound on a row's frequency share n_j / max n (default: the "
+        "recipe's, 0.3)",
     )
     s.add_argument(
         "--helen-perturb-dense",

@@ -81,7 +81,7 @@ class TrainConfig:
     log_every: int = 20
     row_clip_stats: bool = False
     helen_rho: Optional[float] = None
-    helen_bound: float = 0.3
+    helen_bound: Optional[float] = None
     helen_perturb_dense: bool = False
     sharding: str = "auto"
     dist_timeout_s: float = 300.0
@@ -212,29 +212,31 @@ class TrainConfig:
             raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
 
     def _validate_helen(self) -> None:
-        if self.helen_rho is None:
+        from torchrec_cowclip.train.scaling import RECIPES
+
+        recipe = RECIPES.get(self.recipe)
+        if self.helen_rho is None and (recipe is None or recipe.helen_rho is None):
             if self.helen_perturb_dense:
                 raise ConfigError("--helen-perturb-dense has no effect without --helen-rho")
-            if self.helen_bound != TrainConfig.helen_bound:
+            if self.helen_bound is not None:
                 raise ConfigError(
                     f"--helen-bound {self.helen_bound:g} has no effect without --helen-rho"
                 )
             return
         if self.embedding_backend != "cowclip":
             raise ConfigError(
-                "--helen-rho trains the fused CowClip tables: use --embedding-backend cowclip"
+                "Helen (--helen-rho, or a recipe with Helen) trains the fused CowClip "
+                "tables: use --embedding-backend cowclip"
             )
         try:
-            Helen(self.helen_rho, self.helen_bound, self.helen_perturb_dense)
+            Helen(
+                0.0 if self.helen_rho is None else self.helen_rho,
+                0.3 if self.helen_bound is None else self.helen_bound,
+                self.helen_perturb_dense,
+            )
         except ValueError as e:
             flag = "--helen-rho" if "rho" in str(e) else "--helen-bound"
             raise ConfigError(f"{flag}: {e}") from None
-
-    def helen(self) -> Optional[Helen]:
-        """Helen's settings of this run (None: one pass per step)."""
-        if self.helen_rho is None:
-            return None
-        return Helen(self.helen_rho, self.helen_bound, self.helen_perturb_dense)
 
     def _validate_placement(self) -> None:
         """Options that depend on the machine and the launcher: the device must exist and

@@ -64,6 +64,8 @@ _RESOLVED: Dict[str, str] = {
     "clip_zeta": "clip_zeta",
     "warmup_epochs": "warmup_epochs",
     "count_lr_power": "count_lr_power",
+    "helen_rho": "helen_rho",
+    "helen_bound": "helen_bound",
 }
 
 # Config fields whose flag is not "--" + the field name with dashes.

@@ -111,7 +111,7 @@ class Runtime(ABC):
             weight_decay=hp.embedding_weight_decay,
             cowclip=cowclip,
             count_lr=hp.count_lr if config.embedding_backend == "cowclip" else None,
-            helen=config.helen(),
+            helen=hp.helen(config.helen_perturb_dense),
         )
 
     @property
@@ -156,7 +156,7 @@ class Runtime(ABC):
         two-pass step when the run trains with Helen)."""
 
     def _helen_pipeline(self, data_parallel: Optional[nn.Module] = None) -> Optional[Any]:
-        helen = self.config.helen()
+        helen = self.hp.helen(self.config.helen_perturb_dense)
         if helen is None:
             return None
         dense = [p for _, p in in_backward_optimizer_filter(self.train_module.named_parameters())]

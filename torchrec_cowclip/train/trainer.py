@@ -162,6 +162,8 @@ class Trainer:
             warmup_epochs=config.warmup_epochs,
             recipe=config.recipe,
             count_lr_power=config.count_lr_power,
+            helen_rho=config.helen_rho,
+            helen_bound=config.helen_bound,
         )
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
@@ -294,7 +296,7 @@ class Trainer:
         )
         running = None
         t_last, samples_since = time.perf_counter(), 0
-        helen_module = self.runtime.embedding_module() if cfg.helen_rho is not None else None
+        helen_module = self.runtime.embedding_module() if self.hp.helen_rho is not None else None
         try:
             while True:
                 if cfg.max_steps and p.global_step >= cfg.max_steps:
@@ -433,10 +435,10 @@ class Trainer:
                 "cowclip": None if self.cowclip is None else vars(self.cowclip),
             },
             "helen": None
-            if cfg.helen_rho is None
+            if self.hp.helen_rho is None
             else {
-                "rho": cfg.helen_rho,
-                "bound": cfg.helen_bound,
+                "rho": self.hp.helen_rho,
+                "bound": self.hp.helen_bound,
                 "perturb_dense": cfg.helen_perturb_dense,
                 **p.helen_cost(),
             },
@@ -492,7 +494,9 @@ class Trainer:
             f"{self.config.embedding_optimizer} lr {hp.embedding_lr:.4g}"
             + (f" x min(count, {count_lr.cap:g})^{count_lr.power:g}" if count_lr else "")
             + f" | L2 lambda {hp.l2:.4g} "
-            f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip} | device {self.device}"
+            f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip}"
+            + (f" | Helen rho={hp.helen_rho:.3g} bound={hp.helen_bound:g}" if hp.helen_rho else "")
+            + f" | device {self.device}"
         )
 
 
