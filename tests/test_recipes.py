@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from torchrec_cowclip import Helen
 from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.cli import build_parser, config_from_args
 from torchrec_cowclip.train.config import ConfigError
@@ -31,6 +32,16 @@ DOCUMENTED = {
         warmup_epochs=0.0,
         clip_r=1.0,
         clip_zeta=math.sqrt(10) * 1e-5,
+    ),
+    "helen-fixed-l2": dict(
+        dense_lr=8e-4 * math.sqrt(S),
+        embedding_lr=1e-4,
+        l2=1e-5,
+        warmup_epochs=0.0,
+        clip_r=1.0,
+        clip_zeta=math.sqrt(10) * 1e-5,
+        helen_rho=0.005 * math.sqrt(S),
+        helen_bound=0.3,
     ),
 }
 
@@ -143,3 +154,19 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
     assert hyper["count_lr"].cap == float(S) and hyper["count_lr"].power == 1.0
     with pytest.raises(ConfigError, match="--count-lr-power"):
         TrainConfig(count_lr_power=0.5, embedding_backend="torchrec", cowclip=False).validate()
+
+
+def test_a_helen_recipe_trains_with_helen_and_the_flags_override_it():
+    base = scale_hyperparameters(1024, recipe="helen-fixed-l2")
+    assert base.helen() == Helen(rho=0.005, bound=0.3)
+    given = scale_hyperparameters(1024 * S, recipe="helen-fixed-l2", helen_rho=0.2, helen_bound=0.5)
+    assert given.helen(perturb_dense=True) == Helen(rho=0.2, bound=0.5, perturb_dense=True)
+    assert scale_hyperparameters(1024 * S, recipe="fixed-l2").helen() is None
+    # --helen-bound / --helen-perturb-dense are refused without Helen, accepted with a
+    # recipe that has it.
+    for flags in (["--helen-bound", "0.5"], ["--helen-perturb-dense"]):
+        args = ["train", "--data", "synthetic:100", "--out", "o"] + flags
+        with pytest.raises(ConfigError, match="has no effect without --helen-rho"):
+            config_from_args(build_parser().parse_args(args)).validate()
+        cfg = config_from_args(build_parser().parse_args(args + ["--recipe", "helen-fixed-l2"]))
+        cfg.validate()
