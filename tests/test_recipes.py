@@ -122,6 +122,9 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     assert (
         (count_lr is None) if power == 0 else ((count_lr.power, count_lr.cap) == (power, float(S)))
     )
+    rho = DOCUMENTED[name].get("helen_rho")
+    helen = trainer.model.embedding_collection.helen
+    assert (helen is None) if rho is None else (helen.rho == pytest.approx(rho))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--data", "synthetic:10", "--recipe", "nope"])
 
