@@ -147,24 +147,11 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         (a collective): each table's gradient norm and largest count are combined over
         its row and column shards, so the step equals the unsharded one on the global
         batch (:mod:`.helen_rows`)."""
-        helen = self._cowclip_options.helen
-        if helen is None:
-            raise RuntimeError(
-                "helen_step needs a collection built with helen=Helen(...); this one "
-                "trains with one pass: call loss.backward()"
-            )
         self.last_helen_cost = None
-
-        def keep(cost: HelenCost) -> None:
-            self.last_helen_cost = cost
-
-        return helen_step(
-            self._helen_rows,
-            helen,
-            closure,
-            None if dense_params is None else list(dense_params),
-            on_cost=keep,
+        loss, self.last_helen_cost = helen_step(
+            self._helen_rows, self._cowclip_options.helen, closure, dense_params
         )
+        return loss
 
     def _deferred_updates(self) -> List[DeferredUpdates]:
         return [

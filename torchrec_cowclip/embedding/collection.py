@@ -351,23 +351,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
             (True, 1, 2)
         """
-        if self._helen is None:
-            raise RuntimeError(
-                "helen_step needs a collection built with helen=Helen(...); this one "
-                "trains with one pass: call loss.backward()"
-            )
         self.last_helen_cost = None
-
-        def keep(cost: HelenCost) -> None:
-            self.last_helen_cost = cost
-
-        return helen_step(
-            self._helen_target,
-            self._helen,
-            closure,
-            None if dense_params is None else list(dense_params),
-            on_cost=keep,
+        loss, self.last_helen_cost = helen_step(
+            self._helen_target, self._helen, closure, dense_params
         )
+        return loss
 
     def _take_row_gradients(self, batch_index: int, row_grads: RowGradients) -> None:
         """Where every table batch's backward hands its row gradients."""

@@ -29,7 +29,7 @@ import enum
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -222,14 +222,22 @@ def _check_same_rows(ascent: Sequence[HeldRows], descent: Sequence[HeldRows]) ->
 
 def helen_step(
     target: HelenTarget,
-    helen: Helen,
+    helen: Optional[Helen],
     closure: Callable[[], Tensor],
-    dense_params: Optional[Sequence[Tensor]] = None,
-    on_cost: Optional[Callable[[HelenCost], None]] = None,
-) -> Tensor:
+    dense_params: Optional[Iterable[Tensor]] = None,
+) -> Tuple[Tensor, HelenCost]:
     """One Helen step of ``target`` (see the module docstring); returns the first pass's
-    loss, detached. ``on_cost`` receives the step's :class:`HelenCost`."""
-    params = _dense_parameters(helen, dense_params)
+    loss, detached, and the step's :class:`HelenCost`.
+
+    Raises:
+        RuntimeError: ``helen`` is None (the module trains with one pass).
+    """
+    if helen is None:
+        raise RuntimeError(
+            "helen_step needs a collection built with helen=Helen(...); this one "
+            "trains with one pass: call loss.backward()"
+        )
+    params = _dense_parameters(helen, None if dense_params is None else list(dense_params))
     t0 = time.perf_counter()
     with holding(target, HelenPass.ASCENT):
         loss = _scalar_loss(closure(), "first")
@@ -258,6 +266,4 @@ def helen_step(
     _check_same_rows(ascent, descent)
     t2 = time.perf_counter()
     target.apply_updates(descent)
-    if on_cost is not None:
-        on_cost(HelenCost(first_pass_s=t1 - t0, extra_s=t2 - t1))
-    return loss.detach()
+    return loss.detach(), HelenCost(first_pass_s=t1 - t0, extra_s=t2 - t1)
