@@ -33,6 +33,15 @@ DOCUMENTED = {
         clip_r=1.0,
         clip_zeta=math.sqrt(10) * 1e-5,
     ),
+    "fixed-l2-count": dict(
+        dense_lr=8e-4 * math.sqrt(S),
+        embedding_lr=1e-4,
+        l2=1e-5,
+        warmup_epochs=0.0,
+        clip_r=1.0,
+        clip_zeta=math.sqrt(10) * 1e-5,
+        count_lr_power=0.5,
+    ),
     "helen-fixed-l2": dict(
         dense_lr=8e-4 * math.sqrt(S),
         embedding_lr=1e-4,
