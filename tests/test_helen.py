@@ -318,3 +318,28 @@ def test_cost_of_a_step_is_recorded(monkeypatch):
     cost = ebc.last_helen_cost
     assert cost is not None and cost.first_pass_s > 0 and cost.extra_s > 0
     assert helen_module.HelenCost is type(cost)
+
+
+def test_a_failing_second_pass_restores_perturbed_dense_parameters_and_gradients():
+    gen = torch.Generator().manual_seed(15)
+    ebc, head, _, tables = _build("adam", None, Helen(rho=1.0, perturb_dense=True), gen)
+    kjt, labels = _batch(tables, gen)
+    curved_loss(ebc(kjt).values().detach(), head, labels).backward()
+    first = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad(set_to_none=True)
+    weights = [p.detach().clone() for p in head.parameters()]
+    before = _state(ebc)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("second pass failed")
+        return curved_loss(ebc(kjt).values(), head, labels)
+
+    with pytest.raises(ValueError, match="second pass failed"):
+        ebc.helen_step(closure, dense_params=head.parameters())
+    _assert_unchanged(ebc, before)
+    for p, w, g in zip(head.parameters(), weights, first):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, g)

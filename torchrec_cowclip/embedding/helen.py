@@ -122,11 +122,15 @@ class HelenTarget(abc.ABC):
 
 
 def perturb_rows_(
-    target: HelenTarget, ascent: Sequence[HeldRows], helen: Helen
-) -> List[Tuple[TableBatch, Tensor, Tensor]]:
-    """Adds Helen's perturbation to every held block's rows; returns, per block, the
-    ``(batch, rows, weights before)`` that :func:`restore_rows_` puts back. Every rank
-    calls :meth:`HelenTarget.reduce_table_statistics`, with or without rows of its own."""
+    target: HelenTarget,
+    ascent: Sequence[HeldRows],
+    helen: Helen,
+    saved: List[Tuple[TableBatch, Tensor, Tensor]],
+) -> None:
+    """Adds Helen's perturbation to every held block's rows, appending to ``saved``, per
+    block and before it is changed, the ``(batch, rows, weights before)`` that
+    :func:`restore_rows_` puts back. Every rank calls
+    :meth:`HelenTarget.reduce_table_statistics`, with or without rows of its own."""
     device = target.device()
     # FP32 tables only (the collection refuses others).
     sq_norm = torch.zeros(target.num_tables(), dtype=torch.float32, device=device)
@@ -143,7 +147,6 @@ def perturb_rows_(
             sq_norm += sq
         torch.maximum(max_count, most, out=max_count)
     target.reduce_table_statistics(sq_norm, max_count)
-    saved: List[Tuple[TableBatch, Tensor, Tensor]] = []
     with torch.no_grad():
         for held, tables in zip(ascent, row_tables):
             rg = held.row_grads
@@ -158,7 +161,6 @@ def perturb_rows_(
                 bound=helen.bound,
             )
             weight.index_add_(0, rg.rows, perturbation.to(weight.dtype))
-    return saved
 
 
 def restore_rows_(saved: Sequence[Tuple[TableBatch, Tensor, Tensor]]) -> None:
@@ -244,9 +246,11 @@ def helen_step(
         torch.autograd.backward(loss)
         ascent = target.held()
     t1 = time.perf_counter()
-    saved = perturb_rows_(target, ascent, helen)
+    saved: List[Tuple[TableBatch, Tensor, Tensor]] = []
     dense_saved: List[Tuple[Tensor, Tensor]] = []
+    first_grads = [p.grad for p in params]
     try:
+        perturb_rows_(target, ascent, helen, saved)
         if params:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             with torch.no_grad():
@@ -258,6 +262,10 @@ def helen_step(
             second = _scalar_loss(closure(), "second")
             torch.autograd.backward(second, inputs=target.backward_inputs() + params)
             descent = target.held()
+    except BaseException:
+        for p, grad in zip(params, first_grads):
+            p.grad = grad  # a failed step leaves the first pass's gradients
+        raise
     finally:
         restore_rows_(saved)
         with torch.no_grad():
