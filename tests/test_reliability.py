@@ -506,7 +506,8 @@ FLAG_ERRORS = [
     (["--helen-perturb-dense"], "--helen-perturb-dense has no effect without --helen-rho"),
     (
         ["--helen-rho", "0.05", "--embedding-backend", "torchrec", "--no-cowclip"],
-        "--helen-rho trains the fused CowClip tables: use --embedding-backend cowclip",
+        "Helen (--helen-rho, or a recipe with Helen) trains the fused CowClip tables: use "
+        "--embedding-backend cowclip",
     ),
     (
         ["--data", f"table:{CRITEO_SAMPLE}", "--synthetic-scale", "0.1"],
