@@ -13,15 +13,14 @@ backward would have applied them, in lookup order, the same on every rank.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, HeldStep
-from torchrec_cowclip.embedding.helen import HeldRows, HelenPass, HelenTarget
-from torchrec_cowclip.embedding.table_batch import TableBatch
+from torchrec_cowclip.embedding.helen import HeldRows, HelenPass, HelenTarget, TablePositions
 
 
 class ShardedHelenRows(HelenTarget):
@@ -43,12 +42,11 @@ class ShardedHelenRows(HelenTarget):
         device: torch.device,
     ) -> None:
         self._updates = updates
-        self._position = {name: i for i, name in enumerate(table_names)}
+        self._positions = TablePositions(table_names)
         self._pg = pg
         self._device = device
         self._phase: Optional[HelenPass] = None
         self._descent_steps: List[HeldStep] = []
-        self._table_index: Dict[int, Tensor] = {}
 
     def hold(self, phase: Optional[HelenPass]) -> None:
         self._phase = phase
@@ -71,7 +69,7 @@ class ShardedHelenRows(HelenTarget):
                             key=(lookup_index, step_index, *sub.key),
                             batch=sub.batch,
                             row_grads=row_grads,
-                            table_index=self._index_of(sub.batch),
+                            table_index=self._positions.of_batch(sub.batch),
                             counts_in_norm=counted,
                             local_rows=sub.row_grads.rows,
                         )
@@ -82,7 +80,7 @@ class ShardedHelenRows(HelenTarget):
         return [updates.leaf for updates in self._updates()]
 
     def num_tables(self) -> int:
-        return len(self._position)
+        return len(self._positions)
 
     def device(self) -> torch.device:
         return self._device
@@ -95,15 +93,3 @@ class ShardedHelenRows(HelenTarget):
         steps, self._descent_steps = self._descent_steps, []
         for step in steps:
             step.sync.apply(step.submissions)
-
-    def _index_of(self, batch: TableBatch) -> Tensor:
-        # A shard's table-batch name is its table's name (column shards repeat it).
-        index = self._table_index.get(id(batch))
-        if index is None:
-            index = torch.tensor(
-                [self._position[name] for name in batch.table_names],
-                dtype=torch.int64,
-                device=batch.weight.device,
-            )
-            self._table_index[id(batch)] = index
-        return index

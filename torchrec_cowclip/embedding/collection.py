@@ -33,7 +33,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
 from torchrec_cowclip.embedding.fused_update import apply_fused_update_
-from torchrec_cowclip.embedding.helen import HeldRows, HelenCost, HelenPass, HelenTarget, helen_step
+from torchrec_cowclip.embedding.helen import (
+    HeldRows,
+    HelenCost,
+    HelenPass,
+    HelenTarget,
+    TablePositions,
+    helen_step,
+)
 from torchrec_cowclip.embedding.lookup import FusedCowClipLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
@@ -671,8 +678,7 @@ class _CollectionHelenRows(HelenTarget):
         self._module = module
         self.phase: Optional[HelenPass] = None
         self._held: List[HeldRows] = []
-        position = {t.name: i for i, t in enumerate(module.embedding_bag_configs())}
-        self._table_positions = [[position[n] for n in b.table_names] for b in module._batches]
+        self._positions = TablePositions([t.name for t in module.embedding_bag_configs()])
 
     def hold(self, phase: Optional[HelenPass]) -> None:
         self.phase, self._held = phase, []
@@ -684,10 +690,9 @@ class _CollectionHelenRows(HelenTarget):
                 "twice in one call; Helen needs one lookup of each table batch per pass"
             )
         batch = self._module._batches[batch_index]
-        table_index = torch.tensor(
-            self._table_positions[batch_index], dtype=torch.int64, device=batch.weight.device
+        self._held.append(
+            HeldRows((batch_index,), batch, row_grads, self._positions.of_batch(batch))
         )
-        self._held.append(HeldRows((batch_index,), batch, row_grads, table_index))
 
     def held(self) -> List[HeldRows]:
         return sorted(self._held, key=lambda h: h.key)
@@ -696,7 +701,7 @@ class _CollectionHelenRows(HelenTarget):
         return [self._module._anchor]
 
     def num_tables(self) -> int:
-        return len(self._module.embedding_bag_configs())
+        return len(self._positions)
 
     def device(self) -> torch.device:
         return self._module.device

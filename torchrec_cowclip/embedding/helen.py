@@ -29,7 +29,7 @@ import enum
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -86,6 +86,32 @@ class HelenCost:
 
     first_pass_s: float
     extra_s: float
+
+
+class TablePositions:
+    """Each table's position in a module's table list (the same list on every rank), and
+    per table batch the ``[T]`` int64 positions of its tables (:attr:`HeldRows.table_index`),
+    built once per batch and device. A shard's table-batch name is its table's name, so
+    column shards of one table share its position."""
+
+    def __init__(self, table_names: Sequence[str]) -> None:
+        self._position = {name: i for i, name in enumerate(table_names)}
+        self._of_batch: Dict[Tuple[int, torch.device], Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._position)
+
+    def of_batch(self, batch: TableBatch) -> Tensor:
+        key = (id(batch), batch.weight.device)
+        index = self._of_batch.get(key)
+        if index is None:
+            index = torch.tensor(
+                [self._position[name] for name in batch.table_names],
+                dtype=torch.int64,
+                device=batch.weight.device,
+            )
+            self._of_batch[key] = index
+        return index
 
 
 class HelenTarget(abc.ABC):

@@ -231,7 +231,7 @@ class TrainConfig:
         try:
             Helen(
                 0.0 if self.helen_rho is None else self.helen_rho,
-                0.3 if self.helen_bound is None else self.helen_bound,
+                Helen.bound if self.helen_bound is None else self.helen_bound,
                 self.helen_perturb_dense,
             )
         except ValueError as e:

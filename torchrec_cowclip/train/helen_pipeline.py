@@ -25,8 +25,8 @@ class HelenTrainPipeline:
         model: returns ``(loss, output)`` for a batch (TorchRec's train-task convention).
         optimizer: the dense + fused optimizers; stepped after the two passes.
         device: where batches go.
-        embedding_module: the (possibly sharded) collection built with ``helen=``.
-        helen: its settings.
+        embedding_module: the (possibly sharded) collection built with ``helen=``; its
+            ``helen`` says whether the dense parameters are perturbed too.
         dense_params: the dense parameters (perturbed with ``Helen(perturb_dense=True)``).
         data_parallel: the ``DistributedDataParallel`` around the dense part, if any; the
             second pass, which does not reach the dense gradients, then runs under
@@ -41,11 +41,11 @@ class HelenTrainPipeline:
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         embedding_module: Any,
-        helen: Helen,
         dense_params: List[Tensor],
         data_parallel: Optional[Any] = None,
     ) -> None:
         self._model, self._optimizer, self._device = model, optimizer, device
+        helen: Helen = embedding_module.helen
         self._embedding, self._helen = embedding_module, helen
         self._dense_params, self._ddp = dense_params, data_parallel
 

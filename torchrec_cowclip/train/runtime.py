@@ -156,18 +156,12 @@ class Runtime(ABC):
         two-pass step when the run trains with Helen)."""
 
     def _helen_pipeline(self, data_parallel: Optional[nn.Module] = None) -> Optional[Any]:
-        helen = self.hp.helen(self.config.helen_perturb_dense)
-        if helen is None:
+        embedding = self.embedding_module()
+        if getattr(embedding, "helen", None) is None:
             return None
         dense = [p for _, p in in_backward_optimizer_filter(self.train_module.named_parameters())]
         return HelenTrainPipeline(
-            self.train_module,
-            self.optimizer,
-            self.device,
-            self.embedding_module(),
-            helen,
-            dense,
-            data_parallel,
+            self.train_module, self.optimizer, self.device, embedding, dense, data_parallel
         )
 
     def end_pipeline(self, pipeline: Any) -> None:

@@ -80,7 +80,7 @@ class Recipe:
     count_lr_power: float = 0.0
     helen_rho: Optional[float] = None
     helen_rho_scaling: str = "fixed"
-    helen_bound: float = 0.3
+    helen_bound: float = Helen.bound
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -174,7 +174,7 @@ class ScaledHyperparameters:
     recipe: str = "paper"
     count_lr_power: float = 0.0
     helen_rho: Optional[float] = None
-    helen_bound: float = 0.3
+    helen_bound: float = Helen.bound
 
     @property
     def embedding_weight_decay(self) -> float:
