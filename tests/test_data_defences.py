@@ -19,8 +19,8 @@ from torchrec_cowclip.data import (
     CTRDataset,
     DataError,
     DataOptionError,
+    FileSourceOptions,
     SourceKind,
-    SourceOptions,
     open_dataset,
     register_source,
     source_kinds,
@@ -331,7 +331,7 @@ def test_huge_dense_value_is_clipped_and_counted(
 
 
 @dataclass(frozen=True)
-class ArraysOptions(SourceOptions):
+class ArraysOptions(FileSourceOptions):
     """Options of the test-only ``arrays:`` kind (none of its own)."""
 
 

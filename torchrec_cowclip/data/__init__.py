@@ -30,7 +30,7 @@ from torchrec_cowclip.data.errors import (
     DataError,
     DataOptionError,
 )
-from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.options import FileSourceOptions, SourceOptions
 from torchrec_cowclip.data.registry import SourceKind, register_source, source_kinds
 from torchrec_cowclip.data.schema import (
     CRITEO_DENSE_NAMES,
@@ -63,6 +63,7 @@ __all__ = [
     "DENSE_TRANSFORMS",
     "DataError",
     "DataOptionError",
+    "FileSourceOptions",
     "MISSING_ID",
     "OOV_ID",
     "PlantedModel",

@@ -62,7 +62,7 @@ from torchrec_cowclip.data.errors import (
     DataOptionError,
 )
 from torchrec_cowclip.data.fields import check_labels
-from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.options import FileSourceOptions, option_field
 from torchrec_cowclip.data.registry import SourceKind, register_source
 from torchrec_cowclip.data.rows import RowBlock, SparseCheck, validate_block
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, resolve_sizes
@@ -276,7 +276,7 @@ class ModuloIds(SparseEncoding):
 
 
 @dataclass(frozen=True)
-class NpyOptions(SourceOptions):
+class NpyOptions(FileSourceOptions):
     """``criteo-npy:`` options.
 
     Args:

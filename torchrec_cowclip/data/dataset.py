@@ -204,7 +204,6 @@ def open_dataset(
     cache_dir: PathLike,
     *,
     test_paths: Optional[Sequence[PathLike]] = None,
-    seed: int = 0,
     rebuild: bool = False,
     **options: Any,
 ) -> CTRDataset:
@@ -216,15 +215,15 @@ def open_dataset(
         cache_dir: where converted datasets (and statistics) are kept.
         test_paths: explicit test files (same kind as the spec); otherwise
             :meth:`CTRDataset.split` splits at random.
-        seed: synthetic data's seed, and the default seed of ``CTRDataset.split``.
         rebuild: convert again even if a cache entry exists.
-        **options: the kind's options (its dataclass's fields): ``on_bad_row``,
-            ``dense_transform`` (every kind); ``min_count``, ``hash_size`` (text
-            kinds; ``hash_size`` also ``criteo-npy:``); ``label``, ``dense``,
-            ``sparse``, ``delimiter`` (``table:``, ``avazu:``; ``delimiter`` also
-            ``criteo:``); ``cardinality_scale``, ``max_cardinality``, ``top1_share``,
-            ``positive_rate`` (``synthetic:``). None, or another kind's option at
-            its default, counts as not given.
+        **options: the kind's options (its dataclass's fields): ``dense_transform``
+            (every kind); ``on_bad_row`` (every kind read from files); ``min_count``,
+            ``hash_size`` (text kinds; ``hash_size`` also ``criteo-npy:``); ``label``,
+            ``dense``, ``sparse``, ``delimiter`` (``table:``, ``avazu:``; ``delimiter``
+            also ``criteo:``); ``seed`` (the generator's, also the default seed of
+            :meth:`CTRDataset.split`), ``cardinality_scale``, ``max_cardinality``,
+            ``top1_share``, ``positive_rate`` (``synthetic:``, ``synthetic-hard:``).
+            None, or another kind's option at its default, counts as not given.
 
     Raises:
         DataOptionError: a bad spec (the message lists the kinds) or option (named,
@@ -235,8 +234,7 @@ def open_dataset(
     """
     kind_name, args = parse_spec(spec)
     kind = source_kind(kind_name)
-    takes_seed = any(f.name == "seed" for f in fields(kind.options))
-    opts = kind_options(kind, {**options, "seed": seed} if takes_seed else options)
+    opts = kind_options(kind, options)
     tests = [str(p) for p in (test_paths or [])]
     kind.check_test_paths(tests)
     payload = kind.payload(args, tests, opts)
@@ -245,7 +243,7 @@ def open_dataset(
 
     def build(tmp: Path) -> Dict[str, Any]:
         meta = convert(kind.conversion(args, tests, opts), tmp, stats_cache=root)
-        meta.update(source=source, seed=seed)
+        meta.update(source=source, seed=int(getattr(opts, "seed", 0)))
         return meta
 
     ds = CTRDataset(build_entry(root, kind.name, payload, build, rebuild=rebuild))

@@ -45,7 +45,7 @@ from torchrec_cowclip.data.cache import build_entry, fingerprint
 from torchrec_cowclip.data.dense import DENSE_CLIP, DenseStats, transform_dense
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.hashing import HashEncoder, HashMethod
-from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.options import FileSourceOptions, option_field
 from torchrec_cowclip.data.rows import RowSource, SparseCheck, TextLayout, TextRowSource
 from torchrec_cowclip.data.schema import Schema, resolve_sizes
 from torchrec_cowclip.data.vocab import Vocabulary
@@ -69,7 +69,7 @@ def json_sizes(hash_size: HashSize) -> Any:
 
 
 @dataclass(frozen=True)
-class EncodedOptions(SourceOptions):
+class EncodedOptions(FileSourceOptions):
     """Options of the sources whose categoricals are text (Criteo, Avazu, tables).
 
     Args:

@@ -609,7 +609,9 @@ def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> 
 class SyntheticOptions(SourceOptions):
     """``synthetic:`` options (see :class:`SyntheticConfig`)."""
 
-    seed: int = option_field(0, "--seed")
+    # The generator's seed: its own flag, so that the trainer's --seed (weights, order,
+    # splits) reaches every kind; the trainer passes --seed here unless it is given.
+    seed: int = option_field(0, "--synthetic-seed")
     cardinality_scale: float = option_field(1.0, "--synthetic-scale")
     max_cardinality: int = option_field(1_000_000, "--synthetic-max-cardinality")
     top1_share: float = option_field(0.70)
@@ -628,7 +630,7 @@ class SyntheticOptions(SourceOptions):
     def config(self, rows: int) -> SyntheticConfig:
         return SyntheticConfig(
             rows=rows,
-            **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "on_bad_row"},
+            **{f.name: getattr(self, f.name) for f in fields(self)},
         )
 
 
@@ -679,7 +681,7 @@ class SyntheticSource(
             PlantedIds(config.cardinalities()),
             stats_key={"train": [config.payload()], "layout": {"layout": "synthetic"}},
             dense_transform=config.dense_transform,
-            on_bad_row=opts.on_bad_row,
+            on_bad_row="error",  # generated rows are valid by construction
             source_format="synthetic criteo-like",
             extra=("planted_logit",),
             finish=lambda out_dir, meta: _planted_meta(rows, out_dir, meta),

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="synthetic: cap every table at this many rows (default 1,000,000)",
     )
+    g.add_argument(
+        "--synthetic-seed",
+        type=int,
+        default=None,
+        help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
+    )
     g.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
     g.add_argument(
         "--hidden", type=_int_list, default=list(d.hidden), help="DNN sizes, e.g. 400,400,400"
@@ -199,7 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = t.add_argument_group("run")
     r.add_argument("--out", default=d.out, help="run directory (metrics.json, logs, checkpoint)")
-    r.add_argument("--seed", type=int, default=d.seed)
+    r.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="initial weights, batch order and the random splits, for every data kind "
+        "(synthetic data is also drawn with it unless --synthetic-seed is given)",
+    )
     r.add_argument("--early-stop-patience", type=int, default=d.early_stop_patience)
     r.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only"
@@ -251,6 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
         "id frequency in the training split (clip_by_frequency.json; one process)",
     )
     return parser
+
+
+def train_flags(parser: argparse.ArgumentParser) -> List[str]:
+    """The long flags of ``parser``'s ``train`` command, in ``--help`` order (not ``--help``).
+
+    Example::
+
+        >>> flags = train_flags(build_parser())
+        >>> flags[:3], "--seed" in flags, "--help" in flags
+        (['--model', '--data', '--test-data'], True, False)
+    """
+    # argparse lists a parser's subcommands and arguments only in these attributes.
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return [
+        a.option_strings[-1]
+        for a in commands["train"]._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

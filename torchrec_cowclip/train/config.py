@@ -75,6 +75,7 @@ class TrainConfig:
     sparse: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
+    synthetic_seed: Optional[int] = None
     device: str = "auto"
     threads: int = 0
     progress: bool = True
@@ -153,20 +154,7 @@ class TrainConfig:
             )
         if self.embedding_backend == "torchrec" and self.cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
-        from torchrec_cowclip.data import parse_spec
-        from torchrec_cowclip.data.dataset import kind_options
-        from torchrec_cowclip.data.registry import source_kind
-
-        for flag, spec in (("--data", self.data), ("--test-data", self.test_data)):
-            if spec is not None:
-                try:
-                    parse_spec(spec)
-                except ValueError as e:
-                    raise ConfigError(f"{flag}: {e}") from None
-        try:
-            kind_options(source_kind(parse_spec(self.data)[0]), self.data_options())
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self._validate_data()
         from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 
         if self.sharding not in SHARDING_CHOICES:
@@ -178,6 +166,48 @@ class TrainConfig:
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
         self._validate_placement()
+
+    def _validate_data(self) -> None:
+        """``--data``, ``--test-data`` and every data option against the data kind, before
+        anything is read: an option of another kind is refused naming its flag."""
+        from torchrec_cowclip.data import parse_spec
+        from torchrec_cowclip.data.dataset import kind_options
+
+        for flag, spec in (("--data", self.data), ("--test-data", self.test_data)):
+            if spec is not None:
+                try:
+                    parse_spec(spec)
+                except ValueError as e:
+                    raise ConfigError(f"{flag}: {e}") from None
+        kind = self.source_kind()
+        try:
+            kind_options(kind, self.data_options())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.test_data is None:
+            return
+        test_kind, test_paths = parse_spec(self.test_data)
+        if test_kind != kind.name:
+            raise ConfigError(
+                f"--test-data must be of the same kind as --data ({kind.name}:), "
+                f"got {self.test_data!r}"
+            )
+        try:
+            kind.check_test_paths(test_paths)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.test_fraction != TrainConfig.test_fraction:
+            raise ConfigError(
+                f"--test-fraction {self.test_fraction:g} has no effect with --test-data (its "
+                "rows are the test set): drop one"
+            )
+
+    def source_kind(self) -> Any:
+        """The registered :class:`~torchrec_cowclip.data.registry.SourceKind` of ``--data``."""
+        from torchrec_cowclip.data import parse_spec
+        from torchrec_cowclip.data.registry import source_kind
+
+        return source_kind(parse_spec(self.data)[0])
 
     def _validate_numbers(self) -> None:
         # NaN passes every ordered comparison's negation and inf every lower bound, so
@@ -272,31 +302,33 @@ class TrainConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
 
     def data_options(self) -> Dict[str, Any]:
-        """``open_dataset``'s options for ``--data``: those every kind takes, the kind's
-        own (as the run record has always listed them), and any other kind's that was set
-        (which the kind then refuses, naming its flag: ``data.dataset.kind_options``)."""
+        """``open_dataset``'s options for ``--data``: the kind's own (None where not
+        given, as the run record has always listed them) and any other that was set
+        (which the kind then refuses, naming its flag: ``data.dataset.kind_options``).
+
+        ``--seed`` is the trainer's (weights, batch order, splits) and reaches no data
+        source; a kind with a generator draws its rows with ``--synthetic-seed``, which
+        defaults to ``--seed``.
+        """
         from dataclasses import fields
 
-        from torchrec_cowclip.data import parse_spec
-        from torchrec_cowclip.data.registry import source_kind
-
-        options: Dict[str, Any] = dict(
-            on_bad_row=self.on_bad_row,
-            min_count=self.min_count,
-            hash_size=self.hash_size,
-            dense_transform=self.dense_transform,
-            seed=self.seed,
-        )
-        takes = {f.name for f in fields(source_kind(parse_spec(self.data)[0]).options)}
+        takes = {f.name for f in fields(self.source_kind().options)}
+        generator_seed = self.synthetic_seed
+        if generator_seed is None and "seed" in takes:
+            generator_seed = self.seed
         chosen = {
+            "on_bad_row": self.on_bad_row,
+            "min_count": self.min_count,
+            "hash_size": self.hash_size,
+            "dense_transform": self.dense_transform,
             "label": self.label,
             "dense": self.dense or None,
             "sparse": self.sparse or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
+            "seed": generator_seed,
         }
-        options.update({k: v for k, v in chosen.items() if k in takes or v is not None})
-        return options
+        return {k: v for k, v in chosen.items() if k in takes or v is not None}
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)

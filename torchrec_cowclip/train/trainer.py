@@ -38,7 +38,7 @@ from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
 from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.evaluate import evaluate
 from torchrec_cowclip.train.resume_guard import check_resume, resumed_message, run_record
 from torchrec_cowclip.train.run_dir import claim_run_dir
@@ -130,14 +130,8 @@ class Trainer:
         _seed_everything(config.seed)
 
         data_options = config.data_options()
-        test_paths = None
-        if config.test_data:
-            kind, test_paths = parse_spec(config.test_data)
-            if kind != parse_spec(config.data)[0]:
-                raise ConfigError(
-                    f"--test-data must be of the same kind as --data ({config.data.split(':')[0]}:), "
-                    f"got {config.test_data!r}"
-                )
+        # validate() has checked that the test files are of --data's kind.
+        test_paths = parse_spec(config.test_data)[1] if config.test_data else None
         # Explicit test files are converted with the training files' vocabulary and
         # scaling, as the last rows of one cache entry.
         self.dataset = open_dataset(
