@@ -249,3 +249,30 @@ class HelenDenseReference(DenseReference):
         kept = second_grads if self.helen.perturb_dense else first_grads
         self.dense_grads = list(kept[len(tables) :])
         return first.detach()
+
+
+def write_criteo_npy_days(tsv_path, directory, split: int = 150):
+    """TorchRec's preprocessed Criteo layout (``day_N_{dense,sparse,labels}.npy`` after
+    ``npy_preproc_criteo`` and ``contiguous_preproc_criteo``: dense ``log(x - min + 2)``,
+    ids ``0..n-1`` per feature) made from the real rows of a raw Criteo TSV: rows before
+    ``split`` as ``day_0``, the rest as ``day_1``. Returns ``directory``."""
+    import csv
+    from pathlib import Path
+
+    import numpy as np
+
+    rows = list(csv.reader(open(tsv_path, newline=""), delimiter="\t"))
+    dense = np.array([[float(v) if v else 0.0 for v in r[1:14]] for r in rows], dtype=np.float64)
+    dense = np.log(dense - dense.min() + 2).astype(np.float32)
+    hashes = np.array([[int(v, 16) if v else 0 for v in r[14:40]] for r in rows], np.int64)
+    sparse = np.stack(
+        [np.unique(column, return_inverse=True)[1] for column in hashes.T], axis=1
+    ).astype(np.int32)
+    labels = np.array([[int(r[0])] for r in rows], dtype=np.int32)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for day, part in (("day_0", slice(0, split)), ("day_1", slice(split, None))):
+        np.save(directory / f"{day}_dense.npy", dense[part])
+        np.save(directory / f"{day}_sparse.npy", sparse[part])
+        np.save(directory / f"{day}_labels.npy", labels[part])
+    return directory

@@ -215,6 +215,48 @@ def test_set_planner_optimizer_class():
         assert param._optimizer_classes == [torch.optim.Adam]
 
 
+def test_in_backward_optimizer_reads_apply_optimizer_in_backward_marks():
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    marked, plain = nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(4, 2))
+    with private_name("Parameter._optimizer_classes/_optimizer_kwargs", "in_backward_optimizer"):
+        apply_optimizer_in_backward(RowWiseAdagrad, [marked], {"lr": 0.5})
+        assert compat.in_backward_optimizer(marked) == (RowWiseAdagrad, {"lr": 0.5})
+        assert compat.in_backward_optimizer(plain) is None
+        apply_optimizer_in_backward(RowWiseAdagrad, [marked], {"lr": 0.1})
+        with pytest.raises(ValueError, match="applied 2 optimizers"):
+            compat.in_backward_optimizer(marked)
+
+
+def test_in_backward_marks_hidden_restores_the_marks():
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    module = nn.Linear(2, 2)
+    apply_optimizer_in_backward(RowWiseAdagrad, [module.weight], {"lr": 0.5})
+    with private_name("Parameter._optimizer_classes", "in_backward_marks_hidden"):
+        with compat.in_backward_marks_hidden(module):
+            assert compat.in_backward_optimizer(module.weight) is None
+        assert compat.in_backward_optimizer(module.weight) == (RowWiseAdagrad, {"lr": 0.5})
+
+
+def test_pipelined_forward_type_and_target():
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+
+    from torchrec_cowclip.train.helen_pipeline import HelenTrainPipelineSparseDist
+
+    with private_name("TrainPipelineSparseDist._pipelined_forward_type", "use_pipelined_forward"):
+        assert TrainPipelineSparseDist._pipelined_forward_type is PipelinedForward
+        assert issubclass(HelenTrainPipelineSparseDist._pipelined_forward_type, PipelinedForward)
+    module, stream = nn.Linear(1, 1), None
+    forward = PipelinedForward("ebc", args=None, module=module, context=None, stream=stream)
+    with private_name("PipelinedForward._module/_stream/_device", "pipelined_forward_target"):
+        target, got_stream, device = compat.pipelined_forward_target(forward)
+        assert target is module and got_stream is None and isinstance(device, torch.device)
+
+
 def test_table_batched_embedding_slice_views_its_data():
     data = torch.arange(12.0).view(6, 2)
     with private_name("TableBatchedEmbeddingSlice", "TableBatchedEmbeddingSlice"):

@@ -16,13 +16,16 @@ EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 def test_every_example_is_covered():
     assert {p.name for p in EXAMPLES} == {
         "cowclip_in_your_model.py",
+        "dlrm_criteo.py",
         "quickstart.py",
         "train_dcn_avazu.py",
         "train_deepfm_criteo.py",
     }
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "script", [p for p in EXAMPLES if p.name != "dlrm_criteo.py"], ids=lambda p: p.stem
+)
 def test_example_runs(tmp_path, script):
     args = [sys.executable, str(script)]
     if script.stem.startswith("train_"):
@@ -47,3 +50,60 @@ def test_example_runs(tmp_path, script):
     if script.stem.startswith("train_"):
         metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert metrics["steps"] > 0 and metrics["epochs"] == 1
+
+
+def _dlrm(tmp_path: Path, npy: Path, processes: int, *flags: str) -> dict:
+    """examples/dlrm_criteo.py under torchrun on ``processes`` processes, tiny; its summary."""
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+            str(REPO / "examples" / "dlrm_criteo.py"),
+            "--in-memory-binary-criteo-path",
+            str(npy),
+            "--batch-size",
+            "32",
+            "--num-embeddings",
+            "1000",
+            "--embedding-dim",
+            "8",
+            "--dense-arch-layer-sizes",
+            "16,8",
+            "--over-arch-layer-sizes",
+            "16,1",
+            "--warmup-steps",
+            "2",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            *flags,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_dlrm_example_trains_and_resumes_on_1_and_2_processes(tmp_path):
+    from cowclip_testing import write_criteo_npy_days
+
+    npy = write_criteo_npy_days(REPO / "tests" / "data" / "criteo_sample.tsv", tmp_path / "npy")
+    ck = tmp_path / "ck"
+    straight = _dlrm(tmp_path, npy, 1, "--epochs", "2", "--checkpoint-dir", str(ck))
+    assert len(straight["test_auc"]) == 2 and straight["world_size"] == 1
+    assert (ck / "epoch_1" / ".metadata").exists() and (ck / "epoch_2" / ".metadata").exists()
+    # Resume from epoch 1 (the latest checkpoint once epoch 2's is gone): the same second
+    # epoch, exactly; then the same checkpoint on two processes (DCP re-shards it).
+    (ck / "epoch_2").rename(tmp_path / "epoch_2_of_the_straight_run")
+    flags = ("--epochs", "2", "--checkpoint-dir", str(ck), "--resume")
+    resumed = _dlrm(tmp_path, npy, 1, *flags)
+    assert resumed["test_auc"] == straight["test_auc"][1:]
+    (ck / "epoch_2").rename(tmp_path / "epoch_2_of_the_resumed_run")
+    two = _dlrm(tmp_path, npy, 2, *flags)
+    assert two["world_size"] == 2
+    assert abs(two["test_auc"][0] - straight["test_auc"][1]) < 1e-3  # float summation order

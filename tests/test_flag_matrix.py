@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-import numpy as np
 import pytest
+from cowclip_testing import write_criteo_npy_days
 
 from torchrec_cowclip.train.cli import build_parser, config_from_args, main, train_flags
 from torchrec_cowclip.train.config import ConfigError
@@ -72,23 +72,7 @@ class Inputs:
             ),
             self.parquet,
         )
-        # TorchRec's preprocessed layout after contiguous_preproc_criteo (ids 0..n-1 per
-        # feature), two days.
-        self.npy = root / "npy"
-        self.npy.mkdir()
-        dense = np.array(
-            [[float(v) if v else 0.0 for v in r[1:14]] for r in body], dtype=np.float64
-        )
-        dense = np.log(dense - dense.min() + 2).astype(np.float32)
-        hashes = np.array([[int(v, 16) if v else 0 for v in r[14:40]] for r in body], np.int64)
-        sparse = np.stack(
-            [np.unique(column, return_inverse=True)[1] for column in hashes.T], axis=1
-        ).astype(np.int32)
-        labels = np.array([[int(r[0])] for r in body], dtype=np.int32)
-        for day, part in (("day_0", slice(0, 150)), ("day_1", slice(150, None))):
-            np.save(self.npy / f"{day}_dense.npy", dense[part])
-            np.save(self.npy / f"{day}_sparse.npy", sparse[part])
-            np.save(self.npy / f"{day}_labels.npy", labels[part])
+        self.npy = write_criteo_npy_days(CRITEO_TSV, root / "npy")
 
     def data(self, kind: str) -> List[str]:
         """``--data`` (and the columns a table needs) for ``kind``."""

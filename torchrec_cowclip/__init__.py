@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
 from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.options import CowClipOptions
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
@@ -40,6 +41,7 @@ __all__ = [
     "CowClip",
     "CowClipEmbeddingBagCollection",
     "CowClipFusedOptimizer",
+    "CowClipOptions",
     "Helen",
     "TableClipStats",
 ]

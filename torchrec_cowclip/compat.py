@@ -48,6 +48,9 @@ __all__ = [
     "embedding_shardings",
     "extension_points",
     "grouped_configs",
+    "pipelined_forward_target",
+    "in_backward_marks_hidden",
+    "in_backward_optimizer",
     "is_fx_symbolic_tracing",
     "kernel_pooling_mode",
     "lookup_kernels",
@@ -59,16 +62,24 @@ __all__ = [
     "set_planner_optimizer_class",
     "sharded_lookups",
     "sharded_tensor",
+    "use_pipelined_forward",
 ]
 
 
 def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
-    """The TorchRec methods the sharder overrides, with the parameters they must keep:
-    ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups, then the
-    data-parallel wrapping), ``GroupedPooledEmbeddingsLookup.__init__`` the third once
-    per table group. A renamed one would silently fall back to FBGEMM's kernels."""
+    """The TorchRec methods this package overrides, with the parameters they must keep.
+
+    The sharder: ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups,
+    then the data-parallel wrapping), ``GroupedPooledEmbeddingsLookup.__init__`` the third
+    once per table group; a renamed one would silently fall back to FBGEMM's kernels.
+    Helen's pipelines (``train/helen_pipeline.py``): each pipeline's ``progress`` calls its
+    ``_backward`` (replaced by Helen's two passes) and ``TrainPipelineBase`` its
+    ``_wait_for_batch`` with the batch of the step; a sharded module's pipelined forward
+    is a ``PipelinedForward`` called with the module's arguments."""
     from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
     return (
         (ShardedEmbeddingBagCollection, "_create_lookups", ("self",)),
@@ -78,6 +89,10 @@ def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
             "_create_embedding_kernel",
             ("self", "config", "device", "pg", "sharding_type", "env"),
         ),
+        (TrainPipelineBase, "_backward", ("self", "losses")),
+        (TrainPipelineSparseDist, "_backward", ("self", "losses")),
+        (TrainPipelineBase, "_wait_for_batch", ("self", "cur_batch")),
+        (PipelinedForward, "__call__", ("self", "input", "kwargs")),
     )
 
 
@@ -107,6 +122,23 @@ def dmp_data_parallel(dmp: nn.Module) -> Optional[nn.Module]:
 
     wrapped = getattr(dmp, "_dmp_wrapped_module", None)
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+# --- train pipelines -------------------------------------------------------------------
+
+
+def use_pipelined_forward(pipeline_class: type, forward_class: type) -> None:
+    """Makes ``pipeline_class`` (a ``TrainPipelineSparseDist``) rewrite its sharded
+    modules' forwards into ``forward_class`` (``_pipelined_forward_type``, the class
+    attribute TorchRec's own pipelines set for this)."""
+    pipeline_class._pipelined_forward_type = forward_class  # type: ignore[attr-defined]
+
+
+def pipelined_forward_target(forward: Any) -> Tuple[Any, Optional[Any], torch.device]:
+    """A ``PipelinedForward``'s sharded module, and the stream and device its input
+    distribution runs on (``_module``, ``_stream``, ``_device``): what a forward that
+    reuses a waited input distribution needs."""
+    return forward._module, forward._stream, forward._device
 
 
 # --- ShardedEmbeddingBagCollection ----------------------------------------------------
@@ -174,6 +206,54 @@ def mark_updated_in_backward(param: Tensor) -> None:
 
     # A new attribute on a torch Parameter, which the stubs do not declare.
     param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+
+
+def in_backward_optimizer(param: Tensor) -> Optional[Tuple[type, Dict[str, Any]]]:
+    """The ``(optimizer class, kwargs)`` that torch's / TorchRec's
+    ``apply_optimizer_in_backward`` marked ``param`` with (``_optimizer_classes``,
+    ``_optimizer_kwargs``: what TorchRec's sharders read to configure FBGEMM), or None.
+
+    Raises:
+        ValueError: more than one optimizer was applied (TorchRec supports one).
+    """
+    classes = getattr(param, "_optimizer_classes", None)
+    kwargs = getattr(param, "_optimizer_kwargs", None)
+    if not classes or kwargs is None:
+        return None
+    if len(classes) != 1 or len(kwargs) != 1:
+        raise ValueError(
+            f"apply_optimizer_in_backward applied {len(classes)} optimizers to one table "
+            "weight; a fused table trains with one"
+        )
+    return classes[0], dict(kwargs[0])
+
+
+@contextlib.contextmanager
+def in_backward_marks_hidden(module: nn.Module) -> Iterator[None]:
+    """Inside the block, ``module``'s parameters carry no ``apply_optimizer_in_backward``
+    mark (``_optimizer_classes``, ``_optimizer_kwargs``); they are put back after it.
+
+    TorchRec's ``ShardedEmbeddingBagCollection`` constructor reads the marks to configure
+    FBGEMM and refuses a class it cannot map to an ``EmbOptimType`` (this project's
+    ``CowClipAdam``, ...); the CowClip kernels are configured from the options the sharder
+    read from those marks beforehand, so TorchRec's constructor must not see them.
+    """
+    saved = []
+    for param in module.parameters():
+        if hasattr(param, "_optimizer_classes"):
+            saved.append(
+                (param, param._optimizer_classes, getattr(param, "_optimizer_kwargs", None))
+            )
+            del param._optimizer_classes
+            if hasattr(param, "_optimizer_kwargs"):
+                del param._optimizer_kwargs
+    try:
+        yield
+    finally:
+        for param, classes, kwargs in saved:
+            param._optimizer_classes = classes
+            if kwargs is not None:
+                param._optimizer_kwargs = kwargs  # type: ignore[attr-defined]
 
 
 def set_planner_optimizer_class(

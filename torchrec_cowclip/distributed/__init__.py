@@ -1,16 +1,18 @@
-"""Sharded CowClip training on TorchRec: a sharder for ``DistributedModelParallel``.
+"""Sharded CowClip training on TorchRec: sharders for ``DistributedModelParallel``.
 
 Example::
 
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.types import ShardingEnv
     from torchrec_cowclip import CowClip
-    from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+    from torchrec_cowclip.distributed import get_default_sharders
 
-    sharder = CowClipEmbeddingBagCollectionSharder(
-        optimizer="adam", lr=1e-4, weight_decay=2e-5, cowclip=CowClip(r=1.0, zeta=3.2e-5))
-    dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan,
-                                   env=ShardingEnv.from_process_group(pg), device=device)
+    sharders = get_default_sharders(fused_params={
+        "optimizer": EmbOptimType.ADAM, "learning_rate": 1e-4,
+        "weight_decay": 2e-5, "weight_decay_mode": WeightDecayMode.L2,
+        "cowclip": CowClip(r=1.0, zeta=3.2e-5)})
+    dmp = DistributedModelParallel(model, sharders=sharders, device=device)
     loss = dmp(batch).mean()       # each rank: the mean loss of its local batch
     loss.backward()                # embedding tables updated here (global-batch CowClip)
     dense_optimizer.step()
@@ -25,7 +27,10 @@ from torchrec_cowclip.distributed.sharded_collection import (
     SUPPORTED_SHARDING_TYPES,
     ShardedCowClipEmbeddingBagCollection,
 )
-from torchrec_cowclip.distributed.sharder import CowClipEmbeddingBagCollectionSharder
+from torchrec_cowclip.distributed.sharder import (
+    CowClipEmbeddingBagCollectionSharder,
+    get_default_sharders,
+)
 
 __all__ = [
     "CollectiveError",
@@ -33,4 +38,5 @@ __all__ = [
     "CowClipOptions",
     "SUPPORTED_SHARDING_TYPES",
     "ShardedCowClipEmbeddingBagCollection",
+    "get_default_sharders",
 ]

@@ -2,10 +2,11 @@
 
 One frozen :class:`~torchrec_cowclip.optim.options.CowClipOptions` travels from the sharder
 to every sharded kernel, so that all shards of all tables of a module step with the same
-rule. For a :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` the options are read
-from the module itself (:meth:`CowClipOptions.from_module`): sharding it keeps its
-optimizer, hyperparameters and unclipped tables. This module adds what TorchRec's planner
-needs to size the optimizer state.
+rule. The sharder merges them from every place that says how the tables train
+(:mod:`torchrec_cowclip.optim.torchrec_config`); a
+:class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` brings its own
+(:attr:`~torchrec_cowclip.CowClipEmbeddingBagCollection.options`). This module adds what
+TorchRec's planner needs to size the optimizer state.
 """
 
 from __future__ import annotations

@@ -96,7 +96,6 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         table_name_to_parameter_sharding: Dict[str, ParameterSharding],
         env: ShardingEnv,
         options: CowClipOptions,
-        fused_params: Optional[Dict[str, Any]] = None,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         module_fqn: Optional[str] = None,
@@ -113,15 +112,19 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._cowclip_env = env
         self._cowclip_device = device
         self._row_inits = _agreed_row_initializers(module, env)
-        super().__init__(
-            module=module,
-            table_name_to_parameter_sharding=plan,
-            env=env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
+        # `options` carry what the sharder's fused_params and the weights' in-backward
+        # marks said; TorchRec's constructor would hand them to FBGEMM, whose kernels these
+        # are not, and refuse the CowClip optimizer classes.
+        with compat.in_backward_marks_hidden(module):
+            super().__init__(
+                module=module,
+                table_name_to_parameter_sharding=plan,
+                env=env,
+                fused_params=None,
+                device=device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                module_fqn=module_fqn,
+            )
         self._divide_only_row_wise_means()
         self._helen_rows = ShardedHelenRows(
             self._deferred_updates,

@@ -1,10 +1,14 @@
-"""The TorchRec sharder that shards embedding collections for CowClip training.
+"""The TorchRec sharders that shard embedding collections for CowClip training.
 
-Pass it to ``DistributedModelParallel`` like TorchRec's ``EmbeddingBagCollectionSharder``:
-it tells the planner which sharding types and kernels it offers and how much optimizer
-state each table carries, and it turns a ``torchrec.EmbeddingBagCollection`` (or a
-:class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`) into a
-:class:`~.sharded_collection.ShardedCowClipEmbeddingBagCollection`.
+Pass them to ``DistributedModelParallel`` as TorchRec's own:
+``sharders=get_default_sharders(...)`` is TorchRec's default list with this project's
+sharder for ``torchrec.EmbeddingBagCollection`` and
+:class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` (TorchRec matches a sharder to a
+module by its exact type, so each needs one). The sharder tells the planner which
+sharding types and kernels it offers and how much optimizer state each table carries,
+reads how the tables train from TorchRec's own configuration (``fused_params``,
+``apply_optimizer_in_backward``; :mod:`torchrec_cowclip.optim.torchrec_config`), and turns
+the collection into a :class:`~.sharded_collection.ShardedCowClipEmbeddingBagCollection`.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import get_default_sharders as torchrec_default_sharders
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
+    ModuleSharder,
     QuantizedCommCodecs,
     ShardingEnv,
 )
@@ -30,6 +36,16 @@ from torchrec_cowclip.distributed.sharded_collection import (
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS
+from torchrec_cowclip.optim.torchrec_config import (
+    Settings,
+    fused_params_settings,
+    in_backward_settings,
+    keyword_settings,
+    options_settings,
+    resolve_options,
+    table_marks,
+)
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -40,42 +56,51 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     the ``fused`` compute kernel: a table-batched lookup with the CowClip step fused into
     backward. The planner sees the optimizer state in its memory estimate.
 
+    How the tables train is read from every place TorchRec and this project say it,
+    merged into one :class:`~torchrec_cowclip.optim.options.CowClipOptions`
+    (:func:`~torchrec_cowclip.optim.torchrec_config.resolve_options`): ``options=`` (or
+    the older keywords), ``fused_params`` (FBGEMM's keys, honoured or refused in one line),
+    each table weight's ``apply_optimizer_in_backward`` mark, and a
+    ``CowClipEmbeddingBagCollection``'s own options. Two of them that disagree are
+    refused, naming both, before anything is allocated.
+
     Args:
-        options: how plain ``EmbeddingBagCollection`` modules are trained, as one
-            :class:`~torchrec_cowclip.optim.options.CowClipOptions`; or the separate
+        options: how the tables are trained, as one ``CowClipOptions``; or the separate
             keywords ``optimizer, lr, betas, eps, weight_decay, cowclip,
             unclipped_tables, count_lr, helen`` (as for
-            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`). A
-            ``CowClipEmbeddingBagCollection`` keeps its own options.
+            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`).
         module_type: the module class this sharder shards (TorchRec matches sharders to
             modules by exact type): ``torchrec.EmbeddingBagCollection`` (default) or
-            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`. Pass one sharder of
-            each kind if a model has both.
-        fused_params, qcomm_codecs_registry: as for TorchRec's sharder.
+            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`;
+            :func:`get_default_sharders` gives one of each.
+        fused_params: TorchRec's sharder configuration: ``optimizer`` (an
+            ``EmbOptimType``), ``learning_rate``, ``eps``, ``beta1``, ``beta2``,
+            ``weight_decay`` with ``weight_decay_mode=WeightDecayMode.L2``, and CowClip's
+            ``cowclip``, ``unclipped_tables``, ``count_lr``, ``helen``
+            (:mod:`torchrec_cowclip.optim.torchrec_config`); any other key is refused.
+        qcomm_codecs_registry: as for TorchRec's sharder.
 
     Example::
 
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from torchrec.distributed import DistributedModelParallel
-        from torchrec.distributed.types import ShardingEnv
 
-        sharder = CowClipEmbeddingBagCollectionSharder(
-            optimizer="adam", lr=1e-4, weight_decay=2e-5,
-            cowclip=CowClip(r=1.0, zeta=3.2e-5), unclipped_tables=("lin",))
-        dmp = DistributedModelParallel(model, sharders=[sharder],
-                                       env=ShardingEnv.from_process_group(pg),
-                                       device=torch.device("cpu"))   # plan=None: TorchRec plans
+        sharders = get_default_sharders(fused_params={
+            "optimizer": EmbOptimType.ADAM, "learning_rate": 1e-4,
+            "cowclip": CowClip(r=1.0, zeta=3.2e-5), "unclipped_tables": ["lin"]})
+        dmp = DistributedModelParallel(model, sharders=sharders, device=device)
         dmp(batch).mean().backward()      # the tables are updated here
         dmp.fused_optimizer.state_dict()  # their optimizer state, for checkpoints
     """
 
     def __init__(
         self,
-        optimizer: str = "adam",
-        lr: float = 1e-4,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        cowclip: Optional[CowClip] = CowClip(),
+        optimizer: str = DEFAULT_OPTIONS.optimizer,
+        lr: float = DEFAULT_OPTIONS.lr,
+        betas: Tuple[float, float] = DEFAULT_OPTIONS.betas,
+        eps: float = DEFAULT_OPTIONS.eps,
+        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
+        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
         unclipped_tables: Iterable[str] = (),
         module_type: Type[nn.Module] = EmbeddingBagCollection,
         fused_params: Optional[Dict[str, Any]] = None,
@@ -91,8 +116,7 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"CowClipEmbeddingBagCollection, got {module_type!r}"
             )
         self._module_type = module_type
-        self._options = CowClipOptions.resolve(
-            options,
+        keywords = dict(
             optimizer=optimizer,
             lr=lr,
             betas=betas,
@@ -103,17 +127,29 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             count_lr=count_lr,
             helen=helen,
         )
+        given: Settings
+        if options is not None:
+            CowClipOptions.resolve(options, **keywords)  # refuses both spellings at once
+            given = options_settings(options, "options=")
+        else:
+            given = keyword_settings(keywords, "the sharder's")
+        self._sources: List[Settings] = [given, fused_params_settings(fused_params)]
+        self._options = resolve_options(self._sources)  # a disagreement is refused here
 
     @property
     def options(self) -> CowClipOptions:
-        """The options given to this sharder (used for plain EmbeddingBagCollections)."""
+        """How this sharder trains a plain ``EmbeddingBagCollection`` whose weights carry
+        no ``apply_optimizer_in_backward`` mark (``options=`` merged with ``fused_params``)."""
         return self._options
 
     def options_for(self, module: nn.Module) -> CowClipOptions:
-        """The options ``module`` is sharded with: its own for a CowClip collection."""
+        """The options ``module`` is sharded with: this sharder's, merged with the
+        module's weights' ``apply_optimizer_in_backward`` marks and, for a CowClip
+        collection, its own options (a disagreement raises ValueError naming both)."""
+        sources = [*self._sources, in_backward_settings(table_marks(module))]
         if isinstance(module, CowClipEmbeddingBagCollection):
-            return CowClipOptions.from_module(module)
-        return self._options
+            sources.append(options_settings(module.options, "the collection's own"))
+        return resolve_options(sources)
 
     def shard(
         self,
@@ -128,7 +164,6 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             table_name_to_parameter_sharding=params,
             env=env,
             options=self.options_for(module),
-            fused_params=self.fused_params,
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
@@ -170,3 +205,37 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> Type[ShardedCowClipEmbeddingBagCollection]:
         return ShardedCowClipEmbeddingBagCollection
+
+
+def get_default_sharders(
+    fused_params: Optional[Dict[str, Any]] = None,
+    options: Optional[CowClipOptions] = None,
+    qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+) -> List[ModuleSharder[nn.Module]]:
+    """TorchRec's default sharders (``torchrec.distributed.sharding_plan.get_default_sharders``)
+    with the CowClip sharder for ``torchrec.EmbeddingBagCollection`` and for
+    :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` in place of TorchRec's EBC
+    sharder; TorchRec's own for every other module kind (``EmbeddingCollection``, ...).
+
+    ``fused_params`` and ``options`` configure both CowClip sharders (see
+    :class:`CowClipEmbeddingBagCollectionSharder`).
+
+    Example::
+
+        dmp = DistributedModelParallel(model, sharders=get_default_sharders(), device=device)
+
+    is all a model holding plain or CowClip embedding bag collections (and any other
+    TorchRec module) needs.
+    """
+    ours: List[ModuleSharder[nn.Module]] = [
+        CowClipEmbeddingBagCollectionSharder(
+            module_type=module_type,
+            fused_params=fused_params,
+            options=options,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+        for module_type in (EmbeddingBagCollection, CowClipEmbeddingBagCollection)
+    ]
+    return ours + [
+        s for s in torchrec_default_sharders() if s.module_type is not EmbeddingBagCollection
+    ]

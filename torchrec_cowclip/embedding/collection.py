@@ -52,6 +52,27 @@ from torchrec_cowclip.embedding.table_batch import (
 from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.torchrec_config import (
+    in_backward_settings,
+    keyword_settings,
+    options_settings,
+    resolve_options,
+    table_marks,
+)
+
+#: The constructor's keywords that say how the tables train (CowClipOptions' fields).
+_TRAINING_KEYWORDS = (
+    "options",
+    "optimizer",
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "cowclip",
+    "unclipped_tables",
+    "count_lr",
+    "helen",
+)
 
 
 class TableWeight(nn.Module):
@@ -231,8 +252,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     ) -> "CowClipEmbeddingBagCollection":
         """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights.
 
-        ``options`` are this class's keyword arguments (``optimizer``, ``lr``,
-        ``cowclip``, ...); ``is_weighted`` and ``device`` default to the EBC's.
+        ``options`` are this class's keyword arguments (``options=``, or ``optimizer``,
+        ``lr``, ``cowclip``, ...); ``is_weighted`` and ``device`` default to the EBC's.
+        Weights marked by TorchRec's ``apply_optimizer_in_backward`` are trained as
+        marked (:mod:`torchrec_cowclip.optim.torchrec_config`: e.g.
+        ``torchrec.optim.RowWiseAdagrad`` or ``torchrec_cowclip.optim.CowClipAdam``);
+        marks that disagree with ``options`` raise ValueError naming both.
 
         Example::
 
@@ -247,8 +272,19 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         """
         options.setdefault("is_weighted", ebc.is_weighted())
         options.setdefault("device", ebc.device)
+        training = {k: options.pop(k) for k in _TRAINING_KEYWORDS if k in options}
+        given = training.pop("options", None)
+        marks = in_backward_settings(table_marks(ebc))
+        sources = [
+            options_settings(given, "options=")
+            if given is not None
+            else keyword_settings(training, "from_ebc's"),
+            marks,
+        ]
+        if given is not None and training:
+            CowClipOptions.resolve(given, **training)  # refuses both spellings at once
         tables = [replace(t) for t in ebc.embedding_bag_configs()]
-        module = cls(tables, **options)
+        module = cls(tables, options=resolve_options(sources), **options)
         module.load_state_dict(ebc.state_dict())
         return module
 
@@ -308,6 +344,15 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def options(self) -> CowClipOptions:
+        """How the tables train now: the fused optimizer's live hyperparameters (an
+        ``lr`` changed by a schedule included), the unclipped tables and Helen."""
+        fused = self._fused_optimizer
+        return CowClipOptions.from_param_group(
+            fused.hyperparameters, fused.optimizer_name, self.unclipped_tables
+        ).replace(helen=self._helen)
 
     @property
     def unclipped_tables(self) -> Tuple[str, ...]:
@@ -382,7 +427,22 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     @property
     def fused_optimizer(self) -> CowClipFusedOptimizer:
-        """The ``KeyedOptimizer`` of the in-backward update (state, lr, checkpoints)."""
+        """The ``KeyedOptimizer`` of the in-backward update (state, lr, checkpoints).
+
+        Raises:
+            RuntimeError: the collection is on the meta device. It has no state to
+                optimize; ``DistributedModelParallel`` asks for it when no sharder of
+                its list matches this class (TorchRec's default sharders do not), and
+                would then allocate every table whole on every rank.
+        """
+        if self._device.type == "meta":
+            raise RuntimeError(
+                "this CowClipEmbeddingBagCollection is on the meta device: shard it with "
+                "DistributedModelParallel(..., sharders=torchrec_cowclip.distributed."
+                "get_default_sharders()) (TorchRec's default sharders, and a CowClip sharder "
+                "left at module_type=EmbeddingBagCollection, do not match this class), or "
+                "call to_empty(device=...) and reset_parameters() first"
+            )
         return self._fused_optimizer
 
     # --- Observability -------------------------------------------------------------

@@ -13,11 +13,14 @@ from torchrec_cowclip.optim.functional import (
     OPTIMIZERS,
     CountLR,
     CowClip,
+    Helen,
     UpdateRule,
     cowclip_clip,
     cowclip_row_update_,
     register_update_rule,
 )
+from torchrec_cowclip.optim.in_backward import CowClipAdam, CowClipRowWiseAdagrad, CowClipSGD
+from torchrec_cowclip.optim.options import CowClipOptions
 
 if TYPE_CHECKING:
     from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
@@ -30,7 +33,12 @@ __all__ = [
     "OPTIMIZERS",
     "CountLR",
     "CowClip",
+    "CowClipAdam",
     "CowClipFusedOptimizer",
+    "CowClipOptions",
+    "CowClipRowWiseAdagrad",
+    "CowClipSGD",
+    "Helen",
     "UpdateRule",
     "cowclip_clip",
     "cowclip_row_update_",

@@ -552,6 +552,11 @@ class UpdateRule:
         adam_bias_corrections: ``step`` receives Adam's bias corrections
             (:func:`adam_bias_corrections`) as ``adam_bias``, which the fused update
             computes once per table rather than once per row.
+        torchrec_optimizers: how TorchRec names this optimizer: FBGEMM's ``EmbOptimType``
+            values (``fused_params["optimizer"]``) and the qualified names of the
+            torch/TorchRec optimizer classes ``apply_optimizer_in_backward`` may be given.
+        fbgemm_states: ``(state name here, FBGEMM's)`` for each state tensor FBGEMM keeps
+            with the same meaning (TorchRec keys it ``<table>.<FBGEMM's name>``).
     """
 
     name: str
@@ -559,6 +564,8 @@ class UpdateRule:
     state_layout: Tuple[Tuple[str, str], ...]
     planner_optimizer: str
     adam_bias_corrections: bool = False
+    torchrec_optimizers: Tuple[str, ...] = ()
+    fbgemm_states: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         bad = [entry for entry in self.state_layout if entry[1] not in ("D", "1")]
@@ -702,6 +709,8 @@ def _sgd_step(
     sgd_rows_(weight, grad, lr)
 
 
+# FBGEMM's first state is "momentum1" whatever its optimizer; TorchRec names the others
+# after FBGEMM's get_optimizer_state() ("exp_avg_sq").
 register_update_rule(
     UpdateRule(
         "adam",
@@ -709,6 +718,8 @@ register_update_rule(
         (("exp_avg", "D"), ("exp_avg_sq", "D")),
         "torch.optim.Adam",
         adam_bias_corrections=True,
+        torchrec_optimizers=("adam", "torch.optim.adam.Adam", "torchrec.optim.optimizers.Adam"),
+        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
     )
 )
 register_update_rule(
@@ -717,9 +728,30 @@ register_update_rule(
         _rowwise_adagrad_step,
         (("sum", "1"),),
         "torchrec.optim.RowWiseAdagrad",
+        # FBGEMM's ROWWISE_ADAGRAD is the same update, applied without the sort that
+        # makes EXACT_ROWWISE_ADAGRAD deterministic; this one is always exact.
+        torchrec_optimizers=(
+            "exact_row_wise_adagrad",
+            "row_wise_adagrad",
+            "torchrec.optim.rowwise_adagrad.RowWiseAdagrad",
+        ),
+        fbgemm_states=(("sum", "momentum1"),),
     )
 )
-register_update_rule(UpdateRule("sgd", _sgd_step, (), "torch.optim.SGD"))
+register_update_rule(
+    UpdateRule(
+        "sgd",
+        _sgd_step,
+        (),
+        "torch.optim.SGD",
+        torchrec_optimizers=(
+            "exact_sgd",
+            "sgd",
+            "torch.optim.sgd.SGD",
+            "torchrec.optim.optimizers.SGD",
+        ),
+    )
+)
 
 
 def cowclip_row_update_(

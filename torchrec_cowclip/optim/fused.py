@@ -25,14 +25,20 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from torch import Tensor
-from torchrec.optim.fused import FusedOptimizer
+from torch import Tensor, nn
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from torchrec_cowclip.optim.options import CowClipOptions, validate_hyperparameters
 
-__all__ = ["CowClipFusedOptimizer", "CowClipOptions", "validate_hyperparameters"]
+__all__ = [
+    "CowClipFusedOptimizer",
+    "CowClipOptions",
+    "model_fused_optimizer",
+    "validate_hyperparameters",
+]
 
 
 class CowClipFusedOptimizer(FusedOptimizer):
@@ -71,3 +77,34 @@ class CowClipFusedOptimizer(FusedOptimizer):
         """The live param group (edit it to change lr and friends between steps)."""
         group: Dict[str, Any] = self.param_groups[0]
         return group
+
+
+def model_fused_optimizer(model: nn.Module) -> CombinedOptimizer:
+    """The fused optimizers of every ``FusedOptimizerModule`` in ``model`` (its CowClip
+    collections), as one ``CombinedOptimizer`` keyed by each module's path - exactly as
+    ``DistributedModelParallel`` keys ``dmp.fused_optimizer`` - so that an unsharded and a
+    sharded model save and load the same optimizer-state keys
+    (``ebc.embedding_bags.t0.weight``: ``exp_avg``, ...).
+
+    Example::
+
+        >>> import torch
+        >>> from torchrec import EmbeddingBagConfig
+        >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+        >>> model = torch.nn.Module()
+        >>> model.ebc = CowClipEmbeddingBagCollection([EmbeddingBagConfig(
+        ...     name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f"])])
+        >>> list(model_fused_optimizer(model).state_dict()["state"])
+        ['ebc.embedding_bags.t0.weight']
+    """
+    parts: List[Tuple[str, KeyedOptimizer]] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if isinstance(module, FusedOptimizerModule):
+            parts.append((path, module.fused_optimizer))
+            return
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return CombinedOptimizer(parts)

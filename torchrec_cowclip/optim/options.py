@@ -123,15 +123,6 @@ class CowClipOptions:
         except (TypeError, ValueError) as e:
             raise ValueError(f"fused optimizer param_groups[0]: {e}") from None
 
-    @classmethod
-    def from_module(cls, module: Any) -> "CowClipOptions":
-        """The options a CowClip collection is trained with now (its fused optimizer's
-        live hyperparameters, so an ``lr`` changed by a schedule is kept)."""
-        fused = module.fused_optimizer
-        return cls.from_param_group(
-            fused.hyperparameters, fused.optimizer_name, module.unclipped_tables
-        ).replace(helen=getattr(module, "helen", None))
-
     def replace(self, **changes: Any) -> "CowClipOptions":
         """A copy with ``changes`` (validated)."""
         return dataclasses.replace(self, **changes)
@@ -157,3 +148,8 @@ class CowClipOptions:
             raise ValueError(
                 f"unclipped_tables names tables that do not exist: {unknown}; tables are {names}"
             )
+
+
+#: Every field at its default: the one place the defaults are stated (the keyword
+#: spellings and the in-backward optimizer classes read theirs from here).
+DEFAULT_OPTIONS = CowClipOptions()

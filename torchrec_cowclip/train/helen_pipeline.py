@@ -1,38 +1,150 @@
-"""The training step of a run whose tables train with Helen.
+"""TorchRec's train pipelines with Helen's two-pass step in place of their backward.
 
-TorchRec's train pipelines run one forward and one backward per batch; Helen needs the
-forward twice (:meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`). This
-pipeline keeps the rest of ``TrainPipelineBase``'s step - next batch, move it to the
-device, ``zero_grad``, step the optimizers, return the model's output - and has the
-embedding module run the two passes.
+Helen needs the forward twice per batch
+(:meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`). These pipelines are
+TorchRec's own with one method replaced, ``_backward(losses)``: the pipeline's forward is
+Helen's first pass, and the backward runs the second forward of the same batch and both
+backwards, then the pipeline steps the optimizer as usual.
+
+* :class:`HelenTrainPipelineSparseDist` (``DistributedModelParallel``): TorchRec's
+  ``TrainPipelineSparseDist``, so the next batch's input distribution (its all-to-alls)
+  still overlaps the current step. Its sharded modules' pipelined forward keeps the
+  current batch's distributed input, so the second forward computes from it again
+  instead of asking for a second input distribution.
+* :class:`HelenTrainPipelineBase` (one process): TorchRec's ``TrainPipelineBase``.
+
+The second forward does not reach the dense gradients (unless the dense parameters are
+perturbed, ``Helen(perturb_dense=True)``), so under DDP it runs in ``no_sync()``. The
+embedding module's ``last_helen_cost`` has each step's cost.
+
+Example (what the trainer does under ``torchrun``)::
+
+    pipeline = HelenTrainPipelineSparseDist(dmp, optimizer, device)
+    output = pipeline.progress(batches)   # forward, Helen's two backwards, optimizer step
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.types import NoWait
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_cowclip.optim.functional import Helen
+from torchrec_cowclip.compat import (
+    dmp_data_parallel,
+    pipelined_forward_target,
+    use_pipelined_forward,
+)
+
+__all__ = ["HelenTrainPipelineBase", "HelenTrainPipelineSparseDist", "helen_module"]
 
 
-class HelenTrainPipeline:
-    """``progress(batches)`` as TorchRec's ``TrainPipelineBase``, with Helen's step.
+def helen_module(model: nn.Module) -> Any:
+    """The (sharded or unsharded) CowClip collection in ``model`` built with ``helen=``.
+
+    Raises:
+        ValueError: there is none, or more than one.
+    """
+    found = [m for m in model.modules() if getattr(m, "helen", None) is not None]
+    if len(found) != 1:
+        raise ValueError(
+            f"a Helen train pipeline needs exactly one embedding collection built with "
+            f"helen=Helen(...) in the model; it has {len(found)}"
+        )
+    return found[0]
+
+
+class _HelenStep:
+    """The backward of a TorchRec pipeline replaced by Helen's two passes."""
+
+    def _init_helen(
+        self,
+        model: nn.Module,
+        embedding_module: Optional[Any],
+        forward: Optional[Callable[[Any], Tuple[Tensor, Any]]],
+    ) -> None:
+        self._helen_module = (
+            embedding_module if embedding_module is not None else helen_module(model)
+        )
+        self._helen = self._helen_module.helen
+        if self._helen is None:
+            raise ValueError("the embedding module was not built with helen=Helen(...)")
+        # The pipeline's own forward of a batch: the model, or its custom_model_fwd.
+        self._helen_forward = forward if forward is not None else model
+        self._dense_params: List[Tensor] = [
+            p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.requires_grad
+        ]
+        self._data_parallel = dmp_data_parallel(model)
+
+    def _current_batch(self) -> Any:
+        raise NotImplementedError
+
+    def _backward(self, losses: Tensor) -> None:
+        batch = self._current_batch()
+        first_pass = [torch.sum(losses, dim=0)]
+
+        def closure() -> Tensor:
+            if first_pass:  # the pipeline's own forward is the first pass
+                return first_pass.pop()
+            ddp: Any = self._data_parallel
+            skip_sync = ddp is not None and not self._helen.perturb_dense
+            with ddp.no_sync() if skip_sync else nullcontext():
+                second, _ = self._helen_forward(batch)
+            return torch.sum(second, dim=0)
+
+        self._helen_module.helen_step(
+            closure, dense_params=self._dense_params if self._helen.perturb_dense else None
+        )
+
+
+@dataclass
+class _HelenPipelineContext(TrainPipelineContext):
+    """A batch's pipeline context that also keeps, per sharded module, its module context
+    and its distributed input once waited for, for Helen's second forward."""
+
+    distributed_inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+
+
+class _ReplayingPipelinedForward(PipelinedForward):
+    """TorchRec's pipelined forward of a sharded module, callable twice per batch: the
+    first call waits for the batch's input distribution, as TorchRec's does; the second
+    computes from the same distributed input."""
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        context = self.get_context()
+        assert isinstance(context, _HelenPipelineContext)  # the Helen pipeline's contexts
+        kept = context.distributed_inputs
+        module, stream, device = pipelined_forward_target(self)
+        if self.name in kept:  # the second forward of this batch
+            module_context, data = kept[self.name]
+            return module.compute_and_output_dist(module_context, data)
+        request = context.input_dist_tensors_requests.get(self.name)
+        if request is None:  # TorchRec's forward says what is missing
+            return super().__call__(*input, **kwargs)
+        with nullcontext() if stream is None else torch.get_device_module(device).stream(stream):
+            data = request.wait()
+        context.input_dist_tensors_requests[self.name] = NoWait(data)
+        kept[self.name] = (context.module_contexts[self.name], data)
+        return super().__call__(*input, **kwargs)
+
+
+class HelenTrainPipelineSparseDist(_HelenStep, TrainPipelineSparseDist):
+    """TorchRec's ``TrainPipelineSparseDist`` with Helen's step (see the module docstring).
 
     Args:
-        model: returns ``(loss, output)`` for a batch (TorchRec's train-task convention).
-        optimizer: the dense + fused optimizers; stepped after the two passes.
+        model: the ``DistributedModelParallel`` model; returns ``(losses, output)``.
+        optimizer: dense + fused optimizers, stepped after the two passes.
         device: where batches go.
-        embedding_module: the (possibly sharded) collection built with ``helen=``; its
-            ``helen`` says whether the dense parameters are perturbed too.
-        dense_params: the dense parameters (perturbed with ``Helen(perturb_dense=True)``).
-        data_parallel: the ``DistributedDataParallel`` around the dense part, if any; the
-            second pass, which does not reach the dense gradients, then runs under
-            ``no_sync()`` so that DDP expects no gradient reduction from it.
-
-    The embedding module's ``last_helen_cost`` has each step's cost.
+        embedding_module: the sharded collection built with ``helen=`` (default: found
+            in ``model``).
+        **kwargs: ``TrainPipelineSparseDist``'s other arguments.
     """
 
     def __init__(
@@ -40,35 +152,40 @@ class HelenTrainPipeline:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
-        embedding_module: Any,
-        dense_params: List[Tensor],
-        data_parallel: Optional[Any] = None,
+        embedding_module: Optional[Any] = None,
+        **kwargs: Any,
     ) -> None:
-        self._model, self._optimizer, self._device = model, optimizer, device
-        helen: Helen = embedding_module.helen
-        self._embedding, self._helen = embedding_module, helen
-        self._dense_params, self._ddp = dense_params, data_parallel
+        super().__init__(model, optimizer, device, context_type=_HelenPipelineContext, **kwargs)
+        self._init_helen(model, embedding_module, kwargs.get("custom_model_fwd"))
 
-    def progress(self, batches: Iterator[Any]) -> Any:
-        """One step on the next batch; raises StopIteration when there is none."""
-        batch = next(batches).to(self._device, non_blocking=True)
-        self._optimizer.zero_grad()
-        outputs: List[Any] = []
+    def _current_batch(self) -> Any:
+        return self.batches[0]
 
-        def closure() -> Tensor:
-            ddp = self._ddp
-            skip_sync = bool(outputs) and not self._helen.perturb_dense
-            with ddp.no_sync() if skip_sync and ddp is not None else nullcontext():
-                losses, output = self._model(batch)
-            outputs.append(output)
-            return torch.sum(losses, dim=0)
 
-        self._embedding.helen_step(
-            closure, dense_params=self._dense_params if self._helen.perturb_dense else None
-        )
-        self._optimizer.step()
-        return outputs[0]
+use_pipelined_forward(HelenTrainPipelineSparseDist, _ReplayingPipelinedForward)
 
-    def detach(self) -> None:
-        """Nothing to restore (TorchRec's sparse-dist pipeline rewires forwards; this
-        one does not)."""
+
+class HelenTrainPipelineBase(_HelenStep, TrainPipelineBase):
+    """TorchRec's ``TrainPipelineBase`` with Helen's step, for a model in one process
+    (arguments as :class:`HelenTrainPipelineSparseDist`'s)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        embedding_module: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, optimizer, device, **kwargs)
+        # TrainPipelineBase runs the model itself (it accepts custom_model_fwd unused).
+        self._init_helen(model, embedding_module, None)
+        self._batch_in_step: Any = None
+
+    def _wait_for_batch(self, cur_batch: Any) -> None:
+        # TrainPipelineBase moves on to the next batch before its backward: keep this one.
+        self._batch_in_step = cur_batch
+        super()._wait_for_batch(cur_batch)
+
+    def _current_batch(self) -> Any:
+        return self._batch_in_step

@@ -18,6 +18,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.optim.fused import model_fused_optimizer
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 
 
@@ -81,13 +82,9 @@ def build_optimizer(
     if fused is not None:
         parts.append(("embedding", fused))
     elif isinstance(embedding_collection, CowClipEmbeddingBagCollection):
-        # Keyed by the tables' full names in `model`, as DistributedModelParallel keys
-        # its fused optimizer: one checkpoint layout for one process and for N.
-        path = next(name for name, m in model.named_modules() if m is embedding_collection)
-        fused_part: KeyedOptimizer = embedding_collection.fused_optimizer
-        if path:
-            fused_part = CombinedOptimizer([(path, fused_part)])
-        parts.append(("embedding", fused_part))
+        # Keyed as DistributedModelParallel keys its fused optimizer: one checkpoint
+        # layout for one process and for N.
+        parts.append(("embedding", model_fused_optimizer(model)))
     elif embedding_params:
         parts.append(
             (

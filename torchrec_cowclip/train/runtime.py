@@ -27,9 +27,7 @@ from torch import Tensor, nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_cowclip.compat import dmp_data_parallel
 from torchrec_cowclip.data import BatchIterator, epoch_order
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
@@ -45,7 +43,10 @@ from torchrec_cowclip.train.distributed import (
     rank_rows_of_epoch,
     shard_model,
 )
-from torchrec_cowclip.train.helen_pipeline import HelenTrainPipeline
+from torchrec_cowclip.train.helen_pipeline import (
+    HelenTrainPipelineBase,
+    HelenTrainPipelineSparseDist,
+)
 from torchrec_cowclip.train.optimizers import build_optimizer
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.task import CTRTrainTask
@@ -155,14 +156,8 @@ class Runtime(ABC):
         """A TorchRec train pipeline over :attr:`train_module` for one epoch (Helen's
         two-pass step when the run trains with Helen)."""
 
-    def _helen_pipeline(self, data_parallel: Optional[nn.Module] = None) -> Optional[Any]:
-        embedding = self.embedding_module()
-        if getattr(embedding, "helen", None) is None:
-            return None
-        dense = [p for _, p in in_backward_optimizer_filter(self.train_module.named_parameters())]
-        return HelenTrainPipeline(
-            self.train_module, self.optimizer, self.device, embedding, dense, data_parallel
-        )
+    def _trains_with_helen(self) -> bool:
+        return getattr(self.embedding_module(), "helen", None) is not None
 
     def end_pipeline(self, pipeline: Any) -> None:
         """Releases what :meth:`pipeline` attached to the model."""
@@ -245,9 +240,8 @@ class LocalRuntime(Runtime):
         return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
 
     def pipeline(self) -> Any:
-        return self._helen_pipeline() or TrainPipelineBase(
-            self.train_module, self.optimizer, self.device
-        )
+        kind = HelenTrainPipelineBase if self._trains_with_helen() else TrainPipelineBase
+        return kind(self.train_module, self.optimizer, self.device)
 
     def embedding_module(self) -> nn.Module:
         ebc: nn.Module = self.model.embedding_collection
@@ -331,9 +325,10 @@ class ShardedRuntime(Runtime):
         )
 
     def pipeline(self) -> Any:
-        return self._helen_pipeline(dmp_data_parallel(self.train_module)) or (
-            TrainPipelineSparseDist(self.train_module, self.optimizer, self.device)
+        kind = (
+            HelenTrainPipelineSparseDist if self._trains_with_helen() else TrainPipelineSparseDist
         )
+        return kind(self.train_module, self.optimizer, self.device)
 
     def end_pipeline(self, pipeline: Any) -> None:
         # Restores the sharded modules' own forwards for evaluation and the next epoch.

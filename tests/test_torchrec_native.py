@@ -1,0 +1,405 @@
+"""TorchRec's own ways in: fused_params, apply_optimizer_in_backward, default sharders,
+FBGEMM-compatible optimizer state, Helen in TorchRec's train pipelines.
+
+Each configuration door is honoured exactly or refused in one line naming the key; the
+multi-process cases run on 2 CPU ranks with gloo (torchrec_native_cases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict
+
+import pytest
+import torch
+import torchrec_native_cases as native
+from cowclip_testing import kjt_from_bags
+from distributed_harness import run_ranks
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions, Helen
+from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+from torchrec_cowclip.optim import CowClipAdam, CowClipRowWiseAdagrad, CowClipSGD
+from torchrec_cowclip.optim.fbgemm_state import cowclip_state_dict, fbgemm_state_dict
+
+#: The row-wise accumulators may differ from FBGEMM's in the last bit (rsqrt vs sqrt).
+STOCK_RTOL = 1e-6
+
+
+def _tables():
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=10, feature_names=["f0"]),
+    ]
+
+
+def _ebc() -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
+
+
+# --- fused_params ----------------------------------------------------------------------
+
+
+HONOURED = [
+    (
+        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.5},
+        CowClipOptions(optimizer="rowwise_adagrad", lr=0.5),
+    ),
+    (
+        {"optimizer": EmbOptimType.ROWWISE_ADAGRAD, "learning_rate": 0.5, "cowclip": None},
+        CowClipOptions(optimizer="rowwise_adagrad", lr=0.5, cowclip=None),
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "learning_rate": 1e-3, "beta1": 0.8, "eps": 1e-6},
+        CowClipOptions(optimizer="adam", lr=1e-3, betas=(0.8, 0.999), eps=1e-6),
+    ),
+    (
+        {
+            "optimizer": "exact_sgd",
+            "learning_rate": 0.1,
+            "weight_decay": 1e-5,
+            "weight_decay_mode": WeightDecayMode.L2,
+        },
+        CowClipOptions(optimizer="sgd", lr=0.1, weight_decay=1e-5),
+    ),
+    # FBGEMM's defaults for what the optimizer's entry leaves out: lr 0.01, eps 1e-8
+    ({"optimizer": EmbOptimType.SGD}, CowClipOptions(optimizer="sgd", lr=0.01)),
+    (
+        {
+            "optimizer": EmbOptimType.ADAM,
+            "learning_rate": 1e-4,
+            "cowclip": CowClip(r=0.5, zeta=1e-4),
+            "unclipped_tables": ["lin"],
+            "helen": Helen(rho=0.01),
+        },
+        CowClipOptions(
+            lr=1e-4,
+            cowclip=CowClip(r=0.5, zeta=1e-4),
+            unclipped_tables=frozenset({"lin"}),
+            helen=Helen(rho=0.01),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("fused_params, expected", HONOURED)
+def test_fused_params_are_honoured(fused_params, expected):
+    sharder = CowClipEmbeddingBagCollectionSharder(fused_params=fused_params)
+    assert sharder.options == expected
+    assert sharder.options_for(_ebc()) == expected
+
+
+REFUSED = [
+    (
+        {"optimizer": EmbOptimType.EXACT_ADAGRAD},
+        r"\['optimizer'\]=exact_adagrad is not an optimizer",
+    ),
+    ({"optimizer": EmbOptimType.LAMB}, r"\['optimizer'\]=lamb is not an optimizer"),
+    (
+        {"optimizer": EmbOptimType.ADAM, "stochastic_rounding": True},
+        r"\['stochastic_rounding'\] is not honoured",
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "cache_load_factor": 0.2},
+        r"\['cache_load_factor'\] is not honoured",
+    ),
+    ({"optimizer": EmbOptimType.SGD, "momentum": 0.9}, r"\['momentum'\] is not honoured"),
+    (
+        {
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "weight_decay_mode": WeightDecayMode.COWCLIP,
+        },
+        r"\['weight_decay_mode'\]=COWCLIP is refused: FBGEMM's WeightDecayMode.COWCLIP clips "
+        r"against a running, half-life-decayed count",
+    ),
+    (
+        {
+            "optimizer": EmbOptimType.ADAM,
+            "weight_decay": 0.1,
+            "weight_decay_mode": WeightDecayMode.DECOUPLE,
+        },
+        r"\['weight_decay_mode'\]=DECOUPLE is refused",
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "weight_decay_mode": WeightDecayMode.COUNTER},
+        r"\['weight_decay_mode'\]=COUNTER is refused",
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "weight_decay": 1e-5},
+        r"\['weight_decay'\]=1e-05 would be ignored",
+    ),
+    ({"learning_rate": 0.5}, r"set \['learning_rate'\] but no 'optimizer'"),
+]
+
+
+@pytest.mark.parametrize("fused_params, message", REFUSED, ids=[str(list(f)) for f, _ in REFUSED])
+def test_unsupported_fused_params_are_refused_in_one_line_naming_the_key(fused_params, message):
+    with pytest.raises(ValueError, match=message) as error:
+        CowClipEmbeddingBagCollectionSharder(fused_params=fused_params)
+    assert "\n" not in str(error.value)
+
+
+def test_disagreements_between_options_fused_params_and_the_module_are_refused():
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.5}
+    with pytest.raises(
+        ValueError, match=r"options= lr=0.001 and fused_params\['learning_rate'\]=0.5 disagree"
+    ):
+        CowClipEmbeddingBagCollectionSharder(
+            fused_params=fused, options=CowClipOptions(optimizer="rowwise_adagrad", lr=1e-3)
+        )
+    with pytest.raises(ValueError, match="disagree on the tables' optimizer"):
+        CowClipEmbeddingBagCollectionSharder(fused_params=fused, optimizer="sgd")
+    # Options that agree are one configuration, said twice.
+    same = CowClipEmbeddingBagCollectionSharder(
+        fused_params=fused, options=CowClipOptions(optimizer="rowwise_adagrad", lr=0.5)
+    )
+    assert same.options.lr == 0.5
+    # A CowClip collection's own options against the sharder's.
+    module = CowClipEmbeddingBagCollection(_tables(), optimizer="adam", lr=1e-3, device="meta")
+    sharder = CowClipEmbeddingBagCollectionSharder(
+        module_type=CowClipEmbeddingBagCollection, fused_params=fused
+    )
+    with pytest.raises(ValueError, match="the collection's own optimizer='adam' disagree"):
+        sharder.options_for(module)
+    quiet = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
+    assert quiet.options_for(module) == module.options
+
+
+# --- apply_optimizer_in_backward ----------------------------------------------------
+
+
+def test_apply_optimizer_in_backward_marks_are_honoured():
+    ebc = _ebc()
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.5})
+    # TorchRec hands these keywords to FBGEMM: eps is FBGEMM's 1e-8, not the class's 1e-10.
+    expected = CowClipOptions(optimizer="rowwise_adagrad", lr=0.5, eps=1e-8)
+    assert CowClipEmbeddingBagCollectionSharder().options_for(ebc) == expected
+
+    ebc = _ebc()
+    for name, param in ebc.embedding_bags.named_parameters():
+        clip = None if name.startswith("lin.") else CowClip(r=1.0, zeta=1e-3)
+        apply_optimizer_in_backward(CowClipAdam, [param], {"lr": 1e-3, "cowclip": clip})
+    options = CowClipEmbeddingBagCollectionSharder().options_for(ebc)
+    assert options == CowClipOptions(
+        optimizer="adam",
+        lr=1e-3,
+        cowclip=CowClip(r=1.0, zeta=1e-3),
+        unclipped_tables=frozenset({"lin"}),
+    )
+
+
+@pytest.mark.parametrize(
+    "mark, message",
+    [
+        (
+            lambda ebc: apply_optimizer_in_backward(
+                torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1}
+            ),
+            r"apply_optimizer_in_backward\(Adagrad\) on 't0': the CowClip update trains",
+        ),
+        (
+            lambda ebc: apply_optimizer_in_backward(
+                CowClipSGD, [next(ebc.parameters())], {"lr": 0.1}
+            ),
+            r"marks tables \['t0'\] but not \['lin'\]",
+        ),
+        (
+            lambda ebc: [
+                apply_optimizer_in_backward(CowClipSGD, [p], {"lr": lr})
+                for p, lr in zip(ebc.parameters(), (0.1, 0.2))
+            ],
+            r"on .lin. lr=0.2 and apply_optimizer_in_backward\(CowClipSGD\) on .t0. lr=0.1 disagree",
+        ),
+        (
+            lambda ebc: apply_optimizer_in_backward(
+                torch.optim.SGD, ebc.parameters(), {"lr": 0.1, "momentum": 0.9}
+            ),
+            r"\['momentum'\] is not honoured",
+        ),
+    ],
+    ids=["full_adagrad", "some_tables", "two_lrs", "sgd_momentum"],
+)
+def test_apply_optimizer_in_backward_marks_that_cannot_be_honoured_are_refused(mark, message):
+    ebc = _ebc()
+    mark(ebc)
+    with pytest.raises(ValueError, match=message):
+        CowClipEmbeddingBagCollectionSharder().options_for(ebc)
+
+
+def test_cowclip_optimizer_classes_validate_and_refuse_a_dense_step():
+    weight = torch.nn.Parameter(torch.zeros(3, 2))
+    for cls in (CowClipAdam, CowClipRowWiseAdagrad, CowClipSGD):
+        opt = cls([weight], lr=0.1)
+        with pytest.raises(RuntimeError, match="get_default_sharders"):
+            opt.step()
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        CowClipAdam([weight], lr=-1.0)
+
+
+def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively():
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=20, feature_names=["f"])]
+    stock = EmbeddingBagCollection(tables=tables)
+    apply_optimizer_in_backward(RowWiseAdagrad, stock.parameters(), {"lr": 0.5, "eps": 1e-8})
+    marked = CowClipEmbeddingBagCollection.from_ebc(stock)
+    native = CowClipEmbeddingBagCollection.from_ebc(
+        EmbeddingBagCollection(tables=tables),
+        options=CowClipOptions(optimizer="rowwise_adagrad", lr=0.5, eps=1e-8),
+    )
+    native.load_state_dict(marked.state_dict())
+    kjt = kjt_from_bags({"f": [[1, 2, 2], [3], []]})
+    for ebc in (marked, native):
+        for _ in range(3):
+            ebc(kjt).values().square().sum().backward()
+    assert marked.options == native.options
+    torch.testing.assert_close(marked.state_dict(), native.state_dict(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="disagree"):
+        CowClipEmbeddingBagCollection.from_ebc(stock, lr=0.1)
+
+
+# --- FBGEMM-compatible state, in memory -----------------------------------------------
+
+
+def test_state_converts_to_fbgemm_names_and_back_sharing_storage():
+    module = CowClipEmbeddingBagCollection(_tables(), optimizer="adam")
+    module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
+    ours = module.fused_optimizer.state_dict()
+    stock = fbgemm_state_dict(ours)
+    assert {k: sorted(v) for k, v in stock["state"].items()} == {
+        "embedding_bags.t0.weight": ["t0.exp_avg_sq", "t0.momentum1"],
+        "embedding_bags.lin.weight": ["lin.exp_avg_sq", "lin.momentum1"],
+    }
+    assert (
+        stock["state"]["embedding_bags.t0.weight"]["t0.momentum1"]
+        is ours["state"]["embedding_bags.t0.weight"]["exp_avg"]
+    )
+    back = cowclip_state_dict(stock, like=ours)
+    module.fused_optimizer.load_state_dict(back)
+    torch.testing.assert_close(module.fused_optimizer.state_dict(), ours, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"has no 't0.exp_avg_sq'"):
+        broken = {"state": {k: dict(v) for k, v in stock["state"].items()}}
+        del broken["state"]["embedding_bags.t0.weight"]["t0.exp_avg_sq"]
+        cowclip_state_dict(broken, like=ours)
+
+
+# --- on 2 ranks ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Dict[str, Any]:
+    root = tmp_path_factory.mktemp("native")
+    out = str(root / "results.pt")
+    run_ranks(native.run, 2, str(root), out, timeout_s=240)
+    return torch.load(out, weights_only=False)
+
+
+def _assert_equal(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol=0.0):
+    assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
+    for key, value in expected.items():
+        assert not torch.isnan(actual[key]).any(), key
+        torch.testing.assert_close(
+            actual[key], value, rtol=rtol, atol=rtol and 1e-7, msg=lambda m: f"{key}: {m}"
+        )
+
+
+@pytest.mark.parametrize(
+    "way", ["fused_params", "apply_optimizer_in_backward", "cowclip_optimizer_class"]
+)
+def test_torchrec_config_trains_exactly_like_the_same_options_given_natively(two_ranks, way):
+    doors = two_ranks["doors"]
+    assert doors[way]["options"] == doors["options"]["options"]
+    assert doors[way]["options"].optimizer == "rowwise_adagrad" and doors[way]["options"].lr == 0.5
+    _assert_equal(doors[way]["state"], doors["options"]["state"])
+
+
+def test_in_backward_cowclip_none_makes_a_table_unclipped(two_ranks):
+    options = two_ranks["doors"]["unclipped_by_mark"]
+    assert options.unclipped_tables == frozenset({"t1"}) and options.cowclip == CowClip(1.0, 1e-3)
+
+
+def test_get_default_sharders_shards_every_module_kind(two_ranks):
+    case = two_ranks["default_sharders"]
+    assert case["kinds"] == {
+        "ebc": "ShardedCowClipEmbeddingBagCollection",
+        "cowclip_ebc": "ShardedCowClipEmbeddingBagCollection",
+        "ec": "ShardedEmbeddingCollection",
+    }
+    # The CowClip collection kept its own options and trained.
+    assert case["cowclip_options"].optimizer == "sgd" and case["cowclip_options"].lr == 0.1
+    assert case["cowclip_updated"] == {"ct0": 2, "ct1": 2}
+
+
+def test_a_cowclip_collection_without_a_matching_sharder_is_refused_before_allocation(two_ranks):
+    case = two_ranks["missing_sharder"]
+    for name in ("torchrec_defaults", "ebc_sharder_only"):
+        message = case[name]
+        assert message is not None and "\n" not in message
+        assert "get_default_sharders()" in message and "meta device" in message
+        assert case[f"{name}_still_meta"], "its tables were allocated before the error"
+
+
+def test_a_stock_fbgemm_checkpoint_resumes_with_cowclip_exactly_as_fbgemm_continues(two_ranks):
+    case = two_ranks["stock_checkpoints"]
+    _assert_equal(case["resumed_by_cowclip_at_2"], case["stock_at_2"])  # loaded exactly
+    accumulators = [v for k, v in case["stock_final"].items() if k.endswith("/accumulator")]
+    assert len(accumulators) == 3 and all(bool((a > 0).any()) for a in accumulators)
+    _assert_equal(case["cowclip_final"], case["stock_final"], rtol=STOCK_RTOL)
+    assert case["unconverted_error"] is not None  # the names differ without the conversion
+    # and back: a CowClip checkpoint in FBGEMM's layout continues under stock TorchRec
+    _assert_equal(case["stock_resumed_final"], case["cowclip_run_final"], rtol=STOCK_RTOL)
+
+
+def test_unsharded_and_sharded_modules_use_the_same_optimizer_state_keys(two_ranks):
+    keys = two_ranks["optimizer_keys"]
+    assert keys["sharded"] == keys["unsharded"]
+    assert keys["unsharded"]["ebc.embedding_bags.t0.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+# --- Helen in TorchRec's pipelines ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helen_two_ranks(tmp_path_factory) -> Dict[str, Any]:
+    root = tmp_path_factory.mktemp("helen")
+    out = str(root / "results.pt")
+    run_ranks(native.helen_pipeline_case, 2, str(root), out, timeout_s=240)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "data_parallel_perturbed"])
+def test_helen_through_the_sparse_dist_pipeline_equals_the_manual_two_pass_loop_on_2_ranks(
+    helen_two_ranks, name
+):
+    case = helen_two_ranks[name]
+    assert case["pipeline_type"] == "HelenTrainPipelineSparseDist"
+    assert case["pipeline_losses"] == case["manual_losses"]
+    _assert_equal(case["pipeline"], case["manual"])
+
+
+def test_helen_through_the_base_pipeline_equals_the_manual_two_pass_loop_on_1_process(tmp_path):
+    from trainer_cases import tiny_config
+
+    from torchrec_cowclip.train.trainer import Trainer
+
+    config = tiny_config(str(tmp_path), helen_rho=0.05, out=str(tmp_path / "pipeline"))
+    piped = Trainer(config)
+    piped.run_dir.release()
+    pipeline_type, pipeline_losses = native.pipeline_helen_steps(piped, 4)
+    manual = Trainer(replace(config, out=str(tmp_path / "manual")))
+    manual.run_dir.release()
+    assert pipeline_type == "HelenTrainPipelineBase"
+    assert pipeline_losses == native.manual_helen_steps(manual, 4)
+    for (key, a), (_, b) in zip(
+        piped.runtime.tensors()["model"].items(), manual.runtime.tensors()["model"].items()
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_the_pipelines_refuse_a_model_without_helen():
+    from torchrec_cowclip.train.helen_pipeline import helen_module
+
+    with pytest.raises(ValueError, match="exactly one embedding collection built with helen"):
+        helen_module(torch.nn.Linear(2, 2))
