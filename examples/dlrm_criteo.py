@@ -55,7 +55,9 @@ from torchrec_cowclip.optim import CowClipAdam
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # TorchRec's example spells its flags with underscores; both spellings work here.
-    p.add_argument("--in-memory-binary-criteo-path", "--in_memory_binary_criteo_path", required=True)
+    p.add_argument(
+        "--in-memory-binary-criteo-path", "--in_memory_binary_criteo_path", required=True
+    )
     p.add_argument("--num-embeddings", "--num_embeddings", type=int, default=100_000)
     p.add_argument("--embedding-dim", "--embedding_dim", type=int, default=64)
     p.add_argument("--dense-arch-layer-sizes", "--dense_arch_layer_sizes", default="512,256,64")
@@ -126,7 +128,9 @@ def rank_batches(
 
 
 def auc_module(batch_size: int, device: torch.device) -> RecMetricModule:
-    task = RecTaskInfo(name="ctr", label_name="label", prediction_name="prediction", weight_name="weight")
+    task = RecTaskInfo(
+        name="ctr", label_name="label", prediction_name="prediction", weight_name="weight"
+    )
     return generate_metric_module(
         RecMetricModule,
         MetricsConfig(
@@ -165,7 +169,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    )
     torch.manual_seed(args.seed)
 
     directory = Path(args.in_memory_binary_criteo_path)
@@ -178,7 +184,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         test_paths=test_days,
         hash_size=args.num_embeddings,
     )
-    train_rows, _, test_rows = dataset.split(test_fraction=0.0 if test_days else 0.1, seed=args.seed)
+    train_rows, _, test_rows = dataset.split(
+        test_fraction=0.0 if test_days else 0.1, seed=args.seed
+    )
 
     model = build_model(args, list(dataset.schema.sparse_names))
     sharders = get_default_sharders()
