@@ -183,9 +183,12 @@ def test_sharder_options_are_validated_and_read_from_cowclip_modules():
         unclipped_tables=("lin",),
     )
     module.fused_optimizer.param_groups[0]["lr"] = 0.2  # e.g. moved by a schedule
-    sharder = CowClipEmbeddingBagCollectionSharder(
-        optimizer="sgd", lr=9.0, module_type=CowClipEmbeddingBagCollection
-    )
+    # A sharder that says otherwise is refused (it used to be ignored silently).
+    with pytest.raises(ValueError, match="disagree"):
+        CowClipEmbeddingBagCollectionSharder(
+            optimizer="sgd", lr=9.0, module_type=CowClipEmbeddingBagCollection
+        ).options_for(module)
+    sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
     assert sharder.options_for(module) == CowClipOptions(
         optimizer="rowwise_adagrad",
         lr=0.2,
