@@ -97,18 +97,19 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
 from common import RESULTS, write_csv, write_json, write_png  # noqa: E402
 
+from torchrec_cowclip import Helen  # noqa: E402
 from torchrec_cowclip.train import TrainConfig, train  # noqa: E402
 from torchrec_cowclip.train.scaling import (  # noqa: E402
+    BASELINES,
     SCALINGS,
+    Recipe,
     get_recipe,
-    scale_factor,
     scale_hyperparameters,
 )
 
 METHODS = ("cowclip", "sqrt", "linear", "none")  # the default --methods
 HELEN_METHODS = ("helen", "helen+cowclip")
 ALL_METHODS = ("adam",) + METHODS + HELEN_METHODS
-HELEN_RHO, HELEN_BOUND = 0.05, 0.3
 HELEN_FIELDS = ("helen_rho", "helen_bound")
 HELEN_RECIPE = "fixed-l2"  # the recipe of helen+cowclip
 DEFAULT_BATCHES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -120,6 +121,20 @@ BUCKET_NOTE = (
 
 def _profile(data: str) -> str:
     return "avazu" if data.startswith("avazu:") else "criteo"
+
+
+def method_recipe(
+    method: str, recipe: str = "paper", rules: Optional[Dict[str, Any]] = None
+) -> Recipe:
+    """The scaling rule of ``method``: a trainer recipe (``cowclip``: ``recipe`` changed by
+    ``rules``; ``helen+cowclip``: :data:`HELEN_RECIPE`) or one of the baselines
+    (``sqrt``, ``linear``, ``none``; ``adam`` and ``helen`` are ``none``'s)."""
+    if method not in ALL_METHODS:
+        raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
+    if method in ("cowclip", "helen+cowclip"):
+        rec = get_recipe(HELEN_RECIPE if method == "helen+cowclip" else recipe)
+        return replace(rec, **(rules or {}))
+    return BASELINES["none" if method in ("adam", "helen") else method]
 
 
 def method_hyperparameters(
@@ -135,77 +150,42 @@ def method_hyperparameters(
     rules: Optional[Dict[str, str]] = None,
     clip_r: Optional[float] = None,
     clip_zeta: Optional[float] = None,
-    helen_rho: float = HELEN_RHO,
-    helen_bound: float = HELEN_BOUND,
+    helen_rho: float = Helen.rho,
+    helen_bound: float = Helen.bound,
 ) -> Dict[str, Any]:
     """The TrainConfig fields (lr, lr_embed, l2, cowclip, ...) of one method at one batch size.
 
-    Base values default to the trainer's profile at the base batch
-    (:func:`scale_hyperparameters`); ``cowclip`` yields exactly the trainer's values for
-    ``recipe`` when no base value is overridden. ``rules`` (``dense_lr_scaling``,
-    ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear; ``count_lr_power`` ->
-    a float) and ``clip_r`` / ``clip_zeta`` change the recipe for the cowclip methods only
-    (``cowclip``, ``helen+cowclip``); the helen methods add ``helen_rho`` / ``helen_bound``.
+    The values are :func:`scale_hyperparameters`'s under :func:`method_recipe`, from the
+    trainer's profile at the base batch unless ``base_lr`` / ``base_lr_embed`` / ``base_l2``
+    replace it, so ``cowclip`` yields exactly the trainer's values for ``recipe``. ``rules``
+    (``dense_lr_scaling``, ``embedding_lr_scaling``, ``l2_scaling`` -> fixed/sqrt/linear;
+    ``count_lr_power`` -> a float) and ``clip_r`` / ``clip_zeta`` change the recipe for the
+    cowclip methods only (``cowclip``, ``helen+cowclip``); the helen methods add
+    ``helen_rho`` / ``helen_bound``.
     """
-    if method not in ALL_METHODS:
-        raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
-    helen: Dict[str, Any] = {}
-    if method in HELEN_METHODS:
-        helen = {"helen_rho": helen_rho, "helen_bound": helen_bound}
-        method, recipe = (
-            ("cowclip", HELEN_RECIPE) if method == "helen+cowclip" else ("none", recipe)
-        )
-    base = scale_hyperparameters(
-        base_batch_size, dataset=_profile(data), base_batch_size=base_batch_size
+    clipped = method in ("cowclip", "helen+cowclip")
+    rec = method_recipe(method, recipe, rules if clipped else None)
+    hp = scale_hyperparameters(
+        batch_size,
+        dataset=_profile(data),
+        base_batch_size=base_batch_size,
+        recipe=rec,
+        base_dense_lr=base_lr,
+        base_embedding_lr=base_lr_embed,
+        base_l2=base_l2,
     )
-    lr0 = base.dense_lr if base_lr is None else base_lr
-    emb0 = base.embedding_lr if base_lr_embed is None else base_lr_embed
-    l20 = base.l2 if base_l2 is None else base_l2
-    s = batch_size / base_batch_size
-    rule = _rule_hyperparameters(method, s, lr0, emb0, l20, recipe, rules, clip_r, clip_zeta)
-    return {**rule, **helen}
-
-
-def _rule_hyperparameters(
-    method: str,
-    s: float,
-    lr0: float,
-    emb0: float,
-    l20: float,
-    recipe: str,
-    rules: Optional[Dict[str, str]],
-    clip_r: Optional[float],
-    clip_zeta: Optional[float],
-) -> Dict[str, Any]:
-    """``method_hyperparameters`` of a method without Helen, from the base values and the
-    batch ratio ``s``."""
-    if method == "cowclip":
-        rec = replace(get_recipe(recipe), **(rules or {}))
-        hp: Dict[str, Any] = {
-            "cowclip": True,
-            "recipe": recipe,
-            "lr": lr0 * scale_factor(rec.dense_lr_scaling, s),
-            "lr_embed": emb0 * scale_factor(rec.embedding_lr_scaling, s),
-            "l2": l20 * scale_factor(rec.l2_scaling, s),
-            "count_lr_power": rec.count_lr_power,
-        }
-        if clip_r is not None:
-            hp["clip_r"] = clip_r
-        if clip_zeta is not None:
-            hp["clip_zeta"] = clip_zeta
-        return hp
-    if method == "sqrt":
-        # scale_factor, as for the recipes: a cowclip run given the same rules gets the
-        # very same floats (the test suite compares such runs bit for bit).
-        return {
-            "cowclip": False,
-            "lr": lr0 * scale_factor("sqrt", s),
-            "lr_embed": emb0 * scale_factor("sqrt", s),
-            "l2": l20 * s,
-        }
-    if method == "linear":
-        return {"cowclip": False, "lr": lr0 * s, "lr_embed": emb0 * s, "l2": l20 * s}
-    return {"cowclip": False, "lr": lr0, "lr_embed": emb0, "l2": l20}
+    fields: Dict[str, Any] = {"cowclip": hp.cowclip}
+    if clipped:
+        fields["recipe"] = HELEN_RECIPE if method == "helen+cowclip" else recipe
+    fields.update(lr=hp.dense_lr, lr_embed=hp.embedding_lr, l2=hp.l2)
+    if clipped:
+        fields["count_lr_power"] = hp.count_lr_power
+        for name, value in (("clip_r", clip_r), ("clip_zeta", clip_zeta)):
+            if value is not None:
+                fields[name] = value
+    if method in HELEN_METHODS:
+        fields.update(helen_rho=helen_rho, helen_bound=helen_bound)
+    return fields
 
 
 def check_trainer_fields(
@@ -769,7 +749,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "into --out (table, CSV, JSON, plot)",
     )
     p.add_argument("--title", default="", help="--combine: the plot's title")
-    for name, default in zip(HELEN_FIELDS, (HELEN_RHO, HELEN_BOUND)):
+    for name, default in zip(HELEN_FIELDS, (Helen.rho, Helen.bound)):
         flag = "--" + name.replace("_", "-")
         p.add_argument(
             flag, type=float, default=default, help=f"helen methods: the trainer's {name}"

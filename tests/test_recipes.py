@@ -182,3 +182,16 @@ def test_a_helen_recipe_trains_with_helen_and_the_flags_override_it():
             config_from_args(build_parser().parse_args(args)).validate()
         cfg = config_from_args(build_parser().parse_args(args + ["--recipe", "helen-fixed-l2"]))
         cfg.validate()
+
+
+def test_the_study_baselines_are_recipes_without_the_clip_and_base_values_can_be_given():
+    from torchrec_cowclip.train.scaling import BASELINES
+
+    hp = scale_hyperparameters(
+        4096, base_batch_size=1024, recipe=BASELINES["sqrt"], base_dense_lr=1e-3, base_l2=1e-5
+    )
+    assert not hp.cowclip and hp.recipe == "sqrt"
+    assert (hp.dense_lr, hp.embedding_lr, hp.l2) == (2e-3, 2e-4, 4e-5)
+    none = scale_hyperparameters(4096, recipe=BASELINES["none"], base_embedding_lr=1e-2)
+    assert (none.dense_lr, none.embedding_lr, none.l2) == (8e-4, 1e-2, 1e-5)
+    assert all(r.cowclip for r in RECIPES.values()) and set(BASELINES).isdisjoint(RECIPES)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from torchrec_cowclip.optim.functional import CountLR, Helen
 
@@ -67,6 +67,8 @@ class Recipe:
             norm up to ``rho`` spread over the rows the batch touches, about ``s`` times
             more of them at ``s`` times the batch: ``sqrt`` keeps a row's share of it.
         helen_bound: Helen's lower bound on a row's frequency share.
+        cowclip: whether the recipe trains with the CowClip clip (the scaling study's
+            baselines, :data:`BASELINES`, do not).
         summary: one line for ``--help`` and the README.
     """
 
@@ -81,6 +83,7 @@ class Recipe:
     helen_rho: Optional[float] = None
     helen_rho_scaling: str = "fixed"
     helen_bound: float = Helen.bound
+    cowclip: bool = True
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -138,6 +141,34 @@ RECIPES: Dict[str, Recipe] = {
 }
 
 
+#: The plain large-batch rules the scaling study measures CowClip against
+#: (benchmarks/scaling.py's methods ``sqrt``, ``linear``, ``none``): no clip, the
+#: embedding and dense lr scaled alike; not ``--recipe`` choices.
+BASELINES: Dict[str, Recipe] = {
+    "sqrt": Recipe(
+        name="sqrt",
+        dense_lr_scaling="sqrt",
+        embedding_lr_scaling="sqrt",
+        cowclip=False,
+        summary="no clip; embedding and dense lr x sqrt(s), L2 x s",
+    ),
+    "linear": Recipe(
+        name="linear",
+        dense_lr_scaling="linear",
+        embedding_lr_scaling="linear",
+        cowclip=False,
+        summary="no clip; embedding and dense lr x s, L2 x s",
+    ),
+    "none": Recipe(
+        name="none",
+        dense_lr_scaling="fixed",
+        l2_scaling="fixed",
+        cowclip=False,
+        summary="no clip, no scaling: the base batch's lrs and L2 at every batch",
+    ),
+}
+
+
 def get_recipe(name: str) -> Recipe:
     """The recipe called ``name``; ValueError naming the choices otherwise."""
     try:
@@ -175,6 +206,7 @@ class ScaledHyperparameters:
     count_lr_power: float = 0.0
     helen_rho: Optional[float] = None
     helen_bound: float = Helen.bound
+    cowclip: bool = True
 
     @property
     def embedding_weight_decay(self) -> float:
@@ -211,10 +243,13 @@ def scale_hyperparameters(
     clip_r: Optional[float] = None,
     clip_zeta: Optional[float] = None,
     warmup_epochs: Optional[float] = None,
-    recipe: str = "paper",
+    recipe: Union[str, Recipe] = "paper",
     count_lr_power: Optional[float] = None,
     helen_rho: Optional[float] = None,
     helen_bound: Optional[float] = None,
+    base_dense_lr: Optional[float] = None,
+    base_embedding_lr: Optional[float] = None,
+    base_l2: Optional[float] = None,
 ) -> ScaledHyperparameters:
     """Applies a recipe's scaling rule; any explicitly given value overrides the rule.
 
@@ -226,7 +261,10 @@ def scale_hyperparameters(
         helen_rho, helen_bound: Helen's radius (used as given, at any batch) and bound,
             replacing the recipe's (whose radius scales with ``s``).
         clip_zeta: replaces ``r**2 * sqrt(embedding_dim) * bound``.
-        recipe: a name of :data:`RECIPES` (default ``paper``).
+        recipe: a name of :data:`RECIPES` (default ``paper``), or a :class:`Recipe`
+            (one of :data:`BASELINES`, or a variant made with ``dataclasses.replace``).
+        base_dense_lr, base_embedding_lr, base_l2: the values at the base batch, which the
+            recipe then scales, instead of the data profile's.
 
     Example::
 
@@ -236,9 +274,10 @@ def scale_hyperparameters(
     """
     if batch_size <= 0 or base_batch_size <= 0:
         raise ValueError(f"batch sizes must be > 0, got {batch_size} and {base_batch_size}")
-    rec = get_recipe(recipe)
+    rec = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     profile = dataset if dataset in PROFILES else "criteo"
-    base = PROFILES[profile]
+    given = {"dense_lr": base_dense_lr, "embedding_lr": base_embedding_lr, "l2": base_l2}
+    base = {**PROFILES[profile], **{k: v for k, v in given.items() if v is not None}}
     s = batch_size / base_batch_size
     r = rec.clip_r if clip_r is None else clip_r
     bound = base["bound"] if rec.bound is None else rec.bound
@@ -271,4 +310,5 @@ def scale_hyperparameters(
             else rec.helen_rho * scale_factor(rec.helen_rho_scaling, s)
         ),
         helen_bound=rec.helen_bound if helen_bound is None else helen_bound,
+        cowclip=rec.cowclip,
     )

@@ -160,7 +160,8 @@ class Trainer:
             helen_bound=config.helen_bound,
         )
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
-        self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if config.cowclip else None
+        clipped = config.cowclip and self.hp.cowclip
+        self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if clipped else None
         self.runtime: Runtime = make_runtime(
             config, self.dataset, self.train_idx, self.hp, self.cowclip
         )
