@@ -77,6 +77,36 @@ def test_grouping_equals_the_stable_sort_bit_for_bit(n, num_rows):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def test_grouping_table_by_table_equals_the_stable_sort_bit_for_bit():
+    """Features of each table sorted on their own (two features share a table, a table
+    of one row, an empty feature) give the global stable sort's result."""
+    gen = torch.Generator().manual_seed(4)
+    ranges = [(0, 50), (50, 1), (51, 4000), (0, 50), (4051, 30)]  # (first row, rows) per feature
+    sizes = [300, 20, 5000, 250, 0]
+    ids = torch.cat(
+        [torch.randint(lo, lo + n, (k,), generator=gen) for (lo, n), k in zip(ranges, sizes)]
+    )
+    bags = torch.randperm(ids.numel(), generator=gen)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    rows = torch.tensor(ranges)
+    expected = _eager_group(ids, bags, 4081)
+    got = native.group_rows(ids, bags, 4081, starts, rows)
+    for a, b in zip(
+        (
+            expected.rows,
+            expected.counts,
+            expected.segment_offsets,
+            expected.order,
+            expected.sorted_bags,
+        ),
+        got,
+    ):
+        assert torch.equal(a, b)
+    ids[3] = 60  # outside feature 0's rows
+    with pytest.raises(RuntimeError, match="outside its feature's rows"):
+        native.group_rows(ids, bags, 4081, starts, rows)
+
+
 # --- the row update against the functional core ---------------------------------------------
 
 

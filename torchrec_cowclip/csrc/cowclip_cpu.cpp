@@ -10,10 +10,13 @@
 // prefetched. Why a hand-written kernel: docs/performance.md, "The native CPU update".
 //
 // Ops (schemas in TORCH_LIBRARY below):
-//   group_rows      stable radix sort of the looked-up row ids (FBGEMM's
-//                   radix_sort_parallel, which libtorch_cpu carries) and the distinct rows,
+//   group_rows      stable radix sort of the looked-up row ids and the distinct rows,
 //                   their counts and position segments: embedding/row_gradients.py's
 //                   RowGrouping, identical to torch.sort(stable=True) + unique_consecutive.
+//                   Given each feature's positions and row range, the features of each
+//                   table sort on their own (in parallel, in cache, with digits as wide
+//                   as the table needs); one large range uses FBGEMM's radix_sort_parallel
+//                   (which libtorch_cpu carries).
 //   fused_update_   the per-row update above, in place; returns a status per row
 //                   (0 updated, 1 updated and clipped, 2 skipped: non-finite) and per
 //                   table counts of the three.
@@ -150,8 +153,55 @@ inline void prefetch_read(const void* p, int64_t bytes) {
 
 // --- group_rows ------------------------------------------------------------------------
 
+// One unit of the grouping: the positions of the features that look up one row range
+// (a table of the batch), in input order; units of disjoint ranges sort independently,
+// in parallel and in cache, and their outputs concatenate in row order.
+struct SortUnit {
+  int64_t row_start;
+  int64_t num_rows;
+  std::vector<std::pair<int64_t, int64_t>> segments;  // position ranges, in input order
+  int64_t size = 0;
+  int64_t out = 0;  // where its sorted positions start in the output
+};
+
+// Stable LSD radix sort of (key, value) pairs, keys in [0, num_keys), digits of at most
+// 11 bits; the result ends in (keys, values).
+void radix_sort_pairs(std::vector<int32_t>& keys, std::vector<int32_t>& values,
+                      std::vector<int32_t>& tmp_keys, std::vector<int32_t>& tmp_values,
+                      int64_t num_keys) {
+  const int64_t n = static_cast<int64_t>(keys.size());
+  int bits = 0;
+  while ((int64_t{1} << bits) < num_keys) ++bits;
+  if (n <= 1 || bits == 0) return;
+  const int passes = (bits + 10) / 11;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t buckets = int64_t{1} << digit;
+  std::vector<int64_t> count(buckets);
+  tmp_keys.resize(n);
+  tmp_values.resize(n);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = pass * digit;
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++count[(keys[i] >> shift) & (buckets - 1)];
+    int64_t total = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      const int64_t c = count[d];
+      count[d] = total;
+      total += c;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t o = count[(keys[i] >> shift) & (buckets - 1)]++;
+      tmp_keys[o] = keys[i];
+      tmp_values[o] = values[i];
+    }
+    keys.swap(tmp_keys);
+    values.swap(tmp_values);
+  }
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
-    const Tensor& row_ids, const Tensor& bag_of_position, int64_t num_rows) {
+    const Tensor& row_ids, const Tensor& bag_of_position, int64_t num_rows,
+    const std::optional<Tensor>& feature_starts, const std::optional<Tensor>& feature_rows) {
   TORCH_CHECK(row_ids.dim() == 1 && row_ids.scalar_type() == at::kLong, "row_ids: [L] int64");
   TORCH_CHECK(bag_of_position.sizes() == row_ids.sizes() &&
                   bag_of_position.scalar_type() == at::kLong,
@@ -164,18 +214,93 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
   const Tensor bags = bag_of_position.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
 
-  std::vector<int32_t> keys(n), values(n), tmp_keys(n), tmp_values(n);
-  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      keys[i] = static_cast<int32_t>(id[i]);
-      values[i] = static_cast<int32_t>(i);
+  // The units: one per distinct row range of the features, or one for everything.
+  std::vector<SortUnit> units;
+  if (feature_starts.has_value()) {
+    TORCH_CHECK(feature_rows.has_value(), "feature_starts and feature_rows come together");
+    const Tensor fs = feature_starts->contiguous(), fr = feature_rows->contiguous();
+    const int64_t F = fs.numel() - 1;
+    TORCH_CHECK(fs.scalar_type() == at::kLong && fr.scalar_type() == at::kLong &&
+                    fr.numel() == 2 * F && F >= 1,
+                "feature_starts: [F + 1], feature_rows: [F, 2] int64");
+    const int64_t* fsp = fs.data_ptr<int64_t>();
+    const int64_t* frp = fr.data_ptr<int64_t>();
+    TORCH_CHECK(fsp[0] == 0 && fsp[F] == n, "feature_starts must span the positions");
+    for (int64_t f = 0; f < F; ++f) {
+      TORCH_CHECK(fsp[f] <= fsp[f + 1], "feature_starts must be ascending");
+      auto it = std::find_if(units.begin(), units.end(), [&](const SortUnit& u) {
+        return u.row_start == frp[2 * f] && u.num_rows == frp[2 * f + 1];
+      });
+      if (it == units.end()) {
+        units.push_back(SortUnit{frp[2 * f], frp[2 * f + 1], {}});
+        it = units.end() - 1;
+      }
+      it->segments.emplace_back(fsp[f], fsp[f + 1]);
+      it->size += fsp[f + 1] - fsp[f];
     }
-  });
-  int32_t* sorted_keys = keys.data();
-  int32_t* sorted_values = values.data();
-  if (n > 1) {
-    std::tie(sorted_keys, sorted_values) = fbgemm::radix_sort_parallel<int32_t, int32_t>(
-        keys.data(), values.data(), tmp_keys.data(), tmp_values.data(), n, num_rows - 1, false);
+    std::stable_sort(units.begin(), units.end(), [](const SortUnit& x, const SortUnit& y) {
+      return x.row_start < y.row_start;
+    });
+    for (size_t k = 0; k + 1 < units.size(); ++k) {
+      TORCH_CHECK(units[k].row_start + units[k].num_rows <= units[k + 1].row_start,
+                  "the features' row ranges overlap without being equal");
+    }
+  } else {
+    units.push_back(SortUnit{0, num_rows, {{0, n}}, n});
+  }
+  int64_t offset = 0;
+  for (auto& u : units) {
+    u.out = offset;
+    offset += u.size;
+  }
+  std::vector<int32_t> sorted_keys_v(n), sorted_values_v(n);
+  int32_t* sorted_keys = sorted_keys_v.data();
+  int32_t* sorted_values = sorted_values_v.data();
+  std::atomic<bool> outside{false};
+  if (units.size() == 1 && n > 65536) {
+    // One range (a single table, or rows of no known layout): FBGEMM's parallel radix sort.
+    const SortUnit& u = units[0];
+    std::vector<int32_t> keys(n), values(n), tmp_keys(n), tmp_values(n);
+    int64_t i = 0;
+    for (const auto& [lo, hi] : u.segments) {
+      for (int64_t p = lo; p < hi; ++p, ++i) {
+        const int64_t k = id[p] - u.row_start;
+        if (k < 0 || k >= u.num_rows) outside = true;
+        keys[i] = static_cast<int32_t>(k);
+        values[i] = static_cast<int32_t>(p);
+      }
+    }
+    TORCH_CHECK(!outside.load(), "group_rows: a row id outside its feature's rows");
+    auto [sk, sv] = fbgemm::radix_sort_parallel<int32_t, int32_t>(
+        keys.data(), values.data(), tmp_keys.data(), tmp_values.data(), n, u.num_rows - 1, false);
+    for (int64_t j = 0; j < n; ++j) {
+      sorted_keys[j] = static_cast<int32_t>(sk[j] + u.row_start);
+      sorted_values[j] = sv[j];
+    }
+  } else {
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t ub, int64_t ue) {
+      std::vector<int32_t> keys, values, tmp_keys, tmp_values;
+      for (int64_t k = ub; k < ue; ++k) {
+        const SortUnit& u = units[k];
+        keys.resize(u.size);
+        values.resize(u.size);
+        int64_t i = 0;
+        for (const auto& [lo, hi] : u.segments) {
+          for (int64_t p = lo; p < hi; ++p, ++i) {
+            const int64_t key = id[p] - u.row_start;
+            if (key < 0 || key >= u.num_rows) outside = true;
+            keys[i] = static_cast<int32_t>(key);
+            values[i] = static_cast<int32_t>(p);
+          }
+        }
+        radix_sort_pairs(keys, values, tmp_keys, tmp_values, u.num_rows);
+        for (int64_t j = 0; j < u.size; ++j) {
+          sorted_keys[u.out + j] = static_cast<int32_t>(keys[j] + u.row_start);
+          sorted_values[u.out + j] = values[j];
+        }
+      }
+    });
+    TORCH_CHECK(!outside.load(), "group_rows: a row id outside its feature's rows");
   }
 
   // Distinct rows: chunks count their segment heads, then write them at their prefix.
@@ -740,7 +865,8 @@ Tensor stochastic_round(const Tensor& values, const Tensor& row_keys, const Tens
 
 TORCH_LIBRARY(torchrec_cowclip, m) {
   m.def(
-      "group_rows(Tensor row_ids, Tensor bag_of_position, int num_rows) -> "
+      "group_rows(Tensor row_ids, Tensor bag_of_position, int num_rows, "
+      "Tensor? feature_starts=None, Tensor? feature_rows=None) -> "
       "(Tensor rows, Tensor counts, Tensor segment_offsets, Tensor order, Tensor sorted_bags)");
   m.def(
       "fused_update_(Tensor(a!) weight, Tensor(b!)? state0, Tensor(c!)? state1, Tensor rows, "

@@ -150,7 +150,13 @@ def lookup_row_gradients(
             bag_of_position = torch.repeat_interleave(
                 bag_of_position, lengths, output_size=lookup.row_ids.numel()
             )
-        return group_rows(lookup.row_ids, bag_of_position, num_rows=batch.weight.shape[0])
+        starts = lookup.bag_offsets[batch.feature_bag_starts(b)]
+        return group_rows(
+            lookup.row_ids,
+            bag_of_position,
+            num_rows=batch.weight.shape[0],
+            feature_layout=(starts, batch.feature_rows),
+        )
 
     grouping = lookup.grouping.get(compute)
     # The native update sums each row's bag gradients in its own pass over the rows.

@@ -209,12 +209,24 @@ def _ops() -> Any:
 
 
 def group_rows(
-    row_ids: Tensor, bag_of_position: Tensor, num_rows: int
+    row_ids: Tensor,
+    bag_of_position: Tensor,
+    num_rows: int,
+    feature_starts: Optional[Tensor] = None,
+    feature_rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(rows, counts, segment_offsets, order, sorted_bags)`` of ``row_ids`` (all int64):
-    what a stable sort plus ``unique_consecutive`` give, from one radix sort."""
+    what a stable sort plus ``unique_consecutive`` give, from radix sorts.
+
+    ``feature_starts`` (``[F + 1]``: where each feature's positions start) and
+    ``feature_rows`` (``[F, 2]``: its first row and row count) let the features of each
+    table sort on their own; an id outside its feature's rows raises."""
     result: Tuple[Tensor, Tensor, Tensor, Tensor, Tensor] = _ops().group_rows(
-        row_ids.to(torch.int64), bag_of_position.to(torch.int64), int(num_rows)
+        row_ids.to(torch.int64),
+        bag_of_position.to(torch.int64),
+        int(num_rows),
+        feature_starts,
+        feature_rows,
     )
     return result
 

@@ -20,7 +20,7 @@ something reads it (Helen, the column-sharded and replicated updates).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,10 @@ class RowGrouping:
 
 
 def group_rows(
-    row_ids: Tensor, bag_of_position: Tensor, num_rows: Optional[int] = None
+    row_ids: Tensor,
+    bag_of_position: Tensor,
+    num_rows: Optional[int] = None,
+    feature_layout: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> RowGrouping:
     """Sorts the looked-up row ids and finds each distinct row's positions.
 
@@ -100,6 +103,9 @@ def group_rows(
         bag_of_position: ``[L]`` int64 index of each position's bag (output row).
         num_rows: an upper bound on the row ids (the table batch's rows), if known.
             Below 2**31 the ids are sorted as int32, twice as fast as int64.
+        feature_layout: ``([F + 1] position where each feature starts, [F, 2] its first
+            row and row count)``: lets the native grouping sort each table's positions on
+            their own (same result).
     """
     if (
         num_rows is not None
@@ -107,8 +113,9 @@ def group_rows(
         and row_ids.numel() <= torch.iinfo(torch.int32).max
         and use_native_update(row_ids.device)
     ):
+        starts, feature_rows = feature_layout if feature_layout is not None else (None, None)
         rows, counts, segment_offsets, order, sorted_bags = native.group_rows(
-            row_ids, bag_of_position, num_rows
+            row_ids, bag_of_position, num_rows, starts, feature_rows
         )
         return RowGrouping(rows, counts, segment_offsets, order, sorted_bags)
     # Stable, so that each row sums its positions in input order: bit-for-bit

@@ -161,6 +161,7 @@ class TableBatch(nn.Module):
     clip_enabled: Tensor
     feature_num_rows: Tensor
     rounding: Tensor
+    feature_rows: Tensor
 
     def _index_tensors(self, device: torch.device) -> Dict[str, Tensor]:
         """The index tensors, from their Python lists."""
@@ -171,6 +172,11 @@ class TableBatch(nn.Module):
                 self.feature_num_rows_list, dtype=torch.int64, device=device
             ),
             "rounding": torch.tensor(self.rounding_list, dtype=torch.int64, device=device),
+            "feature_rows": torch.tensor(
+                list(zip(self.feature_row_offset_list, self.feature_num_rows_list)),
+                dtype=torch.int64,
+                device=device,
+            ).view(-1, 2),
         }
 
     def rounding_keys(self) -> Tensor:
@@ -232,6 +238,15 @@ class TableBatch(nn.Module):
             return (bag % batch_size) * self.num_features + bag // batch_size
 
         return self._cached_index("bag_gradient_rows", batch_size, build)
+
+    def feature_bag_starts(self, batch_size: int) -> Tensor:
+        """``[F + 1]``: the index of each feature's first bag in a KJT's offsets
+        (``f * batch_size``), and the end (cached)."""
+        return self._cached_index(
+            "feature_bag_starts",
+            batch_size,
+            lambda: torch.arange(self.num_features + 1, device=self.weight.device) * batch_size,
+        )
 
     def unit_offsets(self, num_bags: int) -> Tensor:
         """``arange(num_bags + 1)``: offsets of ``num_bags`` bags of one id each (cached)."""
