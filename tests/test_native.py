@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cowclip_testing import kjt_from_bags, random_kjt
-from torchrec import DataType, EmbeddingBagConfig, PoolingType
+from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding import native, row_step
@@ -105,6 +105,29 @@ def test_grouping_table_by_table_equals_the_stable_sort_bit_for_bit():
     ids[3] = 60  # outside feature 0's rows
     with pytest.raises(RuntimeError, match="outside its feature's rows"):
         native.group_rows(ids, bags, 4081, starts, rows)
+
+
+#: fused_update_'s keywords for a plain call; tests override what they exercise.
+PLAIN = dict(
+    grad=None,
+    bag_gradients=None,
+    segment_offsets=None,
+    sorted_bags=None,
+    sorted_weights=None,
+    clip_enabled=None,
+    adam_bias=None,
+    row_sums=None,
+    rounding=None,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    clip=None,
+    count_lr=None,
+)
+
+
+def _fused(weight, state, rows, counts, **overrides):
+    return native.fused_update_(weight, state, rows, counts, **{**PLAIN, **overrides})
 
 
 # --- the row update against the functional core ---------------------------------------------
@@ -200,21 +223,24 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
     )
     for source in ("segments", "grad"):
         w, st = weight.clone(), [s.clone() for s in state]
-        status, per_table = native.fused_update_(
+        if source == "grad":
+            given = dict(grad=finite_grad)
+        else:
+            given = dict(
+                bag_gradients=bag_grads,
+                segment_offsets=grouping.segment_offsets,
+                sorted_bags=grouping.sorted_bags,
+                sorted_weights=sorted_weights,
+            )
+        status, per_table = _fused(
             w,
             st,
             rows,
             counts,
-            grad=finite_grad if source == "grad" else None,
-            bag_gradients=bag_grads if source == "segments" else None,
-            segment_offsets=grouping.segment_offsets if source == "segments" else None,
-            sorted_bags=grouping.sorted_bags if source == "segments" else None,
-            sorted_weights=sorted_weights if source == "segments" else None,
+            **given,
             row_offsets=row_offsets,
             clip_enabled=clip_enabled,
             adam_bias=bias if optimizer == "adam" else None,
-            row_sums=None,
-            rounding=None,
             optimizer=optimizer,
             lr=lr,
             betas=betas,
@@ -253,28 +279,17 @@ def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
         g.sorted_bags, bag_grads, g.segment_offsets, mode="sum", include_last_offset=True
     )
     w = torch.zeros(500, 16)
-    native.fused_update_(
+    _fused(
         w,
         [],
         g.rows,
         g.counts,
-        grad=None,
         bag_gradients=bag_grads,
         segment_offsets=g.segment_offsets,
         sorted_bags=g.sorted_bags,
-        sorted_weights=None,
         row_offsets=torch.tensor([0, 500]),
-        clip_enabled=None,
-        adam_bias=None,
-        row_sums=None,
-        rounding=None,
         optimizer="sgd",
         lr=1.0,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        clip=None,
-        count_lr=None,
     )
     assert torch.equal(w[g.rows], -expected)
 
@@ -322,24 +337,17 @@ def test_column_shard_row_sums_match_the_functional_core(optimizer):
         1,
     )
     w, st = weight.clone(), [s.clone() for s in state]
-    status, _ = native.fused_update_(
+    status, _ = _fused(
         w,
         st,
         rows,
         counts,
         grad=grad,
-        bag_gradients=None,
-        segment_offsets=None,
-        sorted_bags=None,
-        sorted_weights=None,
         row_offsets=row_offsets,
-        clip_enabled=None,
         adam_bias=bias if optimizer == "adam" else None,
         row_sums=packed,
-        rounding=None,
         optimizer=optimizer,
         clip=(1.0, 1e-3),
-        count_lr=None,
         **kw,
     )
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
@@ -352,28 +360,15 @@ def test_bad_rows_are_refused_before_any_change():
     w = torch.zeros(10, 4)
     for rows in (torch.tensor([3, 2]), torch.tensor([1, 10]), torch.tensor([-1, 2])):
         with pytest.raises(RuntimeError, match="distinct, ascending and inside"):
-            native.fused_update_(
+            _fused(
                 w,
                 [],
                 rows,
                 torch.ones(2, dtype=torch.int64),
                 grad=torch.ones(2, 4),
-                bag_gradients=None,
-                segment_offsets=None,
-                sorted_bags=None,
-                sorted_weights=None,
                 row_offsets=torch.tensor([0, 10]),
-                clip_enabled=None,
-                adam_bias=None,
-                row_sums=None,
-                rounding=None,
                 optimizer="sgd",
                 lr=1.0,
-                betas=(0.9, 0.999),
-                eps=1e-8,
-                weight_decay=0.0,
-                clip=None,
-                count_lr=None,
             )
     assert not w.any()
 
@@ -418,30 +413,11 @@ def test_stochastic_rounding_is_unbiased(dtype):
 
 
 def _half_tables(data_type):
-    return [
-        EmbeddingBagConfig(
-            name="shared",
-            embedding_dim=8,
-            num_embeddings=40,
-            feature_names=["fa", "fb"],
-            data_type=data_type,
-        ),
-        EmbeddingBagConfig(
-            name="mean",
-            embedding_dim=8,
-            num_embeddings=25,
-            feature_names=["fd"],
-            pooling=PoolingType.MEAN,
-            data_type=data_type,
-        ),
-        EmbeddingBagConfig(
-            name="linear",
-            embedding_dim=1,
-            num_embeddings=20,
-            feature_names=["fe"],
-            data_type=data_type,
-        ),
-    ]
+    """The collection tests' tables (a shared table, MEAN pooling, mixed dims, an
+    unclipped dim-1 table) stored in ``data_type``."""
+    from test_collection import _tables
+
+    return [replace(t, data_type=data_type) for t in _tables()]
 
 
 def _half_module(tables, optimizer, weights, mode):

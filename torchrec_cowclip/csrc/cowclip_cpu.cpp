@@ -199,6 +199,22 @@ void radix_sort_pairs(std::vector<int32_t>& keys, std::vector<int32_t>& values,
   }
 }
 
+// A unit's keys (row id - its first row) and positions, in input order; flags ids outside.
+void gather_unit(const SortUnit& u, const int64_t* id, std::vector<int32_t>& keys,
+                 std::vector<int32_t>& values, std::atomic<bool>& outside) {
+  keys.resize(u.size);
+  values.resize(u.size);
+  int64_t i = 0;
+  for (const auto& [lo, hi] : u.segments) {
+    for (int64_t p = lo; p < hi; ++p, ++i) {
+      const int64_t key = id[p] - u.row_start;
+      if (key < 0 || key >= u.num_rows) outside = true;
+      keys[i] = static_cast<int32_t>(key);
+      values[i] = static_cast<int32_t>(p);
+    }
+  }
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
     const Tensor& row_ids, const Tensor& bag_of_position, int64_t num_rows,
     const std::optional<Tensor>& feature_starts, const std::optional<Tensor>& feature_rows) {
@@ -260,16 +276,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
   if (units.size() == 1 && n > 65536) {
     // One range (a single table, or rows of no known layout): FBGEMM's parallel radix sort.
     const SortUnit& u = units[0];
-    std::vector<int32_t> keys(n), values(n), tmp_keys(n), tmp_values(n);
-    int64_t i = 0;
-    for (const auto& [lo, hi] : u.segments) {
-      for (int64_t p = lo; p < hi; ++p, ++i) {
-        const int64_t k = id[p] - u.row_start;
-        if (k < 0 || k >= u.num_rows) outside = true;
-        keys[i] = static_cast<int32_t>(k);
-        values[i] = static_cast<int32_t>(p);
-      }
-    }
+    std::vector<int32_t> keys, values, tmp_keys(n), tmp_values(n);
+    gather_unit(u, id, keys, values, outside);
     TORCH_CHECK(!outside.load(), "group_rows: a row id outside its feature's rows");
     auto [sk, sv] = fbgemm::radix_sort_parallel<int32_t, int32_t>(
         keys.data(), values.data(), tmp_keys.data(), tmp_values.data(), n, u.num_rows - 1, false);
@@ -282,17 +290,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
       std::vector<int32_t> keys, values, tmp_keys, tmp_values;
       for (int64_t k = ub; k < ue; ++k) {
         const SortUnit& u = units[k];
-        keys.resize(u.size);
-        values.resize(u.size);
-        int64_t i = 0;
-        for (const auto& [lo, hi] : u.segments) {
-          for (int64_t p = lo; p < hi; ++p, ++i) {
-            const int64_t key = id[p] - u.row_start;
-            if (key < 0 || key >= u.num_rows) outside = true;
-            keys[i] = static_cast<int32_t>(key);
-            values[i] = static_cast<int32_t>(p);
-          }
-        }
+        gather_unit(u, id, keys, values, outside);
         radix_sort_pairs(keys, values, tmp_keys, tmp_values, u.num_rows);
         for (int64_t j = 0; j < u.size; ++j) {
           sorted_keys[u.out + j] = static_cast<int32_t>(keys[j] + u.row_start);

@@ -112,7 +112,9 @@ class EmbeddingOptions:
                 f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}"
             )
         if data_type not in EMBEDDING_DTYPES:
-            raise ValueError(f"embedding data_type must be one of {EMBEDDING_DTYPES}, got {data_type!r}")
+            raise ValueError(
+                f"embedding data_type must be one of {EMBEDDING_DTYPES}, got {data_type!r}"
+            )
         if data_type != "fp32" and backend != "cowclip":
             raise ValueError(
                 f"embedding data_type {data_type} needs the cowclip backend (the stock "
