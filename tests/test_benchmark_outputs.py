@@ -24,6 +24,22 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)
 
 
+#: end_to_end.py at a tiny size: one round of one step per variant, no deepctr-torch.
+TINY_END_TO_END = [
+    "--rows",
+    "2048",
+    "--batch-sizes",
+    "256",
+    "--rounds",
+    "1",
+    "--warmup",
+    "0",
+    "--steps-per-round",
+    "1",
+    "--no-deepctr",
+]
+
+
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -35,17 +51,7 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     out = tmp_path / "out"
     result = end_to_end.main(
         [
-            "--rows",
-            "2048",
-            "--batch-sizes",
-            "256",
-            "--rounds",
-            "1",
-            "--warmup",
-            "0",
-            "--steps-per-round",
-            "1",
-            "--no-deepctr",
+            *TINY_END_TO_END,
             "--max-cardinality",
             "1000",
             "--threads",
@@ -88,17 +94,7 @@ def test_end_to_end_fbgemm_anchors_train_through_dmp(bench, tmp_path):
         [
             sys.executable,
             str(script),
-            "--rows",
-            "2048",
-            "--batch-sizes",
-            "256",
-            "--rounds",
-            "1",
-            "--warmup",
-            "0",
-            "--steps-per-round",
-            "1",
-            "--no-deepctr",
+            *TINY_END_TO_END,
             "--no-stock",
             "--no-memory",
             "--dim",
