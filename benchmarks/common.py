@@ -122,16 +122,27 @@ def single_hot_batches(
 # --- the modules timed -------------------------------------------------------------
 
 
-def make_ours(rows: Sequence[int], dim: int, optimizer: str, device: torch.device = CPU) -> Any:
+def make_ours(
+    rows: Sequence[int],
+    dim: int,
+    optimizer: str,
+    device: torch.device = CPU,
+    data_type: str = "fp32",
+) -> Any:
     """``CowClipEmbeddingBagCollection`` over tables ``t{i}`` of ``rows[i]`` rows (feature
-    ``f{i}``), CowClip r = 1, zeta = 1e-5; Adam lr 1e-3, other optimizers lr 1e-2."""
-    from torchrec import EmbeddingBagConfig
+    ``f{i}``) stored in ``data_type`` (fp32, fp16, bf16), CowClip r = 1, zeta = 1e-5;
+    Adam lr 1e-3, other optimizers lr 1e-2."""
+    from torchrec import DataType, EmbeddingBagConfig
 
     from torchrec_cowclip import CowClipEmbeddingBagCollection
 
     tables = [
         EmbeddingBagConfig(
-            name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"]
+            name=f"t{t}",
+            embedding_dim=dim,
+            num_embeddings=n,
+            feature_names=[f"f{t}"],
+            data_type=DataType(data_type.upper()),
         )
         for t, n in enumerate(rows)
     ]
@@ -176,6 +187,37 @@ def make_tbe(
             for dst, src in zip(tbe.split_embedding_weights(), initial):
                 dst.copy_(src)
     return tbe
+
+
+def fbgemm_cowclip_options() -> Dict[str, Any]:
+    """:func:`make_tbe` options for FBGEMM's own ``WeightDecayMode.COWCLIP`` (row-wise
+    Adagrad only; it clips with a running row counter, not this batch's count), with this
+    module's CowClip ``r`` and ``zeta``."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        CounterWeightDecayMode,
+        CowClipDefinition,
+        WeightDecayMode,
+    )
+
+    return dict(
+        weight_decay=0.0,
+        weight_decay_mode=WeightDecayMode.COWCLIP,
+        cowclip_regularization=CowClipDefinition(
+            counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE,
+            counter_halflife=-1,
+            weight_norm_coefficient=COWCLIP.r,
+            lower_bound=COWCLIP.zeta,
+        ),
+    )
+
+
+def tbe_storage_bytes(tbe: Any) -> int:
+    """Bytes of a TBE's weights and optimizer state tensors (its own buffers)."""
+    return sum(
+        t.numel() * t.element_size()
+        for name, t in list(tbe.named_buffers()) + list(tbe.named_parameters())
+        if name.endswith(("_host", "_dev", "_uvm"))
+    )
 
 
 def ours_step(ebc: Any, grad: Tensor) -> Callable[[Batch], None]:
@@ -334,6 +376,15 @@ def floor_bytes(lookups: int, dim: int, unique_rows: float, state_per_row: int =
     floats; the update reads and writes weight + ``state_per_row`` moments of every
     touched row. (Gradients, ids and outputs are left out: a lower bound.)"""
     return float(lookups * dim * 4 + unique_rows * (1 + state_per_row) * dim * 4 * 2)
+
+
+def load_average() -> str:
+    """``/proc/loadavg``'s 1, 5 and 15 minute load averages (empty where it is absent)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return ""
 
 
 def cpu_model() -> str:

@@ -2,11 +2,17 @@
 
 What it measures: forward + backward + in-backward optimizer update, per step, on CPU, of
 
-1. ``CowClipEmbeddingBagCollection(optimizer="adam", cowclip=CowClip(...))``;
+1. ``CowClipEmbeddingBagCollection(optimizer="adam", cowclip=CowClip(...))`` (the
+   default CPU path: the native kernels of ``torchrec_cowclip/embedding/native.py``);
 2. ``CowClipEmbeddingBagCollection(optimizer="rowwise_adagrad", cowclip=CowClip(...))``;
-3. FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` with
-   ``EXACT_ROWWISE_ADAGRAD`` (``EmbeddingLocation.HOST``, ``ComputeDevice.CPU``), the
-   fused kernel TorchRec itself uses on CPU - the reference point;
+3. FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` with ``EXACT_ROWWISE_ADAGRAD``
+   (``EmbeddingLocation.HOST``, ``ComputeDevice.CPU``), the fused kernel TorchRec itself
+   uses on CPU - the reference point of ours with Adam;
+4. the same TBE in FBGEMM's ``WeightDecayMode.COWCLIP`` - the like-for-like reference of
+   ours with row-wise Adagrad;
+5. ours with Adam on the previous CPU path (``TORCHREC_COWCLIP_COMPILE=inductor``: torch
+   sort + segment ``embedding_bag`` + the Inductor-compiled row step);
+6. with ``--half``: ours with Adam on float16 and on bfloat16 tables;
 
 plus, for ours with Adam, the forward alone (under ``torch.no_grad()``) and the
 backward + update part of the full step.
@@ -14,15 +20,19 @@ backward + update part of the full step.
 Every variant sees the same inputs: a few pre-generated single-hot batches (one id per
 feature per sample, as Criteo) with power-law ids, ``p(rank k) ~ k**-zipf`` per table
 (ranks mapped to rows by a fixed random permutation per table, as hashing would), and
-one fixed random upstream gradient ``g``. Ours steps with
-``(ebc(kjt).values() * g).sum().backward()``; the TBE with
-``(tbe(kjt.values(), kjt.offsets()) * g).sum().backward()``. Runs are interleaved: each
-round runs every variant once, in an order rotated every round, and the report gives
-the median and minimum ms/step per variant and the ratio ours / FBGEMM of medians.
+one fixed random upstream gradient ``g``. A step is ``ebc(kjt).values().backward(g)``
+(the TBE: ``tbe(indices, offsets).backward(g)``): no loss of the benchmark's own in the
+timing (``--loss mul-sum`` times ``(values * g).sum().backward()`` instead, as the
+versions before the native kernels did: about 7 ms more for every variant at the default
+shape). Runs are interleaved: each round runs every variant once, in an order rotated
+every round; the report gives the median and minimum ms/step per variant and the paired
+ratios (median over rounds of the per-round ratio), and the load averages of the machine
+before and after (``/proc/loadavg``).
 
 It also prints a memory-bandwidth floor for ours with Adam: the bytes a step must move
 (pooled lookup reads plus read + write of the touched rows' weight and two Adam
-moments) divided by the measured copy bandwidth of this machine.
+moments) divided by the measured copy bandwidth of this machine, and the table and
+optimizer-state bytes of each variant.
 
 Run (default shape: 26 tables x 100,000 rows, dim 16, batch 16,384; about 2 minutes
 on 2 cores)::
@@ -65,6 +75,7 @@ from common import (  # noqa: E402
     cpu_model,
     floor_bytes,
     format_table,
+    load_average,
     paired_ratio,
     run_interleaved,
     single_hot_batches,
@@ -77,9 +88,12 @@ from common import (  # noqa: E402
 NUM_BATCHES = 4  # distinct pre-generated batches, cycled
 
 FBGEMM_NAME = "fbgemm TBE rowwise_adagrad"
+FBGEMM_COWCLIP_NAME = "fbgemm TBE rowwise_adagrad+COWCLIP"
 ADAM_NAME = "ours adam+cowclip"
 ADAGRAD_NAME = "ours rowwise_adagrad+cowclip"
+INDUCTOR_NAME = "ours adam+cowclip, Inductor update"
 FORWARD_NAME = "ours adam: forward only (no_grad)"
+HALF_NAMES = {"fp16": "ours adam+cowclip, fp16 tables", "bf16": "ours adam+cowclip, bf16 tables"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,39 @@ class Shape:
         return [self.rows] * self.tables
 
 
+def backward_step(module: Any, grad: Tensor, loss: str) -> Callable[[Batch], None]:
+    """One step of ours (a KJT in) or of the TBE (indices and offsets in)."""
+
+    def pooled(batch: Batch) -> Tensor:
+        if hasattr(module, "fused_optimizer") and not hasattr(module, "split_embedding_weights"):
+            out: Tensor = module(batch.kjt).values()
+            return out
+        result: Tensor = module(batch.indices, batch.offsets)
+        return result
+
+    def step(batch: Batch) -> None:
+        if loss == "mul-sum":
+            (pooled(batch) * grad).sum().backward()
+        else:
+            pooled(batch).backward(grad)
+
+    return step
+
+
+def in_mode(mode: str, step: Callable[[Batch], None]) -> Callable[[Batch], None]:
+    """``step`` with ``TORCHREC_COWCLIP_COMPILE=mode`` for its duration."""
+    from torchrec_cowclip.embedding.row_step import set_compiled_update
+
+    def run(batch: Batch) -> None:
+        set_compiled_update(mode)
+        try:
+            step(batch)
+        finally:
+            set_compiled_update(None)
+
+    return run
+
+
 def ours_forward(ebc: Any) -> Callable[[Batch], None]:
     def step(batch: Batch) -> None:
         with torch.no_grad():
@@ -102,13 +149,18 @@ def ours_forward(ebc: Any) -> Callable[[Batch], None]:
     return step
 
 
-def ours_step_split(ebc: Any, grad: Tensor, backward_ms: Timing) -> Callable[[Batch], None]:
+def ours_step_split(
+    ebc: Any, grad: Tensor, backward_ms: Timing, loss: str
+) -> Callable[[Batch], None]:
     """The full step, also recording the time of its backward (+ fused update) part."""
 
     def step(batch: Batch) -> None:
-        loss = (ebc(batch.kjt).values() * grad).sum()
+        values = ebc(batch.kjt).values()
         start = time.perf_counter()
-        loss.backward()
+        if loss == "mul-sum":
+            (values * grad).sum().backward()
+        else:
+            values.backward(grad)
         backward_ms.samples.append((time.perf_counter() - start) * 1e3)
 
     return step
@@ -128,6 +180,8 @@ def csv_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             **{k: v for k, v in t.items() if k != "samples_ms"},
             "vs_fbgemm_median": result["ratio_median_vs_fbgemm"].get(name),
             "vs_fbgemm_paired": result["ratio_paired_vs_fbgemm"].get(name),
+            "vs_fbgemm_cowclip_paired": result["ratio_paired_vs_fbgemm_cowclip"].get(name),
+            "storage_bytes": result["storage_bytes"].get(name),
             "floor_ms_adam": result["floor_ms_adam"],
         }
         for name, t in parts.items()
@@ -193,6 +247,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument(
+        "--loss",
+        choices=("backward", "mul-sum"),
+        default="backward",
+        help="what a step's backward starts from: backward(g) on the pooled values "
+        "(default), or (values * g).sum() as before the native kernels",
+    )
+    parser.add_argument(
+        "--half", action="store_true", help="also time ours with Adam on fp16 and bf16 tables"
+    )
+    parser.add_argument(
+        "--no-inductor",
+        action="store_true",
+        help="leave out ours on the Inductor-compiled update (its first step compiles)",
+    )
+    parser.add_argument(
         "--json", type=str, default=None, metavar="PATH", help="also write results here"
     )
     parser.add_argument(
@@ -237,23 +306,47 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         f"lookups per step {shape.tables * shape.batch_size:,}"
     )
 
+    load_before = load_average()
+    print(f"load average before: {load_before}")
     bandwidth_before = copy_bandwidth()
     grad = torch.randn(shape.batch_size, shape.tables * shape.dim)
     adam = bench.make_ours(shape.table_rows, shape.dim, "adam")
     adagrad = bench.make_ours(shape.table_rows, shape.dim, "rowwise_adagrad")
-    with torch.no_grad():  # all three start from the same tables
+    ours_modules: Dict[str, Any] = {ADAM_NAME: adam, ADAGRAD_NAME: adagrad}
+    if not args.no_inductor:
+        ours_modules[INDUCTOR_NAME] = bench.make_ours(shape.table_rows, shape.dim, "adam")
+    if args.half:
+        for kind, name in HALF_NAMES.items():
+            ours_modules[name] = bench.make_ours(
+                shape.table_rows, shape.dim, "adam", data_type=kind
+            )
+    with torch.no_grad():  # all start from the same tables
         initial = [adam.embedding_bags[f"t{t}"].weight for t in range(shape.tables)]
-        for t in range(shape.tables):
-            adagrad.embedding_bags[f"t{t}"].weight.copy_(initial[t])
+        for module in ours_modules.values():
+            for t in range(shape.tables):
+                module.embedding_bags[f"t{t}"].weight.copy_(initial[t])
     tbe = bench.make_tbe(shape.table_rows, shape.dim, initial=initial)
+    tbe_cowclip = bench.make_tbe(
+        shape.table_rows, shape.dim, initial=initial, **bench.fbgemm_cowclip_options()
+    )
 
     adam_backward = Timing()
     variants: Dict[str, Callable[[Batch], None]] = {
-        ADAM_NAME: ours_step_split(adam, grad, adam_backward),
-        ADAGRAD_NAME: bench.ours_step(adagrad, grad),
-        FBGEMM_NAME: bench.fbgemm_step(tbe, grad),
+        ADAM_NAME: ours_step_split(adam, grad, adam_backward, args.loss),
+        ADAGRAD_NAME: backward_step(adagrad, grad, args.loss),
+        FBGEMM_NAME: backward_step(tbe, grad, args.loss),
+        FBGEMM_COWCLIP_NAME: backward_step(tbe_cowclip, grad, args.loss),
         FORWARD_NAME: ours_forward(adam),
     }
+    if not args.no_inductor:
+        variants[INDUCTOR_NAME] = in_mode(
+            "inductor", backward_step(ours_modules[INDUCTOR_NAME], grad, args.loss)
+        )
+        print("compiling the Inductor variant's update (first step) ...", flush=True)
+        variants[INDUCTOR_NAME](batches[0])
+    for name in HALF_NAMES.values():
+        if name in ours_modules:
+            variants[name] = backward_step(ours_modules[name], grad, args.loss)
     print(
         f"running {args.warmup} warm-up + {args.steps} timed rounds of {len(variants)} "
         "variants, interleaved ...",
@@ -261,9 +354,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     )
     timings = run_interleaved(variants, batches, args.steps, args.warmup, args.time_limit)
     adam_backward.samples = adam_backward.samples[args.warmup :]
+    load_after = load_average()
     for name, module in ((ADAM_NAME, adam), (ADAGRAD_NAME, adagrad)):
         steps = module.clip_stats()["t0"].steps
         assert steps == args.warmup + len(timings[name].samples), f"{name}: {steps} updates"
+    storage = {name: module.table_storage_bytes() for name, module in ours_modules.items()}
+    for name, module in ((FBGEMM_NAME, tbe), (FBGEMM_COWCLIP_NAME, tbe_cowclip)):
+        storage[name] = bench.tbe_storage_bytes(module)
 
     # Best of a measurement before and after the rounds: a copy that another process
     # slows down only under-states the bandwidth (and over-states the floor).
@@ -271,10 +368,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     floor = floor_bytes(shape.batch_size * shape.tables, shape.dim, mean_unique)
     floor_ms = floor / bandwidth * 1e3
     reference = timings[FBGEMM_NAME].median
-    ratios = {name: timings[name].median / reference for name in (ADAM_NAME, ADAGRAD_NAME)}
-    paired = {
-        name: paired_ratio(timings[name], timings[FBGEMM_NAME])
-        for name in (ADAM_NAME, ADAGRAD_NAME)
+    compared = [n for n in timings if n not in (FBGEMM_NAME, FORWARD_NAME)]
+    ratios = {name: timings[name].median / reference for name in compared}
+    paired = {name: paired_ratio(timings[name], timings[FBGEMM_NAME]) for name in compared}
+    paired_cowclip = {
+        name: paired_ratio(timings[name], timings[FBGEMM_COWCLIP_NAME])
+        for name in compared
+        if name != FBGEMM_COWCLIP_NAME
     }
     rounds_done = len(timings[FBGEMM_NAME].samples)
     slow = slow_rounds(timings)
@@ -294,6 +394,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "slow_rounds": slow,
         "ratio_median_vs_fbgemm": ratios,
         "ratio_paired_vs_fbgemm": paired,
+        "ratio_paired_vs_fbgemm_cowclip": paired_cowclip,
+        "floor_ratio_adam": timings[ADAM_NAME].median / floor_ms,
+        "storage_bytes": storage,
+        "loss": args.loss,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "compile_mode": os.environ.get("TORCHREC_COWCLIP_COMPILE", "auto"),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "floor_ms_adam": floor_ms,
     }
@@ -311,8 +418,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             f"note: {slow} of {rounds_done} rounds took over 2x the fastest round (the "
             "machine was slowed down meanwhile); trust min and the paired ratio more"
         )
-    rows = [["variant", "median ms", "min ms", "mean ms", "vs fbgemm", "paired"]]
-    for name in (ADAM_NAME, ADAGRAD_NAME, FBGEMM_NAME):
+    rows = [
+        ["variant", "median ms", "min ms", "mean ms", "paired vs fbgemm", "paired vs COWCLIP", "MB"]
+    ]
+    for name in timings:
+        if name == FORWARD_NAME:
+            continue
         t = timings[name]
         rows.append(
             [
@@ -320,8 +431,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 f"{t.median:.1f}",
                 f"{t.minimum:.1f}",
                 f"{statistics.fmean(t.samples):.1f}",
-                f"{t.median / reference:.2f}",
                 f"{paired[name]:.2f}" if name in paired else "1.00",
+                f"{paired_cowclip[name]:.2f}" if name in paired_cowclip else "1.00",
+                f"{storage[name] / 1e6:.0f}" if name in storage else "",
             ]
         )
     forward = timings[FORWARD_NAME]
@@ -331,6 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             f"{forward.median:.1f}",
             f"{forward.minimum:.1f}",
             f"{statistics.fmean(forward.samples):.1f}",
+            "",
             "",
             "",
         ]
@@ -343,16 +456,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             f"{statistics.fmean(adam_backward.samples):.1f}",
             "",
             "",
+            "",
         ]
     )
-    rows.append(["  memory-bandwidth floor (ours adam)", f"{floor_ms:.1f}", "", "", "", ""])
+    rows.append(["  memory-bandwidth floor (ours adam)", f"{floor_ms:.1f}", "", "", "", "", ""])
     print(
         f"\nper step, {rounds_done} interleaved rounds, {torch.get_num_threads()} threads "
         "(vs fbgemm: median / fbgemm median; paired: median of per-round ratios):"
     )
     print(format_table(rows))
-    print(f"adam+cowclip / fbgemm rowwise_adagrad = {ratios[ADAM_NAME]:.2f}")
-    print(f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad = {ratios[ADAGRAD_NAME]:.2f}")
+    print(f"adam+cowclip / fbgemm rowwise_adagrad (paired) = {paired[ADAM_NAME]:.2f}")
+    print(
+        f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad COWCLIP (paired) = "
+        f"{paired_cowclip[ADAGRAD_NAME]:.2f}"
+    )
+    print(f"adam+cowclip / memory-bandwidth floor = {timings[ADAM_NAME].median / floor_ms:.1f}")
+    print(f"load average before: {load_before}; after: {load_after}")
 
     return result
 

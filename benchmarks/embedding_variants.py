@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     child_memory,
     cpu_model,
     criteo_table_rows,
+    fbgemm_cowclip_options,
     fbgemm_step,
     format_table,
     grouped_bars,
@@ -89,27 +90,6 @@ NAMES = {
     "plain": "plain pytorch port (dense adam)",
 }
 REFERENCE = "fbgemm"
-
-
-def fbgemm_cowclip_options() -> Dict[str, Any]:
-    """FBGEMM's own CowClip: it needs a weight decay mode and a row counter; the decay and
-    counter half-life here are the mildest settings it accepts."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        CounterWeightDecayMode,
-        CowClipDefinition,
-        WeightDecayMode,
-    )
-
-    return dict(
-        weight_decay=0.0,
-        weight_decay_mode=WeightDecayMode.COWCLIP,
-        cowclip_regularization=CowClipDefinition(
-            counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE,
-            counter_halflife=-1,
-            weight_norm_coefficient=COWCLIP.r,
-            lower_bound=COWCLIP.zeta,
-        ),
-    )
 
 
 class PlainPort:

@@ -11,7 +11,16 @@ iii. ``dense-only``: ours with the embedding outputs replaced by a fixed precomp
      tensor: the DNN + FM + linear part and its Adam alone;
 iv.  ``deepctr``: deepctr-torch 0.2.9's ``DeepFM`` (if importable) with its own
      ``model.fit`` (its DataLoader included) on the same arrays, and ``deepctr lean``:
-     the same model stepped on pre-built tensors, without its DataLoader.
+     the same model stepped on pre-built tensors, without its DataLoader;
+v.   ``torchrec DMP + FBGEMM fused rowwise_adagrad``: TorchRec's production path, the
+     stock model under ``DistributedModelParallel`` on one process (gloo) with
+     ``EmbeddingBagCollectionSharder(fused_params={"optimizer": EXACT_ROWWISE_ADAGRAD,
+     ...})``: the tables table-wise on FBGEMM's fused TBE (updated inside backward), the
+     dense part by ``torch.optim.Adam``. FBGEMM's TBE takes only dims that are multiples
+     of 4, so these anchors need ``--dim`` 12 (or 8, 16); the dim-1 first-order tables,
+     which no TBE takes, are data-parallel dense tables (as TorchRec's planner places
+     them), trained by the dense Adam;
+vi.  ``... + WeightDecayMode.COWCLIP``: the same with FBGEMM's own CowClip mode.
 
 i-iii and ``deepctr lean`` step on pre-built batches (data loading excluded) and are
 interleaved: each round runs every variant once, order rotated per round, so other jobs
@@ -64,6 +73,7 @@ from common import (  # noqa: E402
     cpu_model,
     format_table,
     grouped_bars,
+    load_average,
     optimizer_state_bytes,
     run_interleaved,
     self_command,
@@ -157,18 +167,92 @@ STOCK = "stock (torchrec EBC + Adam)"
 DENSE = "dense-only (fixed embeddings)"
 FIT = "deepctr-torch fit()"
 LEAN = "deepctr-torch lean loop"
-MODEL_OF = {OURS: "ours", STOCK: "stock", DENSE: "dense", FIT: "deepctr", LEAN: "deepctr"}
+FBGEMM = "torchrec DMP + FBGEMM fused rowwise_adagrad"
+FBGEMM_COWCLIP = "torchrec DMP + FBGEMM rowwise_adagrad COWCLIP"
+MODEL_OF = {
+    OURS: "ours",
+    STOCK: "stock",
+    DENSE: "dense",
+    FIT: "deepctr",
+    LEAN: "deepctr",
+    FBGEMM: "fbgemm",
+    FBGEMM_COWCLIP: "fbgemm_cowclip",
+}
 MEMORY_FIELDS = ["variant", "batch_size", "peak_mib", "delta_mib", "state_bytes_per_row", "error"]
 
 
+def build_dmp_fbgemm(
+    names: Sequence[str], cards: Sequence[int], n_dense: int, dim: int, cowclip_mode: bool
+) -> Tuple[Any, torch.optim.Optimizer, Any]:
+    """The stock model under ``DistributedModelParallel`` (one process, gloo) with
+    FBGEMM's fused row-wise Adagrad through ``fused_params`` (and its COWCLIP mode)."""
+    import torch.distributed as dist
+    from common import ADAGRAD_LR, EPS, fbgemm_cowclip_options
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    if dim % 4:
+        raise ValueError(f"FBGEMM's TBE needs a dim that is a multiple of 4, got {dim}")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = build_model(
+        "deepfm",
+        embedding_backend="torchrec",
+        sparse_names=names,
+        cardinalities=cards,
+        num_dense=n_dense,
+        embedding_dim=dim,
+        hidden=HIDDEN,
+        table_device="meta",
+    )
+    fused: Dict[str, Any] = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": ADAGRAD_LR,
+        "eps": EPS,
+    }
+    if cowclip_mode:
+        fused.update(fbgemm_cowclip_options())
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+        if t.embedding_dim % 4 == 0
+        else ParameterConstraints(sharding_types=["data_parallel"])
+        for t in model.fields.collection.embedding_bag_configs()
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(
+        model,
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=plan,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+    )
+    params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, torch.optim.Adam(params, lr=DENSE_LR), CTRTrainTask(dmp)
+
+
 def build_models(
-    kinds: Sequence[str], names: Sequence[str], cards: Sequence[int], n_dense: int
+    kinds: Sequence[str],
+    names: Sequence[str],
+    cards: Sequence[int],
+    n_dense: int,
+    dim: int = DIM,
 ) -> Dict[str, Tuple[Any, torch.optim.Optimizer, Any]]:
     """``(model, optimizer, task or None)`` of each of ``kinds`` (ours, stock, dense,
-    deepctr), built in that order."""
-    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=DIM)
+    deepctr, fbgemm, fbgemm_cowclip), built in that order."""
+    common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=dim)
     common.update(
-        hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, DIM)
+        hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, dim)
     )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
     # kind -> (embedding backend, trained as a task, dense parameters only)
@@ -187,6 +271,9 @@ def build_models(
     if "deepctr" in kinds:
         deepctr = build_deepctr(names, cards, n_dense)
         built["deepctr"] = (deepctr, deepctr.optim, None)
+    for kind in ("fbgemm", "fbgemm_cowclip"):
+        if kind in kinds:
+            built[kind] = build_dmp_fbgemm(names, cards, n_dense, dim, kind == "fbgemm_cowclip")
     return built
 
 
@@ -210,7 +297,12 @@ def variant_steps(
     batches = [b for _, b in zip(range(2), ds.batches(np.arange(2 * bs), bs))]
     by_id = {id(b): k for k, b in enumerate(batches)}
     variants: Dict[str, Callable[[Any], None]] = {}
-    for kind, name in (("ours", OURS), ("stock", STOCK)):
+    for kind, name in (
+        ("ours", OURS),
+        ("stock", STOCK),
+        ("fbgemm", FBGEMM),
+        ("fbgemm_cowclip", FBGEMM_COWCLIP),
+    ):
         if kind in built:
             _, opt, task = built[kind]
             variants[name] = task_step(task, opt)
@@ -302,7 +394,7 @@ def memory_child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     gc.collect()
     before = vm_hwm_kib()
-    built = build_models([kind], names, cards, ds.schema.n_dense)
+    built = build_models([kind], names, cards, ds.schema.n_dense, args.dim)
     variants, batches = variant_steps(built, ds, args.batch_sizes[0], args.fit_steps)
     for k in range(3):
         variants[args.memory_child](batches[k % len(batches)])
@@ -321,7 +413,7 @@ def memory_child(args: argparse.Namespace) -> None:
 
 def measure_memory(args: argparse.Namespace, variant: str, rows: int, bs: int) -> Dict[str, Any]:
     flags = dict(rows=rows, batch_sizes=bs, max_cardinality=args.max_cardinality)
-    flags.update(cache_dir=args.cache_dir, fit_steps=args.fit_steps)
+    flags.update(cache_dir=args.cache_dir, fit_steps=args.fit_steps, dim=args.dim)
     cmd = self_command(__file__, "--memory-child", variant, **flags)
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -351,6 +443,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "right after another variant evicted them (1: strict alternation)",
     )
     p.add_argument("--no-deepctr", action="store_true")
+    p.add_argument("--dim", type=int, default=DIM, help="embedding dim (the paper's: 10)")
+    p.add_argument(
+        "--no-stock", action="store_true", help="leave out the stock EBC + dense Adam variant"
+    )
+    p.add_argument(
+        "--anchors",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the TorchRec DMP + FBGEMM fused anchors (default: on when --dim is a multiple "
+        "of 4, which FBGEMM's TBE requires)",
+    )
     p.add_argument(
         "--memory",
         action=argparse.BooleanOptionalAction,
@@ -385,10 +488,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU: {cpu_model()}")
     print(
         f"synthetic:{rows} ({time.perf_counter() - t0:.0f} s), {len(names)} sparse + {n_dense} dense, "
-        f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={DIM} table set"
+        f"cardinalities capped at {args.max_cardinality:,}: {sum(cards):,} rows per D={args.dim} table set"
     )
 
-    built = build_models(["ours", "stock", "dense"], names, cards, n_dense)
+    anchors = args.anchors if args.anchors is not None else args.dim % 4 == 0
+    if not anchors:
+        print(f"no FBGEMM anchors: its TBE needs a dim that is a multiple of 4 (--dim {args.dim})")
+    print(f"load average before: {load_average()}")
+    kinds = ["ours", "dense"] + ([] if args.no_stock else ["stock"])
+    kinds += ["fbgemm", "fbgemm_cowclip"] if anchors else []
+    built = build_models(kinds, names, cards, n_dense, args.dim)
     deepctr_error = None
     if not args.no_deepctr:
         try:
@@ -446,6 +555,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "results": results,
         "memory": memory,
         "deepctr_error": deepctr_error,
+        "dim": args.dim,
+        "load_average_after": load_average(),
     }
     write_json(os.path.join(args.out, "end_to_end.json"), out)
     write_csv(os.path.join(args.out, "end_to_end.csv"), results)
@@ -505,6 +616,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "samples/s (>1: ours faster); deepctr fit() includes its DataLoader"
     )
     print(format_table(table))
+    for bs in sizes:
+        rows_bs = {r["variant"]: r for r in results if r["batch_size"] == bs}
+        anchors_bs = [rows_bs[n] for n in (FBGEMM, FBGEMM_COWCLIP) if n in rows_bs]
+        line = f"batch {bs:,}:"
+        if anchors_bs:
+            faster = max(anchors_bs, key=lambda r: r["samples_per_s_median"])
+            line += f" ours / faster anchor ({faster['variant']}) = {faster['ours_over_this_paired']:.2f};"
+        if DENSE in rows_bs:
+            line += (
+                f" ours = {rows_bs[DENSE]['ours_over_this_paired']:.0%} of the dense-only ceiling"
+            )
+        print(line)
+    print(f"load average after: {load_average()}")
     if deepctr_error:
         print(f"deepctr-torch FAILED: {deepctr_error}")
     return out

@@ -272,9 +272,10 @@ def gather_full(named: Dict[str, Any]) -> Dict[str, Tensor]:
     full: Dict[str, Tensor] = {}
     for rank_items in everyone:
         for key, (size, pieces) in rank_items.items():
-            if key not in full:
-                full[key] = torch.full(size, float("nan"))
             for offsets, tensor in pieces:
+                if key not in full:  # half tables stay half; the rest as float32
+                    dtype = tensor.dtype if tensor.is_floating_point() else torch.float32
+                    full[key] = torch.full(size, float("nan"), dtype=dtype)
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
                 full[key][index] = tensor
     return full

@@ -24,6 +24,22 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)
 
 
+#: end_to_end.py at a tiny size: one round of one step per variant, no deepctr-torch.
+TINY_END_TO_END = [
+    "--rows",
+    "2048",
+    "--batch-sizes",
+    "256",
+    "--rounds",
+    "1",
+    "--warmup",
+    "0",
+    "--steps-per-round",
+    "1",
+    "--no-deepctr",
+]
+
+
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -35,17 +51,7 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     out = tmp_path / "out"
     result = end_to_end.main(
         [
-            "--rows",
-            "2048",
-            "--batch-sizes",
-            "256",
-            "--rounds",
-            "1",
-            "--warmup",
-            "0",
-            "--steps-per-round",
-            "1",
-            "--no-deepctr",
+            *TINY_END_TO_END,
             "--max-cardinality",
             "1000",
             "--threads",
@@ -76,6 +82,46 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     assert (out / "end_to_end.png").exists() == HAVE_MATPLOTLIB
 
 
+def test_end_to_end_fbgemm_anchors_train_through_dmp(bench, tmp_path):
+    """The two TorchRec DMP + FBGEMM anchors (one process, gloo: in a subprocess of its
+    own, so this test process starts no process group)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = BENCHMARKS / "end_to_end.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            *TINY_END_TO_END,
+            "--no-stock",
+            "--no-memory",
+            "--dim",
+            "8",
+            "--max-cardinality",
+            "1000",
+            "--threads",
+            "1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = [r["variant"] for r in json.loads((out / "end_to_end.json").read_text())["results"]]
+    import end_to_end
+
+    assert sorted(variants) == sorted(
+        [end_to_end.OURS, end_to_end.DENSE, end_to_end.FBGEMM, end_to_end.FBGEMM_COWCLIP]
+    )
+    assert "ours / faster anchor" in proc.stdout
+
+
 def test_embedding_step_writes_csv_json_png(bench, tmp_path):
     import embedding_step
 
@@ -96,11 +142,18 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
             "1",
             "--threads",
             "1",
+            "--no-inductor",
+            "--half",
             "--out",
             str(out),
             "--json",
             str(extra_json),
         ]
+    )
+    assert set(result["ratio_paired_vs_fbgemm_cowclip"]) >= {embedding_step.ADAGRAD_NAME}
+    assert (
+        result["storage_bytes"][embedding_step.HALF_NAMES["fp16"]]
+        < result["storage_bytes"][embedding_step.ADAM_NAME]
     )
     assert (
         json.loads((out / "embedding_step.json").read_text())["floor_ms_adam"]

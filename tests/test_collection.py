@@ -109,17 +109,38 @@ needs_compiler = pytest.mark.skipif(
 HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
 
 
+PATH_MODES = {"eager": "0", "compiled": "1", "inductor": "inductor"}
+
+
+def _on_path(name):
+    set_compiled_update(PATH_MODES[name])
+    yield name
+    set_compiled_update(None)
+
+
 @pytest.fixture(params=["eager", pytest.param("compiled", marks=needs_compiler)])
 def update_path(request):
-    """Runs a test on the eager and on the Inductor-compiled fused update."""
-    set_compiled_update("1" if request.param == "compiled" else "0")
-    yield request.param
-    set_compiled_update(None)
+    """Runs a test on the eager update and the compiled one (on CPU: the native kernels;
+    on CUDA: Inductor's Triton kernels)."""
+    yield from _on_path(request.param)
+
+
+@pytest.fixture(
+    params=[
+        "eager",
+        pytest.param("compiled", marks=needs_compiler),
+        pytest.param("inductor", marks=needs_compiler),
+    ]
+)
+def every_update_path(request):
+    """:func:`update_path` and the Inductor-compiled row step on CPU too (the CPU path
+    before the native kernels, ``TORCHREC_COWCLIP_COMPILE=inductor``)."""
+    yield from _on_path(request.param)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 @pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
-def test_several_steps_match_dense_autograd_reference(optimizer, clip, update_path, device):
+def test_several_steps_match_dense_autograd_reference(optimizer, clip, every_update_path, device):
     """Four steps of the collection on ``device`` (float32; on CUDA compiled into Triton
     kernels on the compiled path) against the float64 CPU reference: a shared table, MEAN
     pooling, mixed dims, an unclipped dim-1 table, multi-hot bags with duplicates and empty

@@ -150,6 +150,7 @@ ROWS: Dict[str, tuple] = {
     "--no-cowclip": (["--no-cowclip"], EVERY_KIND),
     "--embedding-backend": (["--embedding-backend", "torchrec", "--no-cowclip"], EVERY_KIND),
     "--embedding-optimizer": (["--embedding-optimizer", "sgd"], EVERY_KIND),
+    "--embedding-dtype": (["--embedding-dtype", "bf16"], EVERY_KIND),
     "--helen-rho": (["--helen-rho", "0.05"], EVERY_KIND),
     "--helen-bound": (["--helen-rho", "0.05", "--helen-bound", "0.5"], EVERY_KIND),
     "--helen-perturb-dense": (["--helen-rho", "0.05", "--helen-perturb-dense"], EVERY_KIND),

@@ -101,7 +101,9 @@ class ColumnShardRows(RowSync):
         partials: Dict[str, Tensor] = {}
         for sub in submissions:
             rows, grad = sub.row_grads.rows, sub.row_grads.grad
-            part = partial_row_sums(grad, sub.batch.weight.index_select(0, rows))
+            # In the update's float32, also for half tables.
+            weight = sub.batch.weight.index_select(0, rows).to(grad.dtype)
+            part = partial_row_sums(grad, weight)
             for name, segment in zip(sub.batch.table_names, _table_segments(sub.batch, rows, part)):
                 if name not in partials:
                     partials[name] = segment

@@ -48,6 +48,14 @@ from torchrec_cowclip.embedding.table_batch import (
 )
 
 
+def _shard_offsets(shard: Any) -> Tuple[int, int]:
+    """(row, column) of a shard's first element in its whole table."""
+    if shard.local_metadata is None:
+        return (0, 0)
+    row, col = shard.local_metadata.shard_offsets[:2]
+    return (int(row), int(col))
+
+
 def _initialised_by_torchrec(weight: Tensor) -> None:
     """No-op ``init_fn`` of the local table batches' configs: shards are filled by
     :meth:`CowClipBatchedEmbeddingBag.initialise_shards`."""
@@ -90,10 +98,10 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         index: int,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
-        if config.data_type != DataType.FP32:
+        if config.data_type not in (DataType.FP32, DataType.FP16, DataType.BF16):
             raise ValueError(
-                f"CowClip sharded tables must be FP32, got {config.data_type} for "
-                f"{[t.name for t in config.embedding_tables]}"
+                f"CowClip sharded tables must be FP32, FP16 or BF16, got {config.data_type} "
+                f"for {[t.name for t in config.embedding_tables]}"
             )
         device = device if device is not None else torch.device("cpu")
         # Our own references (TorchRec's base keeps the same in private attributes).
@@ -121,6 +129,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                 embedding_dim=shard.local_cols,
                 feature_names=list(shard.feature_names),
                 pooling=pooling,
+                data_type=config.data_type,
                 # The sharded collection initialises the shards from the whole tables'
                 # initialisers (initialise_shards); and a row-wise shard of a table
                 # smaller than the world has no rows, for which the config's default
@@ -141,6 +150,9 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                     options.optimizer,
                     [shards[k].name not in options.unclipped_tables for k in group],
                     device,
+                    # Each shard rounds (FP16 / BF16) as its rows and columns of the whole
+                    # table would.
+                    [_shard_offsets(shards[k]) for k in group],
                 )
             )
             self._whole_dims.append(

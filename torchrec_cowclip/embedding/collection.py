@@ -101,7 +101,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     Args:
         tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, several
-            features per table (shared tables), mixed dims; FP32 only.
+            features per table (shared tables), mixed dims; ``data_type`` FP32, FP16 or
+            BF16 (half tables: weights in that type, updated in float32 and rounded back
+            stochastically, optimizer state float32, pooled outputs float32).
         options: how the tables are trained, as one
             :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the sharder,
             the model factory and the trainer pass on); or, equivalently, the separate
@@ -321,7 +323,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for index, (batch, s) in enumerate(zip(self._batches, self._slot_of_batch)):
             batch_weights = None
             if weights is not None:
-                batch_weights = weights[bounds[s] : bounds[s + 1]].to(batch.weight.dtype)
+                batch_weights = weights[bounds[s] : bounds[s + 1]].to(batch.compute_dtype)
             lookup = slot_lookups[s].sharing_ids_with(batch_weights)
             outs.append(
                 # torch.autograd.Function.apply carries no annotations.
@@ -658,9 +660,11 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
                 f"table '{table.name}': num_embeddings and embedding_dim must be > 0, "
                 f"got {table.num_embeddings} and {table.embedding_dim}"
             )
-        if table.data_type != DataType.FP32:
+        if table.data_type not in (DataType.FP32, DataType.FP16, DataType.BF16):
             raise ValueError(
-                f"table '{table.name}': only FP32 tables are supported, got {table.data_type}"
+                f"table '{table.name}': data_type must be FP32, FP16 or BF16 (half types are "
+                f"stored in half and updated in float32 with stochastic rounding), got "
+                f"{table.data_type}"
             )
         if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
             raise ValueError(

@@ -5,6 +5,14 @@ compiled kernel where it can be built (:mod:`.row_step`).
 Every tensor op here is over the ``U`` distinct rows of the batch, for all tables of the
 batch at once; the per-table bookkeeping (step counts, clip masks, counters) is done
 with ``bucketize``/``bincount`` over those rows, never with a loop over tables.
+
+On CPU (:func:`~.row_step.use_native_update`) the whole update - the rows' gradient sums
+when they were deferred, finiteness, the step and the per-table counts - is one native
+kernel call (:func:`.native.fused_update_`) instead.
+
+Tables stored in float16 or bfloat16 are updated in float32 and rounded back
+stochastically (:func:`~torchrec_cowclip.optim.functional.stochastic_round`, keyed by
+table, step, global row and column: :meth:`.table_batch.TableBatch.rounding_keys`).
 """
 
 from __future__ import annotations
@@ -13,11 +21,20 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from torchrec_cowclip.embedding import native
 from torchrec_cowclip.embedding.row_gradients import RowGradients
-from torchrec_cowclip.embedding.row_step import row_step_
+from torchrec_cowclip.embedding.row_step import row_step_, use_native_update
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections, update_rule
+from torchrec_cowclip.optim.functional import (
+    UPDATE_RULES,
+    RowSums,
+    adam_bias_corrections,
+    update_rule,
+)
 from torchrec_cowclip.optim.options import CowClipOptions
+
+#: The update rules the native kernel implements, as registered by the functional core.
+_NATIVE_RULES = {name: UPDATE_RULES[name] for name in native.OPTIMIZER_CODES}
 
 
 @torch.no_grad()
@@ -42,7 +59,16 @@ def apply_fused_update_(
     row-wise Adagrad's row mean are then those of the whole rows, identical on every shard.
     """
     options = CowClipOptions.from_param_group(hyper, batch.optimizer)
-    rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
+    if (
+        _NATIVE_RULES.get(batch.optimizer) is UPDATE_RULES.get(batch.optimizer)
+        and batch.optimizer in _NATIVE_RULES
+        and use_native_update(batch.weight.device)
+    ):
+        batch.step += 1
+        _native_update_(batch, row_grads, options, row_sums)
+        return
+    rows, counts = row_grads.rows, row_grads.counts
+    grad = row_grads.grad
     num_tables = batch.num_tables
     table_of_row = batch.table_of_rows(rows)
     batch.step += 1
@@ -72,6 +98,10 @@ def apply_fused_update_(
             corrections = adam_bias_corrections(batch.step, beta1, beta2, grad.dtype)
             per_row = torch.stack(corrections, dim=1)[table_of_row]  # one gather for both
             adam_bias = (per_row[:, 0], per_row[:, 1])
+        rounding = None
+        if batch.weight.dtype != torch.float32:
+            keys = batch.rounding_keys()[table_of_row]
+            rounding = (batch.row_rounding_keys(rows, table_of_row), keys[:, 3])
         clipped = row_step_(
             batch.weight,
             batch.state,
@@ -83,6 +113,7 @@ def apply_fused_update_(
             clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
             row_sums=row_sums,
             adam_bias=adam_bias,
+            rounding=rounding,
         )
     else:
         clipped = torch.zeros(0, dtype=torch.bool, device=rows.device)
@@ -101,3 +132,65 @@ def apply_fused_update_(
     )
     batch.counters[:3] = last
     batch.counters[3:] += last
+
+
+def _native_update_(
+    batch: TableBatch,
+    row_grads: RowGradients,
+    options: CowClipOptions,
+    row_sums: Optional[RowSums],
+) -> None:
+    """:func:`apply_fused_update_` as one native kernel call (the step count already
+    advanced)."""
+    rows, counts = row_grads.rows, row_grads.counts
+    adam_bias = None
+    if update_rule(batch.optimizer).adam_bias_corrections:
+        beta1, beta2 = options.betas
+        adam_bias = adam_bias_corrections(batch.step, beta1, beta2, torch.float32)
+    packed_sums = None
+    if row_sums is not None:
+        packed_sums = torch.stack(
+            [
+                row_sums.nonfinite,
+                row_sums.grad_sq,
+                row_sums.weight_sq,
+                row_sums.grad_dot_weight,
+                row_sums.dim.to(row_sums.grad_sq.dtype).expand(rows.shape[0]),
+            ],
+            dim=1,
+        ).to(torch.float32)
+    segments = row_grads.segments
+    grad = None if segments is not None else row_grads.grad
+    cowclip, count_lr = options.cowclip, options.count_lr
+    status, per_table = native.fused_update_(
+        batch.weight,
+        list(batch.state.values()),
+        rows,
+        counts.to(torch.int64),
+        grad=None if grad is None else grad.to(torch.float32),
+        bag_gradients=None if segments is None else segments.bag_gradients,
+        segment_offsets=None if segments is None else segments.grouping.segment_offsets,
+        sorted_bags=None if segments is None else segments.grouping.sorted_bags,
+        sorted_weights=None if segments is None else segments.sorted_weights,
+        row_offsets=batch.row_offsets,
+        clip_enabled=None if batch.all_clipped else batch.clip_enabled,
+        adam_bias=adam_bias,
+        row_sums=packed_sums,
+        rounding=batch.rounding_keys() if batch.weight.dtype != torch.float32 else None,
+        optimizer=batch.optimizer,
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+        clip=None if cowclip is None else (cowclip.r, cowclip.zeta),
+        count_lr=None
+        if count_lr is None or count_lr.power == 0.0
+        else (count_lr.power, count_lr.cap),
+    )
+    if batch.row_counters is not None:
+        updated = rows[status != native.SKIPPED]
+        clipped_rows = rows[status == native.CLIPPED]
+        batch.row_counters[0].index_add_(0, updated, torch.ones_like(updated))
+        batch.row_counters[1].index_add_(0, clipped_rows, torch.ones_like(clipped_rows))
+    batch.counters[:3] = per_table
+    batch.counters[3:] += per_table

@@ -68,7 +68,7 @@ def prepare_lookups(
                 batch,
                 values[lo:hi],
                 offsets[starts[i] * b : starts[i + 1] * b + 1] - lo,
-                None if weights is None else weights[lo:hi].to(batch.weight.dtype),
+                None if weights is None else weights[lo:hi].to(batch.compute_dtype),
                 b,
             )
         )

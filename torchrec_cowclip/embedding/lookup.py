@@ -6,6 +6,10 @@ TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
 Backward: per-row gradients (:mod:`.row_gradients`), handed to the collection, which
 applies the in-place update (:mod:`.fused_update`) or holds them for Helen's second pass
 (:mod:`.helen`); it returns no gradient, so the weights never hold a ``.grad``.
+
+Float16 / bfloat16 tables pool in float32 (the native kernel reads the half rows and
+accumulates and returns float32; without it, ATen's ``embedding_bag`` pools in the
+table's type and the result is widened), so the model above sees float32 either way.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
+from torchrec_cowclip.embedding import native
 from torchrec_cowclip.embedding.row_gradients import (
     RowGradients,
     RowGrouping,
     group_rows,
     sum_row_gradients,
 )
+from torchrec_cowclip.embedding.row_step import use_native_update
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -82,6 +88,28 @@ def _position_weights(lookup: BatchLookup, pooling: PoolingType) -> Optional[Ten
     return weights
 
 
+def _embedding_bag(
+    weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]
+) -> Tensor:
+    """``[bags, D]`` pooled rows in the compute type: ATen's ``embedding_bag`` (FBGEMM's
+    kernel on CPU), or for half tables on CPU the native float32-accumulating lookup."""
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        if use_native_update(weight.device):
+            return native.pooled_lookup(weight, ids, offsets, weights, mode == "mean")
+        pooled = F.embedding_bag(
+            ids,
+            weight,
+            offsets,
+            mode=mode,
+            per_sample_weights=None if weights is None else weights.to(weight.dtype),
+            include_last_offset=True,
+        )
+        return pooled.to(torch.float32)
+    return F.embedding_bag(
+        ids, weight, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
+    )
+
+
 def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
     """``[B, F * D]`` pooled embeddings of a table batch (no autograd)."""
     num_features, b = batch.num_features, lookup.batch_size
@@ -95,28 +123,14 @@ def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
         weights = None
         if lookup.weights is not None:
             weights = lookup.weights.view(num_features, b).t().reshape(-1)
-        pooled = F.embedding_bag(
-            ids,
-            batch.weight,
-            batch.unit_offsets(ids.numel()),
-            mode="sum",
-            per_sample_weights=weights,
-            include_last_offset=True,
-        )
+        pooled = _embedding_bag(batch.weight, ids, batch.unit_offsets(ids.numel()), "sum", weights)
         return pooled.view(b, num_features * batch.dim)
     if batch.pooling == PoolingType.MEAN and lookup.weights is None:
         mode, weights = "mean", None
     else:
         # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
         mode, weights = "sum", _position_weights(lookup, batch.pooling)
-    pooled = F.embedding_bag(
-        lookup.row_ids,
-        batch.weight,
-        lookup.bag_offsets,
-        mode=mode,
-        per_sample_weights=weights,
-        include_last_offset=True,
-    )
+    pooled = _embedding_bag(batch.weight, lookup.row_ids, lookup.bag_offsets, mode, weights)
     return pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, -1)
 
 
@@ -136,10 +150,22 @@ def lookup_row_gradients(
             bag_of_position = torch.repeat_interleave(
                 bag_of_position, lengths, output_size=lookup.row_ids.numel()
             )
-        return group_rows(lookup.row_ids, bag_of_position, num_rows=batch.weight.shape[0])
+        starts = lookup.bag_offsets[batch.feature_bag_starts(b)]
+        return group_rows(
+            lookup.row_ids,
+            bag_of_position,
+            num_rows=batch.weight.shape[0],
+            feature_layout=(starts, batch.feature_rows),
+        )
 
     grouping = lookup.grouping.get(compute)
-    return sum_row_gradients(grouping, bag_gradients, _position_weights(lookup, batch.pooling))
+    # The native update sums each row's bag gradients in its own pass over the rows.
+    return sum_row_gradients(
+        grouping,
+        bag_gradients,
+        _position_weights(lookup, batch.pooling),
+        deferred=use_native_update(grad_output.device),
+    )
 
 
 #: What a table batch's backward hands its row gradients to: ``(batch index, row

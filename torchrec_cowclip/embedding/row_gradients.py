@@ -9,31 +9,63 @@ over the bag gradients - the same FBGEMM-backed CPU kernel that serves the forwa
 
 A stable sort plus this segment sum is cheaper than ``index_select`` + ``index_add_`` of the
 same gradients (measured: docs/performance.md, "Measured reasons behind code choices").
+
+Where the native CPU kernels run (:mod:`.native`), the sort is their radix grouping (the
+same result as the stable sort), and the segment sum is left to the fused update, which
+sums each row's bag gradients in the same pass that updates the row: a
+:class:`RowGradients` then holds its :class:`RowSegments` and forms ``grad`` only when
+something reads it (Helen, the column-sharded and replicated updates).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torchrec_cowclip.embedding import native
+from torchrec_cowclip.embedding.row_step import use_native_update
 
-@dataclass
+
 class RowGradients:
     """Gradients of the distinct rows a batch looked up.
 
     Attributes:
         rows: ``[U]`` distinct row ids, ascending.
         counts: ``[U]`` occurrences ``c_j`` of each row (duplicates in a bag count).
-        grad: ``[U, D]`` summed gradient ``g_j`` of each row.
+        grad: ``[U, D]`` summed gradient ``g_j`` of each row; formed on first read when the
+            rows were built from ``segments``.
+        segments: where ``grad`` is summed from, while it has not been formed (None
+            once it has, or when ``grad`` was given).
     """
 
-    rows: Tensor
-    counts: Tensor
-    grad: Tensor
+    def __init__(
+        self,
+        rows: Tensor,
+        counts: Tensor,
+        grad: Optional[Tensor] = None,
+        segments: Optional["RowSegments"] = None,
+    ) -> None:
+        if (grad is None) == (segments is None):
+            raise ValueError("RowGradients takes grad or segments, exactly one")
+        self.rows = rows
+        self.counts = counts
+        self._grad = grad
+        self.segments = segments
+
+    @property
+    def grad(self) -> Tensor:
+        if self._grad is None:
+            assert self.segments is not None
+            self._grad = self.segments.sum()
+            self.segments = None
+        return self._grad
+
+    def __repr__(self) -> str:
+        return f"RowGradients(rows={self.rows!r}, counts={self.counts!r}, grad={self.grad!r})"
 
 
 @dataclass
@@ -59,7 +91,10 @@ class RowGrouping:
 
 
 def group_rows(
-    row_ids: Tensor, bag_of_position: Tensor, num_rows: Optional[int] = None
+    row_ids: Tensor,
+    bag_of_position: Tensor,
+    num_rows: Optional[int] = None,
+    feature_layout: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> RowGrouping:
     """Sorts the looked-up row ids and finds each distinct row's positions.
 
@@ -68,7 +103,21 @@ def group_rows(
         bag_of_position: ``[L]`` int64 index of each position's bag (output row).
         num_rows: an upper bound on the row ids (the table batch's rows), if known.
             Below 2**31 the ids are sorted as int32, twice as fast as int64.
+        feature_layout: ``([F + 1] position where each feature starts, [F, 2] its first
+            row and row count)``: lets the native grouping sort each table's positions on
+            their own (same result).
     """
+    if (
+        num_rows is not None
+        and num_rows <= torch.iinfo(torch.int32).max
+        and row_ids.numel() <= torch.iinfo(torch.int32).max
+        and use_native_update(row_ids.device)
+    ):
+        starts, feature_rows = feature_layout if feature_layout is not None else (None, None)
+        rows, counts, segment_offsets, order, sorted_bags = native.group_rows(
+            row_ids, bag_of_position, num_rows, starts, feature_rows
+        )
+        return RowGrouping(rows, counts, segment_offsets, order, sorted_bags)
     # Stable, so that each row sums its positions in input order: bit-for-bit
     # reproducible steps, which resume-from-checkpoint equality relies on.
     keys = row_ids
@@ -89,10 +138,39 @@ def group_rows(
     )
 
 
+@dataclass
+class RowSegments:
+    """The bag gradients a :class:`RowGrouping`'s rows sum, not summed yet.
+
+    Attributes:
+        grouping: the rows and their positions.
+        bag_gradients: ``[M, D]`` gradient of each pooled output row (contiguous).
+        sorted_weights: ``[L]`` factor of each position in ``grouping.order`` (per-sample
+            weight, and ``1 / bag length`` under MEAN pooling), or None.
+    """
+
+    grouping: RowGrouping
+    bag_gradients: Tensor
+    sorted_weights: Optional[Tensor]
+
+    def sum(self) -> Tensor:
+        """``[U, D]``: each row's gradient, its positions summed in input order."""
+        g = self.grouping
+        return F.embedding_bag(
+            g.sorted_bags,
+            self.bag_gradients,
+            g.segment_offsets,
+            mode="sum",
+            per_sample_weights=self.sorted_weights,
+            include_last_offset=True,
+        )
+
+
 def sum_row_gradients(
     grouping: RowGrouping,
     bag_gradients: Tensor,
     position_weights: Optional[Tensor] = None,
+    deferred: bool = False,
 ) -> RowGradients:
     """The summed gradient of each distinct row of ``grouping``.
 
@@ -100,17 +178,14 @@ def sum_row_gradients(
         bag_gradients: ``[M, D]`` gradient of each pooled output row (contiguous).
         position_weights: optional ``[L]`` factor per position (per-sample weight, and
             ``1 / bag length`` under MEAN pooling), as the forward applied it.
+        deferred: leave the sum to whoever reads ``grad`` first, or to the native fused
+            update, which sums inside its pass over the rows.
     """
     weights = position_weights[grouping.order] if position_weights is not None else None
-    grad = F.embedding_bag(
-        grouping.sorted_bags,
-        bag_gradients,
-        grouping.segment_offsets,
-        mode="sum",
-        per_sample_weights=weights,
-        include_last_offset=True,
-    )
-    return RowGradients(rows=grouping.rows, counts=grouping.counts, grad=grad)
+    segments = RowSegments(grouping, bag_gradients, weights)
+    if deferred:
+        return RowGradients(rows=grouping.rows, counts=grouping.counts, segments=segments)
+    return RowGradients(rows=grouping.rows, counts=grouping.counts, grad=segments.sum())
 
 
 def aggregate_row_gradients(

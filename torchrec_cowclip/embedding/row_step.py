@@ -15,14 +15,19 @@ Row counts are dynamic, the embedding dim is not: a process compiles one graph p
 
 Which path runs (:func:`compiled_update_mode`):
 
-- ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build - on CPU when
-  a C++ compiler is on ``PATH``, on CUDA when Triton imports; eager otherwise;
+- ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build. On CPU the
+  table batches' update is the native kernels of :mod:`.native` (built on first use; a
+  C++ compiler on ``PATH``), and this row step, where it still runs (a registered update
+  rule of one's own, or the native build failed), is Inductor's; on CUDA, Inductor's
+  Triton kernels. Eager otherwise;
 - ``=1``: compiled, and a failure to build is an error;
+- ``=inductor``: this row step compiled by Inductor on every device and no native kernels
+  (the CPU path before the native kernels, kept for comparison);
 - ``=0``: always eager.
 
 If a compile fails in ``auto`` mode, a warning names the error and that device type
-runs eagerly from then on; both paths compute the same update (tests compare both with
-the dense reference).
+falls back (native -> Inductor -> eager) from then on; every path computes the same
+update (tests compare them with the functional core and the dense reference).
 """
 
 from __future__ import annotations
@@ -38,12 +43,18 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
-from torchrec_cowclip.optim.functional import CountLR, CowClip, RowSums, cowclip_row_update_
+from torchrec_cowclip.optim.functional import (
+    CountLR,
+    CowClip,
+    RowSums,
+    cowclip_row_update_,
+    stochastic_round,
+)
 
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "TORCHREC_COWCLIP_COMPILE"
-_MODES = ("auto", "1", "0")
+_MODES = ("auto", "1", "0", "inductor")
 
 # Each (optimizer, clip on/off, mask or not, sharded sums or not, size-1 dims) is its
 # own graph; a run uses a few, a test process many. Raised only around our own calls.
@@ -65,7 +76,8 @@ def compiled_update_mode() -> str:
 
 def set_compiled_update(mode: Optional[str]) -> None:
     """Chooses the update path for this process: ``"auto"``, ``"1"`` (compiled),
-    ``"0"`` (eager), or None to go back to the environment variable.
+    ``"inductor"`` (Inductor only, no native kernels), ``"0"`` (eager), or None to go back
+    to the environment variable.
 
     Example::
 
@@ -101,13 +113,26 @@ def _toolchain_available(device_type: str) -> bool:
 
 
 def use_compiled_update(device: torch.device) -> bool:
-    """Whether updates of tensors on ``device`` take the compiled path now."""
+    """Whether :func:`row_step_` on ``device`` takes the Inductor-compiled path now."""
     mode = compiled_update_mode()
     if mode == "0":
         return False
-    if mode == "1":
+    if mode in ("1", "inductor"):
         return True
     return device.type not in _failed_devices and _can_compile(device)
+
+
+def use_native_update(device: torch.device) -> bool:
+    """Whether table batches on ``device`` are grouped and updated by the native CPU
+    kernels (:mod:`.native`; built on first use): on CPU in modes ``auto`` and ``1``."""
+    if device.type != "cpu":
+        return False
+    mode = compiled_update_mode()
+    if mode not in ("auto", "1"):
+        return False
+    from torchrec_cowclip.embedding import native
+
+    return native.load(required=mode == "1")
 
 
 def gather_step_scatter_(
@@ -128,6 +153,7 @@ def gather_step_scatter_(
     clip_enabled: Optional[Tensor] = None,
     row_sums: Optional[RowSums] = None,
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
+    rounding: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """One CowClip step on rows ``rows`` of ``weight_table`` and its ``state_tables``
     (``[N, D]`` / ``[N]``), in place; returns the ``[U]`` clipped mask.
@@ -135,9 +161,11 @@ def gather_step_scatter_(
     The keyword arguments are :func:`cowclip_row_update_`'s, for the ``U`` rows (the
     hyperparameters are :meth:`CowClipOptions.hyperparameters
     <torchrec_cowclip.optim.options.CowClipOptions.hyperparameters>`). ``rows`` must be
-    distinct: each row is read once and written once.
+    distinct: each row is read once and written once. A float16 / bfloat16
+    ``weight_table`` is stepped in float32 and rounded back by :func:`stochastic_round`
+    with ``rounding`` = (``[U]`` row keys, ``[U]`` column base).
     """
-    weight = weight_table.index_select(0, rows)
+    weight = weight_table.index_select(0, rows).to(grad.dtype)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
     clipped = cowclip_row_update_(
         optimizer,
@@ -156,6 +184,12 @@ def gather_step_scatter_(
         adam_bias=adam_bias,
         count_lr=count_lr,
     )
+    if weight_table.dtype != weight.dtype:
+        if rounding is None:
+            raise ValueError(
+                f"a {weight_table.dtype} table needs rounding keys for its stochastic rounding"
+            )
+        weight = stochastic_round(weight, weight_table.dtype, *rounding)
     weight_table.index_copy_(0, rows, weight)
     for name, table in state_tables.items():
         table.index_copy_(0, rows, state[name])

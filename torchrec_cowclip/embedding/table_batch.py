@@ -1,7 +1,7 @@
 """Storage of a table batch: tables of one embedding dim and pooling in one tensor.
 
-Table batching is what makes the fused update cheap: all tables of one dim share one
-``[sum(rows), D]`` weight and one set of optimizer-state tensors, so a batch's lookup is
+Table batching is what makes the fused update cheap: all tables of one dim (pooling and
+storage type) share one ``[sum(rows), D]`` weight and one set of optimizer-state tensors, so a batch's lookup is
 one kernel call and its update is one gather/compute/scatter over the distinct rows,
 whatever the number of tables. A table is a row range of the batch; the per-table
 tensors that ``state_dict()`` and the fused optimizer expose are views into it.
@@ -9,14 +9,20 @@ tensors that ``state_dict()`` and the fused optimizer expose are views into it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+    data_type_to_dtype,
+)
 
-from torchrec_cowclip.optim.functional import STATE_LAYOUT
+from torchrec_cowclip.optim.functional import STATE_LAYOUT, STORAGE_DTYPES, rounding_row_keys
 
 #: Buffer-name prefix of the optimizer state tensors (``state_exp_avg``, ...).
 _STATE_PREFIX = "state_"
@@ -70,10 +76,16 @@ class TableBatch(nn.Module):
         optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``; decides the state.
         clipped: per table, whether CowClip may clip it.
         device: where the tensors live.
+        global_offsets: per table, the (row, column) of its first element in the whole
+            table it is a shard of (default: (0, 0), whole tables); the stochastic
+            rounding of float16 / bfloat16 tables is keyed by global rows and columns, so
+            a shard rounds as the whole table would.
 
     Attributes:
-        weight: ``[R, D]`` all tables' rows, table ``i`` at ``row_offsets[i]:row_offsets[i+1]``.
-        state: optimizer state tensors over the same rows (see ``STATE_LAYOUT``).
+        weight: ``[R, D]`` all tables' rows, table ``i`` at ``row_offsets[i]:row_offsets[i+1]``,
+            in the tables' ``data_type`` (FP32, FP16 or BF16).
+        state: optimizer state tensors over the same rows (see ``STATE_LAYOUT``), float32
+            whatever the weight's type.
         step: ``[T]`` int64 step count per table.
         feature_names: the features looked up in this batch, table by table (a
             feature shared by two tables appears twice).
@@ -86,11 +98,20 @@ class TableBatch(nn.Module):
         optimizer: str,
         clipped: Sequence[bool],
         device: torch.device,
+        global_offsets: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> None:
         super().__init__()
         self.tables: List[EmbeddingBagConfig] = list(tables)
         self.dim: int = tables[0].embedding_dim
         self.pooling: PoolingType = tables[0].pooling
+        dtype = storage_dtype(tables[0].data_type)
+        offsets_of_shards = list(global_offsets or [(0, 0)] * len(tables))
+        # Per table: rounding seed (from its name, so every process and every shard of it
+        # agrees), step (filled in per step), global row and column of its first element.
+        self.rounding_list: List[List[int]] = [
+            [zlib.crc32(t.name.encode()), 0, int(row), int(col)]
+            for t, (row, col) in zip(tables, offsets_of_shards)
+        ]
         self.optimizer = optimizer
         self.table_names: List[str] = [t.name for t in tables]
         rows = [t.num_embeddings for t in tables]
@@ -109,7 +130,7 @@ class TableBatch(nn.Module):
         self.feature_row_offset_list: List[int] = [offsets[i] for i in feature_table]
         self.feature_num_rows_list: List[int] = [rows[i] for i in feature_table]
         buffers: Dict[str, Optional[Tensor]] = {
-            "weight": torch.empty(total, self.dim, dtype=torch.float32, device=device),
+            "weight": torch.empty(total, self.dim, dtype=dtype, device=device),
             "step": torch.zeros(len(tables), dtype=torch.int64, device=device),
             "counters": torch.zeros(
                 len(COUNTER_NAMES), len(tables), dtype=torch.int64, device=device
@@ -139,6 +160,8 @@ class TableBatch(nn.Module):
     row_offsets: Tensor
     clip_enabled: Tensor
     feature_num_rows: Tensor
+    rounding: Tensor
+    feature_rows: Tensor
 
     def _index_tensors(self, device: torch.device) -> Dict[str, Tensor]:
         """The index tensors, from their Python lists."""
@@ -148,12 +171,40 @@ class TableBatch(nn.Module):
             "feature_num_rows": torch.tensor(
                 self.feature_num_rows_list, dtype=torch.int64, device=device
             ),
+            "rounding": torch.tensor(self.rounding_list, dtype=torch.int64, device=device),
+            "feature_rows": torch.tensor(
+                list(zip(self.feature_row_offset_list, self.feature_num_rows_list)),
+                dtype=torch.int64,
+                device=device,
+            ).view(-1, 2),
         }
+
+    def rounding_keys(self) -> Tensor:
+        """``[T, 4]`` int64 per table: rounding seed, step count, global row and column
+        of its first element: what the native kernel keys the stochastic rounding of a
+        float16 / bfloat16 table by."""
+        keys = self.rounding.clone()
+        keys[:, 1] = self.step
+        return keys
+
+    def row_rounding_keys(self, rows: Tensor, table_of_row: Tensor) -> Tensor:
+        """``[U]`` :func:`~torchrec_cowclip.optim.functional.rounding_row_keys` of batch
+        rows ``rows`` (of tables ``table_of_row``) at the tables' current step."""
+        keys = self.rounding[table_of_row]
+        global_row = rows - self.row_offsets[table_of_row] + keys[:, 2]
+        return rounding_row_keys(keys[:, 0], self.step[table_of_row], global_row)
 
     @property
     def state(self) -> Dict[str, Tensor]:
         """The optimizer state tensors over all rows, by name (see ``STATE_LAYOUT``)."""
         return {name: getattr(self, _STATE_PREFIX + name) for name in self.state_names}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The type the update and the pooled outputs compute in: float32 for float16 /
+        bfloat16 storage, the weight's own type otherwise."""
+        half = self.weight.dtype in (torch.float16, torch.bfloat16)
+        return torch.float32 if half else self.weight.dtype
 
     @property
     def num_tables(self) -> int:
@@ -187,6 +238,15 @@ class TableBatch(nn.Module):
             return (bag % batch_size) * self.num_features + bag // batch_size
 
         return self._cached_index("bag_gradient_rows", batch_size, build)
+
+    def feature_bag_starts(self, batch_size: int) -> Tensor:
+        """``[F + 1]``: the index of each feature's first bag in a KJT's offsets
+        (``f * batch_size``), and the end (cached)."""
+        return self._cached_index(
+            "feature_bag_starts",
+            batch_size,
+            lambda: torch.arange(self.num_features + 1, device=self.weight.device) * batch_size,
+        )
 
     def unit_offsets(self, num_bags: int) -> Tensor:
         """``arange(num_bags + 1)``: offsets of ``num_bags`` bags of one id each (cached)."""
@@ -254,8 +314,20 @@ class TableBatch(nn.Module):
 
 
 def group_into_table_batches(tables: Sequence[EmbeddingBagConfig]) -> List[List[int]]:
-    """Indices of the tables of each (dim, pooling) group, in first-appearance order."""
-    groups: Dict[Tuple[int, PoolingType], List[int]] = {}
+    """Indices of the tables of each (dim, pooling, data type) group, in first-appearance
+    order."""
+    groups: Dict[Tuple[int, PoolingType, DataType], List[int]] = {}
     for i, table in enumerate(tables):
-        groups.setdefault((table.embedding_dim, table.pooling), []).append(i)
+        groups.setdefault((table.embedding_dim, table.pooling, table.data_type), []).append(i)
     return list(groups.values())
+
+
+def storage_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype of a table's ``data_type``: FP32, FP16 or BF16; ValueError for
+    the others (the quantised types are for inference, not for training)."""
+    dtype: torch.dtype = data_type_to_dtype(data_type)
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(
+            f"embedding tables are trained in FP32, FP16 or BF16 storage, got {data_type}"
+        )
+    return dtype

@@ -104,6 +104,7 @@ def build_model(
     init_seed: Optional[int] = None,
     table_device: DeviceLike = None,
     embedding_options: Optional[CowClipOptions] = None,
+    embedding_dtype: str = "fp32",
     **model_options: Any,
 ) -> CTRModel:
     """Builds one of :data:`MODELS` with the paper's defaults (D 10, DNN 400-400-400,
@@ -140,6 +141,8 @@ def build_model(
             ``torch.initial_seed()``): the same for every sharding plan and world size.
         table_device: where the tables are built, if not ``device``: ``"meta"`` for
             ``DistributedModelParallel`` to allocate only each rank's shards.
+        embedding_dtype: the tables' storage, ``"fp32"``, ``"fp16"`` or ``"bf16"``
+            (:class:`~torchrec_cowclip.models.embeddings.EmbeddingOptions`).
         model_options: passed to the model: ``cross_parameterization`` (DCN),
             ``low_rank`` and ``num_experts`` (DCNv2), ``dense_arch_layer_sizes``,
             ``over_arch_layer_sizes`` and ``dcn_low_rank_dim`` (DLRMs).
@@ -172,6 +175,7 @@ def build_model(
         init_std=init_std,
         init_seed=init_seed,
         table_device=None if table_device is None else str(table_device),
+        data_type=embedding_dtype,
     )
     return MODELS[name](
         sparse_names=list(sparse_names),

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
@@ -27,7 +28,7 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -37,6 +38,8 @@ from torchrec_cowclip.optim.options import CowClipOptions
 
 EmbeddingBackend = Literal["cowclip", "torchrec"]
 EMBEDDING_BACKENDS: Tuple[str, ...] = ("cowclip", "torchrec")
+#: How the tables can store their weights (``EmbeddingBagConfig.data_type``).
+EMBEDDING_DTYPES: Tuple[str, ...] = ("fp32", "fp16", "bf16")
 DeviceLike = Optional[Union[str, torch.device]]
 
 
@@ -72,6 +75,9 @@ class EmbeddingOptions:
         table_device: where the tables are built when not where the dense layers are:
             ``"meta"`` builds them without storage, for
             ``DistributedModelParallel`` to allocate each rank's shards only.
+        data_type: how the tables store their weights: ``"fp32"``, or ``"fp16"`` /
+            ``"bf16"`` (half the bytes; updated in float32 and rounded back
+            stochastically, optimizer state float32; the cowclip backend only).
         **training_keywords: instead of ``training``, its fields one by one
             (``optimizer``, ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``,
             ``count_lr``), the older spelling.
@@ -89,6 +95,7 @@ class EmbeddingOptions:
     init_std: float
     init_seed: Optional[int]
     table_device: Optional[str]
+    data_type: str
 
     def __init__(
         self,
@@ -97,12 +104,23 @@ class EmbeddingOptions:
         init_std: float = 1e-2,
         init_seed: Optional[int] = None,
         table_device: Optional[str] = None,
+        data_type: str = "fp32",
         **training_keywords: Any,
     ) -> None:
         if backend not in EMBEDDING_BACKENDS:
             raise ValueError(
                 f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}"
             )
+        if data_type not in EMBEDDING_DTYPES:
+            raise ValueError(
+                f"embedding data_type must be one of {EMBEDDING_DTYPES}, got {data_type!r}"
+            )
+        if data_type != "fp32" and backend != "cowclip":
+            raise ValueError(
+                f"embedding data_type {data_type} needs the cowclip backend (the stock "
+                "EBC's half weights would be trained by a dense optimizer in half)"
+            )
+        object.__setattr__(self, "data_type", data_type)
         if not init_std > 0:
             raise ValueError(f"init_std must be > 0, got {init_std}")
         object.__setattr__(self, "backend", backend)
@@ -193,6 +211,9 @@ def build_embedding_collection(
     """
     if options.table_device is not None:
         device = options.table_device
+    if options.data_type != "fp32":
+        data_type = DataType(options.data_type.upper())
+        tables = [dataclasses.replace(t, data_type=data_type) for t in tables]
     if options.backend == "torchrec":
         return EmbeddingBagCollection(
             tables=tables, device=None if device is None else torch.device(device)

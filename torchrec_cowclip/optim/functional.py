@@ -754,6 +754,101 @@ register_update_rule(
 )
 
 
+#: Float types a table may be stored in; the update computes in float32 and rounds back.
+STORAGE_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+_MASK32 = 0xFFFFFFFF
+_ROW_SALT = 0x9E3779B9
+_COLUMN_SALT = 0x85EBCA6B
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in
+    ``[0, 2**32)``, elementwise. Both multipliers are below ``2**31``, so every product
+    fits in int64 and the result equals the uint32 arithmetic of the native kernel.
+
+    Example::
+
+        >>> mix32(torch.tensor([0, 1])).tolist()
+        [0, 1198589870]
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def rounding_row_keys(seed: Tensor, step: Tensor, global_row: Tensor) -> Tensor:
+    """``[U]`` int64 key in ``[0, 2**32)`` of the random bits that round row ``global_row``
+    of a table (``seed``: the table's, from its name) at step ``step``: counter-based, so
+    the rounding of a row depends on nothing but these three (not on threads, table
+    batching, sharding or a resume), and every replica of a row draws the same bits.
+
+    Example::
+
+        >>> k = rounding_row_keys(torch.tensor([7]), torch.tensor([1]), torch.tensor([3]))
+        >>> 0 <= int(k) < 2**32
+        True
+    """
+    row = global_row.to(torch.int64)
+    h = mix32(((row >> 32) + _ROW_SALT) & _MASK32)
+    h = mix32((row & _MASK32) ^ h)
+    h = mix32((step.to(torch.int64) & _MASK32) ^ h)
+    return mix32((seed.to(torch.int64) & _MASK32) ^ h)
+
+
+def stochastic_round(
+    values: Tensor, dtype: torch.dtype, row_keys: Tensor, column_base: Tensor
+) -> Tensor:
+    """``[U, D]`` float32 ``values`` rounded stochastically to ``dtype`` (float16 or
+    bfloat16): up with probability equal to the distance from the value below, so the
+    rounding is unbiased and updates smaller than half a unit in the last place still
+    move a row on average (FBGEMM's stochastic rounding of half-precision tables does the
+    same with a per-thread generator; here the bits come from :func:`rounding_row_keys`
+    and the global column ``column_base[u] + d``).
+
+    bfloat16: 16 random bits are added below the kept bits, which are then truncated.
+    float16: the two float16 neighbours of ``|x|`` and a 24-bit uniform draw against the
+    distance. Infinities stay; a NaN stays a NaN; a value beyond the largest
+    float16 rounds down to it. ``values`` of float32 are returned as they are.
+
+    Example::
+
+        >>> x = torch.full((1, 4000), 1.0 + 2.0**-9)   # a quarter of the way to the next bf16
+        >>> keys, cols = torch.tensor([12345]), torch.tensor([0])
+        >>> up = (stochastic_round(x, torch.bfloat16, keys, cols).float() > 1.0).float().mean()
+        >>> 0.2 < float(up) < 0.3
+        True
+    """
+    if dtype == torch.float32:
+        return values
+    u, d = values.shape
+    columns = column_base.to(torch.int64).unsqueeze(1) + torch.arange(d, device=values.device)
+    column_hash = mix32((columns + _COLUMN_SALT) & _MASK32)
+    bits = mix32(row_keys.to(torch.int64).unsqueeze(1) ^ column_hash)
+    x = values.to(torch.float32)
+    if dtype == torch.bfloat16:
+        raised = (x.view(torch.int32) + (bits >> 16).to(torch.int32)) & -65536
+        rounded = raised.view(torch.float32).to(torch.bfloat16)
+        nan = ((x.view(torch.int32) >> 16) | 0x40).to(torch.int16).view(torch.bfloat16)
+        return torch.where(torch.isnan(x), nan, rounded)
+    if dtype != torch.float16:
+        raise ValueError(f"stochastic_round: dtype must be float16 or bfloat16, got {dtype}")
+    ax = x.abs()
+    nearest = ax.to(torch.float16)
+    h = nearest.view(torch.int16).to(torch.int32)
+    h = h - (nearest.to(torch.float32) > ax).to(torch.int32)
+    lo = h.to(torch.int16).view(torch.float16).to(torch.float32)
+    hi = (h + 1).to(torch.int16).view(torch.float16).to(torch.float32)
+    p = (ax - lo) / (hi - lo)
+    uniform = (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    h = h + (uniform < p).to(torch.int32)
+    magnitude = h.to(torch.int16).view(torch.float16)
+    rounded = torch.where(torch.signbit(x), -magnitude, magnitude)
+    return torch.where(torch.isfinite(x), rounded, x.to(torch.float16))
+
+
 def cowclip_row_update_(
     optimizer: str,
     weight: Tensor,

@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--embedding-optimizer", choices=EMBEDDING_OPTIMIZERS, default=d.embedding_optimizer
     )
     s.add_argument(
+        "--embedding-dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default=d.embedding_dtype,
+        help="storage of the table weights: fp16/bf16 halve their bytes (updated in float32 "
+        "with stochastic rounding; optimizer state stays float32)",
+    )
+    s.add_argument(
         "--helen-rho",
         type=float,
         default=d.helen_rho,

@@ -52,6 +52,7 @@ class TrainConfig:
     cowclip: bool = True
     embedding_backend: str = "cowclip"
     embedding_optimizer: str = "adam"
+    embedding_dtype: str = "fp32"
     embedding_dim: int = 10
     hidden: Tuple[int, ...] = (400, 400, 400)
     cross_layers: int = 3
@@ -154,6 +155,14 @@ class TrainConfig:
             )
         if self.embedding_backend == "torchrec" and self.cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
+        if self.embedding_dtype not in ("fp32", "fp16", "bf16"):
+            raise ConfigError(
+                f"--embedding-dtype must be fp32, fp16 or bf16, got {self.embedding_dtype!r}"
+            )
+        if self.embedding_dtype != "fp32" and self.embedding_backend != "cowclip":
+            raise ConfigError(
+                f"--embedding-dtype {self.embedding_dtype} needs --embedding-backend cowclip"
+            )
         self._validate_data()
         from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 

@@ -133,6 +133,7 @@ class Runtime(ABC):
             # TrainConfig.validate() has admitted only these backends.
             embedding_backend=cast(EmbeddingBackend, cfg.embedding_backend),
             embedding_options=self.embedding_options,
+            embedding_dtype=cfg.embedding_dtype,
             device=self.device,
             init_seed=cfg.seed,
             table_device=table_device,

@@ -1,0 +1,613 @@
+"""The native CPU kernels (torchrec_cowclip/csrc, embedding/native.py) against the
+functional core, and float16 / bfloat16 tables.
+
+The grouping and the unweighted segment sums must equal torch's bit for bit (same order
+of sums); the update, whose norms and sums run in another order than torch's reductions,
+the functional core to 1e-6; the stochastic rounding the functional core's bit for bit.
+"""
+
+import io
+import shutil
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cowclip_testing import kjt_from_bags, random_kjt
+from torchrec import DataType, EmbeddingBagConfig
+
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding import native, row_step
+from torchrec_cowclip.embedding.row_gradients import group_rows
+from torchrec_cowclip.embedding.row_step import set_compiled_update, use_native_update
+from torchrec_cowclip.optim.functional import (
+    CountLR,
+    RowSums,
+    adam_bias_corrections,
+    cowclip_row_update_,
+    partial_row_sums,
+    rounding_row_keys,
+    stochastic_round,
+)
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"
+)
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    set_compiled_update("1")
+    assert native.load(required=True)
+    yield
+    set_compiled_update(None)
+
+
+def _eager_group(row_ids, bags, num_rows):
+    set_compiled_update("0")
+    try:
+        return group_rows(row_ids, bags, num_rows)
+    finally:
+        set_compiled_update("1")
+
+
+@pytest.mark.parametrize("n,num_rows", [(0, 5), (1, 5), (7, 3), (5000, 70), (200_000, 3_000_000)])
+def test_grouping_equals_the_stable_sort_bit_for_bit(n, num_rows):
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, num_rows, (n,), generator=gen)
+    if n > 10:
+        ids[::5] = ids[1]  # a hot row
+    bags = torch.randperm(n, generator=gen)
+    expected = _eager_group(ids, bags, num_rows)
+    got = native.group_rows(ids, bags, num_rows)
+    for name, a, b in zip(
+        ("rows", "counts", "segment_offsets", "order", "sorted_bags"),
+        (
+            expected.rows,
+            expected.counts,
+            expected.segment_offsets,
+            expected.order,
+            expected.sorted_bags,
+        ),
+        got,
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_grouping_table_by_table_equals_the_stable_sort_bit_for_bit():
+    """Features of each table sorted on their own (two features share a table, a table
+    of one row, an empty feature) give the global stable sort's result."""
+    gen = torch.Generator().manual_seed(4)
+    ranges = [(0, 50), (50, 1), (51, 4000), (0, 50), (4051, 30)]  # (first row, rows) per feature
+    sizes = [300, 20, 5000, 250, 0]
+    ids = torch.cat(
+        [torch.randint(lo, lo + n, (k,), generator=gen) for (lo, n), k in zip(ranges, sizes)]
+    )
+    bags = torch.randperm(ids.numel(), generator=gen)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    rows = torch.tensor(ranges)
+    expected = _eager_group(ids, bags, 4081)
+    got = native.group_rows(ids, bags, 4081, starts, rows)
+    for a, b in zip(
+        (
+            expected.rows,
+            expected.counts,
+            expected.segment_offsets,
+            expected.order,
+            expected.sorted_bags,
+        ),
+        got,
+    ):
+        assert torch.equal(a, b)
+    ids[3] = 60  # outside feature 0's rows
+    with pytest.raises(RuntimeError, match="outside its feature's rows"):
+        native.group_rows(ids, bags, 4081, starts, rows)
+
+
+#: fused_update_'s keywords for a plain call; tests override what they exercise.
+PLAIN = dict(
+    grad=None,
+    bag_gradients=None,
+    segment_offsets=None,
+    sorted_bags=None,
+    sorted_weights=None,
+    clip_enabled=None,
+    adam_bias=None,
+    row_sums=None,
+    rounding=None,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    clip=None,
+    count_lr=None,
+)
+
+
+def _fused(weight, state, rows, counts, **overrides):
+    return native.fused_update_(weight, state, rows, counts, **{**PLAIN, **overrides})
+
+
+# --- the row update against the functional core ---------------------------------------------
+
+
+def _problem(optimizer, dim=6, num_rows=60, tables=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(num_rows, dim, generator=gen) * 0.05
+    weight[:6] *= 1e-4  # tiny rows: the clip binds on them
+    state = []
+    if optimizer == "adam":
+        state = [
+            torch.randn(num_rows, dim, generator=gen) * 1e-2,
+            torch.rand(num_rows, dim, generator=gen) * 1e-3,
+        ]
+    elif optimizer == "rowwise_adagrad":
+        state = [torch.rand(num_rows, generator=gen)]
+    row_offsets = torch.tensor([0, 20, 45, num_rows])
+    # Positions (with duplicates) over rows of every table.
+    positions = torch.randint(0, num_rows, (90,), generator=gen)
+    positions[:8] = torch.arange(8)  # the tiny rows are touched
+    bag_grads = torch.randn(40, dim, generator=gen) * 0.01
+    bags = torch.randint(0, 40, (90,), generator=gen)
+    return weight, state, row_offsets, positions, bags, bag_grads, gen
+
+
+STATE_NAMES = {"adam": ["exp_avg", "exp_avg_sq"], "rowwise_adagrad": ["sum"], "sgd": []}
+
+
+def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step, **kw):
+    """The functional core on the gathered rows (``dtype`` of the inputs), scattered back."""
+    w = weight.clone()
+    st = [s.clone() for s in state]
+    w_rows = w[rows].clone()
+    s_rows = {name: s[rows].clone() for name, s in zip(STATE_NAMES[optimizer], st)}
+    clipped = cowclip_row_update_(optimizer, w_rows, grad, counts, s_rows, step, **kw)
+    w[rows] = w_rows
+    for name, s in zip(STATE_NAMES[optimizer], st):
+        s[rows] = s_rows[name]
+    return w, st, clipped
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dim", [6, 16, 1])
+def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim):
+    weight, state, row_offsets, positions, bags, bag_grads, gen = _problem(optimizer, dim)
+    position_weights = torch.rand(90, generator=gen) + 0.5 if weighted else None
+    grouping = _eager_group(positions, bags, weight.shape[0])
+    sorted_weights = position_weights[grouping.order] if weighted else None
+    rows, counts = grouping.rows, grouping.counts
+    # One non-finite row: skipped, its weight and state unchanged, counted.
+    bad = int(rows.numel() // 2)
+    bag_grads = bag_grads.clone()
+    bag_grads[grouping.sorted_bags[grouping.segment_offsets[bad]]] = float("nan")
+    finite_grad = F.embedding_bag(
+        grouping.sorted_bags,
+        bag_grads,
+        grouping.segment_offsets,
+        mode="sum",
+        per_sample_weights=sorted_weights,
+        include_last_offset=True,
+    )
+    finite = torch.isfinite(finite_grad.sum(1))
+    assert not bool(finite.all())
+    table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
+    step = torch.tensor([3, 5, 7])
+    clip_enabled = torch.tensor([True, False, True])
+    betas, lr, eps, wd = (0.8, 0.99), 0.05, 1e-6, 0.01
+    count_lr = CountLR(power=0.5, cap=2.0)
+    bias = adam_bias_corrections(step, *betas)
+    cowclip = CowClip(r=1.0, zeta=1e-3) if clip else None
+
+    keep = finite
+    ref_w, ref_s, ref_clipped = _reference(
+        optimizer,
+        weight,
+        state,
+        rows[keep],
+        finite_grad[keep],
+        counts[keep],
+        table_of_row[keep],
+        None,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=wd,
+        cowclip=cowclip,
+        clip_enabled=clip_enabled[table_of_row[keep]],
+        adam_bias=(bias[0][table_of_row[keep]], bias[1][table_of_row[keep]]),
+        count_lr=count_lr,
+    )
+    for source in ("segments", "grad"):
+        w, st = weight.clone(), [s.clone() for s in state]
+        if source == "grad":
+            given = dict(grad=finite_grad)
+        else:
+            given = dict(
+                bag_gradients=bag_grads,
+                segment_offsets=grouping.segment_offsets,
+                sorted_bags=grouping.sorted_bags,
+                sorted_weights=sorted_weights,
+            )
+        status, per_table = _fused(
+            w,
+            st,
+            rows,
+            counts,
+            **given,
+            row_offsets=row_offsets,
+            clip_enabled=clip_enabled,
+            adam_bias=bias if optimizer == "adam" else None,
+            optimizer=optimizer,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=wd,
+            clip=None if cowclip is None else (cowclip.r, cowclip.zeta),
+            count_lr=(count_lr.power, count_lr.cap),
+        )
+        torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+        for a, b in zip(st, ref_s):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        assert torch.equal(status == native.SKIPPED, ~finite)
+        assert torch.equal(status[keep] == native.CLIPPED, ref_clipped)
+        expected_counts = torch.stack(
+            [
+                torch.bincount(table_of_row[keep], minlength=3),
+                torch.bincount(table_of_row[keep][ref_clipped], minlength=3),
+                torch.bincount(table_of_row[~keep], minlength=3),
+            ]
+        )
+        assert torch.equal(per_table, expected_counts)
+        assert torch.equal(w[rows[bad]], weight[rows[bad]])  # the skipped row
+    if clip:
+        assert 0 < int(ref_clipped.sum()) < int(keep.sum())
+
+
+def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
+    """SGD at lr 1 from zero weights writes ``-g_j``: the kernel's sums of a row's bag
+    gradients are ATen's (FBGEMM's) segment sums, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 500, (4000,), generator=gen)
+    bags = torch.randint(0, 300, (4000,), generator=gen)
+    bag_grads = torch.randn(300, 16, generator=gen)
+    g = _eager_group(positions, bags, 500)
+    expected = F.embedding_bag(
+        g.sorted_bags, bag_grads, g.segment_offsets, mode="sum", include_last_offset=True
+    )
+    w = torch.zeros(500, 16)
+    _fused(
+        w,
+        [],
+        g.rows,
+        g.counts,
+        bag_gradients=bag_grads,
+        segment_offsets=g.segment_offsets,
+        sorted_bags=g.sorted_bags,
+        row_offsets=torch.tensor([0, 500]),
+        optimizer="sgd",
+        lr=1.0,
+    )
+    assert torch.equal(w[g.rows], -expected)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_column_shard_row_sums_match_the_functional_core(optimizer):
+    """A column shard's update with the whole rows' sums (column-wise sharding)."""
+    weight, state, row_offsets, positions, bags, bag_grads, gen = _problem(optimizer, dim=4)
+    g = _eager_group(positions, bags, weight.shape[0])
+    grad = F.embedding_bag(
+        g.sorted_bags, bag_grads, g.segment_offsets, mode="sum", include_last_offset=True
+    )
+    rows, counts = g.rows, g.counts
+    other = torch.randn(rows.numel(), 4, generator=gen) * 0.01  # the other shard's half
+    other_w = torch.randn(rows.numel(), 4, generator=gen) * 0.05
+    sums = RowSums.from_sums(
+        partial_row_sums(grad, weight[rows]) + partial_row_sums(other, other_w), dim=8
+    )
+    table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
+    step = torch.tensor([2, 2, 2])
+    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+    bias = adam_bias_corrections(step, *kw["betas"])
+    ref_w, ref_s, ref_clipped = _reference(
+        optimizer,
+        weight,
+        state,
+        rows,
+        grad,
+        counts,
+        table_of_row,
+        None,
+        cowclip=CowClip(1.0, 1e-3),
+        row_sums=sums,
+        adam_bias=(bias[0][table_of_row], bias[1][table_of_row]),
+        **kw,
+    )
+    packed = torch.stack(
+        [
+            sums.nonfinite,
+            sums.grad_sq,
+            sums.weight_sq,
+            sums.grad_dot_weight,
+            sums.dim.expand(rows.numel()),
+        ],
+        1,
+    )
+    w, st = weight.clone(), [s.clone() for s in state]
+    status, _ = _fused(
+        w,
+        st,
+        rows,
+        counts,
+        grad=grad,
+        row_offsets=row_offsets,
+        adam_bias=bias if optimizer == "adam" else None,
+        row_sums=packed,
+        optimizer=optimizer,
+        clip=(1.0, 1e-3),
+        **kw,
+    )
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    for a, b in zip(st, ref_s):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert torch.equal(status == native.CLIPPED, ref_clipped)
+
+
+def test_bad_rows_are_refused_before_any_change():
+    w = torch.zeros(10, 4)
+    for rows in (torch.tensor([3, 2]), torch.tensor([1, 10]), torch.tensor([-1, 2])):
+        with pytest.raises(RuntimeError, match="distinct, ascending and inside"):
+            _fused(
+                w,
+                [],
+                rows,
+                torch.ones(2, dtype=torch.int64),
+                grad=torch.ones(2, 4),
+                row_offsets=torch.tensor([0, 10]),
+                optimizer="sgd",
+                lr=1.0,
+            )
+    assert not w.any()
+
+
+# --- stochastic rounding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_equals_the_functional_core_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(300, 16, generator=gen) * 10.0 ** torch.randint(
+        -9, 5, (300, 1), generator=gen
+    )
+    values[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 7e4, -0.0, 1e-8])
+    keys = torch.randint(0, 2**32, (300,), generator=gen)
+    columns = torch.randint(0, 1000, (300,), generator=gen)
+    a = stochastic_round(values, dtype, keys, columns)
+    b = native.stochastic_round(values, dtype, keys, columns)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    seeds, steps = torch.randint(0, 2**32, (50,), generator=gen), torch.randint(0, 10**7, (50,))
+    rows = torch.randint(0, 2**40, (50,), generator=gen)
+    assert torch.equal(
+        rounding_row_keys(seeds, steps, rows), native.rounding_row_keys(seeds, steps, rows)
+    )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_is_unbiased(dtype):
+    """Values between two representable neighbours round up as often as their distance
+    says: the mean of many roundings is the value (round-to-nearest would lose it)."""
+    x = torch.full((1, 20000), 1.0 + 2.0 ** (-10 if dtype == torch.bfloat16 else -13))
+    rounded = stochastic_round(x, dtype, torch.tensor([99]), torch.tensor([0])).float()
+    assert set(rounded.unique().tolist()) == {
+        1.0,
+        1.0 + 2.0 ** (-7 if dtype == torch.bfloat16 else -10),
+    }
+    torch.testing.assert_close(rounded.mean(), x.mean(), rtol=2e-4, atol=0)
+    assert x.to(dtype).float().mean() == 1.0  # nearest rounding drops the increment
+
+
+# --- half tables in the collection ----------------------------------------------------------
+
+
+def _half_tables(data_type):
+    """The collection tests' tables (a shared table, MEAN pooling, mixed dims, an
+    unclipped dim-1 table) stored in ``data_type``."""
+    from test_collection import _tables
+
+    return [replace(t, data_type=data_type) for t in _tables()]
+
+
+def _half_module(tables, optimizer, weights, mode):
+    set_compiled_update(mode)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables],
+        optimizer=optimizer,
+        cowclip=CowClip(r=1.0, zeta=1e-3),
+        unclipped_tables=("linear",),
+        lr=0.05,
+        betas=(0.8, 0.99),
+        eps=1e-6,
+        weight_decay=0.01,
+    )
+    with torch.no_grad():
+        for name, w in weights.items():
+            ebc.embedding_bags[name].weight.copy_(w)
+    return ebc
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optimizer):
+    """Half tables keep their type, pool in float32, keep float32 optimizer state; the
+    native and the eager update round alike (same keys), and both stay within a few half
+    ulps of the float32 module."""
+    data_type = DataType.FP16 if dtype == torch.float16 else DataType.BF16
+    tables = _half_tables(data_type)
+    gen = torch.Generator().manual_seed(11)
+    weights = {
+        t.name: (torch.randn(t.num_embeddings, t.embedding_dim, generator=gen) * 0.3)
+        .to(dtype)
+        .float()
+        for t in tables
+    }
+    modules = {
+        "native": _half_module(tables, optimizer, weights, "1"),
+        "eager": _half_module(tables, optimizer, weights, "0"),
+        "fp32": _half_module(
+            [replace(t, data_type=DataType.FP32) for t in tables], optimizer, weights, "0"
+        ),
+    }
+    for _ in range(3):
+        kjt = random_kjt(tables, batch_size=6, generator=gen)
+        upstream = None
+        for mode, ebc in modules.items():
+            set_compiled_update("1" if mode == "native" else "0")
+            out = ebc(kjt).values()
+            assert out.dtype == torch.float32
+            if upstream is None:
+                upstream = torch.randn(out.shape, generator=gen)
+            (out * upstream).sum().backward()
+    states = {m: e.state_dict() for m, e in modules.items()}
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for t in tables:
+        key = f"embedding_bags.{t.name}.weight"
+        assert states["native"][key].dtype == dtype
+        # Same float32 step up to the last bits, same rounding keys: equal but for a rare
+        # flip of one rounding decision (one ulp).
+        diff = (states["native"][key].float() - states["eager"][key].float()).abs()
+        assert (diff > 0).float().mean() < 0.02
+        torch.testing.assert_close(
+            states["native"][key].float(), states["eager"][key].float(), rtol=ulp, atol=1e-6
+        )
+        torch.testing.assert_close(
+            states["native"][key].float(), states["fp32"][key], rtol=4 * ulp, atol=4 * ulp * 0.3
+        )
+    opt_state = modules["native"].fused_optimizer.state_dict()["state"]
+    for entries in opt_state.values():
+        for name, value in entries.items():
+            if name != "step":
+                assert value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16])
+def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
+    import torchrec
+
+    tables = _half_tables(data_type)
+    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    kjt = random_kjt(tables, batch_size=4, generator=torch.Generator().manual_seed(1))
+    ebc(kjt).values().sum().backward()
+    stock = torchrec.EmbeddingBagCollection(tables=[replace(t) for t in tables])
+    ours_state, stock_state = ebc.state_dict(), stock.state_dict()
+    assert {k: v.shape for k, v in ours_state.items()} == {
+        k: v.shape for k, v in stock_state.items()
+    }
+    dtype = torch.float16 if data_type == DataType.FP16 else torch.bfloat16
+    # (TorchRec's unsharded EBC stores both half types as float16; FBGEMM's TBE and this
+    # collection store BF16 as bfloat16.)
+    assert {v.dtype for v in ours_state.values()} == {dtype}
+    stock.load_state_dict(ours_state)  # weights move both ways
+    ebc.load_state_dict(stock.state_dict())
+    buffer = io.BytesIO()
+    torch.save({"model": ours_state, "optim": ebc.fused_optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    copy = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    copy.load_state_dict(saved["model"])
+    copy.fused_optimizer.load_state_dict(saved["optim"])
+    for k, v in ours_state.items():
+        assert torch.equal(copy.state_dict()[k], v)
+    # The next step is the same on both (same rounding keys: table, step, row, column).
+    kjt2 = random_kjt(tables, batch_size=4, generator=torch.Generator().manual_seed(2))
+    for module in (ebc, copy):
+        module(kjt2).values().sum().backward()
+    for k, v in ebc.state_dict().items():
+        assert torch.equal(copy.state_dict()[k], v)
+    assert (
+        ebc.table_storage_bytes()
+        < CowClipEmbeddingBagCollection(
+            [replace(t, data_type=DataType.FP32) for t in tables], optimizer="adam"
+        ).table_storage_bytes()
+    )
+
+
+def test_unsupported_data_types_are_refused_naming_the_table():
+    tables = [
+        EmbeddingBagConfig(
+            name="q",
+            embedding_dim=4,
+            num_embeddings=5,
+            feature_names=["f"],
+            data_type=DataType.INT8,
+        )
+    ]
+    with pytest.raises(ValueError, match="table 'q': data_type must be FP32, FP16 or BF16"):
+        CowClipEmbeddingBagCollection(tables)
+
+
+# --- the switch ---------------------------------------------------------------------------
+
+
+def test_inductor_and_eager_modes_use_no_native_kernels(monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "fused_update_", lambda *a, **k: calls.append(1))
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    kjt = kjt_from_bags({"f": [[1, 2], [3]]})
+    for mode in ("0", "inductor"):
+        set_compiled_update(mode)
+        assert not use_native_update(torch.device("cpu"))
+    set_compiled_update("0")
+    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1)
+    ebc(kjt).values().sum().backward()
+    assert calls == [] and ebc.clip_stats()["t"].rows_updated == 3
+
+
+def test_a_failed_build_warns_and_falls_back_in_auto_mode_and_raises_in_mode_1(monkeypatch):
+    def broken():
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_build_and_load", broken)
+    set_compiled_update("0")  # reference result on the eager path
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    kjt = kjt_from_bags({"f": [[1, 2], [3]]})
+    expected = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
+    expected(kjt).values().sum().backward()
+    monkeypatch.setattr(row_step, "_failed_devices", {"cpu"})  # and no Inductor either
+    set_compiled_update("auto")
+    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ebc(kjt).values().sum().backward()
+    assert any("no compiler here" in str(w.message) for w in caught)
+    assert torch.equal(
+        ebc.state_dict()["embedding_bags.t.weight"],
+        expected.state_dict()["embedding_bags.t.weight"],
+    )
+    set_compiled_update("1")
+    with pytest.raises(RuntimeError, match="required.*no compiler here"):
+        use_native_update(torch.device("cpu"))
+
+
+def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):
+    """The collection's reference tests (test_collection.py, path "compiled") can fail on
+    the native path: a kernel that is off on one row is caught."""
+    from test_collection import test_several_steps_match_dense_autograd_reference
+
+    real = native.fused_update_
+
+    def wrong(weight, *args, **kwargs):
+        result = real(weight, *args, **kwargs)
+        with torch.no_grad():
+            weight[args[1][0]] += 1e-3
+        return result
+
+    monkeypatch.setattr(native, "fused_update_", wrong)
+    with pytest.raises(AssertionError, match="not close"):
+        test_several_steps_match_dense_autograd_reference(
+            "adam", True, "compiled", torch.device("cpu")
+        )
