@@ -336,6 +336,14 @@ def floor_bytes(lookups: int, dim: int, unique_rows: float, state_per_row: int =
     return float(lookups * dim * 4 + unique_rows * (1 + state_per_row) * dim * 4 * 2)
 
 
+def digest_files(files: Iterable[Path], update: Callable[[bytes], object]) -> None:
+    """Feeds every byte of ``files`` to ``update`` (a checksum's), 8 MiB at a time."""
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                update(chunk)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
