@@ -20,7 +20,7 @@ test: lint
 
 # The slow soak (README, Reliability): two processes under torchrun --max-restarts, 10
 # SIGKILLs of a random rank, final metrics and logs equal to the uninterrupted run's;
-# about 4 minutes on a 2-core VM.
+# 1.5-3 minutes on a 2-core VM.
 soak: .venv/.installed
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py
 

@@ -354,10 +354,9 @@ class Trainer:
                 f"the best epoch's checkpoint {self.checkpoints.root / str(self._best_checkpoint)} "
                 "is missing: the final model cannot be restored"
             )
-        if self.checkpoints.verify(best):
-            raise DamagedCheckpointError(
-                f"the best epoch's checkpoint is damaged: {self.checkpoints.verify(best)[0]}"
-            )
+        problems = self.checkpoints.verify(best)
+        if problems:
+            raise DamagedCheckpointError(f"the best epoch's checkpoint is damaged: {problems[0]}")
         self.checkpoints.load(best, tensors)
         self.runtime.train_module.load_state_dict(tensors["model"])
 
