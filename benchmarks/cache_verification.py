@@ -19,8 +19,9 @@ import hashlib
 import tempfile
 import time
 import zlib
-from pathlib import Path
 from typing import Callable, List
+
+from common import digest_files
 
 from torchrec_cowclip.data import cache as cache_module
 from torchrec_cowclip.data import open_dataset
@@ -33,13 +34,6 @@ def _best(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def _digest(files: List[Path], update: Callable[[bytes], object]) -> None:
-    for path in files:
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                update(chunk)
 
 
 def main() -> None:
@@ -66,10 +60,12 @@ def main() -> None:
         full = _best(fresh_process_open, args.repeat)
         crc_state = [0]
         crc = _best(
-            lambda: _digest(files, lambda b: crc_state.__setitem__(0, zlib.crc32(b, crc_state[0]))),
+            lambda: digest_files(
+                files, lambda b: crc_state.__setitem__(0, zlib.crc32(b, crc_state[0]))
+            ),
             args.repeat,
         )
-        blake = _best(lambda: _digest(files, hashlib.blake2b().update), args.repeat)
+        blake = _best(lambda: digest_files(files, hashlib.blake2b().update), args.repeat)
     mb = size / 1e6
     print(
         f"cache entry: {args.rows} rows, {len(files)} files, {mb:.0f} MB (built in {build:.1f} s)"

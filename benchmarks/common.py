@@ -387,6 +387,14 @@ def load_average() -> str:
         return ""
 
 
+def digest_files(files: Iterable[Path], update: Callable[[bytes], object]) -> None:
+    """Feeds every byte of ``files`` to ``update`` (a checksum's), 8 MiB at a time."""
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                update(chunk)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

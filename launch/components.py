@@ -9,6 +9,12 @@ Example (2 processes on this machine, CPU, gloo)::
     .venv/bin/torchx run -s local_cwd launch/components.py:train -j 1x2 -- \\
         --model deepfm --data synthetic:100000 --batch-size 4096 --sharding table_wise \\
         --out runs/torchx-demo
+
+Recovery with no person: ``--max_restarts N`` lets torchrun restart the job's processes
+up to N times after one fails (a killed rank), ``--max_retries N`` lets the scheduler
+retry the job; with either, the training gets ``--resume auto`` (unless the arguments
+already say ``--resume`` or ``--overwrite``), so each restart continues from the newest
+intact checkpoint, or starts anew if none was written yet.
 """
 
 from typing import Dict, Optional
@@ -28,6 +34,7 @@ def train(
     image: str = torchx.IMAGE,
     env: Optional[Dict[str, str]] = None,
     max_retries: int = 0,
+    max_restarts: int = 0,
     rdzv_port: int = 29500,
 ) -> specs.AppDef:
     """Distributed CowClip training: ``torchrec-cowclip train`` on every process.
@@ -43,14 +50,22 @@ def train(
         image: container image (local_cwd runs in the current directory)
         env: extra environment variables, e.g. NCCL_DEBUG=INFO
         max_retries: scheduler retries of a failed job
+        max_restarts: torchrun restarts of the job's processes after one fails
         rdzv_port: rendezvous port on the first node (multi-node only)
 
     Returns:
         the torchx application definition
     """
+    env = dict(env or {})
+    args = list(script_args)
+    if max_restarts:
+        # torchrun reads any of its options from PET_<OPTION> (torch.distributed.run).
+        env["PET_MAX_RESTARTS"] = str(max_restarts)
+    if (max_restarts or max_retries) and not {"--resume", "--overwrite"} & set(args):
+        args += ["--resume", "auto"]
     return dist.ddp(
         "train",
-        *script_args,
+        *args,
         m="torchrec_cowclip",
         name="torchrec-cowclip",
         j=j,

@@ -431,3 +431,41 @@ def test_the_module_imports_without_torchrec():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_dcp_metadata_private_classes():
+    """The private names a DCP ``.metadata`` pickle refers to are where the restricted
+    unpickler expects them: a real metadata file names exactly allowed globals."""
+    import io
+    import pickle
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint import state_dict_saver
+
+    from torchrec_cowclip.train.safe_load import allowed_globals
+
+    with private_name(
+        "filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, serialization._get_layout",
+        "dcp_metadata_private_classes",
+    ):
+        named = compat.dcp_metadata_private_classes()
+        assert {name for _, name in named} == {
+            "_StorageInfo",
+            "_MEM_FORMAT_ENCODING",
+            "_get_layout",
+        }
+        for (module, name), value in named.items():
+            assert getattr(importlib.import_module(module), name) is value
+        root = tempfile.mkdtemp()
+        state_dict_saver.save({"w": torch.ones(2, 3), "i": torch.arange(4)}, checkpoint_id=root)
+        seen = set()
+
+        class Recording(pickle.Unpickler):
+            def find_class(self, module, name):
+                seen.add((module, name))
+                return super().find_class(module, name)
+
+        Recording(io.BytesIO(open(f"{root}/.metadata", "rb").read())).load()
+        assert seen <= set(allowed_globals()), sorted(seen - set(allowed_globals()))
+        assert seen & set(named), "the metadata no longer names the private classes"

@@ -139,3 +139,24 @@ def test_unknown_sharding_is_a_cli_error(tmp_path):
         timeout=60,
     )
     assert run.returncode != 0 and "invalid choice: 'grid'" in run.stderr
+
+
+def test_the_torchx_component_restarts_and_resumes_with_no_person():
+    """``--max_restarts`` reaches torchrun (as ``PET_MAX_RESTARTS``, its own option
+    variable) and the training gets ``--resume auto``, so a restarted job continues
+    from its newest checkpoint; an explicit --resume/--overwrite is kept as given."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("components", REPO / "launch" / "components.py")
+    components = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(components)
+    role = components.train("--out", "runs/x", max_restarts=3).roles[0]
+    assert role.env["PET_MAX_RESTARTS"] == "3"
+    assert role.args[-1].endswith("--out runs/x --resume auto")
+    retried = components.train("--out", "runs/x", max_retries=2).roles[0]
+    assert retried.max_retries == 2 and retried.args[-1].endswith("--resume auto")
+    plain = components.train("--out", "runs/x", "--overwrite", max_restarts=1).roles[0]
+    assert (
+        "--resume" not in plain.args[-1]
+        and components.train("--out", "o").roles[0].env.get("PET_MAX_RESTARTS") is None
+    )

@@ -101,7 +101,8 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
         [
             "train",
             "--data",
-            "synthetic:3000",
+            # 18,000 training rows: one full batch of 16,384 (a run needs one).
+            "synthetic:20000",
             "--synthetic-scale",
             "0.001",
             "--synthetic-max-cardinality",
@@ -151,7 +152,7 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
     assert scale_hyperparameters(1024 * S).count_lr is None  # off in the paper's recipe
     assert scale_hyperparameters(512, count_lr_power=1.0).count_lr.cap == 1.0  # never below 1
     cfg = TrainConfig(
-        data="synthetic:3000",
+        data="synthetic:20000",
         synthetic_scale=0.001,
         synthetic_max_cardinality=500,
         hidden=(8,),

@@ -12,6 +12,7 @@ import torch
 import trainer_cases as cases
 from distributed_harness import JobFailed, run_ranks
 
+from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.resume_guard import ResumeRefused
 from torchrec_cowclip.train.trainer import Trainer
 
@@ -123,5 +124,8 @@ def test_rank_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path):
     run_ranks(cases.train_phases, 2, [(killed, {**opts, "resume": True})], timeout_s=240)
     assert cases.exact_metrics(killed + "/run") == cases.exact_metrics(full + "/run")
     leftovers = sorted(p.name for p in (tmp_path / "killed" / "run" / "checkpoints").iterdir())
-    # The killed write's directory is gone: one checkpoint per pointer, no temp files.
-    assert [n.split("-")[0] for n in leftovers] == ["best", "best", "latest", "latest"], leftovers
+    # The killed write's directory is gone: pointers and the last two complete
+    # checkpoints of each name (--keep-checkpoints 2), no temp files.
+    assert [n.split("-")[0] for n in leftovers] == ["best"] * 3 + ["latest"] * 3, leftovers
+    store = CheckpointStore(tmp_path / "killed" / "run" / "checkpoints")
+    assert store.unfinished() == [] and len(store.complete()) == 4

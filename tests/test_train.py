@@ -138,28 +138,33 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import state_dict_saver
 
     store = CheckpointStore(tmp_path / "checkpoints")
-    store.save("latest", "s1", {"model": {"w": torch.ones(3)}}, {"step": 1})
+    store.save("latest", "s1", {"model": {"w": torch.ones(3)}}, {"step": 1}, step=1)
     real_save = state_dict_saver.save
 
     def killed_mid_write(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # files on disk, pointer not moved
+        real_save(state, checkpoint_id=checkpoint_id)  # files on disk, no manifest yet
         raise KeyboardInterrupt("killed mid-write")
 
     monkeypatch.setattr(state_dict_saver, "save", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        store.save("latest", "s2", {"model": {"w": torch.full((3,), 2.0)}}, {"step": 2})
+        store.save("latest", "s2", {"model": {"w": torch.full((3,), 2.0)}}, {"step": 2}, step=2)
     monkeypatch.undo()
     restored = {"model": {"w": torch.zeros(3)}}
     assert store.load("latest", restored)["step"] == 1
     assert restored["model"]["w"].tolist() == [1.0, 1.0, 1.0]
-    # The next save removes the killed write's directory.
-    store.save("latest", "s3", {"model": {"w": torch.full((3,), 3.0)}}, {"step": 3})
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "latest-s3"]
+    # The killed write is ours and unfinished: the next start removes it, and only it.
+    assert store.remove_unfinished() == [tmp_path / "checkpoints" / "latest-s2"]
+    store.save("latest", "s3", {"model": {"w": torch.full((3,), 3.0)}}, {"step": 3}, step=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "latest-s1",
+        "latest-s3",
+    ]
 
 
 def test_checkpoint_refuses_a_model_of_another_shape(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints")
-    store.save("latest", "s1", {"model": {"emb": torch.ones(10, 4)}}, {"step": 1})
+    store.save("latest", "s1", {"model": {"emb": torch.ones(10, 4)}}, {"step": 1}, step=1)
     with pytest.raises(
         CheckpointMismatchError, match=r"'model.emb' is \[10, 4\] there and \[12, 4\] here"
     ):

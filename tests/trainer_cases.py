@@ -131,3 +131,100 @@ def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]
         "counters": trainer.runtime.table_counters(),
         "progress": dict(trainer.progress.__dict__),
     }
+
+
+def _check_sharded_atomic_load(trainer: Trainer) -> None:
+    """A sharded kernel's fused optimizer refuses a state dict with one wrong-shaped
+    tensor whole, naming it, and keeps every state tensor as it was."""
+    from torchrec_cowclip.optim.load_check import StateDictMismatch
+
+    kernel = trainer.runtime.embedding_module()._kernels()[0]
+    optimizer = kernel.fused_optimizer
+    live = optimizer.state_dict()
+    before = {
+        (key, name): [s.tensor.clone() for s in value.local_shards()]
+        if hasattr(value, "local_shards")
+        else [value.clone()]
+        for key, state in live["state"].items()
+        for name, value in state.items()
+    }
+    bad = {"state": {k: dict(v) for k, v in live["state"].items()}}
+    for value in bad["state"].values():  # every tensor doubled, the last one misshapen
+        for name, tensor in list(value.items()):
+            value[name] = tensor * 2 if not hasattr(tensor, "local_shards") else tensor
+    last_key = sorted(bad["state"])[-1]
+    last_name = sorted(bad["state"][last_key])[-1]
+    bad["state"][last_key][last_name] = torch.zeros(3, 3, 3)
+    try:
+        optimizer.load_state_dict(bad)
+    except StateDictMismatch as e:
+        assert f"[{last_key!r}][{last_name!r}]" in str(e), str(e)
+    else:
+        raise AssertionError("a misshapen state dict was loaded")
+    for key, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            pieces = (
+                [s.tensor for s in value.local_shards()]
+                if hasattr(value, "local_shards")
+                else [value]
+            )
+            assert all(torch.equal(a, b) for a, b in zip(pieces, before[(key, name)])), name
+
+
+def train_until_signal(
+    rank: int,
+    world: int,
+    root: str,
+    overrides: Dict[str, Any],
+    signalled_rank: int,
+    at_step: int,
+    out_path: str,
+) -> None:
+    """Trains; rank ``signalled_rank`` alone gets SIGTERM during step ``at_step``. Every
+    rank must stop after that same step with ``RunStopped`` (one checkpoint written);
+    rank 0 writes the stop message to ``out_path``. Also checks the sharded fused
+    optimizer's all-or-nothing load first."""
+    import signal
+
+    from torchrec_cowclip.train.stop import RunStopped
+
+    _as_torchrun(rank, world)
+    trainer = Trainer(tiny_config(root, **overrides))
+    _check_sharded_atomic_load(trainer)
+    real = trainer.runtime.step_summary
+    steps = {"n": 0}
+
+    def summary(loss: float, samples: int, stop: bool) -> Any:
+        steps["n"] += 1
+        if rank == signalled_rank and trainer.progress.global_step + 1 == at_step:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: the flag is set at once
+            stop = trainer.stop.requested is not None
+        return real(loss, samples, stop)
+
+    trainer.runtime.step_summary = summary  # type: ignore[method-assign]
+    try:
+        trainer.run()
+    except RunStopped as stopped:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"message": str(stopped), "step": trainer.progress.global_step}, f)
+        return
+    raise AssertionError(f"rank {rank} was not stopped")
+
+
+def hang_in_step(rank: int, world: int, root: str, at_step: int) -> None:
+    """Rank 1 stops responding in step ``at_step``; rank 0 must fail with a
+    ``CollectiveError`` naming the step (the harness records its traceback)."""
+    import time
+
+    _as_torchrun(rank, world)
+    trainer = Trainer(tiny_config(root, sharding="table_wise"))
+    real = trainer.runtime.step
+
+    def step(pipeline: Any, batches: Any, number: int) -> Any:
+        if rank == 1 and number == at_step:
+            time.sleep(600)
+        return real(pipeline, batches, number)
+
+    trainer.runtime.step = step  # type: ignore[method-assign]
+    trainer.run()

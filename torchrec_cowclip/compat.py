@@ -44,6 +44,7 @@ __all__ = [
     "ShardedTensorMetadata",
     "TableBatchedEmbeddingSlice",
     "add_fx_tracing_filter",
+    "dcp_metadata_private_classes",
     "dmp_data_parallel",
     "embedding_shardings",
     "extension_points",
@@ -292,6 +293,25 @@ def sharded_tensor(
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards=local_shards, sharded_tensor_metadata=metadata, process_group=pg
     )
+
+
+def dcp_metadata_private_classes() -> Dict[Tuple[str, str], Any]:
+    """The private names a ``torch.distributed.checkpoint`` ``.metadata`` pickle refers
+    to, by ``(module, name)``: ``FileSystemWriter``'s per-item storage record
+    (``filesystem._StorageInfo``), the memory-format enum of ``TensorProperties``
+    (``metadata._MEM_FORMAT_ENCODING``) and the layout decoder torch registers for
+    pickling ``torch.layout`` (``serialization._get_layout``). The restricted unpickler of
+    :mod:`torchrec_cowclip.train.safe_load` admits exactly these besides public classes."""
+    from torch import serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): (
+            metadata._MEM_FORMAT_ENCODING
+        ),
+        ("torch.serialization", "_get_layout"): serialization._get_layout,
+    }
 
 
 # --- torch.compile --------------------------------------------------------------------

@@ -147,6 +147,9 @@ class BatchIterator:
         start_batch: first batch to yield (resume mid-epoch); ``len()`` still counts
             the whole epoch.
         prefetch: batches prepared ahead in a background thread (0 = none).
+        num_batches: instead of ``batch_size``, cut the rows into exactly this many
+            batches whose sizes differ by at most one (each rank's share of a sharded
+            evaluation: every rank must run as many batches).
 
     Example::
 
@@ -175,6 +178,7 @@ class BatchIterator:
         drop_last: bool = False,
         start_batch: int = 0,
         prefetch: int = 0,
+        num_batches: Optional[int] = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -187,6 +191,14 @@ class BatchIterator:
         )
         if len(self.indices) and (self.indices.min() < 0 or self.indices.max() >= n):
             raise IndexError(f"indices out of range for a dataset of {n} rows")
+        if num_batches is not None and not 1 <= num_batches <= max(len(self.indices), 1):
+            raise ValueError(
+                f"num_batches must be in [1, {len(self.indices)}] for {len(self.indices)} "
+                f"rows, got {num_batches}"
+            )
+        self.num_batches = num_batches
+        if num_batches is not None:
+            batch_size = max(-(-len(self.indices) // num_batches), 1)
         self.batch_size = int(batch_size)
         self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
         self.drop_last, self.start_batch, self.prefetch = drop_last, int(start_batch), int(prefetch)
@@ -195,10 +207,15 @@ class BatchIterator:
 
     def __len__(self) -> int:
         n = len(self.indices)
+        if self.num_batches is not None:
+            return self.num_batches
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def batch_rows(self, order: np.ndarray, k: int) -> np.ndarray:
         """Row indices of batch ``k`` given the epoch's order, sorted for locality."""
+        if self.num_batches is not None:
+            n, parts = len(order), self.num_batches
+            return np.sort(order[k * n // parts : (k + 1) * n // parts])
         return np.sort(order[k * self.batch_size : (k + 1) * self.batch_size])
 
     def _batch(self, order: np.ndarray, k: int) -> Batch:

@@ -27,8 +27,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
@@ -77,6 +79,21 @@ def open_binary(path: Union[str, Path]) -> BinaryIO:
     if f.read(len(_BOM)) != _BOM:
         f.seek(0)
     return f
+
+
+@contextlib.contextmanager
+def damaged_gzip_as_data_error(path: Union[str, Path]) -> Iterator[None]:
+    """Turns a compressed file that ends early or is corrupt (``EOFError``,
+    ``gzip.BadGzipFile``, ``zlib.error`` from inside ``gzip``) into one
+    :class:`~torchrec_cowclip.data.errors.DataError` naming the file."""
+    try:
+        yield
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        reason = str(e) or type(e).__name__
+        raise DataError(
+            f"{path}: damaged compressed file ({reason}): re-download or re-compress it",
+            path=path,
+        ) from None
 
 
 @dataclass
@@ -128,7 +145,7 @@ class DelimitedFile:
             )
         self.delimiter: bytes = delimiter
         self.block_bytes = int(block_bytes)
-        with open_binary(self.path) as f:
+        with open_binary(self.path) as f, damaged_gzip_as_data_error(self.path):
             first = f.readline()
         if not first:
             raise DataError(f"data file is empty: {self.path}", path=self.path)
@@ -161,7 +178,7 @@ class DelimitedFile:
         wanted = list(wanted)
         if any(not 0 <= c < self.n_columns for c in wanted):
             raise ValueError(f"column indices {wanted} out of range for {self.n_columns} columns")
-        with open_binary(self.path) as f:
+        with open_binary(self.path) as f, damaged_gzip_as_data_error(self.path):
             line_no = 1
             if self.has_header:
                 f.readline()

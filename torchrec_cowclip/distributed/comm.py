@@ -34,16 +34,48 @@ class CollectiveError(RuntimeError):
     """A collective of the sharded CowClip update failed (a peer died or timed out)."""
 
 
+#: Text that marks a transport failure of a collective in a ``RuntimeError`` (gloo and
+#: NCCL raise plain ``RuntimeError``s for a peer that died or timed out, e.g. gloo's
+#: "Connection reset by peer", "Timed out waiting ... for recv", "Application timeout
+#: caused pair closure").
+_TRANSPORT_MARKERS = (
+    "gloo",
+    "NCCL",
+    "nccl",
+    "ProcessGroup",
+    "c10d",
+    "imed out",
+    "timeout",
+    "Connection",
+    "pair closure",
+)
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's transport failure (a dead or hung peer, a
+    timeout) rather than an error of the computation around it."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(m in str(error) for m in _TRANSPORT_MARKERS)
+    )
+
+
 def run_collective(what: str, pg: Optional[dist.ProcessGroup], fn: Callable[[], T]) -> T:
     """Runs ``fn`` (one or more collectives on ``pg``), turning a transport failure into a
-    :class:`CollectiveError` that says which exchange failed, on which rank, among whom."""
+    :class:`CollectiveError` that says, in one line, which exchange failed, on which rank,
+    among whom and after how long a wait. Other errors pass unchanged, and so does a
+    :class:`CollectiveError` of an exchange inside ``fn`` (it names its exchange)."""
     try:
         return fn()
-    except RuntimeError as error:  # gloo/nccl's DistBackendError is a RuntimeError
-        ranks = dist.get_process_group_ranks(pg) if pg is not None else "world"
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        if not is_transport_error(error) or not dist.is_initialized():
+            raise
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else "all"
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
         raise CollectiveError(
-            f"CowClip sharded update: {what} failed on rank {dist.get_rank()} "
-            f"(process group ranks {ranks}, timeout {process_group_timeout(pg)}): {error}. "
+            f"{what} failed on rank {dist.get_rank()} (ranks {ranks} of "
+            f"{dist.get_world_size()}, timeout {process_group_timeout(pg)}): {first[:300]}. "
             "A peer rank probably died or stopped responding; the step cannot complete."
         ) from error
 
@@ -109,7 +141,7 @@ class ColumnShardGroups:
                 continue
             flat = torch.cat([partials[t] for t in tables], dim=0).contiguous()
             run_collective(
-                f"all-reduce of whole-row norms of column-sharded tables {tables} "
+                f"CowClip sharded update: all-reduce of whole-row norms of column-sharded tables {tables} "
                 f"across ranks {list(ranks)}",
                 group,
                 lambda: dist.all_reduce(flat, group=group),
@@ -165,7 +197,7 @@ def all_gather_row_gradients(
         return per_rank, _gather_padded(ints, int_len, pg), _gather_padded(floats, float_len, pg)
 
     per_rank, all_ints, all_floats = run_collective(
-        f"all-gather of the row gradients of {len(parts)} data-parallel table batch(es)",
+        f"CowClip sharded update: all-gather of the row gradients of {len(parts)} data-parallel table batch(es)",
         pg,
         exchange,
     )

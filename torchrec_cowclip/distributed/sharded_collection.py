@@ -233,6 +233,13 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             raise ValueError(
                 f"clip counters are for tables {sorted(counters)}, this module has {names}"
             )
+        for name in names:  # all checked before any shard takes its counters
+            value = counters[name]
+            if tuple(value.shape) != (len(COUNTER_NAMES),) or value.dtype != torch.int64:
+                raise ValueError(
+                    f"clip counters of table '{name}': {list(value.shape)} {value.dtype}, "
+                    f"expected [{len(COUNTER_NAMES)}] torch.int64; nothing was loaded"
+                )
         for kernel in self._kernels():
             kernel.load_table_counters(counters)
 

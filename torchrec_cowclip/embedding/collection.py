@@ -51,6 +51,7 @@ from torchrec_cowclip.embedding.table_batch import (
 )
 from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
@@ -290,6 +291,19 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         module.load_state_dict(ebc.state_dict())
         return module
 
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, refused whole - naming the first bad key and its
+        shapes - unless every weight fits (``nn.Module`` copies the others before it
+        raises); with ``strict=False`` only the keys present in both are compared."""
+        current = self.state_dict()
+        if not strict:
+            current = {k: v for k, v in current.items() if k in state_dict}
+            state_dict = {k: v for k, v in state_dict.items() if k in current}
+        check_loadable(dict(state_dict), current, "CowClipEmbeddingBagCollection")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     # --- EmbeddingBagCollectionInterface -------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -463,9 +477,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         return [batch.counters.clone() for batch in self._batches]
 
     def load_clip_counters_state(self, counters: List[Tensor]) -> None:
-        """Restores counters saved by :meth:`clip_counters_state`."""
-        if len(counters) != len(self._batches):
-            raise ValueError(f"expected {len(self._batches)} counter tensors, got {len(counters)}")
+        """Restores counters saved by :meth:`clip_counters_state` (all checked first)."""
+        check_loadable(list(counters), [b.counters for b in self._batches], "clip counters")
         for batch, saved in zip(self._batches, counters):
             batch.counters.copy_(saved)
 
@@ -479,8 +492,10 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         }
 
     def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
-        """Restores counters saved by :meth:`table_counters` (the sharded module's too)."""
+        """Restores counters saved by :meth:`table_counters` (the sharded module's too),
+        all checked before any is copied."""
         _check_counter_tables(counters, [t.name for t in self._embedding_bag_configs])
+        check_loadable(dict(counters), self.table_counters(), "clip counters")
         for batch in self._batches:
             for i, name in enumerate(batch.table_names):
                 batch.counters[:, i] = counters[name].to(batch.counters.device)

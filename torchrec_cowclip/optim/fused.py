@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
+from torchrec_cowclip.optim.load_check import StateDictMismatch, check_loadable
 from torchrec_cowclip.optim.options import CowClipOptions, validate_hyperparameters
 
 __all__ = [
@@ -71,6 +72,37 @@ class CowClipFusedOptimizer(FusedOptimizer):
 
     def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
         """No-op: state is allocated eagerly, so in-place loading works from the start."""
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """TorchRec's in-place load, refused whole - naming the first bad key and its
+        shapes - unless every state tensor matches the live one (keys, shapes, dtypes,
+        shards, finite values) and every param group's hyperparameters are valid: a
+        refused load changes nothing (TorchRec's would have copied the tensors before
+        the misfit)."""
+        check_loadable(
+            dict(state_dict.get("state", {})), self.state_dict()["state"], "fused optimizer"
+        )
+        groups = state_dict.get("param_groups")
+        if groups is not None and self.defaults.get("_save_param_groups"):
+            if len(groups) != len(self.param_groups):
+                raise StateDictMismatch(
+                    f"fused optimizer: {len(groups)} param groups in the state dict, "
+                    f"{len(self.param_groups)} here; nothing was loaded"
+                )
+            names = ("lr", "betas", "eps", "weight_decay", "cowclip", "count_lr")
+            for i, group in enumerate(groups):
+                if set(group) != set(self.param_groups[i]):
+                    raise StateDictMismatch(
+                        f"fused optimizer: param_groups[{i}] has keys {sorted(group)} in the "
+                        f"state dict, {sorted(self.param_groups[i])} here; nothing was loaded"
+                    )
+                try:
+                    validate_hyperparameters(**{k: group[k] for k in names if k in group})
+                except (TypeError, ValueError) as e:
+                    raise StateDictMismatch(
+                        f"fused optimizer: param_groups[{i}]: {e}; nothing was loaded"
+                    ) from None
+        super().load_state_dict(state_dict)
 
     @property
     def hyperparameters(self) -> Dict[str, Any]:

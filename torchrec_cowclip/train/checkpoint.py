@@ -1,14 +1,30 @@
 """The trainer's checkpoints: one ``torch.distributed.checkpoint`` format for one process
-and for N, written atomically.
+and for N, each checkpoint a verified unit.
 
-A checkpoint is a directory under ``<out>/checkpoints/``: the tensors (model, fused and
-dense optimizer states) as a DCP checkpoint, each rank writing its own shards, plus
-``trainer_state.pt`` (progress, configuration, RNG states, clip counters) from rank 0. A
-small pointer file names the current one and is replaced with ``os.replace`` only after
-every rank has finished writing, so a kill at any moment leaves the previous checkpoint
-named and loadable; directories no pointer names are removed at the next save. Sharded
-tensors are saved with their global layout, so a checkpoint written by N processes loads
-on M under any plan (DCP re-shards on load).
+A checkpoint is a directory ``<out>/checkpoints/<name>-<tag>/``: the tensors (model,
+fused and dense optimizer states) as a DCP checkpoint, each rank writing its own shards,
+``trainer_state.pt`` (progress, configuration, RNG states, clip counters; tensors and
+plain values only) from rank 0, and, written last, ``manifest.json``: every file's name,
+size and CRC-32, the checkpoint's name, tag, step and sequence number, and the run's
+fingerprint. A directory is
+
+* *complete* when it has a manifest of this format naming that directory (a copy under
+  another name is foreign); only complete checkpoints are ever
+  loaded, newest (highest sequence) first, and each is verified against its manifest
+  (sizes and checksums of every file, read by the ranks in turn) before anything of it is
+  read. A damaged one is reported in one line and the previous complete one is used;
+* *unfinished* when it has this project's writing marker (created before anything else)
+  and no manifest: a write that was killed. Only these are removed at the next start;
+* *foreign* otherwise (another tool's directory, a user's copy): never touched.
+
+A pointer file per name (``latest``, ``best``) names the newest checkpoint for people and
+tools, replaced with ``os.replace``; it is a convenience, not the record (the manifests
+are). The last ``keep`` complete checkpoints of each name are kept, and those a kept one
+lists in its manifest's ``uses`` (the best epoch's weights a ``latest`` checkpoint needs);
+older ones are removed after a new one is complete. Sharded tensors are saved with their
+global layout, so a checkpoint written by N processes loads on M under any plan.
+
+Every file is read back without running code from it (:mod:`.safe_load`).
 
 Example::
 
@@ -16,7 +32,7 @@ Example::
     >>> from torchrec_cowclip.train.checkpoint import CheckpointStore
     >>> store = CheckpointStore(tempfile.mkdtemp())
     >>> weights = {"w": torch.arange(4.0)}
-    >>> store.save("latest", "s3", {"model": weights}, {"step": 3}).name
+    >>> store.save("latest", "s3", {"model": weights}, {"step": 3}, step=3).path.name
     'latest-s3'
     >>> restored = {"model": {"w": torch.zeros(4)}}
     >>> store.load("latest", restored)["step"], restored["model"]["w"].tolist()
@@ -25,10 +41,13 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -37,16 +56,62 @@ import torch.distributed as dist
 # __all__, which mypy reads as private. save and load are looked up on their modules at
 # call time, so a test can replace state_dict_saver.save (a write killed half-way).
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip.compat import ShardedTensor
+from torchrec_cowclip.data.cache import check_file, file_record
+from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
+from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.safe_load import (
+    METADATA_FILE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeFileError,
+    load_plain,
+)
 
 TRAINER_STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+#: Created first in every checkpoint directory this project writes, removed once the
+#: manifest is in place: a directory with it and without a manifest is a killed write.
+WRITING_MARKER = ".torchrec_cowclip-writing"
 CHECKPOINTS_DIR = "checkpoints"
+POINTERS = ("latest", "best")
+MANIFEST_FORMAT = "torchrec_cowclip checkpoint"
+MANIFEST_VERSION = 1
+DEFAULT_KEEP = 2
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointStore",
+    "CheckpointWriteError",
+    "DamagedCheckpointError",
+    "NonFiniteStateError",
+    "TRAINER_STATE",
+    "UnsafeFileError",
+    "nonfinite_tensors",
+    "require_finite",
+]
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used as it is; the message names the file or tensor."""
+
+
+class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the model or optimizer it is loaded into."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files do not match its manifest (and no older one does either)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """The environment refused a checkpoint write (a full disk, a read-only directory);
+    the previous checkpoint stays, and the unfinished directory is removed."""
 
 
 class NonFiniteStateError(RuntimeError):
@@ -57,13 +122,35 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _rank_and_world() -> Tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
 def _is_main() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return _rank_and_world()[0] == 0
 
 
-def _barrier() -> None:
+def _barrier(what: str) -> None:
     if _distributed():
-        dist.barrier()
+        run_collective(what, None, dist.barrier)
+
+
+def _from_main(value: Any, what: str) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not _distributed():
+        return value
+    box = [value]
+    run_collective(what, None, lambda: dist.broadcast_object_list(box, src=0))
+    return box[0]
+
+
+def _gathered(value: Any, what: str) -> List[Any]:
+    """Every rank's ``value``, in rank order."""
+    if not _distributed():
+        return [value]
+    everyone: List[Any] = [None] * dist.get_world_size()
+    run_collective(what, None, lambda: dist.all_gather_object(everyone, value))
+    return everyone
 
 
 def _flat_tensors(state: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -82,99 +169,382 @@ def _size(value: Any) -> Tuple[int, ...]:
     return tuple(value.size())
 
 
+def _read_manifest(directory: Path) -> Optional[Dict[str, Any]]:
+    """The manifest of ``directory`` if it is one of this format (JSON: nothing runs)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None
+    return manifest
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory and its manifest."""
+
+    path: Path
+    manifest: Dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["name"])
+
+    @property
+    def sequence(self) -> int:
+        return int(self.manifest["sequence"])
+
+    @property
+    def step(self) -> Optional[int]:
+        step = self.manifest.get("step")
+        return None if step is None else int(step)
+
+    @property
+    def uses(self) -> List[str]:
+        return [str(u) for u in self.manifest.get("uses", [])]
+
+
+def _share(names: Sequence[str]) -> List[str]:
+    """This rank's turn of ``names`` (every world-th, from its rank)."""
+    rank, world = _rank_and_world()
+    return list(names)[rank::world]
+
+
 class CheckpointStore:
-    """Named, atomically replaced checkpoints in one directory.
+    """Named, verified, atomically completed checkpoints in one directory.
 
     Args:
         root: the directory (``<out>/checkpoints`` for the trainer).
+        keep: how many complete checkpoints of each name to keep (``--keep-checkpoints``).
 
-    Each name (``"latest"``, ``"best"``) is a pointer file holding the directory of the
-    checkpoint it names; :meth:`save` writes a new directory and then moves the pointer.
-    Every rank of a multi-process run calls every method (they are collective).
+    :meth:`save`, :meth:`verify`, :meth:`intact` and :meth:`load` are collective in a
+    multi-process run: every rank calls them.
     """
 
-    def __init__(self, root: Union[str, Path]) -> None:
+    def __init__(self, root: Union[str, Path], keep: int = DEFAULT_KEEP) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
         self.root = Path(root)
+        self.keep = int(keep)
+        self._damaged: set[Path] = set()
+
+    # --- what is there ---------------------------------------------------------------
+
+    def complete(self, name: Optional[str] = None) -> List[Checkpoint]:
+        """The complete checkpoints (of ``name``, or all), newest first. Nothing is
+        verified or loaded: this reads the manifests only."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            manifest = _read_manifest(entry)
+            # A manifest records its directory: a copy under another name (a user's
+            # backup) is not this store's to load or prune.
+            if manifest is None or manifest.get("directory") != entry.name:
+                continue
+            if name is not None and manifest.get("name") != name:
+                continue
+            found.append(Checkpoint(entry, manifest))
+        return sorted(found, key=lambda c: c.sequence, reverse=True)
+
+    def newest(self, name: str) -> Optional[Checkpoint]:
+        """The newest complete checkpoint of ``name`` (not verified), or None."""
+        complete = self.complete(name)
+        return complete[0] if complete else None
 
     def path_of(self, name: str) -> Optional[Path]:
-        """The checkpoint directory ``name`` points at, or None."""
-        pointer = self.root / name
-        if not pointer.is_file():
-            return None
-        target = self.root / pointer.read_text().strip()
-        return target if (target / TRAINER_STATE).is_file() else None
+        """The directory of the newest complete checkpoint of ``name``, or None."""
+        newest = self.newest(name)
+        return None if newest is None else newest.path
+
+    def unfinished(self) -> List[Path]:
+        """Directories this project started writing and never completed (its marker and
+        no manifest, or an empty ``latest-*``/``best-*``), and its own temporary pointer
+        files."""
+        if not self.root.is_dir():
+            return []
+        left: List[Path] = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                ours = (entry / WRITING_MARKER).exists() or (
+                    # A kill between creating a directory and its marker (or between
+                    # removing the marker and the directory) leaves it empty: nothing
+                    # in it to lose.
+                    entry.name.split("-")[0] in POINTERS and not any(entry.iterdir())
+                )
+                if ours and _read_manifest(entry) is None:
+                    left.append(entry)
+            elif entry.name in {f"{p}.tmp" for p in POINTERS}:
+                left.append(entry)
+        return left
+
+    def foreign(self) -> List[Path]:
+        """Entries that are neither checkpoints of this project nor its pointer files
+        (left alone by every clean-up)."""
+        if not self.root.is_dir():
+            return []
+        ours = set(POINTERS) | {f"{p}.tmp" for p in POINTERS}
+        own = {c.path for c in self.complete()} | set(self.unfinished())
+        return [e for e in sorted(self.root.iterdir()) if e.name not in ours and e not in own]
+
+    def remove_unfinished(self) -> List[Path]:
+        """Removes :meth:`unfinished` and returns what it removed (rank 0 only)."""
+        removed = self.unfinished()
+        for path in removed:
+            if path.is_dir():
+                _remove_checkpoint_dir(path)
+            else:
+                path.unlink()
+        return removed
+
+    def remove_own(self) -> Tuple[List[Path], List[Path]]:
+        """``--overwrite``: removes every checkpoint, unfinished write and pointer of this
+        project; returns ``(removed, left alone)`` (foreign entries are left)."""
+        left = self.foreign()
+        removed = (
+            [e for e in sorted(self.root.iterdir()) if e not in left] if self.root.is_dir() else []
+        )
+        for path in removed:
+            if path.is_dir() and not path.is_symlink():
+                _remove_checkpoint_dir(path)
+            else:
+                path.unlink()
+        if self.root.is_dir() and not left:
+            self.root.rmdir()
+        return removed, left
+
+    # --- verification ----------------------------------------------------------------
+
+    def verify(self, checkpoint: Checkpoint) -> List[str]:
+        """What does not match ``checkpoint``'s manifest, as ``"FILE: reason"`` (empty if
+        it is intact): every listed file's size and CRC-32, and no unlisted checkpoint
+        file beside them. The ranks read the files in turn; every rank gets the result."""
+        files: Mapping[str, Mapping[str, Any]] = checkpoint.manifest.get("files", {})
+        problems: List[str] = []
+        for name in _share(sorted(files)):
+            why = check_file(checkpoint.path / name, files[name])
+            if why is not None:
+                problems.append(f"{checkpoint.path / name}: {why}")
+        if _is_main():
+            for entry in sorted(checkpoint.path.iterdir()):
+                data_like = entry.suffix == ".distcp" or entry.name.endswith(
+                    (METADATA_FILE, TRAINER_STATE)
+                )
+                if data_like and entry.name not in files:
+                    problems.append(f"{entry}: not part of this checkpoint (not in its manifest)")
+        merged = [p for part in _gathered(problems, "checkpoint verification") for p in part]
+        return sorted(merged)
+
+    def intact(
+        self, name: str, say: Callable[[str], None] = lambda _: None
+    ) -> Optional[Checkpoint]:
+        """The newest complete checkpoint of ``name`` whose files match its manifest;
+        each newer damaged one is reported through ``say`` (one line) and skipped.
+
+        Returns:
+            None when there is no complete checkpoint of ``name``.
+
+        Raises:
+            DamagedCheckpointError: every complete checkpoint is damaged (naming the
+                first mismatching file of the newest).
+        """
+        names = _from_main([c.path.name for c in self.complete(name)], "checkpoint listing")
+        candidates = [Checkpoint(self.root / n, _read_manifest(self.root / n) or {}) for n in names]
+        first_problem: Optional[str] = None
+        for i, checkpoint in enumerate(candidates):
+            problems = (
+                self.verify(checkpoint)
+                if checkpoint.manifest
+                else [f"{checkpoint.path}: manifest unreadable"]
+            )
+            if not problems:
+                return checkpoint
+            self._damaged.add(checkpoint.path)
+            first_problem = first_problem or problems[0]
+            later = candidates[i + 1] if i + 1 < len(candidates) else None
+            say(
+                f"checkpoint {checkpoint.path} is damaged ({problems[0]}"
+                + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
+                + (f"): falling back to {later.path}" if later else "): no older checkpoint")
+            )
+        if first_problem is not None:
+            raise DamagedCheckpointError(
+                f"no intact '{name}' checkpoint in {self.root}: {first_problem} (the manifest "
+                "lists other bytes); restore the file, or start anew with --overwrite"
+            )
+        return None
+
+    def _resolve(self, which: Union[str, Checkpoint]) -> Checkpoint:
+        if isinstance(which, Checkpoint):
+            return which
+        found = self.intact(which)
+        if found is None:
+            raise FileNotFoundError(f"no '{which}' checkpoint in {self.root}")
+        return found
+
+    # --- writing ---------------------------------------------------------------------
 
     def save(
-        self, name: str, tag: str, tensors: Dict[str, Any], trainer_state: Dict[str, Any]
-    ) -> Path:
-        """Writes ``tensors`` (nested dicts of tensors / ShardedTensors and plain values)
-        and ``trainer_state`` (rank 0's) as checkpoint ``name``, in directory ``tag``.
+        self,
+        name: str,
+        tag: str,
+        tensors: Dict[str, Any],
+        trainer_state: Dict[str, Any],
+        *,
+        step: Optional[int] = None,
+        fingerprint: Optional[str] = None,
+        uses: Sequence[str] = (),
+    ) -> Checkpoint:
+        """Writes ``tensors`` (nested dicts of tensors / ShardedTensors) and
+        ``trainer_state`` (rank 0's; tensors and plain values only) as a new checkpoint
+        of ``name`` in a fresh directory ``<name>-<tag>`` (``-2``, ``-3``, ... if taken),
+        completes it with its manifest, moves the pointer and prunes old checkpoints.
 
         Raises:
             NonFiniteStateError: a tensor holds a NaN or inf (on any rank); nothing is
-                written and ``name`` still points at its previous checkpoint.
+                written.
+            CheckpointWriteError: a write failed (disk full, read-only); the unfinished
+                directory is removed and the previous checkpoint stays.
         """
-        target = self.root / f"{name}-{tag}"
-        require_finite(tensors, target, lambda: self.describe(name))
+        require_finite(tensors, self.root / f"{name}-{tag}", lambda: self.describe(name))
+        planned = None
         if _is_main():
             self.root.mkdir(parents=True, exist_ok=True)
-            if target.exists():  # a write of this very checkpoint that was killed
-                shutil.rmtree(target)
-        _barrier()
-        state_dict_saver.save(tensors, checkpoint_id=str(target))
-        if _is_main():
-            _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
-        _barrier()
-        if _is_main():
-            _atomic_write(self.root / name, lambda f: f.write(target.name.encode()))
-            self.remove_unnamed()
-        _barrier()
-        return target
+            everything = self.complete()
+            sequence = 1 + max((c.sequence for c in everything), default=0)
+            directory = f"{name}-{tag}"
+            n = 1
+            while (self.root / directory).exists():
+                n += 1
+                directory = f"{name}-{tag}-{n}"
+            (self.root / directory).mkdir()
+            (self.root / directory / WRITING_MARKER).write_text(
+                json.dumps({"pid": os.getpid(), "started": time.time()})
+            )
+            planned = (directory, sequence)
+        directory, sequence = _from_main(planned, f"checkpoint {name} start")
+        target = self.root / directory
+        try:
+            state_dict_saver.save(tensors, checkpoint_id=str(target))
+            if _is_main():
+                _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
+            _barrier(f"checkpoint write of {target}")
+            listed = _from_main(
+                sorted(p.name for p in target.iterdir() if p.name != WRITING_MARKER)
+                if _is_main()
+                else None,
+                f"checkpoint listing of {target}",
+            )
+            mine = {n: file_record(target / n) for n in _share(listed)}
+            records: Dict[str, Any] = {}
+            for part in _gathered(mine, f"checkpoint checksums of {target}"):
+                records.update(part)
+            if _is_main():
+                manifest = {
+                    "format": MANIFEST_FORMAT,
+                    "version": MANIFEST_VERSION,
+                    "name": name,
+                    "directory": directory,
+                    "tag": tag,
+                    "sequence": sequence,
+                    "step": step,
+                    "fingerprint": fingerprint,
+                    "world_size": _rank_and_world()[1],
+                    "uses": list(uses),
+                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "files": {n: records[n] for n in sorted(records)},
+                }
+                _atomic_write(
+                    target / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode())
+                )
+                (target / WRITING_MARKER).unlink()
+                _fsync_dir(target)
+                _atomic_write(self.root / name, lambda f: f.write(target.name.encode()))
+                self._prune()
+            _barrier(f"checkpoint completion of {target}")
+        except CollectiveError:
+            raise
+        except (OSError, CheckpointException) as e:
+            if _is_main() and target.exists() and _read_manifest(target) is None:
+                try:
+                    _remove_checkpoint_dir(target)
+                except OSError:
+                    pass  # the next start removes it (it carries the marker)
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {target}: {_os_reason(e)}; removed the unfinished "
+                f"directory; {self.describe(name)}"
+            ) from None
+        return Checkpoint(target, _read_manifest(target) or {})
 
-    def load(self, name: str, tensors: Dict[str, Any]) -> Dict[str, Any]:
-        """Loads checkpoint ``name`` in place into ``tensors`` and returns its trainer
-        state.
+    def _prune(self) -> None:
+        """Removes complete checkpoints beyond the newest :attr:`keep` of each name that
+        no kept one uses (rank 0, after a checkpoint is complete)."""
+        complete = self.complete()
+        by_name: Dict[str, List[Checkpoint]] = {}
+        for c in complete:
+            by_name.setdefault(c.name, []).append(c)
+        kept: List[Checkpoint] = []
+        for group in by_name.values():
+            kept += [c for c in group if c.path not in self._damaged][: self.keep]
+        used = {u for c in kept for u in c.uses}
+        for c in complete:
+            if c not in kept and c.path.name not in used and c.path not in self._damaged:
+                _remove_checkpoint_dir(c.path)
+
+    # --- reading ---------------------------------------------------------------------
+
+    def trainer_state(self, which: Union[str, Checkpoint]) -> Optional[Dict[str, Any]]:
+        """The trainer state of a checkpoint (or of the newest intact one of a name;
+        None if there is none), loaded with ``weights_only=True``."""
+        if isinstance(which, str):
+            found = self.intact(which)
+            if found is None:
+                return None
+            which = found
+        state: Dict[str, Any] = load_plain(which.path / TRAINER_STATE)
+        return state
+
+    def load(self, which: Union[str, Checkpoint], tensors: Dict[str, Any]) -> Dict[str, Any]:
+        """Loads a checkpoint (or the newest intact one of a name) in place into
+        ``tensors`` and returns its trainer state.
 
         Raises:
             FileNotFoundError: no such checkpoint.
+            DamagedCheckpointError: its files do not match its manifest.
             CheckpointMismatchError: a tensor of ``tensors`` is missing from the
                 checkpoint or has another shape there (nothing is loaded then).
+            UnsafeFileError: a file holds something other than tensors and plain values.
         """
-        path = self.path_of(name)
-        if path is None:
-            raise FileNotFoundError(f"no '{name}' checkpoint in {self.root}")
-        self.check_fits(path, tensors)
-        state_dict_loader.load(tensors, checkpoint_id=str(path))
-        state: Dict[str, Any] = torch.load(
-            path / TRAINER_STATE, map_location="cpu", weights_only=False
+        checkpoint = self._resolve(which)
+        state = self.trainer_state(checkpoint)
+        assert state is not None
+        self.check_fits(checkpoint.path, tensors)
+        state_dict_loader.load(
+            tensors,
+            storage_reader=SafeFileSystemReader(str(checkpoint.path)),
+            planner=SafeLoadPlanner(),
         )
         return state
 
     def describe(self, name: str) -> str:
-        """How a stop message names checkpoint ``name`` of this directory."""
-        path = self.path_of(name)
-        if path is None:
+        """How a stop message names the newest checkpoint of ``name`` (its manifest only:
+        nothing is loaded)."""
+        newest = self.newest(name)
+        if newest is None:
             return "this run wrote no checkpoint (none to resume from)"
-        state = self.trainer_state(name) or {}
-        step = state.get("progress", {}).get("global_step", "?")
-        return f"the last good checkpoint is {path} (step {step}; --resume continues from it)"
-
-    def trainer_state(self, name: str) -> Optional[Dict[str, Any]]:
-        """The trainer state of checkpoint ``name`` (None if there is none), without
-        loading its tensors."""
-        path = self.path_of(name)
-        if path is None:
-            return None
-        state: Dict[str, Any] = torch.load(
-            path / TRAINER_STATE, map_location="cpu", weights_only=False
+        step = "?" if newest.step is None else newest.step
+        return (
+            f"the last good checkpoint is {newest.path} (step {step}; --resume continues from it)"
         )
-        return state
 
     @staticmethod
     def check_fits(path: Path, tensors: Mapping[str, Any]) -> None:
         """Raises :class:`CheckpointMismatchError` naming the first tensor that the
         checkpoint at ``path`` lacks or holds with another shape."""
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         wanted = _flat_tensors(tensors)
         missing: List[str] = []
         for key, value in wanted.items():
@@ -189,11 +559,7 @@ class CheckpointStore:
                     f"{list(_size(value))} here"
                 )
         # Under sharding a rank holds some tables only: compare against every rank's keys.
-        everyone = set(wanted)
-        if _distributed():
-            gathered: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(wanted))
-            everyone = {k for keys in gathered for k in keys}
+        everyone = {k for keys in _gathered(sorted(wanted), "checkpoint key check") for k in keys}
         groups = {k.split(".")[0] for k in everyone}
         extra = sorted(
             k
@@ -207,25 +573,45 @@ class CheckpointStore:
                 f"this run (first: {extra[:3]})"
             )
 
-    def remove_unnamed(self) -> List[Path]:
-        """Removes checkpoint directories and temporary files no pointer names (left by
-        a killed write, or superseded); returns what it removed. Rank 0 only."""
-        named = {
-            self.root / (self.root / n).read_text().strip()
-            for n in ("latest", "best")
-            if (self.root / n).is_file()
-        }
-        removed: List[Path] = []
-        if not self.root.is_dir():
-            return removed
-        for entry in self.root.iterdir():
-            if entry.is_dir() and entry not in named:
-                shutil.rmtree(entry)
-                removed.append(entry)
-            elif entry.is_file() and entry.name.endswith(".tmp"):
-                entry.unlink()
-                removed.append(entry)
-        return removed
+
+def _remove_checkpoint_dir(path: Path) -> None:
+    """Removes a checkpoint directory of this project so that a kill at any moment leaves
+    it recognisable as ours and unfinished (removed at the next start): the writing
+    marker goes in before the manifest goes, and out last."""
+    marker = path / WRITING_MARKER
+    if not marker.exists():
+        marker.write_text(json.dumps({"pid": os.getpid(), "removing": time.time()}))
+    (path / MANIFEST).unlink(missing_ok=True)
+    for entry in path.iterdir():
+        if entry == marker:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    marker.unlink()
+    path.rmdir()
+
+
+def _os_reason(error: BaseException) -> str:
+    """The first OS-level reason in ``error`` (a DCP ``CheckpointException`` wraps each
+    rank's), as ``strerror`` plus the file where known."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, (inner, _trace) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {_os_reason(inner)}"
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror}{where}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
@@ -286,13 +672,12 @@ def require_finite(
 ) -> None:
     """Raises :class:`NonFiniteStateError` on every rank, before anything is written to
     ``path``, if any rank's tensors are not all finite; ``previous()`` says which
-    checkpoint is kept (called only then: it reads that checkpoint's trainer state). One
-    reduction per tensor, one collective."""
+    checkpoint is kept (called only then). One reduction per tensor, one collective."""
     bad = nonfinite_tensors(tensors)
     count = len(bad)
     if _distributed():
         flag = torch.tensor([count], dtype=torch.int64)
-        dist.all_reduce(flag)
+        run_collective("checkpoint finiteness check", None, lambda: dist.all_reduce(flag))
         count = int(flag)
     if count:
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")

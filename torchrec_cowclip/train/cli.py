@@ -40,6 +40,12 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _resume_mode(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"takes no value or 'auto', got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrec-cowclip",
@@ -224,11 +230,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: epoch ends only"
     )
     r.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=d.keep_checkpoints,
+        metavar="K",
+        help="keep the last K complete checkpoints (a damaged newest one falls back to "
+        "the one before)",
+    )
+    r.add_argument(
         "--resume",
-        action="store_true",
-        help="continue from the latest checkpoint in --out/checkpoints (any number of "
-        "processes); refused if a setting that changes "
-        "the result differs from the checkpoint's (README, Reliability)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue from the newest intact checkpoint in --out/checkpoints (any number "
+        "of processes); refused if a setting that changes the result differs from the "
+        "checkpoint's (README, Reliability). '--resume auto': the same if there is a "
+        "checkpoint, else start anew (for torchrun --max-restarts and schedulers' retries)",
     )
     r.add_argument(
         "--overwrite",
@@ -311,13 +330,29 @@ class _TorchFxTracingNotice(logging.Filter):
 
 _FX_TRACING_NOTICE = _TorchFxTracingNotice()
 
+#: Exit statuses (README, "Reliability"): the command, its data or its checkpoint is
+#: wrong; the training diverged; the environment failed (a full or read-only disk, a
+#: dead or hung peer); a signal stopped the run after its checkpoint (``RunStopped``, 75).
+EXIT_USAGE, EXIT_DIVERGED, EXIT_ENVIRONMENT = 2, 3, 4
+
+
+def _one_line(error: BaseException) -> str:
+    """An OS error as ``reason: path``; others as their message's first line."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror}{where}"
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     add_fx_tracing_filter(_FX_TRACING_NOTICE)
     parser = build_parser()
     args = parser.parse_args(argv)
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
-    from torchrec_cowclip.train.checkpoint import NonFiniteStateError
+    from torchrec_cowclip.distributed.comm import CollectiveError
+    from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
+    from torchrec_cowclip.train.stop import RunStopped
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
 
     try:
@@ -325,9 +360,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config.validate()
         metrics = train(config)
     except (ConfigError, DataError, FileNotFoundError) as e:
-        parser.exit(2, f"torchrec-cowclip: error: {e}\n")
+        parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
     except (NonFiniteLossError, NonFiniteStateError) as e:
-        parser.exit(3, f"torchrec-cowclip: {e}\n")
+        parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
+    except (CheckpointWriteError, CollectiveError, OSError) as e:
+        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {_one_line(e)}\n")
+    except RunStopped as e:
+        parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for a multi-process run
     summary = {

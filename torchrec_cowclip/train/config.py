@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.optim.functional import OPTIMIZERS, Helen
@@ -62,7 +62,9 @@ class TrainConfig:
     val_fraction: float = 0.0
     early_stop_patience: int = 0
     checkpoint_every: int = 0
-    resume: bool = False
+    keep_checkpoints: int = 2
+    # False, True (--resume) or "auto" (--resume auto: resume if there is a checkpoint).
+    resume: Union[bool, str] = False
     overwrite: bool = False
     max_steps: int = 0
     eval_batch_size: int = 65536
@@ -114,6 +116,9 @@ class TrainConfig:
             "--epochs": self.epochs,
             "--embedding-dim": self.embedding_dim,
             "--eval-batch-size": self.eval_batch_size,
+            "--keep-checkpoints": self.keep_checkpoints,
+            "--log-every": self.log_every,
+            "--cross-layers": self.cross_layers,
         }
         for flag, count in positive.items():
             if count <= 0:
@@ -123,7 +128,7 @@ class TrainConfig:
             "--checkpoint-every": self.checkpoint_every,
             "--max-steps": self.max_steps,
             "--init-std": self.init_std,
-            "--cross-layers": self.cross_layers,
+            "--threads": self.threads,
         }
         for flag, value in non_negative.items():
             if value < 0:
@@ -133,10 +138,15 @@ class TrainConfig:
             for flag, clip in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
                 if clip is not None:
                     raise ConfigError(f"{flag} {clip:g} has no effect with --no-cowclip: drop one")
+        if self.resume not in (False, True, "auto"):
+            raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in --out, --overwrite deletes it: give one"
             )
+        for flag, seed in (("--seed", self.seed), ("--synthetic-seed", self.synthetic_seed)):
+            if seed is not None and not 0 <= seed < 2**32:
+                raise ConfigError(f"{flag} must be in [0, 2**32), got {seed}")
         from torchrec_cowclip.train.scaling import RECIPES
 
         if self.recipe not in RECIPES:
@@ -278,13 +288,29 @@ class TrainConfig:
             raise ConfigError(f"{flag}: {e}") from None
 
     def _validate_placement(self) -> None:
-        """Options that depend on the machine and the launcher: the device must exist and
-        ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun)."""
-        if self.sharding != "auto" and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        """Options that depend on the machine and the launcher: the device must exist,
+        ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
+        several processes need a ``--batch-size`` they can share and the CowClip tables."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.sharding != "auto" and world <= 1:
             raise ConfigError(
                 f"--sharding {self.sharding} shards tables over processes: this is one process "
                 "(launch with torchrun/torchx, or drop --sharding)"
             )
+        if world > 1:
+            if self.batch_size % world:
+                raise ConfigError(
+                    f"--batch-size {self.batch_size} must be divisible by the number of "
+                    f"processes ({world}): each takes an equal part of every global batch"
+                )
+            if self.embedding_backend != "cowclip":
+                raise ConfigError(
+                    "multi-process runs shard the CowClip tables: use --embedding-backend cowclip"
+                )
+            if self.row_clip_stats:
+                raise ConfigError(
+                    "--row-clip-stats counts rows of unsharded tables: run one process"
+                )
         if self.device == "auto":
             return
         import torch

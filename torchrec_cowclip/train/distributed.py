@@ -5,7 +5,8 @@ Under ``torchrun`` (or torchx's ``dist.ddp``) the environment names the rank and
 size; the trainer then initialises gloo on CPU or NCCL on CUDA, shards the model's
 embeddings with TorchRec's ``DistributedModelParallel`` and the project's CowClip
 sharder, and gives each rank ``batch_size / world_size`` rows of every global batch, so
-a run on N processes sees the same global batches as a run on one.
+a run on N processes sees the same global batches as a run on one (both drop an epoch's
+last incomplete batch), and evaluates every row of the evaluation sets.
 
 Example::
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -63,16 +64,40 @@ def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s)
-        )
+        backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # Under torchrun the agent's store outlives a restart: without a prefix of
+            # its own, a restarted rank can read the address a rank of the killed
+            # attempt published there and fail to connect (seen with gloo, the restart
+            # then burning one of --max-restarts). Each attempt keys its own.
+            store, _, _ = next(
+                dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout)
+            )
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(f"torchrec_cowclip/attempt_{attempt}", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def rank_rows_of_epoch(order: np.ndarray, batch_size: int, ctx: DistContext) -> np.ndarray:
     """This rank's rows of an epoch, batch after batch: rows ``[r*b, (r+1)*b)`` of every
     global batch of ``batch_size = world * b`` rows. The last incomplete global batch is
-    dropped so every rank takes the same number of steps."""
+    dropped, as a single process drops it, so every rank takes the same steps and a
+    run sees the same global batches on any number of processes.
+
+    Example::
+
+        >>> ctx = DistContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+        >>> rank_rows_of_epoch(np.arange(10), 4, ctx).tolist()   # batches [0:4], [4:8]
+        [2, 3, 6, 7]
+    """
     if batch_size % ctx.world_size:
         raise ValueError(
             f"--batch-size {batch_size} must be divisible by the number of processes "
@@ -83,12 +108,29 @@ def rank_rows_of_epoch(order: np.ndarray, batch_size: int, ctx: DistContext) -> 
     return order[:full].reshape(-1, ctx.world_size, local)[:, ctx.rank].reshape(-1)
 
 
-def rank_rows_for_eval(indices: np.ndarray, ctx: DistContext) -> np.ndarray:
-    """An equal share of ``indices`` per rank (sharded forwards are collective, so every
-    rank must run the same number of equal batches); at most ``world - 1`` rows are left
-    out."""
-    per_rank = len(indices) // ctx.world_size
-    return indices[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+def rank_rows_for_eval(
+    indices: np.ndarray, eval_batch_size: int, ctx: DistContext
+) -> Tuple[np.ndarray, int]:
+    """This rank's share of the evaluation rows ``indices`` and how many batches to cut
+    it into: every row is evaluated (shares differ by at most one row), and every rank
+    runs the same number of batches (sharded forwards are collective), none empty, of
+    at most about ``eval_batch_size / world`` rows. Needs at least one row per rank.
+
+    Example::
+
+        >>> ctx = DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+        >>> rows, batches = rank_rows_for_eval(np.arange(7), 4, ctx)
+        >>> rows.tolist(), batches
+        ([0, 1, 2, 3], 2)
+    """
+    n, world = len(indices), ctx.world_size
+    if n < world:
+        raise ValueError(f"{n} evaluation rows cannot be shared by {world} processes")
+    sizes = [n // world + (r < n % world) for r in range(world)]
+    start = sum(sizes[: ctx.rank])
+    local_batch = max(eval_batch_size // world, 1)
+    batches = min(-(-sizes[0] // local_batch), sizes[-1])
+    return indices[start : start + sizes[ctx.rank]], batches
 
 
 def sharding_constraints(

@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
 
@@ -51,6 +53,7 @@ RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
         "cache_dir",
         "dist_timeout_s",
         "sharding",
+        "keep_checkpoints",
     }
 )
 
@@ -104,6 +107,23 @@ def run_record(
         "cache_entry": entry,
     }
     return {"settings": settings, "data": data}
+
+
+def run_fingerprint(record: Mapping[str, Any]) -> str:
+    """16 hex digits naming a run: a hash of its record without the settings a resume may
+    change (:data:`RESUMABLE_SETTINGS`), so every checkpoint of one run carries the same
+    fingerprint and another run's differs (checkpoint manifests record it).
+
+    Example::
+
+        >>> a = {"settings": {"seed": 0, "epochs": 1}, "data": {"rows": 3}}
+        >>> b = {"settings": {"seed": 0, "epochs": 5}, "data": {"rows": 3}}
+        >>> run_fingerprint(a) == run_fingerprint(b), len(run_fingerprint(a))
+        (True, 16)
+    """
+    settings = {k: v for k, v in record["settings"].items() if k not in RESUMABLE_SETTINGS}
+    text = json.dumps({"settings": settings, "data": record["data"]}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _flag(field: str) -> str:

@@ -1,5 +1,6 @@
 """One run per ``--out``: an exclusive lock for the run's life, refusal of a directory
-that holds another run, ``--overwrite``, and removal of what a killed run left half-done.
+that holds another run, ``--overwrite``, ``--resume auto``, and removal of what a killed
+run left half-done.
 
 The lock is ``fcntl.flock`` on ``<out>/.lock``, which holds the holder's pid. flock
 belongs to the open file, so a process that dies (even by SIGKILL) frees it; a lock file
@@ -23,8 +24,9 @@ import shutil
 import sys
 import weakref
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
+from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.train.config import ConfigError
 
 LOCK_NAME = ".lock"
@@ -129,22 +131,33 @@ def run_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
 def stale_temp_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
     """Temporary forms of ``names`` that only a killed write leaves behind (``NAME.tmp``,
     e.g. ``metrics.json.tmp``). Inside ``checkpoints/``,
-    :meth:`~torchrec_cowclip.train.checkpoint.CheckpointStore.remove_unnamed` removes a
+    :meth:`~torchrec_cowclip.train.checkpoint.CheckpointStore.remove_unfinished` removes a
     killed checkpoint write."""
     return [out / f"{name}.tmp" for name in names if (out / f"{name}.tmp").exists()]
 
 
-def _remove(paths: Sequence[Path]) -> None:
+def _remove(paths: Sequence[Path], say: Callable[[str], None]) -> None:
+    """Removes a run's files; inside ``checkpoints/`` only this project's checkpoints
+    and pointers (a foreign directory there is left, and named)."""
     for p in paths:
-        if p.is_dir() and not p.is_symlink():
+        if p.name == CHECKPOINTS_DIR and p.is_dir() and not p.is_symlink():
+            _, left = CheckpointStore(p).remove_own()
+            if left:
+                say(f"left {', '.join(str(x) for x in left)} alone: not this project's checkpoints")
+        elif p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
 
 
+def has_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a complete ``latest`` checkpoint (not verified here)."""
+    return CheckpointStore(out / CHECKPOINTS_DIR).newest("latest") is not None
+
+
 def claim_run_dir(
     out: Path,
-    resume: bool,
+    resume: Union[bool, str],
     overwrite: bool,
     main: bool = True,
     say: Callable[[str], None] = _say,
@@ -155,25 +168,49 @@ def claim_run_dir(
 
     Args:
         out: the run directory.
-        resume: ``--resume``: the files present are this run's own.
+        resume: ``--resume``: True, the files present are this run's own; ``"auto"``,
+            the same when ``out`` holds a complete checkpoint, and otherwise a fresh start
+            that removes what an attempt killed before its first checkpoint left (a
+            finished run, with ``metrics.json``, is refused instead).
         overwrite: ``--overwrite``: delete a previous run's files first.
         main: False on ranks other than 0 of a multi-process run, which share rank 0's
             directory and claim nothing.
         say: where the notes go (stderr by default).
 
     Raises:
-        RunDirError: ``out`` is locked by another process (naming its pid), or holds a
-            run's files and neither ``resume`` nor ``overwrite`` is set.
+        RunDirError: ``out`` is locked by another process (naming its pid), cannot be
+            written (naming the reason), or holds a run's files and neither ``resume``
+            nor ``overwrite`` is set.
     """
     if not main:
         return RunDirLock.not_held()
-    out.mkdir(parents=True, exist_ok=True)
-    lock = RunDirLock.acquire(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = RunDirLock.acquire(out)
+    except RunDirError:
+        raise
+    except OSError as e:
+        raise RunDirError(
+            f"--out {out} cannot be written: {e.strerror or e}"
+            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")
+            + ": choose a writable --out"
+        ) from None
     try:
         previous = run_files(out)
         if previous and overwrite:
-            _remove(previous)
+            _remove(previous, say)
             say(f"--overwrite: removed {', '.join(p.name for p in previous)} from {out}")
+        elif previous and resume == "auto" and not has_checkpoint(out):
+            if (out / "metrics.json").exists():
+                raise RunDirError(
+                    f"--out {out} holds a finished run's files ({', '.join(p.name for p in previous)}) "
+                    "but no checkpoint to resume: add --overwrite to delete them or choose another --out"
+                )
+            _remove(previous, say)
+            say(
+                f"--resume auto: no checkpoint in {out}, starting anew; removed "
+                f"{', '.join(p.name for p in previous)}, left by an attempt that wrote none"
+            )
         elif previous and not resume:
             raise RunDirError(
                 f"--out {out} holds another run's files ({', '.join(p.name for p in previous)}): "
@@ -181,7 +218,7 @@ def claim_run_dir(
             )
         stale = stale_temp_files(out)
         if stale:
-            _remove(stale)
+            _remove(stale, say)
             say(
                 f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write"
             )

@@ -25,6 +25,30 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 
+class RunOutputError(OSError):
+    """Writing a run file failed (disk full, read-only, quota); the message names it."""
+
+
+def _output_error(path: Path, error: OSError) -> RunOutputError:
+    return RunOutputError(error.errno, f"cannot write {path}: {error.strerror or error}")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through ``path.tmp`` and ``os.replace``, so a kill or a
+    full disk leaves the old file or the new one, never a part.
+
+    Raises:
+        RunOutputError: naming ``path`` (the temporary file is removed).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _output_error(path, e) from None
+
+
 class _CsvLog:
     """Appends dict rows to a CSV whose header is the first row's keys."""
 
@@ -34,15 +58,20 @@ class _CsvLog:
         self._writer: Optional[csv.DictWriter[str]] = None
 
     def write(self, row: Dict[str, Any]) -> None:
-        if self._writer is None:
-            exists = self.path.exists() and self.path.stat().st_size > 0
-            self._file = self.path.open("a", newline="")
-            self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction="ignore")
-            if not exists:
-                self._writer.writeheader()
-        self._writer.writerow(row)
-        assert self._file is not None
-        self._file.flush()
+        try:
+            if self._writer is None:
+                exists = self.path.exists() and self.path.stat().st_size > 0
+                self._file = self.path.open("a", newline="")
+                self._writer = csv.DictWriter(
+                    self._file, fieldnames=list(row), extrasaction="ignore"
+                )
+                if not exists:
+                    self._writer.writeheader()
+            self._writer.writerow(row)
+            assert self._file is not None
+            self._file.flush()
+        except OSError as e:
+            raise _output_error(self.path, e) from None
 
     def close(self) -> None:
         if self._file is not None:

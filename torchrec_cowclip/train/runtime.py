@@ -15,10 +15,9 @@ Both give checkpoints the same keys, so a run checkpointed by one resumes on the
 
 from __future__ import annotations
 
-import math
 import random
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipeline
 from torchrec.optim.keyed import CombinedOptimizer
 
 from torchrec_cowclip.data import BatchIterator, epoch_order
+from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
@@ -43,6 +43,7 @@ from torchrec_cowclip.train.distributed import (
     rank_rows_of_epoch,
     shard_model,
 )
+from torchrec_cowclip.train.evaluate import evaluate
 from torchrec_cowclip.train.helen_pipeline import (
     HelenTrainPipelineBase,
     HelenTrainPipelineSparseDist,
@@ -56,10 +57,15 @@ if TYPE_CHECKING:
 
 
 def rng_state() -> Dict[str, Any]:
-    """This process's Python, NumPy and torch RNG states."""
+    """This process's Python, NumPy and torch RNG states, as tensors and plain values
+    only (so a checkpoint holding them loads with ``weights_only=True``)."""
+    # legacy=True: the ("MT19937", key, pos, has_gauss, cached) tuple.
+    name, key, pos, has_gauss, cached = cast(
+        Tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True)
+    )
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, key.tolist(), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -69,8 +75,10 @@ def rng_state() -> Dict[str, Any]:
 
 def set_rng_state(state: Dict[str, Any]) -> None:
     """Restores :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -150,6 +158,10 @@ class Runtime(ABC):
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
         """This process's share of the evaluation rows ``indices``."""
 
+    def evaluate(self, indices: np.ndarray) -> Dict[str, float]:
+        """AUC and log-loss over all of ``indices`` (every rank gets the global figures)."""
+        return evaluate(self.train_module, self.eval_batches(indices), self.device)
+
     # --- steps -------------------------------------------------------------------------
 
     @abstractmethod
@@ -162,6 +174,21 @@ class Runtime(ABC):
 
     def end_pipeline(self, pipeline: Any) -> None:
         """Releases what :meth:`pipeline` attached to the model."""
+
+    def step(self, pipeline: Any, batches: Iterator[Batch], number: int) -> Any:
+        """One training step of ``pipeline`` (``StopIteration`` at the epoch's end):
+        ``(loss, logits, labels)`` of this process's part of the batch."""
+        return pipeline.progress(batches)
+
+    def step_summary(self, loss: float, samples: int, stop: bool) -> tuple[float, int, bool]:
+        """``(mean loss, samples, stop)`` of the global batch from this process's
+        ``(mean loss, samples, stop requested)``: whether any rank was asked to stop, so
+        that every rank stops after the same step."""
+        return loss, samples, stop
+
+    def agree_to_stop(self, stop: bool) -> bool:
+        """Whether any rank was asked to stop (collective when sharded)."""
+        return stop
 
     @abstractmethod
     def embedding_module(self) -> nn.Module:
@@ -218,7 +245,9 @@ class LocalRuntime(Runtime):
         self.device = device
         self.model = self._build_model(table_device=None)
         self.train_module = CTRTrainTask(self.model)
-        self.steps_per_epoch = math.ceil(len(train_idx) / config.batch_size)
+        # The last incomplete batch of an epoch is dropped, as on N processes: the same
+        # global batches on any number of processes (a resume may change it).
+        self.steps_per_epoch = len(train_idx) // config.batch_size
         self.optimizer = build_optimizer(
             self.train_module, self.model.embedding_collection, hp, self.steps_per_epoch
         )
@@ -232,6 +261,7 @@ class LocalRuntime(Runtime):
                 shuffle=True,
                 seed=self.config.seed,
                 epoch=epoch,
+                drop_last=True,
                 start_batch=start_batch,
                 prefetch=2,
             )
@@ -320,10 +350,34 @@ class ShardedRuntime(Runtime):
         )
 
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
-        size = max(self.config.eval_batch_size // self.world_size, 1)
-        return iter(
-            BatchIterator(self.dataset, rank_rows_for_eval(indices, self.ctx), size, prefetch=2)
+        rows, num_batches = rank_rows_for_eval(indices, self.config.eval_batch_size, self.ctx)
+        return iter(BatchIterator(self.dataset, rows, num_batches=num_batches, prefetch=2))
+
+    def evaluate(self, indices: np.ndarray) -> Dict[str, float]:
+        return run_collective(
+            f"evaluation of {len(indices):,} rows (sharded forwards, metric gather)",
+            None,
+            lambda: super(ShardedRuntime, self).evaluate(indices),
         )
+
+    def step(self, pipeline: Any, batches: Iterator[Batch], number: int) -> Any:
+        return run_collective(
+            f"training step {number} (TorchRec's input and output all-to-alls, DDP's "
+            "gradient all-reduce)",
+            None,
+            lambda: pipeline.progress(batches),
+        )
+
+    def step_summary(self, loss: float, samples: int, stop: bool) -> tuple[float, int, bool]:
+        summary = torch.tensor([loss * samples, samples, float(stop)], dtype=torch.float64)
+        run_collective(
+            "the step's loss and stop all-reduce", None, lambda: dist.all_reduce(summary)
+        )
+        total_loss, total, stops = summary.tolist()
+        return total_loss / max(total, 1.0), int(total), stops > 0
+
+    def agree_to_stop(self, stop: bool) -> bool:
+        return self.step_summary(0.0, 0, stop)[2]
 
     def pipeline(self) -> Any:
         kind = (
@@ -352,7 +406,9 @@ class ShardedRuntime(Runtime):
 
     def all_rng_states(self) -> List[Dict[str, Any]]:
         states: List[Any] = [None] * self.world_size
-        dist.all_gather_object(states, rng_state())
+        run_collective(
+            "the RNG state gather", None, lambda: dist.all_gather_object(states, rng_state())
+        )
         return states
 
     def barrier(self) -> None:

@@ -11,7 +11,7 @@ Example::
     ...                             epochs=1, progress=False, out=f"{tmp}/run",
     ...                             cache_dir=f"{tmp}/cache"))
     >>> metrics["steps"], sorted(metrics["epoch_auc"]) == [metrics["auc"]]
-    (6, True)
+    (5, True)
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, cast
+from typing import Any, Dict, List, Optional, cast
 
 import numpy as np
 import torch
@@ -37,14 +37,25 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.functional import CowClip
-from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
-from torchrec_cowclip.train.config import TrainConfig
-from torchrec_cowclip.train.evaluate import evaluate
-from torchrec_cowclip.train.resume_guard import check_resume, resumed_message, run_record
+from torchrec_cowclip.train.checkpoint import (
+    CHECKPOINTS_DIR,
+    TRAINER_STATE,
+    CheckpointStore,
+    DamagedCheckpointError,
+)
+from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.resume_guard import (
+    check_resume,
+    resumed_message,
+    run_fingerprint,
+    run_record,
+)
 from torchrec_cowclip.train.run_dir import claim_run_dir
-from torchrec_cowclip.train.run_log import RunLog
+from torchrec_cowclip.train.run_log import RunLog, write_text_atomically
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
+from torchrec_cowclip.train.stop import RunStopped, StopRequest
+from torchrec_cowclip.train.table_memory import check_tables_fit
 
 
 class NonFiniteLossError(RuntimeError):
@@ -81,6 +92,10 @@ class Progress:
         }
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -108,6 +123,33 @@ def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
+def check_split_sizes(
+    config: TrainConfig, n_train: int, n_val: int, n_test: int, world_size: int
+) -> None:
+    """Refuses, before any model is built, splits that would train no step or evaluate
+    nothing: a ``--batch-size`` larger than the training split (the last incomplete
+    batch of an epoch is dropped on any number of processes, so no full batch means no
+    step), an empty test or validation split, or one with fewer rows than processes."""
+    if n_train == 0:
+        raise ConfigError(f"no training rows in {config.data} after the split")
+    if n_train < config.batch_size:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is larger than the {n_train:,} training rows "
+            f"of {config.data}: no full batch, so no step would train; lower --batch-size"
+        )
+    splits = [("test", n_test, "--test-fraction / --test-data")]
+    if config.val_fraction > 0:
+        splits.append(("validation", n_val, "--val-fraction"))
+    for name, rows, flag in splits:
+        if rows == 0:
+            raise ConfigError(f"the {name} split of {config.data} is empty: raise {flag}")
+        if rows < world_size:
+            raise ConfigError(
+                f"the {name} split of {config.data} has {rows} rows, fewer than the "
+                f"{world_size} processes that evaluate it: raise {flag}"
+            )
+
+
 class Trainer:
     """One training run as configured by :class:`TrainConfig`.
 
@@ -122,9 +164,16 @@ class Trainer:
         self.out = Path(config.out)
         # Rank 0 (the environment names it before the process group exists) holds the
         # output directory's lock for the run's life.
-        self.run_dir = claim_run_dir(
-            self.out, config.resume, config.overwrite, main=int(os.environ.get("RANK", "0")) == 0
-        )
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        self.run_dir = claim_run_dir(self.out, config.resume, config.overwrite, main=self.is_main)
+        try:
+            self._build()
+        except BaseException:
+            self.run_dir.release()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         if config.threads:
             torch.set_num_threads(config.threads)
         _seed_everything(config.seed)
@@ -140,8 +189,20 @@ class Trainer:
         self.train_idx, self.val_idx, self.test_idx = self.dataset.split(
             config.test_fraction, config.val_fraction, config.seed
         )
-        if len(self.train_idx) == 0:
-            raise ValueError(f"no training rows in {config.data} after the split")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        check_split_sizes(
+            config, len(self.train_idx), len(self.val_idx), len(self.test_idx), world_size
+        )
+        schema = self.dataset.schema
+        check_tables_fit(
+            schema.sparse_names,
+            schema.cardinalities,
+            config.embedding_dim,
+            config.embedding_optimizer,
+            fix="--hash-size"
+            if "hash_size" in {f.name for f in fields(config.source_kind().options)}
+            else "--synthetic-max-cardinality",
+        )
 
         self.hp: ScaledHyperparameters = scale_hyperparameters(
             config.batch_size,
@@ -160,6 +221,7 @@ class Trainer:
             helen_bound=config.helen_bound,
         )
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
+        self.fingerprint = run_fingerprint(self.run_record)
         clipped = config.cowclip and self.hp.cowclip
         self.cowclip = CowClip(r=self.hp.clip_r, zeta=self.hp.clip_zeta) if clipped else None
         self.runtime: Runtime = make_runtime(
@@ -171,16 +233,23 @@ class Trainer:
         self.steps_per_epoch = self.runtime.steps_per_epoch
         if config.row_clip_stats:
             self.model.embedding_collection.track_row_clips()
-        self.checkpoints = CheckpointStore(self.out / CHECKPOINTS_DIR)
+        self.checkpoints = CheckpointStore(self.out / CHECKPOINTS_DIR, keep=config.keep_checkpoints)
         if self.runtime.is_main:
-            # A checkpoint write killed last time: its directory and temp files go.
-            for stale in self.checkpoints.remove_unnamed():
-                print(
-                    f"removed {stale}, left by an interrupted checkpoint write",
-                    file=sys.stderr,
-                    flush=True,
+            # A checkpoint write killed last time: its directory and temp files go;
+            # anything this project did not write is left alone, and named.
+            for stale in self.checkpoints.remove_unfinished():
+                _say(f"removed {stale}, left by an interrupted checkpoint write")
+            foreign = self.checkpoints.foreign()
+            if foreign:
+                _say(
+                    f"left {', '.join(str(f) for f in foreign)} alone: not checkpoints of "
+                    "this project (without a manifest; an older version's cannot be verified)"
                 )
         self.progress = Progress()
+        self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
+        self._saved_step = -1
+        self._best_checkpoint: Optional[str] = None
+        self._resumed_from: Optional[Path] = None
 
     # --- checkpoints -----------------------------------------------------------------
 
@@ -197,34 +266,70 @@ class Trainer:
             "rng": self.runtime.all_rng_states(),
             "table_counters": self.runtime.table_counters(),
             "row_clip_counters": row_counters,
+            "best_checkpoint": self._best_checkpoint,
         }
 
     def save(self) -> None:
         """Checkpoints the run as it is now ("latest"), on every rank."""
         p = self.progress
         self.checkpoints.save(
-            "latest", f"e{p.epoch}-s{p.global_step}", self.runtime.tensors(), self._trainer_state()
+            "latest",
+            f"e{p.epoch}-s{p.global_step}",
+            self.runtime.tensors(),
+            self._trainer_state(),
+            step=p.global_step,
+            fingerprint=self.fingerprint,
+            uses=[self._best_checkpoint] if self._best_checkpoint else [],
         )
+        self._saved_step = p.global_step
 
     def _save_best(self) -> None:
         """Early stopping's best weights, as their own checkpoint (not kept in memory)."""
-        self.checkpoints.save(
+        saved = self.checkpoints.save(
             "best",
             f"e{self.progress.epoch}",
             self.runtime.model_tensors(),
             {"epoch": self.progress.epoch},
+            step=self.progress.global_step,
+            fingerprint=self.fingerprint,
         )
+        self._best_checkpoint = saved.path.name
 
-    def restore(self) -> None:
-        """Loads the "latest" checkpoint of ``--out`` into the model, optimizers,
-        counters, progress and RNG, at this run's world size."""
-        saved = self.checkpoints.trainer_state("latest")
-        if saved is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.root}")
+    def restore(self) -> bool:
+        """Loads the newest intact "latest" checkpoint of ``--out`` into the model,
+        optimizers, counters, progress and RNG, at this run's world size. Every file is
+        verified against the checkpoint's manifest first; a damaged checkpoint is
+        reported and the previous one used.
+
+        Returns:
+            False when there is no checkpoint and ``--resume auto`` starts anew.
+
+        Raises:
+            FileNotFoundError: ``--resume`` and no checkpoint.
+            DamagedCheckpointError: no checkpoint matches its manifest.
+            ResumeRefused: the checkpoint's run differs from this command's.
+        """
+        say = _say if self.runtime.is_main else (lambda _: None)
+        checkpoint = self.checkpoints.intact("latest", say=say)
+        if checkpoint is None:
+            if self.config.resume == "auto":
+                return False
+            older = [f for f in self.checkpoints.foreign() if (f / TRAINER_STATE).exists()]
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {self.checkpoints.root}"
+                + (
+                    f" ({older[0]} has no manifest: written by an older version, it cannot "
+                    "be verified; start anew with --overwrite)"
+                    if older
+                    else ""
+                )
+            )
+        saved = self.checkpoints.trainer_state(checkpoint)
+        assert saved is not None
         check_resume(saved, self.run_record, self.out)  # before any state is loaded
         self.runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors
         tensors = self.runtime.tensors()
-        state = self.checkpoints.load("latest", tensors)
+        state = self.checkpoints.load(checkpoint, tensors)
         self.runtime.load_tensors(tensors)
         self.progress = Progress(**state["progress"])
         if state.get("table_counters") is not None:
@@ -234,36 +339,60 @@ class Trainer:
             self.model.embedding_collection.load_row_clip_counters_state(row_counters)
         rng = state["rng"]
         set_rng_state(rng[self.runtime.rank] if self.runtime.rank < len(rng) else rng[0])
+        self._best_checkpoint = state.get("best_checkpoint")
+        self._saved_step = self.progress.global_step
+        self._resumed_from = checkpoint.path
+        return True
 
     def _load_best(self) -> None:
         tensors = self.runtime.model_tensors()
-        self.checkpoints.load("best", tensors)
+        best = next(
+            (c for c in self.checkpoints.complete("best") if c.path.name == self._best_checkpoint),
+            None,
+        )
+        if best is None:
+            raise DamagedCheckpointError(
+                f"the best epoch's checkpoint {self.checkpoints.root / str(self._best_checkpoint)} "
+                "is missing: the final model cannot be restored"
+            )
+        problems = self.checkpoints.verify(best)
+        if problems:
+            raise DamagedCheckpointError(f"the best epoch's checkpoint is damaged: {problems[0]}")
+        self.checkpoints.load(best, tensors)
         self.runtime.train_module.load_state_dict(tensors["model"])
 
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> Dict[str, Any]:
         """Trains to the end (or ``--max-steps``), checkpointing at every epoch's end,
-        and returns the metrics written to ``out/metrics.json``."""
+        and returns the metrics written to ``out/metrics.json``.
+
+        Raises:
+            RunStopped: SIGTERM/SIGINT arrived; the run finished its step, wrote a
+                checkpoint and released ``--out``.
+        """
         try:
-            return self._run()
+            with self.stop.installed():
+                return self._run()
         finally:
             self.run_dir.release()
 
     def _run(self) -> Dict[str, Any]:
         cfg = self.config
-        if cfg.resume:
-            self.restore()
+        resumed = self.restore() if cfg.resume else False
         main = self.runtime.is_main
         log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
         log.info(self._banner())
-        if cfg.resume:
+        if resumed:
             p = self.progress
-            latest = self.checkpoints.path_of("latest")
-            assert latest is not None  # restore() has just loaded it
+            assert self._resumed_from is not None  # restore() has just loaded it
             log.info(
                 resumed_message(
-                    p.global_step, p.epoch, p.batch_in_epoch, self.steps_per_epoch, latest
+                    p.global_step,
+                    p.epoch,
+                    p.batch_in_epoch,
+                    self.steps_per_epoch,
+                    self._resumed_from,
                 )
             )
             log.rewind(p.global_step, p.epoch)
@@ -271,13 +400,27 @@ class Trainer:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
                 if not finished_epoch:  # --max-steps reached mid-epoch
-                    self.save()
+                    if self._saved_step != self.progress.global_step:
+                        self.save()
                     break
                 self._end_of_epoch(log)
                 self.save()
+                if self.runtime.agree_to_stop(self.stop.requested is not None):
+                    self._stopped()
         finally:
             log.close()
         return self._finish()
+
+    def _stopped(self) -> None:
+        """Ends a run that a signal asked to stop, once its checkpoint is written."""
+        p = self.progress
+        if self._saved_step != p.global_step:
+            self.save()
+        raise RunStopped(
+            f"stopped by {self.stop.requested or 'a signal on another rank'} after step "
+            f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
+            f"{self.steps_per_epoch}): {self.checkpoints.describe('latest')}"
+        )
 
     def _train_epoch(self, log: RunLog) -> bool:
         cfg, p = self.config, self.progress
@@ -298,10 +441,14 @@ class Trainer:
                     return False
                 t0 = time.perf_counter()
                 try:
-                    loss, _logits, labels = pipeline.progress(batches)
+                    loss, _logits, labels = self.runtime.step(pipeline, batches, p.global_step + 1)
                 except StopIteration:
                     break
-                loss_value = float(loss)
+                # The global batch's mean loss and size, and whether any rank was asked
+                # to stop (one all-reduce when sharded).
+                loss_value, n, stop = self.runtime.step_summary(
+                    float(loss), int(labels.numel()), self.stop.requested is not None
+                )
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(
                         f"loss became {loss_value} at step {p.global_step + 1} (epoch "
@@ -309,7 +456,6 @@ class Trainer:
                         f"{self.checkpoints.describe('latest')}. "
                         f"Lower --lr / --lr-embed or check the data."
                     )
-                n = int(labels.numel())
                 p.train_seconds += time.perf_counter() - t0
                 if helen_module is not None:
                     cost = cast(HelenCost, helen_module.last_helen_cost)
@@ -343,6 +489,8 @@ class Trainer:
                 bar.set_postfix(postfix)
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
                     self.save()
+                if stop:
+                    self._stopped()
         finally:
             bar.close()
             self.runtime.end_pipeline(pipeline)
@@ -383,7 +531,7 @@ class Trainer:
         p.batch_in_epoch = 0
 
     def _evaluate(self, indices: np.ndarray) -> Dict[str, float]:
-        return evaluate(self.runtime.train_module, self.runtime.eval_batches(indices), self.device)
+        return self.runtime.evaluate(indices)
 
     def _dense_lr(self) -> float:
         for name, opt in self.optimizer.optimizers:
@@ -393,7 +541,7 @@ class Trainer:
 
     def _finish(self) -> Dict[str, Any]:
         cfg, p = self.config, self.progress
-        if cfg.early_stop_patience and self.checkpoints.path_of("best") is not None:
+        if cfg.early_stop_patience and self._best_checkpoint is not None:
             # Early stopping: the final model is the best validation epoch's.
             self._load_best()
         final_epoch = (
@@ -451,9 +599,9 @@ class Trainer:
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
         if self.runtime.is_main:
-            tmp = self.out / "metrics.json.tmp"
-            tmp.write_text(json.dumps(metrics, indent=2, default=str))
-            os.replace(tmp, self.out / "metrics.json")
+            write_text_atomically(
+                self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
+            )
         return metrics
 
     def _clip_by_frequency(self) -> List[Dict[str, float]]:

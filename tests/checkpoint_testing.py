@@ -1,0 +1,91 @@
+"""Helpers of the checkpoint tests: hostile payloads, and re-sealing a checkpoint whose
+files a test changed (what an attacker who edits a checkpoint does to its manifest)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Dict
+
+from torchrec_cowclip.data.cache import file_record
+from torchrec_cowclip.train.checkpoint import MANIFEST
+
+
+class CreatesAFile:
+    """Unpickling this runs ``os.system("touch <path>")``: a real code-execution payload
+    whose only effect, if it ever runs, is a file the test looks for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.path}",))
+
+
+def write_payload(target: Path, created: Path) -> None:
+    """Replaces ``target`` with a pickle whose loading would create ``created``."""
+    target.write_bytes(pickle.dumps({"progress": CreatesAFile(created)}, protocol=2))
+
+
+def reseal(checkpoint: Path) -> None:
+    """Rewrites the manifest's size and checksum of every file in ``checkpoint``, so the
+    files pass verification whatever a test put in them."""
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"] = {
+        p.name: file_record(p)
+        for p in sorted(checkpoint.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+#: The tiny synthetic run of the trainer tests (2,700 training rows; TrainConfig fields).
+TINY_RUN = dict(
+    model="deepfm",
+    data="synthetic:3000",
+    batch_size=256,
+    epochs=1,
+    hidden=(8, 8),
+    embedding_dim=4,
+    synthetic_scale=0.001,
+    synthetic_max_cardinality=200,
+    progress=False,
+    eval_batch_size=4096,
+    log_every=1,
+    threads=1,
+)
+
+
+def cli_args(**flags: Any) -> list:
+    """``train`` command-line arguments for ``flags`` given as TrainConfig-style names:
+    ``batch_size=256`` -> ``--batch-size 256``, ``no_progress=True`` -> ``--no-progress``,
+    tuples comma-joined."""
+    argv = ["train"]
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (tuple, list)):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+#: ``TINY_RUN`` as command-line arguments (the model and epochs left at their defaults).
+TINY_CLI = cli_args(
+    **{k: v for k, v in TINY_RUN.items() if k not in ("model", "epochs", "progress")},
+    no_progress=True,
+)
+
+
+def snapshot(directory: Path) -> Dict[str, str]:
+    """Every file under ``directory`` with its content hash: what 'untouched' means."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
