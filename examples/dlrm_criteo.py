@@ -50,6 +50,7 @@ from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset
 from torchrec_cowclip.data.criteo_npy import find_npy_days
 from torchrec_cowclip.distributed import get_default_sharders
 from torchrec_cowclip.optim import CowClipAdam
+from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -219,7 +220,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         latest = max(Path(args.checkpoint_dir).glob("epoch_*"), key=lambda p: int(p.name[6:]))
         optimizer.init_state()  # the dense Adam's state tensors, for DCP to load into
         state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
-        dcp.load(state, checkpoint_id=str(latest))
+        # Checkpoints travel between people: read back without unpickling code.
+        dcp.load(state, storage_reader=SafeFileSystemReader(latest), planner=SafeLoadPlanner())
         dmp.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         start_epoch = int(latest.name[6:])

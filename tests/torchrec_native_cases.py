@@ -48,6 +48,7 @@ from torchrec_cowclip.distributed import (
 from torchrec_cowclip.optim import CowClipRowWiseAdagrad
 from torchrec_cowclip.optim.fbgemm_state import fbgemm_state_dict
 from torchrec_cowclip.optim.fused import model_fused_optimizer
+from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 LR = 0.5
 #: What FBGEMM trains when fused_params name only the optimizer and the lr.
@@ -288,7 +289,7 @@ def stock_checkpoints(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["stock_final"] = full_state(a, ACCUMULATOR)
     b = build(names, ours, world)
     state = {"model": b.state_dict(), "optim": fbgemm_state_dict(b.fused_optimizer.state_dict())}
-    dcp.load(state, checkpoint_id=stock_dir)
+    dcp.load(state, storage_reader=SafeFileSystemReader(stock_dir), planner=SafeLoadPlanner())
     b.load_state_dict(state["model"])
     out["resumed_by_cowclip_at_2"] = full_state(b, ACCUMULATOR)
     train(b, names, slice(2, 4), rank, world)
