@@ -296,12 +296,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     ) -> Any:
         """``nn.Module.load_state_dict``, refused whole - naming the first bad key and its
         shapes - unless every weight fits (``nn.Module`` copies the others before it
-        raises); with ``strict=False`` only the keys present in both are compared."""
+        raises); a weight of another floating dtype is cast, as ``nn.Module`` casts it
+        (TorchRec's unsharded EBC keeps BF16 tables as float16); with ``strict=False``
+        only the keys present in both are compared."""
         current = self.state_dict()
         if not strict:
             current = {k: v for k, v in current.items() if k in state_dict}
             state_dict = {k: v for k, v in state_dict.items() if k in current}
-        check_loadable(dict(state_dict), current, "CowClipEmbeddingBagCollection")
+        check_loadable(dict(state_dict), current, "CowClipEmbeddingBagCollection", cast_floats=True)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # --- EmbeddingBagCollectionInterface -------------------------------------------

@@ -48,7 +48,15 @@ def _describe(pieces: Sequence[Tensor], size: Tuple[int, ...]) -> str:
     return f"{list(size)} {'/'.join(dtypes)}{shards}"
 
 
-def _check_tensor(incoming: Any, current: Any, where: str, what: str) -> None:
+def _same_dtype(new: Tensor, old: Tensor, cast_floats: bool) -> bool:
+    if cast_floats and new.is_floating_point() and old.is_floating_point():
+        return True
+    return new.dtype == old.dtype
+
+
+def _check_tensor(
+    incoming: Any, current: Any, where: str, what: str, cast_floats: bool = False
+) -> None:
     def refuse(reason: str) -> StateDictMismatch:
         return StateDictMismatch(f"{what}: {where} {reason}; nothing was loaded")
 
@@ -59,7 +67,10 @@ def _check_tensor(incoming: Any, current: Any, where: str, what: str) -> None:
     same = (
         new_size == old_size
         and len(new_pieces) == len(old_pieces)
-        and all(n.shape == o.shape and n.dtype == o.dtype for n, o in zip(new_pieces, old_pieces))
+        and all(
+            n.shape == o.shape and _same_dtype(n, o, cast_floats)
+            for n, o in zip(new_pieces, old_pieces)
+        )
     )
     if not same:
         raise refuse(
@@ -71,7 +82,13 @@ def _check_tensor(incoming: Any, current: Any, where: str, what: str) -> None:
             raise refuse("holds NaN or inf values")
 
 
-def check_loadable(incoming: Any, current: Any, what: str = "state dict", where: str = "") -> None:
+def check_loadable(
+    incoming: Any,
+    current: Any,
+    what: str = "state dict",
+    where: str = "",
+    cast_floats: bool = False,
+) -> None:
     """Raises :class:`StateDictMismatch` unless ``incoming`` has the structure of
     ``current`` (the same keys of every mapping, lengths of every sequence) and each of
     its tensors the shape, dtype and local shards of the live one, all finite. Values
@@ -82,9 +99,12 @@ def check_loadable(incoming: Any, current: Any, what: str = "state dict", where:
         current: the live state it would be copied into (e.g. ``module.state_dict()``).
         what: how the message names the state.
         where: the key path so far (for the recursion).
+        cast_floats: a floating tensor may come in another floating dtype (a module's
+            weights: ``nn.Module.load_state_dict`` casts them, and TorchRec's unsharded
+            EBC keeps BF16 tables as float16).
     """
     if isinstance(current, Tensor):
-        _check_tensor(incoming, current, where or "<root>", what)
+        _check_tensor(incoming, current, where or "<root>", what, cast_floats)
         return
     if isinstance(current, Mapping):
         if not isinstance(incoming, Mapping):
@@ -102,7 +122,7 @@ def check_loadable(incoming: Any, current: Any, what: str = "state dict", where:
                 "nothing was loaded"
             )
         for key, value in current.items():
-            check_loadable(incoming[key], value, what, f"{where}[{key!r}]")
+            check_loadable(incoming[key], value, what, f"{where}[{key!r}]", cast_floats)
         return
     if isinstance(current, (list, tuple)):
         if not isinstance(incoming, (list, tuple)) or len(incoming) != len(current):
@@ -112,4 +132,4 @@ def check_loadable(incoming: Any, current: Any, what: str = "state dict", where:
                 f"{len(current)} here; nothing was loaded"
             )
         for i, (new, old) in enumerate(zip(incoming, current)):
-            check_loadable(new, old, what, f"{where}[{i}]")
+            check_loadable(new, old, what, f"{where}[{i}]", cast_floats)
