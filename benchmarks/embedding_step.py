@@ -129,7 +129,7 @@ def backward_step(module: Any, grad: Tensor, loss: str) -> Callable[[Batch], Non
 
 def in_mode(mode: str, step: Callable[[Batch], None]) -> Callable[[Batch], None]:
     """``step`` with ``TORCHREC_COWCLIP_COMPILE=mode`` for its duration."""
-    from torchrec_cowclip.embedding.row_step import set_compiled_update
+    from torchrec_cowclip.optim.row_step import set_compiled_update
 
     def run(batch: Batch) -> None:
         set_compiled_update(mode)

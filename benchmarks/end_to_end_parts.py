@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when impo
 from common import paper_deepfm  # noqa: E402
 
 from torchrec_cowclip.data import open_dataset  # noqa: E402
-from torchrec_cowclip.embedding.row_step import set_compiled_update  # noqa: E402
 from torchrec_cowclip.models.deepfm import fm_second_order  # noqa: E402
+from torchrec_cowclip.optim.row_step import set_compiled_update  # noqa: E402
 from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
 
 

@@ -75,7 +75,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from torchrec_cowclip.embedding import row_step  # noqa: E402
+from torchrec_cowclip.optim import row_step  # noqa: E402
 from torchrec_cowclip.optim.functional import adam_bias_corrections  # noqa: E402
 
 PARTS = ("embedding", "deepfm")

@@ -24,7 +24,7 @@ from torch.profiler import profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
 from common import SEED, Batch, make_ours, single_hot_batches  # noqa: E402
 
-from torchrec_cowclip.embedding.row_step import set_compiled_update  # noqa: E402
+from torchrec_cowclip.optim.row_step import set_compiled_update  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

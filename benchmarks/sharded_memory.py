@@ -55,7 +55,7 @@ def child(args: argparse.Namespace) -> None:
     from torchrec import KeyedJaggedTensor
 
     from torchrec_cowclip.models import build_model
-    from torchrec_cowclip.optim.functional import CowClip
+    from torchrec_cowclip.optim.config import CowClip
 
     torch.manual_seed(0)
     before = vm_hwm_kib()

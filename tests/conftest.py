@@ -1,6 +1,6 @@
 """Test-session defaults: the update path, the devices, and what is collected without torchrec.
 
-The fused update is compiled by TorchInductor by default (torchrec_cowclip.embedding.row_step);
+The fused update is compiled by TorchInductor by default (torchrec_cowclip.optim.row_step);
 a cold compile costs seconds per graph, and the suite builds hundreds of small modules
 in many processes. So tests run the eager update unless they ask for the compiled one
 (``set_compiled_update("1")`` in-process, or ``TORCHREC_COWCLIP_COMPILE=1`` in the
@@ -61,7 +61,7 @@ def device(request) -> torch.device:
 def wrong_row_step():
     """The row step made slightly wrong (each call also adds 1e-3 to the weight of its
     first row), for the tests that prove a reference comparison can fail."""
-    from torchrec_cowclip.embedding import row_step
+    from torchrec_cowclip.optim import row_step
 
     real = row_step.row_step_
 

@@ -23,9 +23,9 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding import fused_update
-from torchrec_cowclip.embedding.row_step import set_compiled_update
-from torchrec_cowclip.optim.functional import CountLR
+from torchrec_cowclip.optim.config import CountLR
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.row_step import set_compiled_update
 
 
 def _tables():

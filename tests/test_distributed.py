@@ -23,7 +23,8 @@ from distributed_harness import run_ranks, start_ranks
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 
 from torchrec_cowclip import CowClip, Helen
-from torchrec_cowclip.optim.functional import CountLR, cowclip_row_update_
+from torchrec_cowclip.optim.config import CountLR
+from torchrec_cowclip.optim.functional import cowclip_row_update_
 
 RTOL = 1e-5
 

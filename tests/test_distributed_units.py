@@ -26,12 +26,8 @@ from torchrec_cowclip.distributed import (
 from torchrec_cowclip.distributed.deferred_update import union_row_gradients
 from torchrec_cowclip.distributed.sharded_collection import _checked_plan
 from torchrec_cowclip.embedding.row_gradients import RowGradients
-from torchrec_cowclip.optim.functional import (
-    STATE_LAYOUT,
-    RowSums,
-    cowclip_row_update_,
-    partial_row_sums,
-)
+from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, partial_row_sums
+from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
+from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import (
-    CountLR,
-    CowClip,
     adam_rows_,
     couple_weight_decay,
     cowclip_clip,

@@ -26,7 +26,7 @@ WITHOUT_TORCHREC = textwrap.dedent("""
     sys.meta_path.insert(0, Refuse())
     import torch
     from torchrec_cowclip import CowClip
-    from torchrec_cowclip.embedding.row_step import row_step_, set_compiled_update
+    from torchrec_cowclip.optim.row_step import row_step_, set_compiled_update
     from torchrec_cowclip.optim import functional, reference
 
     set_compiled_update("0")

@@ -18,11 +18,12 @@ from cowclip_testing import kjt_from_bags, random_kjt
 from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import native, row_step
+from torchrec_cowclip.embedding import native
+from torchrec_cowclip.embedding.native import use_native_update
 from torchrec_cowclip.embedding.row_gradients import group_rows
-from torchrec_cowclip.embedding.row_step import set_compiled_update, use_native_update
+from torchrec_cowclip.optim import row_step
+from torchrec_cowclip.optim.config import CountLR
 from torchrec_cowclip.optim.functional import (
-    CountLR,
     RowSums,
     adam_bias_corrections,
     cowclip_row_update_,
@@ -30,6 +31,7 @@ from torchrec_cowclip.optim.functional import (
     rounding_row_keys,
     stochastic_round,
 )
+from torchrec_cowclip.optim.row_step import set_compiled_update
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"

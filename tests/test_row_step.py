@@ -6,21 +6,20 @@ import shutil
 import pytest
 import torch
 
-from torchrec_cowclip.embedding import row_step
-from torchrec_cowclip.embedding.row_step import (
+from torchrec_cowclip.optim import row_step
+from torchrec_cowclip.optim.config import CountLR, CowClip
+from torchrec_cowclip.optim.functional import (
+    RowSums,
+    adam_bias_corrections,
+    cowclip_row_update_,
+    partial_row_sums,
+)
+from torchrec_cowclip.optim.row_step import (
     compiled_update_mode,
     gather_step_scatter_,
     row_step_,
     set_compiled_update,
     use_compiled_update,
-)
-from torchrec_cowclip.optim.functional import (
-    CountLR,
-    CowClip,
-    RowSums,
-    adam_bias_corrections,
-    cowclip_row_update_,
-    partial_row_sums,
 )
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "clang++"))

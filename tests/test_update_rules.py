@@ -9,8 +9,9 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.distributed.options import PLANNER_OPTIMIZER_CLASS
-from torchrec_cowclip.embedding.row_step import set_compiled_update
-from torchrec_cowclip.optim.functional import (
+from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.row_step import set_compiled_update
+from torchrec_cowclip.optim.rules import (
     OPTIMIZERS,
     STATE_LAYOUT,
     UPDATE_RULES,
@@ -18,7 +19,6 @@ from torchrec_cowclip.optim.functional import (
     register_update_rule,
     unregister_update_rule,
 )
-from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS
 
 MOMENTUM = 0.5

@@ -11,7 +11,7 @@ Example::
 
 The names built on TorchRec types load on first use (module ``__getattr__``), so the
 torch-only core (``torchrec_cowclip.optim.functional``, ``optim.reference``,
-``embedding.row_step``) imports on a machine without torchrec or fbgemm_gpu.
+``optim.row_step``) imports on a machine without torchrec or fbgemm_gpu.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.options import CowClipOptions
 
 if TYPE_CHECKING:

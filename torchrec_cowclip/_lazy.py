@@ -1,7 +1,7 @@
 """Names a package exports but imports on first use (PEP 562 module ``__getattr__``).
 
 The package's members built on torchrec types load this way, so that its torch-only core
-(``optim.functional``, ``optim.reference``, ``embedding.row_step``) imports on a machine
+(``optim.functional``, ``optim.reference``, ``optim.row_step``) imports on a machine
 without torchrec or fbgemm_gpu.
 """
 

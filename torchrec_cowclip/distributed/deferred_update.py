@@ -40,7 +40,8 @@ from torchrec_cowclip.distributed.comm import ColumnShardGroups, all_gather_row_
 from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients, aggregate_row_gradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import Helen, RowSums, partial_row_sums
+from torchrec_cowclip.optim.config import Helen
+from torchrec_cowclip.optim.functional import RowSums, partial_row_sums
 
 
 @dataclass

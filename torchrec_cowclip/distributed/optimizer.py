@@ -38,9 +38,9 @@ from torchrec_cowclip.compat import (
     ShardMetadata,
     sharded_tensor,
 )
-from torchrec_cowclip.optim.functional import STATE_LAYOUT
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
 
 @dataclass

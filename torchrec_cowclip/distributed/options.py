@@ -16,8 +16,8 @@ from typing import Mapping, Type
 
 import torch
 
-from torchrec_cowclip.optim.functional import RuleView
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.rules import RuleView
 
 __all__ = ["PLANNER_OPTIMIZER_CLASS", "CowClipOptions"]
 

@@ -53,7 +53,7 @@ from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.helen import HelenCost, helen_step
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
-from torchrec_cowclip.optim.functional import Helen
+from torchrec_cowclip.optim.config import Helen
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
 #: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).

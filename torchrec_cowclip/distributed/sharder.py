@@ -35,7 +35,7 @@ from torchrec_cowclip.distributed.sharded_collection import (
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.options import DEFAULT_OPTIONS
 from torchrec_cowclip.optim.torchrec_config import (
     Settings,

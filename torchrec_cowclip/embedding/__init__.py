@@ -1,7 +1,7 @@
 """Table-batched embedding storage, lookup and the fused in-backward CowClip update.
 
 The collection and its statistics (built on torchrec types) load on first use, so
-``torchrec_cowclip.embedding.row_step`` imports without torchrec.
+its torch-only modules (``embedding.native``) import without torchrec.
 """
 
 from __future__ import annotations

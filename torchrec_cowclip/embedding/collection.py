@@ -49,7 +49,7 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import CowClipOptions
@@ -116,7 +116,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         cowclip: clip parameters; None turns clipping off (plain lazy optimizer).
         unclipped_tables: names of tables that are updated but never clipped.
         count_lr: optional per-row learning rate from the row's count in the batch,
-            ``lr * min(c_j, cap) ** power`` (:class:`~torchrec_cowclip.optim.functional.CountLR`;
+            ``lr * min(c_j, cap) ** power`` (:class:`~torchrec_cowclip.optim.config.CountLR`;
             not in the paper, see ``docs/scaling.md``); None: one ``lr`` for all rows.
         is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``).
         device: where the tables live (default CPU). ``"meta"`` allocates no storage:
@@ -125,7 +125,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             (each rank then allocates and initialises only its own shards and their
             optimizer state), or materialise it with ``to_empty(device=...)`` followed by
             :meth:`reset_parameters`.
-        helen: train with Helen's two-pass step (:class:`~torchrec_cowclip.optim.functional.Helen`,
+        helen: train with Helen's two-pass step (:class:`~torchrec_cowclip.optim.config.Helen`,
             frequency-wise sharpness-aware minimisation): call :meth:`helen_step` with a
             closure instead of ``loss.backward()`` (which then raises). None: one pass.
         init_seed: seed of the counter-based initialisation

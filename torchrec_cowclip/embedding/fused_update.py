@@ -1,12 +1,12 @@
 """The fused CowClip update of a table batch: gather the touched rows, run the
 functional step (:mod:`torchrec_cowclip.optim.functional`), scatter them back - one
-compiled kernel where it can be built (:mod:`.row_step`).
+compiled kernel where it can be built (:mod:`torchrec_cowclip.optim.row_step`).
 
 Every tensor op here is over the ``U`` distinct rows of the batch, for all tables of the
 batch at once; the per-table bookkeeping (step counts, clip masks, counters) is done
 with ``bucketize``/``bincount`` over those rows, never with a loop over tables.
 
-On CPU (:func:`~.row_step.use_native_update`) the whole update - the rows' gradient sums
+On CPU (:func:`~.native.use_native_update`) the whole update - the rows' gradient sums
 when they were deferred, finiteness, the step and the per-table counts - is one native
 kernel call (:func:`.native.fused_update_`) instead.
 
@@ -22,16 +22,13 @@ from typing import Any, Mapping, Optional
 import torch
 
 from torchrec_cowclip.embedding import native
+from torchrec_cowclip.embedding.native import use_native_update
 from torchrec_cowclip.embedding.row_gradients import RowGradients
-from torchrec_cowclip.embedding.row_step import row_step_, use_native_update
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.functional import (
-    UPDATE_RULES,
-    RowSums,
-    adam_bias_corrections,
-    update_rule,
-)
+from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.row_step import row_step_
+from torchrec_cowclip.optim.rules import UPDATE_RULES, update_rule
 
 #: The update rules the native kernel implements, as registered by the functional core.
 _NATIVE_RULES = {name: UPDATE_RULES[name] for name in native.OPTIMIZER_CODES}

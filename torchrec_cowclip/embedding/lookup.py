@@ -23,13 +23,13 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding import native
+from torchrec_cowclip.embedding.native import use_native_update
 from torchrec_cowclip.embedding.row_gradients import (
     RowGradients,
     RowGrouping,
     group_rows,
     sum_row_gradients,
 )
-from torchrec_cowclip.embedding.row_step import use_native_update
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 

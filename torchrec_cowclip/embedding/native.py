@@ -16,7 +16,7 @@ this CPU's instruction-set flags (the build uses ``-march=native``), so every la
 on the machine loads the cached library in milliseconds. A build prints one line to stderr
 before it starts and one when it ends (times: docs/performance.md).
 
-Whether they run is :func:`~torchrec_cowclip.embedding.row_step.compiled_update_mode`'s
+Whether they run is :func:`~torchrec_cowclip.optim.row_step.compiled_update_mode`'s
 choice (``TORCHREC_COWCLIP_COMPILE``): ``auto`` and ``1`` use them on CPU, ``0`` (eager) and
 ``inductor`` do not. In ``auto`` a failed build warns once, naming the error, and the CPU
 update falls back to the Inductor-compiled (or eager) row step; in ``1`` it raises.
@@ -37,6 +37,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from torchrec_cowclip.optim.row_step import compiled_update_mode
 
 logger = logging.getLogger(__name__)
 
@@ -325,3 +327,14 @@ def stochastic_round(
     """The kernel's :func:`~torchrec_cowclip.optim.functional.stochastic_round`."""
     out: Tensor = _ops().stochastic_round(values, row_keys, column_base, dtype)
     return out
+
+
+def use_native_update(device: torch.device) -> bool:
+    """Whether table batches on ``device`` are grouped and updated by the native CPU
+    kernels (built on first use): on CPU in modes ``auto`` and ``1``."""
+    if device.type != "cpu":
+        return False
+    mode = compiled_update_mode()
+    if mode not in ("auto", "1"):
+        return False
+    return load(required=mode == "1")

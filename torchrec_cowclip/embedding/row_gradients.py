@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torchrec_cowclip.embedding import native
-from torchrec_cowclip.embedding.row_step import use_native_update
+from torchrec_cowclip.embedding.native import use_native_update
 
 
 class RowGradients:

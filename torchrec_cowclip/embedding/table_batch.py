@@ -22,7 +22,8 @@ from torchrec.modules.embedding_configs import (
     data_type_to_dtype,
 )
 
-from torchrec_cowclip.optim.functional import STATE_LAYOUT, STORAGE_DTYPES, rounding_row_keys
+from torchrec_cowclip.optim.functional import STORAGE_DTYPES, rounding_row_keys
+from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
 #: Buffer-name prefix of the optimizer state tensors (``state_exp_avg``, ...).
 _STATE_PREFIX = "state_"

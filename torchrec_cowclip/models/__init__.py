@@ -47,7 +47,7 @@ from torchrec_cowclip.models.embeddings import (
     linear_table_name,
 )
 from torchrec_cowclip.models.wide_deep import WideAndDeep
-from torchrec_cowclip.optim.functional import CountLR, CowClip
+from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.options import CowClipOptions
 
 
@@ -136,7 +136,7 @@ def build_model(
             ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``.
         device: where tables and layers live.
         embedding_count_lr: per-row embedding lr from the row's count in the batch
-            (:class:`~torchrec_cowclip.optim.functional.CountLR`), or None.
+            (:class:`~torchrec_cowclip.optim.config.CountLR`), or None.
         init_seed: seed of the tables' counter-based initial weights (None:
             ``torch.initial_seed()``): the same for every sharding plan and world size.
         table_device: where the tables are built, if not ``device``: ``"meta"`` for

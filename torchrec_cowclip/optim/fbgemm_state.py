@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from torchrec_cowclip.optim.functional import UPDATE_RULES, UpdateRule
+from torchrec_cowclip.optim.rules import UPDATE_RULES, UpdateRule
 
 __all__ = ["cowclip_state_dict", "fbgemm_state_dict", "table_of_key"]
 

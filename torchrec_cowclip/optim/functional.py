@@ -14,20 +14,20 @@ are that section's):
    with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
    the paper; off by default).
 
-:func:`cowclip_row_update_` composes the three. Helen (:class:`Helen`, ``docs/algorithm.md``,
-"Helen") adds one rule before them: :func:`helen_table_statistics` and
-:func:`helen_perturbation` give the frequency-scaled perturbation of the touched rows at
-which the second gradient is taken (:func:`sam_perturbations` for dense parameters). The optimizers of step 5 are a registry
-(:class:`UpdateRule`, :data:`UPDATE_RULES`): each names its row step, the state it keeps
-per row and the optimizer class TorchRec's planner sizes that state by; adding one is
-one :func:`register_update_rule` here. :data:`OPTIMIZERS`, :data:`STATE_LAYOUT` and
-``distributed.options.PLANNER_OPTIMIZER_CLASS`` are live views of it. A row split into column shards (TorchRec
-column-wise sharding) is handled by the same functions: each shard computes its
-:func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
-supplies the norms of step 3 and row-wise Adagrad's ``mean(g_j**2)``. The dense reference
-(:mod:`torchrec_cowclip.optim.reference`) and every fast path (the fused CPU update,
-a GPU kernel, sharded tables) call it or are tested against it, so the algorithm is
-written down exactly once.
+:func:`cowclip_row_update_` composes the three, with the settings of
+:mod:`.config` (:class:`CowClip`, :class:`CountLR`, :class:`Helen`). Helen
+(``docs/algorithm.md``, "Helen") adds one rule before them: :func:`helen_table_statistics`
+and :func:`helen_perturbation` give the frequency-scaled perturbation of the touched rows at
+which the second gradient is taken (:func:`sam_perturbations` for dense parameters). The
+optimizers of step 5 are rules of the registry in :mod:`.rules`; the built-in ones (Adam,
+row-wise Adagrad, SGD) are registered here, next to their math. A row split into column
+shards (TorchRec column-wise sharding) is handled by the same functions: each shard computes
+its :func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
+supplies the norms of step 3 and row-wise Adagrad's ``mean(g_j**2)``. Tables stored in
+float16 / bfloat16 are updated in float32 and rounded back by :func:`stochastic_round`. The
+dense reference (:mod:`torchrec_cowclip.optim.reference`) and every fast path (the native
+and compiled CPU updates, a GPU kernel, sharded tables) call it or are tested against it,
+so the algorithm is written down exactly once.
 
 Example::
 
@@ -41,164 +41,25 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import (
     Any,
-    Callable,
     Dict,
-    Iterator,
-    Mapping,
     Optional,
     Sequence,
     Tuple,
     Union,
-    overload,
 )
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class CowClip:
-    """Parameters of the CowClip clip: ``tau_j = c_j * max(r * ||W[j]||, zeta)``.
-
-    Args:
-        r: clip ratio against the row's own weight norm (paper default 1.0).
-        zeta: lower bound on the per-occurrence threshold, so rows with a tiny norm can
-            still move. The TF reference's ``--bound`` maps to
-            ``zeta = r**2 * sqrt(D) * bound`` (see :meth:`from_reference`).
-
-    Example::
-
-        >>> CowClip(r=1.0, zeta=1e-5)
-        CowClip(r=1.0, zeta=1e-05)
-        >>> round(CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10).zeta, 7)
-        3.16e-05
-    """
-
-    r: float = 1.0
-    zeta: float = 1e-5
-
-    def __post_init__(self) -> None:
-        for name in ("r", "zeta"):
-            value = getattr(self, name)
-            if (
-                not isinstance(value, (int, float))
-                or value != value
-                or value
-                in (
-                    float("inf"),
-                    float("-inf"),
-                )
-            ):
-                raise ValueError(f"CowClip.{name} must be a finite number, got {value!r}")
-        if self.r <= 0:
-            raise ValueError(f"CowClip.r must be > 0, got {self.r}")
-        if self.zeta < 0:
-            raise ValueError(f"CowClip.zeta must be >= 0, got {self.zeta}")
-
-    @classmethod
-    def from_reference(cls, r: float, bound: float, embedding_dim: int) -> "CowClip":
-        """Maps the TF reference's flags to the paper's ``zeta``.
-
-        The reference computes ``clip = r * cnt * max(||w||, r * sqrt(D) * bound)``,
-        i.e. ``cnt * max(r * ||w||, r**2 * sqrt(D) * bound)``.
-        """
-        return cls(r=r, zeta=r * r * (embedding_dim**0.5) * bound)
-
-
-@dataclass(frozen=True)
-class CountLR:
-    """Per-id-frequency embedding learning rate: ``lr_j = lr * min(c_j, cap) ** power``.
-
-    Not in the paper or the TF reference (step 5 uses one ``lr`` for every row); an
-    extension searched in ``docs/scaling.md``, where it did not beat one ``lr`` for every
-    row on average, so no recipe uses it. The reasoning: one step at batch ``s * b``
-    replaces ``s`` steps at batch ``b``. An id seen ``c_j >= s`` times in the large batch
-    would have been updated in about every one of those ``s`` small steps, an id seen once
-    in only one of them; Adam moves a row by about ``lr`` per update whatever its
-    gradient's size, so at a fixed ``lr`` the large batch slows frequent ids down by up to
-    ``s`` and leaves rare ids as they were. ``power = 1`` gives a row back ``min(c_j, s)``
-    updates' worth of movement (for gradients that agree from step to step), ``0.5`` the
-    random-walk ``sqrt`` of it; ``cap = s`` (the batch scale) keeps ``lr_j = lr`` at the
-    base batch and never exceeds ``s`` small steps. ``c_j`` is the same count the clip uses.
-
-    Args:
-        power: the exponent; 0 turns the scaling off, a negative one slows frequent ids.
-        cap: the count above which the rate stops growing, ``>= 1``.
-
-    Example::
-
-        >>> CountLR(power=0.5, cap=16).multiplier(torch.tensor([1, 4, 100])).tolist()
-        [1.0, 2.0, 4.0]
-    """
-
-    power: float = 0.5
-    cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("power", "cap"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"CountLR.{name} must be a finite number, got {value!r}")
-        if self.cap < 1:
-            raise ValueError(
-                f"CountLR.cap must be >= 1 (a row is seen at least once), got {self.cap}"
-            )
-
-    def multiplier(self, counts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``[U]`` ``min(c_j, cap) ** power`` for the rows' counts ``c_j``."""
-        return counts.to(dtype).clamp(max=float(self.cap)).pow(float(self.power))
-
-
-@dataclass(frozen=True)
-class Helen:
-    """Helen (Zhu et al., WWW 2024): sharpness-aware minimisation whose perturbation of
-    each embedding row grows with the row's frequency in the batch.
-
-    Per step and table, with ``n_j`` the count of row ``j`` in the batch (CowClip's count,
-    over every feature that uses the table), ``G`` the table's gradient on its touched rows
-    and ``g_j`` row ``j``'s: ``e_j = rho * max(n_j / max_k n_k, bound) * g_j / (||G||_F +
-    1e-12)`` (:func:`helen_perturbation`); the rows take their step with the gradient at
-    ``W + e``. ``perturb_dense`` also perturbs the dense parameters, plain SAM with their
-    global gradient norm (:func:`sam_perturbations`). ``docs/algorithm.md``, "Helen".
-
-    Args:
-        rho: perturbation radius (the reference's default 0.05); 0 makes the second pass
-            evaluate the unperturbed weights.
-        bound: lower bound on a row's frequency share ``n_j / max_k n_k``, in [0, 1]
-            (the reference's default 0.3).
-        perturb_dense: SAM on the dense parameters too (their ``.grad`` then holds the
-            second pass's gradient); default: they keep the first pass's gradient.
-
-    Example::
-
-        >>> Helen()
-        Helen(rho=0.05, bound=0.3, perturb_dense=False)
-        >>> Helen(rho=-1.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: Helen.rho must be >= 0 and finite, got -1.0
-    """
-
-    rho: float = 0.05
-    bound: float = 0.3
-    perturb_dense: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("rho", "bound"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"Helen.{name} must be a number, got {value!r}")
-        if not (math.isfinite(self.rho) and self.rho >= 0.0):
-            raise ValueError(f"Helen.rho must be >= 0 and finite, got {self.rho!r}")
-        if not (math.isfinite(self.bound) and 0.0 <= self.bound <= 1.0):
-            raise ValueError(f"Helen.bound must be in [0, 1], got {self.bound!r}")
-        if not isinstance(self.perturb_dense, bool):
-            raise ValueError(f"Helen.perturb_dense must be a bool, got {self.perturb_dense!r}")
-
+from torchrec_cowclip.optim.config import CountLR, CowClip
+from torchrec_cowclip.optim.rules import (
+    UpdateRule,
+    register_update_rule,
+    update_rule,
+)
 
 #: Added to the gradient norm in the denominator of Helen's and SAM's perturbation.
 HELEN_NORM_EPS = 1e-12
@@ -529,136 +390,6 @@ def rowwise_adagrad_rows_(
 def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
     """Step 5, SGD: ``W -= lr * g`` (``lr`` a scalar or ``[U]``)."""
     weight.sub_(_per_row(lr) * grad)
-
-
-#: A row step: ``rule(weight, grad, state, *, lr, step, betas, eps, weight_decay, scale,
-#: row_sums, adam_bias)`` updates ``weight`` and ``state`` in place from the clipped,
-#: decayed ``grad`` (the keywords are :func:`cowclip_row_update_`'s; ``scale`` is the
-#: clip factor of step 3). A rule takes the keywords it needs and ``**_`` for the rest.
-RowRule = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class UpdateRule:
-    """One optimizer of step 5, as the registry holds it.
-
-    Attributes:
-        name: the ``optimizer=`` value that selects it.
-        step: its :data:`RowRule`.
-        state_layout: the state tensors it keeps, ``(name, "D")`` for one value per
-            column (like the weight) or ``(name, "1")`` for one per row.
-        planner_optimizer: import path of the torch/TorchRec optimizer class whose state
-            size TorchRec's planner knows to be the same (``"torch.optim.Adam"``).
-        adam_bias_corrections: ``step`` receives Adam's bias corrections
-            (:func:`adam_bias_corrections`) as ``adam_bias``, which the fused update
-            computes once per table rather than once per row.
-        torchrec_optimizers: how TorchRec names this optimizer: FBGEMM's ``EmbOptimType``
-            values (``fused_params["optimizer"]``) and the qualified names of the
-            torch/TorchRec optimizer classes ``apply_optimizer_in_backward`` may be given.
-        fbgemm_states: ``(state name here, FBGEMM's)`` for each state tensor FBGEMM keeps
-            with the same meaning (TorchRec keys it ``<table>.<FBGEMM's name>``).
-    """
-
-    name: str
-    step: RowRule
-    state_layout: Tuple[Tuple[str, str], ...]
-    planner_optimizer: str
-    adam_bias_corrections: bool = False
-    torchrec_optimizers: Tuple[str, ...] = ()
-    fbgemm_states: Tuple[Tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        bad = [entry for entry in self.state_layout if entry[1] not in ("D", "1")]
-        if bad:
-            raise ValueError(
-                f"update rule {self.name!r}: state layout entries must be (name, 'D' or '1'), got {bad}"
-            )
-
-
-#: The registered optimizers, by name, in registration order.
-UPDATE_RULES: Dict[str, UpdateRule] = {}
-
-
-def register_update_rule(rule: UpdateRule) -> UpdateRule:
-    """Adds ``rule`` to :data:`UPDATE_RULES` (and so to every view of it); a name that is
-    taken raises ValueError."""
-    if rule.name in UPDATE_RULES:
-        raise ValueError(f"an update rule named {rule.name!r} is already registered")
-    UPDATE_RULES[rule.name] = rule
-    return rule
-
-
-def unregister_update_rule(name: str) -> None:
-    """Removes the rule ``name`` (tests that register their own)."""
-    if name not in UPDATE_RULES:
-        raise KeyError(f"no update rule named {name!r}; registered: {tuple(UPDATE_RULES)}")
-    del UPDATE_RULES[name]
-
-
-def update_rule(name: str) -> UpdateRule:
-    """The rule ``name``, or ValueError listing the registered ones."""
-    rule = UPDATE_RULES.get(name)
-    if rule is None:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {tuple(UPDATE_RULES)}")
-    return rule
-
-
-class _Names(Sequence[str]):
-    """The registered optimizer names, live (a tuple's equality and repr; unhashable,
-    since it changes with the registry)."""
-
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Tuple[str, ...]: ...
-
-    def __getitem__(self, index: Union[int, slice]) -> Union[str, Tuple[str, ...]]:
-        return tuple(UPDATE_RULES)[index]
-
-    def __len__(self) -> int:
-        return len(UPDATE_RULES)
-
-    def __contains__(self, name: object) -> bool:
-        return name in UPDATE_RULES
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, _Names)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return repr(tuple(UPDATE_RULES))
-
-
-class RuleView(Mapping[str, Any]):
-    """One attribute of every registered rule, by name, live: a read-only mapping."""
-
-    def __init__(self, read: Callable[[UpdateRule], Any]) -> None:
-        self._read = read
-
-    def __getitem__(self, name: str) -> Any:
-        rule = UPDATE_RULES.get(name)
-        if rule is None:
-            raise KeyError(name)
-        return self._read(rule)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(UPDATE_RULES))
-
-    def __len__(self) -> int:
-        return len(UPDATE_RULES)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-#: The registered optimizer names (a live view of :data:`UPDATE_RULES`).
-OPTIMIZERS: Sequence[str] = _Names()
-
-#: Optimizer state tensors per optimizer; each entry is (name, per-row shape suffix)
-#: where "D" means one value per column and "1" one value per row (a live view).
-STATE_LAYOUT: Mapping[str, Tuple[Tuple[str, str], ...]] = RuleView(lambda rule: rule.state_layout)
 
 
 def _adam_step(

@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Iterable, NoReturn, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.functional import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
 
 __all__ = ["CowClipAdam", "CowClipInBackward", "CowClipRowWiseAdagrad", "CowClipSGD"]

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
-from torchrec_cowclip.optim.functional import OPTIMIZERS, CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.rules import OPTIMIZERS
 
 
 def validate_hyperparameters(
@@ -130,7 +131,7 @@ class CowClipOptions:
     def hyperparameters(self) -> Dict[str, Any]:
         """The fused optimizer's param group entries (``lr``, ``betas``, ``eps``,
         ``weight_decay``, ``cowclip``, ``count_lr``), which are also the row step's
-        hyperparameter keywords (:func:`~torchrec_cowclip.embedding.row_step.row_step_`)."""
+        hyperparameter keywords (:func:`~torchrec_cowclip.optim.row_step.row_step_`)."""
         return {
             "lr": self.lr,
             "betas": self.betas,

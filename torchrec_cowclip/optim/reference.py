@@ -28,7 +28,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.functional import STATE_LAYOUT, CountLR, CowClip, cowclip_row_update_
+from torchrec_cowclip.optim.config import CountLR, CowClip
+from torchrec_cowclip.optim.functional import cowclip_row_update_
+from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
 
 def occurrence_counts(ids: Tensor, num_rows: int) -> Tensor:

@@ -7,7 +7,7 @@ in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options
   ``ADAM``, ``EXACT_ROWWISE_ADAGRAD`` / ``ROWWISE_ADAGRAD``, ``EXACT_SGD`` / ``SGD``, or its
   string value), ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay`` with
   ``weight_decay_mode=WeightDecayMode.L2`` - plus CowClip's own: ``cowclip`` (a
-  :class:`~torchrec_cowclip.optim.functional.CowClip`, or None for no clip),
+  :class:`~torchrec_cowclip.optim.config.CowClip`, or None for no clip),
   ``unclipped_tables``, ``count_lr``, ``helen`` (:func:`fused_params_settings`);
 * ``apply_optimizer_in_backward(optimizer_class, [weight], kwargs)`` on each table's
   weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torchrec.optim.RowWiseAdagrad``,
@@ -53,9 +53,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from torchrec_cowclip.optim.functional import UPDATE_RULES, CowClip
+from torchrec_cowclip.optim.config import CowClip
 from torchrec_cowclip.optim.in_backward import CowClipInBackward
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.rules import UPDATE_RULES
 
 __all__ = [
     "FBGEMM_DEFAULTS",

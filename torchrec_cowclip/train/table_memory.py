@@ -25,7 +25,7 @@ import os
 from typing import Optional, Sequence
 
 from torchrec_cowclip.models.embeddings import embedding_table_name
-from torchrec_cowclip.optim.functional import STATE_LAYOUT
+from torchrec_cowclip.optim.rules import STATE_LAYOUT
 from torchrec_cowclip.train.config import ConfigError
 
 _GIB = float(1 << 30)

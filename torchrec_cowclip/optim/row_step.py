@@ -16,7 +16,8 @@ Row counts are dynamic, the embedding dim is not: a process compiles one graph p
 Which path runs (:func:`compiled_update_mode`):
 
 - ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build. On CPU the
-  table batches' update is the native kernels of :mod:`.native` (built on first use; a
+  table batches' update is the native kernels of :mod:`torchrec_cowclip.embedding.native`
+  (built on first use; a
   C++ compiler on ``PATH``), and this row step, where it still runs (a registered update
   rule of one's own, or the native build failed), is Inductor's; on CUDA, Inductor's
   Triton kernels. Eager otherwise;
@@ -43,13 +44,8 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
-from torchrec_cowclip.optim.functional import (
-    CountLR,
-    CowClip,
-    RowSums,
-    cowclip_row_update_,
-    stochastic_round,
-)
+from torchrec_cowclip.optim.config import CountLR, CowClip
+from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, stochastic_round
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +116,6 @@ def use_compiled_update(device: torch.device) -> bool:
     if mode in ("1", "inductor"):
         return True
     return device.type not in _failed_devices and _can_compile(device)
-
-
-def use_native_update(device: torch.device) -> bool:
-    """Whether table batches on ``device`` are grouped and updated by the native CPU
-    kernels (:mod:`.native`; built on first use): on CPU in modes ``auto`` and ``1``."""
-    if device.type != "cpu":
-        return False
-    mode = compiled_update_mode()
-    if mode not in ("auto", "1"):
-        return False
-    from torchrec_cowclip.embedding import native
-
-    return native.load(required=mode == "1")
 
 
 def gather_step_scatter_(
