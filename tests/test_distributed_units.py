@@ -23,7 +23,7 @@ from torchrec_cowclip.distributed import (
     CowClipEmbeddingBagCollectionSharder,
     CowClipOptions,
 )
-from torchrec_cowclip.distributed.deferred_update import union_row_gradients
+from torchrec_cowclip.distributed.row_sync import union_row_gradients
 from torchrec_cowclip.distributed.sharded_collection import _checked_plan
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, partial_row_sums

@@ -19,7 +19,7 @@ from cowclip_testing import (
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection, Helen
-from torchrec_cowclip.embedding import helen as helen_module
+from torchrec_cowclip.embedding import row_updates
 
 HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
 
@@ -145,7 +145,7 @@ def test_the_perturbation_changes_the_update():
     module only) do not match the reference."""
     gen = torch.Generator().manual_seed(3)
     ebc, head, ref, tables = _build("adam", default_cowclip(), Helen(rho=0.5), gen)
-    ebc._helen = Helen(rho=0.0)
+    ebc.row_updates.helen = Helen(rho=0.0)
     with pytest.raises(AssertionError, match="not close"):
         _helen_steps(ebc, head, ref, tables, gen, steps=1)
 
@@ -314,10 +314,10 @@ def test_cost_of_a_step_is_recorded(monkeypatch):
     gen = torch.Generator().manual_seed(14)
     ebc, head, _, tables = _build("sgd", None, Helen(), gen)
     kjt, labels = _batch(tables, gen)
-    ebc.helen_step(lambda: curved_loss(ebc(kjt).values(), head, labels))
-    cost = ebc.last_helen_cost
+    step = ebc.row_updates.helen_step(lambda: curved_loss(ebc(kjt).values(), head, labels))
+    cost = step.cost
     assert cost is not None and cost.first_pass_s > 0 and cost.extra_s > 0
-    assert helen_module.HelenCost is type(cost)
+    assert row_updates.HelenCost is type(cost)
 
 
 def test_a_failing_second_pass_restores_perturbed_dense_parameters_and_gradients():

@@ -137,7 +137,6 @@ def test_row_step_matches_the_functional_math(
             rows,
             grad,
             counts,
-            step=step,
             optimizer=optimizer,
             lr=lr,
             betas=kw["betas"],
@@ -185,7 +184,7 @@ def test_compiled_column_shard_step_uses_whole_row_sums(optimizer):
             rows,
             grad[:, cols].contiguous(),
             counts,
-            step=step,
+            adam_bias=adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None,
             optimizer=optimizer,
             lr=0.05,
             betas=(0.8, 0.99),
@@ -226,16 +225,16 @@ def test_a_failed_build_falls_back_to_eager_once_with_a_warning(monkeypatch):
     weight, state, rows, grad, counts, step, _ = _problem("sgd")
     want_w, _, _ = _expected("sgd", weight, state, rows, grad, counts, step, lr=0.1)
     with pytest.warns(RuntimeWarning, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
+        row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
     assert_close_to_reference(weight, want_w)
     assert not use_compiled_update(torch.device("cpu"))
-    row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
+    row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
     assert len(calls) == 1  # not retried
 
     # Forced compilation surfaces the error instead.
     set_compiled_update("1")
     with pytest.raises(RuntimeError, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, step=step, **SGD_0_1)
+        row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
 
 
 def test_gather_step_scatter_touches_only_the_given_rows():
@@ -247,7 +246,7 @@ def test_gather_step_scatter_touches_only_the_given_rows():
         rows,
         grad,
         counts,
-        step=step,
+        adam_bias=adam_bias_corrections(step, 0.8, 0.99),
         optimizer="adam",
         lr=0.05,
         betas=(0.8, 0.99),
@@ -293,7 +292,6 @@ def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
         rows,
         grad,
         counts,
-        step=step,
         optimizer=optimizer,
         lr=kw["lr"],
         betas=kw["betas"],

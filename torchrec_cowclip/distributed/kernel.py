@@ -7,13 +7,14 @@ its FBGEMM kernel is ``BatchedFusedEmbeddingBag``. This one plugs into the same 
 state dict and per-table parameters TorchRec's sharded collection reads) and stores
 its shards as this project's table batches - one ``[rows, D]`` tensor per local width,
 each shard a row range - so the forward is one ``embedding_bag`` per batch and the
-backward the project's row-gradient aggregation. The update itself is deferred to the
-lookup (:mod:`.deferred_update`), which may need to talk to other ranks first.
+backward the project's row-gradient aggregation. The update itself is the row-update
+coordinator's (:mod:`torchrec_cowclip.embedding.row_updates`): the kernel submits to its
+lookup's step, which may need to talk to other ranks first (:mod:`.row_sync`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,12 +36,13 @@ from torchrec_cowclip.compat import (
     kernel_pooling_mode,
     mark_updated_in_backward,
 )
-from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, PendingStep, Submission
 from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
 from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding import layout
-from torchrec_cowclip.embedding.lookup import BatchLookup, lookup_row_gradients, pooled_lookup
+from torchrec_cowclip.embedding.lookup import RowLookup
+from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit
+from torchrec_cowclip.embedding.row_updates import LookupChannel, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
@@ -68,7 +70,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
     of its width. ``forward`` takes the group's features (TorchRec's layout: the
     group's features in config order, batch-major offsets) and returns ``[B, sum of
     the features' local dims]``; ``backward`` hands the row gradients to the lookup's
-    :class:`~torchrec_cowclip.distributed.deferred_update.DeferredUpdates`.
+    :class:`~torchrec_cowclip.embedding.row_updates.LookupChannel`.
 
     Args:
         config: the group TorchRec assigned to this rank.
@@ -76,14 +78,15 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         device: where the shards live.
         sharding_type: the group's sharding type.
         options: optimizer, hyperparameters, clip and unclipped tables.
-        updates: the lookup's deferred updates (shared by its kernels).
+        channel: the lookup's channel into the row-update coordinator (shared by its
+            kernels).
         index: this kernel's position in the lookup (orders the updates).
 
     Example (what :class:`~torchrec_cowclip.distributed.lookup.CowClipPooledEmbeddingsLookup`
     does for each group)::
 
         kernel = CowClipBatchedEmbeddingBag(config, pg, device, ShardingType.TABLE_WISE,
-                                            CowClipOptions(lr=1e-4), updates, index=0)
+                                            CowClipOptions(lr=1e-4), channel, index=0)
         pooled = kernel(kjt)                 # [B, sum of local dims]
     """
 
@@ -94,7 +97,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         device: Optional[torch.device],
         sharding_type: Optional[ShardingType],
         options: CowClipOptions,
-        updates: DeferredUpdates,
+        channel: LookupChannel,
         index: int,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
@@ -107,7 +110,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         # Our own references (TorchRec's base keeps the same in private attributes).
         self._group = config
         self._group_pg = pg
-        self._updates = updates
+        self._channel = channel
         self._index = index
         shards = config.embedding_tables
         shard_starts = [0]
@@ -228,27 +231,27 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         starts = self._batch_feature_starts
         bounds = layout.value_bounds(offsets, starts, b, values.numel())
         lookups = layout.prepare_lookups(self._batches, values, offsets, b, starts, bounds, weights)
-        anchor, step = self._updates.current()
+        anchor, step = self._channel.current()
         outs = [
-            _ShardLookup.apply(anchor, self, i, lookup, step) for i, lookup in enumerate(lookups)
+            RowLookup.apply(anchor, self._batches[i], lookup, step, self._submission_of(i))
+            for i, lookup in enumerate(lookups)
         ]
         return layout.pooled_in_order(outs, self._output_permutation)
 
-    # --- what the deferred update and the collection need ------------------------------
+    # --- what the update and the collection need -----------------------------------------
 
-    def submission(self, batch_index: int, lookup: BatchLookup, grad_output: Tensor) -> Submission:
-        """The row gradients of one table batch's lookup, ready for the lookup's update."""
+    def _submission_of(self, batch_index: int) -> Callable[[RowGradients], Submission]:
+        """How a table batch's backward submits its row gradients to the lookup's step:
+        keyed ``(kernel, batch)``, with this kernel's hyperparameters at that backward and
+        the whole tables' dims (column shards' norms are the whole rows')."""
         batch = self._batches[batch_index]
-        return Submission(
-            key=(self._index, batch_index),
-            batch=batch,
-            row_grads=lookup_row_gradients(batch, lookup, grad_output),
-            hyperparameters=self._optim.hyperparameters,
-            whole_dims=self._whole_dims[batch_index],
-        )
+        whole_dims = self._whole_dims[batch_index]
 
-    def pooled(self, batch_index: int, lookup: BatchLookup) -> Tensor:
-        return pooled_lookup(self._batches[batch_index], lookup)
+        def submission(row_grads: RowGradients) -> Submission:
+            key = (self._index, batch_index)
+            return Submission(key, batch, row_grads, self._optim.row_options(), whole_dims)
+
+        return submission
 
     def initialise_shards(self, row_inits: Mapping[str, Optional[RowInit]]) -> None:
         """Fills every local shard with its table's initial rows and zeroes its
@@ -338,33 +341,3 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             mark_updated_in_backward(param)
             params[name] = param
         return params
-
-
-class _ShardLookup(torch.autograd.Function):
-    """Pooled lookup of one table batch; its backward submits the row gradients.
-
-    ``anchor`` is the lookup step's zero-size tensor: taking it as input makes the step's
-    node run after this backward (see :mod:`.deferred_update`).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: Tensor,
-        kernel: CowClipBatchedEmbeddingBag,
-        batch_index: int,
-        lookup: BatchLookup,
-        step: Optional[PendingStep],
-    ) -> Tensor:
-        ctx.kernel, ctx.batch_index, ctx.lookup, ctx.step = kernel, batch_index, lookup, step
-        return kernel.pooled(batch_index, lookup)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, ...]:
-        if ctx.step is None:
-            raise RuntimeError(
-                "a sharded CowClip kernel was run outside its lookup's forward; "
-                "call the sharded collection, not its kernels"
-            )
-        ctx.step.submit(ctx.kernel.submission(ctx.batch_index, ctx.lookup, grad_output))
-        return None, None, None, None, None

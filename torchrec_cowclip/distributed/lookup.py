@@ -6,7 +6,8 @@ sharding's features by table group and calls one kernel per group; its
 keeps everything else of TorchRec's lookup (feature splitting, output layout, state
 dict plumbing) and gives every group a
 :class:`~torchrec_cowclip.distributed.kernel.CowClipBatchedEmbeddingBag`. The lookup
-also owns the step its kernels' updates are deferred to (:mod:`.deferred_update`).
+also owns its channel into the row-update coordinator, which its kernels submit their
+row gradients to (:mod:`torchrec_cowclip.embedding.row_updates`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip import compat
-from torchrec_cowclip.distributed.deferred_update import DeferredUpdates, RowSync
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
 from torchrec_cowclip.distributed.options import CowClipOptions
+from torchrec_cowclip.embedding.row_updates import LookupChannel
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 
 #: Plan compute kernels this lookup serves. ``fused`` is what the sharder offers the
@@ -42,7 +43,8 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         grouped_configs: the sharding's table groups on this rank.
         device, pg, env, sharding_type: as for TorchRec's lookup.
         options: how the tables are trained.
-        row_sync: how this sharding type's updates talk to other ranks.
+        channel: the lookup's channel into the collection's row-update coordinator,
+            with the strategy of its sharding type (``RowUpdates.channel(sync)``).
         scale_weight_gradients: TorchRec's per-sample-weight gradient scaling (off for
             data-parallel, as TorchRec does).
 
@@ -50,7 +52,8 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     does per sharding)::
 
         lookup = CowClipPooledEmbeddingsLookup(configs, device, pg, env,
-                                               ShardingType.TABLE_WISE, options, LocalRows())
+                                               ShardingType.TABLE_WISE, options,
+                                               row_updates.channel(LocalRows()))
         pooled = lookup(kjt)      # backward applies the CowClip update of all its tables
     """
 
@@ -62,15 +65,13 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         env: Optional[ShardingEnv],
         sharding_type: ShardingType,
         options: CowClipOptions,
-        row_sync: RowSync,
+        channel: LookupChannel,
         scale_weight_gradients: bool = True,
     ) -> None:
         # TorchRec's constructor creates the kernels (`_create_embedding_kernel`), which
         # need these; plain attributes may be set before nn.Module.__init__.
         self._options = options
-        self._updates = DeferredUpdates(
-            row_sync, device if device is not None else torch.device("cpu"), options.helen
-        )
+        self._channel = channel
         super().__init__(
             grouped_configs=grouped_configs,
             device=device,
@@ -102,18 +103,13 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             device=device,
             sharding_type=sharding_type,
             options=self._options,
-            updates=self._updates,
+            channel=self._channel,
             # TorchRec appends each kernel as it is created: this is its index.
             index=len(compat.lookup_kernels(self)),
         )
 
-    @property
-    def deferred_updates(self) -> DeferredUpdates:
-        """Where this lookup's kernels hand in their row gradients (Helen holds them)."""
-        return self._updates
-
     def forward(self, sparse_features: KeyedJaggedTensor) -> Tensor:
-        self._updates.begin_forward()
+        self._channel.begin_forward()
         return super().forward(sparse_features)
 
     def clip_stats(self) -> Dict[str, TableClipStats]:
@@ -131,7 +127,7 @@ class ReplicatedLookup(nn.Module):
     TorchRec keeps data-parallel replicas in sync by averaging their gradients with DDP
     and reaches the lookup through DDP's ``.module``. The CowClip kernels have no
     gradients to average: their update already applies the union of all replicas' rows
-    on every replica (:class:`~torchrec_cowclip.distributed.deferred_update.ReplicatedRows`).
+    on every replica (:class:`~torchrec_cowclip.distributed.row_sync.ReplicatedRows`).
     This wrapper only keeps the ``.module`` access TorchRec relies on.
 
     Example::

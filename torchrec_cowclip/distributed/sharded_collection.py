@@ -19,6 +19,7 @@ from dataclasses import fields, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -34,24 +35,17 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
 from torchrec_cowclip import compat
-from torchrec_cowclip.distributed.comm import ColumnShardGroups
-from torchrec_cowclip.distributed.deferred_update import (
-    ColumnShardRows,
-    DeferredUpdates,
-    LocalRows,
-    ReplicatedRows,
-    RowSync,
-)
-from torchrec_cowclip.distributed.helen_rows import ShardedHelenRows
+from torchrec_cowclip.distributed.comm import ColumnShardGroups, run_collective
 from torchrec_cowclip.distributed.lookup import (
     SUPPORTED_COMPUTE_KERNELS,
     CowClipPooledEmbeddingsLookup,
     ReplicatedLookup,
 )
 from torchrec_cowclip.distributed.options import CowClipOptions
+from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding.helen import HelenCost, helen_step
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
+from torchrec_cowclip.embedding.row_updates import LocalRows, RowSync, RowUpdates
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
 from torchrec_cowclip.optim.config import Helen
 
@@ -112,6 +106,14 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._cowclip_env = env
         self._cowclip_device = device
         self._row_inits = _agreed_row_initializers(module, env)
+        # The lookups TorchRec's constructor creates each open a channel into this.
+        self._row_updates = RowUpdates(
+            [t.name for t in self._cowclip_tables],
+            options.helen,
+            device if device is not None else torch.device("cpu"),
+            reduce_table_statistics=_all_reduce_table_statistics(env.process_group),
+            name="sharded CowClip collection",
+        )
         # `options` carry what the sharder's fused_params and the weights' in-backward
         # marks said; TorchRec's constructor would hand them to FBGEMM, whose kernels these
         # are not, and refuse the CowClip optimizer classes.
@@ -126,21 +128,20 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 module_fqn=module_fqn,
             )
         self._divide_only_row_wise_means()
-        self._helen_rows = ShardedHelenRows(
-            self._deferred_updates,
-            [t.name for t in self._cowclip_tables],
-            env.process_group,
-            device if device is not None else torch.device("cpu"),
-        )
-        #: The last :meth:`helen_step`'s cost (None before the first).
-        self.last_helen_cost: Optional[HelenCost] = None
 
-    # --- Helen ------------------------------------------------------------------------
+    # --- the update -------------------------------------------------------------------
+
+    @property
+    def row_updates(self) -> RowUpdates:
+        """The coordinator every touched-row update of this rank's shards goes through:
+        one channel per lookup (sharding type), in one order on every rank
+        (:mod:`torchrec_cowclip.embedding.row_updates`)."""
+        return self._row_updates
 
     @property
     def helen(self) -> Optional[Helen]:
         """Helen's settings when the tables train by :meth:`helen_step`, else None."""
-        return self._cowclip_options.helen
+        return self._row_updates.helen
 
     def helen_step(
         self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
@@ -149,18 +150,9 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         :meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`, on every rank
         (a collective): each table's gradient norm and largest count are combined over
         its row and column shards, so the step equals the unsharded one on the global
-        batch (:mod:`.helen_rows`)."""
-        self.last_helen_cost = None
-        loss, self.last_helen_cost = helen_step(
-            self._helen_rows, self._cowclip_options.helen, closure, dense_params
-        )
-        return loss
-
-    def _deferred_updates(self) -> List[DeferredUpdates]:
-        return [
-            (lookup.module if isinstance(lookup, ReplicatedLookup) else lookup).deferred_updates
-            for lookup in compat.sharded_lookups(self)
-        ]
+        batch (the strategies' ``perturbation_rows`` and an all-reduce of the table
+        statistics)."""
+        return self._row_updates.helen_step(closure, dense_params).loss
 
     def _divide_only_row_wise_means(self) -> None:
         """TorchRec applies MEAN pooling of row-wise tables after its reduce-scatter, by
@@ -295,7 +287,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     env=self._cowclip_env,
                     sharding_type=ShardingType(sharding_type),
                     options=self._cowclip_options,
-                    row_sync=row_sync,
+                    channel=self._row_updates.channel(row_sync),
                     scale_weight_gradients=sharding_type != ShardingType.DATA_PARALLEL.value,
                 )
             )
@@ -360,3 +352,19 @@ def _checked_plan(
             )
         checked[table] = replace(sharding, compute_kernel=EmbeddingComputeKernel.FUSED.value)
     return checked
+
+
+def _all_reduce_table_statistics(
+    pg: Optional[dist.ProcessGroup],
+) -> Callable[[Tensor, Tensor], None]:
+    """Helen's per-table statistics summed (squared norms: row and column shards hold
+    disjoint parts) and maxed (largest counts) over every rank of the module."""
+
+    def reduce(sq_norm: Tensor, max_count: Tensor) -> None:
+        def exchange() -> None:
+            dist.all_reduce(sq_norm, op=dist.ReduceOp.SUM, group=pg)
+            dist.all_reduce(max_count, op=dist.ReduceOp.MAX, group=pg)
+
+        run_collective("Helen: all-reduce of the tables' gradient norms and counts", pg, exchange)
+
+    return reduce

@@ -13,7 +13,7 @@ the collection into a :class:`~.sharded_collection.ShardedCowClipEmbeddingBagCol
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torch import nn
@@ -35,8 +35,6 @@ from torchrec_cowclip.distributed.sharded_collection import (
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
-from torchrec_cowclip.optim.options import DEFAULT_OPTIONS
 from torchrec_cowclip.optim.torchrec_config import (
     Settings,
     fused_params_settings,
@@ -65,10 +63,9 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     refused, naming both, before anything is allocated.
 
     Args:
-        options: how the tables are trained, as one ``CowClipOptions``; or the separate
-            keywords ``optimizer, lr, betas, eps, weight_decay, cowclip,
-            unclipped_tables, count_lr, helen`` (as for
-            :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`).
+        options: how the tables are trained, as one ``CowClipOptions``.
+        **training: instead of ``options``, its fields as keywords (``optimizer``, ``lr``,
+            ...: the older spelling).
         module_type: the module class this sharder shards (TorchRec matches sharders to
             modules by exact type): ``torchrec.EmbeddingBagCollection`` (default) or
             :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`;
@@ -95,19 +92,12 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def __init__(
         self,
-        optimizer: str = DEFAULT_OPTIONS.optimizer,
-        lr: float = DEFAULT_OPTIONS.lr,
-        betas: Tuple[float, float] = DEFAULT_OPTIONS.betas,
-        eps: float = DEFAULT_OPTIONS.eps,
-        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
-        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
-        unclipped_tables: Iterable[str] = (),
+        options: Optional[CowClipOptions] = None,
+        *,
         module_type: Type[nn.Module] = EmbeddingBagCollection,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-        count_lr: Optional[CountLR] = None,
-        options: Optional[CowClipOptions] = None,
-        helen: Optional[Helen] = None,
+        **training: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         if module_type not in (EmbeddingBagCollection, CowClipEmbeddingBagCollection):
@@ -116,23 +106,13 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"CowClipEmbeddingBagCollection, got {module_type!r}"
             )
         self._module_type = module_type
-        keywords = dict(
-            optimizer=optimizer,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            cowclip=cowclip,
-            unclipped_tables=frozenset(unclipped_tables),
-            count_lr=count_lr,
-            helen=helen,
+        # Validates the older keywords' names and values, and refuses both spellings.
+        CowClipOptions.from_keywords(options, training, "CowClipEmbeddingBagCollectionSharder()")
+        given: Settings = (
+            options_settings(options, "options=")
+            if options is not None
+            else keyword_settings(training, "the sharder's")
         )
-        given: Settings
-        if options is not None:
-            CowClipOptions.resolve(options, **keywords)  # refuses both spellings at once
-            given = options_settings(options, "options=")
-        else:
-            given = keyword_settings(keywords, "the sharder's")
         self._sources: List[Settings] = [given, fused_params_settings(fused_params)]
         self._options = resolve_options(self._sources)  # a disagreement is refused here
 

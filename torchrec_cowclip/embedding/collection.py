@@ -4,6 +4,7 @@ inside backward.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from typing import (
     Any,
@@ -32,24 +33,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
-from torchrec_cowclip.embedding.fused_update import apply_fused_update_
-from torchrec_cowclip.embedding.helen import (
-    HeldRows,
-    HelenCost,
-    HelenPass,
-    HelenTarget,
-    TablePositions,
-    helen_step,
-)
-from torchrec_cowclip.embedding.lookup import FusedCowClipLookup
+from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
+from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
+from torchrec_cowclip.optim.config import Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import CowClipOptions
@@ -61,19 +54,9 @@ from torchrec_cowclip.optim.torchrec_config import (
     table_marks,
 )
 
-#: The constructor's keywords that say how the tables train (CowClipOptions' fields).
-_TRAINING_KEYWORDS = (
-    "options",
-    "optimizer",
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "cowclip",
-    "unclipped_tables",
-    "count_lr",
-    "helen",
-)
+#: The constructor's keywords that say how the tables train: ``options=`` and the older
+#: spelling of its fields.
+_TRAINING_KEYWORDS = ("options", *(f.name for f in dataclasses.fields(CowClipOptions)))
 
 
 class TableWeight(nn.Module):
@@ -154,41 +137,20 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     def __init__(
         self,
         tables: List[EmbeddingBagConfig],
-        optimizer: str = "adam",
-        lr: float = 1e-4,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        cowclip: Optional[CowClip] = CowClip(),
-        unclipped_tables: Iterable[str] = (),
+        options: Optional[CowClipOptions] = None,
+        *,
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
-        count_lr: Optional[CountLR] = None,
         init_seed: Optional[int] = None,
-        options: Optional[CowClipOptions] = None,
-        helen: Optional[Helen] = None,
+        **training: Any,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
-        options = CowClipOptions.resolve(
-            options,
-            optimizer=optimizer,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            cowclip=cowclip,
-            unclipped_tables=unclipped_tables,
-            count_lr=count_lr,
-            helen=helen,
-        )
+        options = CowClipOptions.from_keywords(options, training, "CowClipEmbeddingBagCollection()")
         optimizer = options.optimizer
         options.check_tables(t.name for t in tables)
-        self._helen: Optional[Helen] = options.helen
-        #: The last :meth:`helen_step`'s cost (None before the first).
-        self.last_helen_cost: Optional[HelenCost] = None
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
@@ -231,7 +193,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         self._output_columns = layout.output_permutation(self._batches, self._embedding_names)
         self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
-        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+        # All of the collection's table batches are one lookup whose rows are local.
+        self._row_updates = RowUpdates([t.name for t in tables], options.helen, self._device)
+        self._channel = self._row_updates.channel(LocalRows())
 
         self.embedding_bags = nn.ModuleDict()
         params: Dict[str, nn.Parameter] = {}
@@ -245,7 +209,6 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for table in tables:
             params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
-        self._helen_target = _CollectionHelenRows(self)
         self._bind_views()
         self.reset_parameters()
 
@@ -284,8 +247,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             else keyword_settings(training, "from_ebc's"),
             marks,
         ]
-        if given is not None and training:
-            CowClipOptions.resolve(given, **training)  # refuses both spellings at once
+        if given is not None and training:  # both spellings at once: refused
+            CowClipOptions.from_keywords(given, training, "from_ebc()")
         tables = [replace(t) for t in ebc.embedding_bag_configs()]
         module = cls(tables, options=resolve_options(sources), **options)
         module.load_state_dict(ebc.state_dict())
@@ -335,6 +298,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         slot_lookups = layout.prepare_lookups(
             self._slot_batches, values, offsets, b, starts, bounds
         )
+        self._channel.begin_forward()
+        anchor, step = self._channel.current()
         outs: List[Tensor] = []
         for index, (batch, s) in enumerate(zip(self._batches, self._slot_of_batch)):
             batch_weights = None
@@ -343,8 +308,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             lookup = slot_lookups[s].sharing_ids_with(batch_weights)
             outs.append(
                 # torch.autograd.Function.apply carries no annotations.
-                FusedCowClipLookup.apply(  # type: ignore[no-untyped-call]
-                    self._anchor, batch, index, lookup, self._take_row_gradients
+                RowLookup.apply(  # type: ignore[no-untyped-call]
+                    anchor, batch, lookup, step, self._submission_of(index)
                 )
             )
         return KeyedTensor(
@@ -370,7 +335,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         fused = self._fused_optimizer
         return CowClipOptions.from_param_group(
             fused.hyperparameters, fused.optimizer_name, self.unclipped_tables
-        ).replace(helen=self._helen)
+        ).replace(helen=self.helen)
 
     @property
     def unclipped_tables(self) -> Tuple[str, ...]:
@@ -386,18 +351,36 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         """Bytes of table weights and optimizer state this module holds (0 on meta)."""
         return sum(batch.storage_bytes() for batch in self._batches)
 
-    # --- Helen -------------------------------------------------------------------------
+    # --- the update -------------------------------------------------------------------
+
+    @property
+    def row_updates(self) -> RowUpdates:
+        """The coordinator every touched-row update of this collection goes through
+        (:mod:`torchrec_cowclip.embedding.row_updates`)."""
+        return self._row_updates
+
+    def _submission_of(self, index: int) -> Callable[[RowGradients], Submission]:
+        """How table batch ``index``'s backward submits its row gradients: with the fused
+        optimizer's hyperparameters as they are at that backward."""
+        batch = self._batches[index]
+
+        def submission(row_grads: RowGradients) -> Submission:
+            return Submission((index,), batch, row_grads, self._fused_optimizer.row_options())
+
+        return submission
 
     @property
     def helen(self) -> Optional[Helen]:
         """Helen's settings when the tables are trained by :meth:`helen_step`, else None."""
-        return self._helen
+        return self._row_updates.helen
 
     def helen_step(
         self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
     ) -> Tensor:
-        """One Helen step (:mod:`torchrec_cowclip.embedding.helen`): ``closure()`` runs
-        the forward pass and returns the scalar loss WITHOUT calling backward.
+        """One Helen step (:meth:`RowUpdates.helen_step
+        <torchrec_cowclip.embedding.row_updates.RowUpdates.helen_step>`, which also returns
+        its cost): ``closure()`` runs the forward pass and returns the scalar loss WITHOUT
+        calling backward.
 
         The first backward reaches everything: every dense parameter's ``.grad`` gets the
         first pass's gradient, as a plain ``loss.backward()`` would give it, ready for the
@@ -412,7 +395,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
             >>> ebc = CowClipEmbeddingBagCollection(
             ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["f"])], lr=1e-2, helen=Helen())
+            ...                         feature_names=["f"])],
+            ...     CowClipOptions(lr=1e-2, helen=Helen()))
             >>> kjt = KeyedJaggedTensor.from_lengths_sync(
             ...     keys=["f"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 2]))
             >>> head = torch.nn.Linear(4, 1)
@@ -421,25 +405,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
             (True, 1, 2)
         """
-        self.last_helen_cost = None
-        loss, self.last_helen_cost = helen_step(
-            self._helen_target, self._helen, closure, dense_params
-        )
-        return loss
-
-    def _take_row_gradients(self, batch_index: int, row_grads: RowGradients) -> None:
-        """Where every table batch's backward hands its row gradients."""
-        target = self._helen_target
-        if target.phase is not None:
-            target.take(batch_index, row_grads)
-        elif self._helen is not None:
-            raise RuntimeError(
-                f"this CowClipEmbeddingBagCollection is trained by Helen ({self._helen}): "
-                "call loss = ebc.helen_step(closure) instead of loss.backward() (nothing "
-                "was updated)"
-            )
-        else:
-            apply_fused_update_(self._batches[batch_index], row_grads, self._hyperparameters())
+        return self._row_updates.helen_step(closure, dense_params).loss
 
     # --- FusedOptimizerModule ------------------------------------------------------
 
@@ -611,7 +577,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for batch in self._batches:
             batch._apply(fn)
         self._device = self._batches[0].weight.device
-        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+        self._row_updates.to(self._device)
         self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._bind_views()
         views = {id(p) for p in self.parameters()}
@@ -648,10 +614,6 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         holder = self.embedding_bags[name]
         assert isinstance(holder, TableWeight)
         return holder.weight
-
-    def _hyperparameters(self) -> Mapping[str, Any]:
-        group: Mapping[str, Any] = self._fused_optimizer.param_groups[0]
-        return group
 
     def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys = tuple(features.keys())
@@ -749,45 +711,3 @@ def _check_structure(
             raise ValueError(
                 f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
             )
-
-
-class _CollectionHelenRows(HelenTarget):
-    """:class:`~torchrec_cowclip.embedding.helen.HelenTarget` of an unsharded collection:
-    every table batch's rows are local, so the table statistics need no reduction."""
-
-    def __init__(self, module: CowClipEmbeddingBagCollection) -> None:
-        self._module = module
-        self.phase: Optional[HelenPass] = None
-        self._held: List[HeldRows] = []
-        self._positions = TablePositions([t.name for t in module.embedding_bag_configs()])
-
-    def hold(self, phase: Optional[HelenPass]) -> None:
-        self.phase, self._held = phase, []
-
-    def take(self, batch_index: int, row_grads: RowGradients) -> None:
-        if any(h.key == (batch_index,) for h in self._held):
-            raise RuntimeError(
-                "helen_step: the closure looked up the same CowClipEmbeddingBagCollection "
-                "twice in one call; Helen needs one lookup of each table batch per pass"
-            )
-        batch = self._module._batches[batch_index]
-        self._held.append(
-            HeldRows((batch_index,), batch, row_grads, self._positions.of_batch(batch))
-        )
-
-    def held(self) -> List[HeldRows]:
-        return sorted(self._held, key=lambda h: h.key)
-
-    def backward_inputs(self) -> List[Tensor]:
-        return [self._module._anchor]
-
-    def num_tables(self) -> int:
-        return len(self._positions)
-
-    def device(self) -> torch.device:
-        return self._module.device
-
-    def apply_updates(self, descent: List[HeldRows]) -> None:
-        hyper = self._module._hyperparameters()
-        for held in descent:
-            apply_fused_update_(held.batch, held.row_grads, hyper)

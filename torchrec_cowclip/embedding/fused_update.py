@@ -17,7 +17,7 @@ table, step, global row and column: :meth:`.table_batch.TableBatch.rounding_keys
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import row_step_
-from torchrec_cowclip.optim.rules import UPDATE_RULES, update_rule
+from torchrec_cowclip.optim.rules import UPDATE_RULES, UpdateRule
 
 #: The update rules the native kernel implements, as registered by the functional core.
 _NATIVE_RULES = {name: UPDATE_RULES[name] for name in native.OPTIMIZER_CODES}
@@ -38,15 +38,15 @@ _NATIVE_RULES = {name: UPDATE_RULES[name] for name in native.OPTIMIZER_CODES}
 def apply_fused_update_(
     batch: TableBatch,
     row_grads: RowGradients,
-    hyper: Mapping[str, Any],
+    options: CowClipOptions,
     row_sums: Optional[RowSums] = None,
 ) -> None:
     """Applies one optimizer step to the rows in ``row_grads``, in place on ``batch``.
 
-    ``hyper`` is the fused optimizer's param group (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``cowclip``, ``count_lr``), read and validated at every step
-    (:meth:`CowClipOptions.from_param_group`), so that schedules which edit
-    ``param_groups[0]`` take effect and a bad value raises before any row changes.
+    ``options`` are the hyperparameters of the batch's fused optimizer as its param group
+    holds them now, parsed and validated once while the group is unchanged
+    (:meth:`~torchrec_cowclip.optim.fused.CowClipFusedOptimizer.row_options`): a
+    schedule's new ``lr`` takes effect, and a bad value raises before any row changes.
 
     Rows whose gradient is not finite keep their weight and state and are counted in
     ``rows_nonfinite``; the step count of every table in the batch advances by one.
@@ -55,14 +55,10 @@ def apply_fused_update_(
     the batch's tables are column shards of larger tables: finiteness, the clip norms and
     row-wise Adagrad's row mean are then those of the whole rows, identical on every shard.
     """
-    options = CowClipOptions.from_param_group(hyper, batch.optimizer)
-    if (
-        _NATIVE_RULES.get(batch.optimizer) is UPDATE_RULES.get(batch.optimizer)
-        and batch.optimizer in _NATIVE_RULES
-        and use_native_update(batch.weight.device)
-    ):
+    rule = options.rule
+    if _NATIVE_RULES.get(rule.name) is rule and use_native_update(batch.weight.device):
         batch.step += 1
-        _native_update_(batch, row_grads, options, row_sums)
+        _native_update_(batch, row_grads, options, rule, row_sums)
         return
     rows, counts = row_grads.rows, row_grads.counts
     grad = row_grads.grad
@@ -89,7 +85,7 @@ def apply_fused_update_(
 
     if rows.numel() > 0:
         adam_bias = None
-        if update_rule(batch.optimizer).adam_bias_corrections:
+        if rule.adam_bias_corrections:
             # Per table, then gathered per row: no float64 pow per row in the kernel.
             beta1, beta2 = options.betas
             corrections = adam_bias_corrections(batch.step, beta1, beta2, grad.dtype)
@@ -105,7 +101,7 @@ def apply_fused_update_(
             rows,
             grad,
             counts,
-            optimizer=batch.optimizer,
+            optimizer=rule,
             **options.hyperparameters(),
             clip_enabled=None if batch.all_clipped else batch.clip_enabled[table_of_row],
             row_sums=row_sums,
@@ -135,13 +131,14 @@ def _native_update_(
     batch: TableBatch,
     row_grads: RowGradients,
     options: CowClipOptions,
+    rule: UpdateRule,
     row_sums: Optional[RowSums],
 ) -> None:
     """:func:`apply_fused_update_` as one native kernel call (the step count already
     advanced)."""
     rows, counts = row_grads.rows, row_grads.counts
     adam_bias = None
-    if update_rule(batch.optimizer).adam_bias_corrections:
+    if rule.adam_bias_corrections:
         beta1, beta2 = options.betas
         adam_bias = adam_bias_corrections(batch.step, beta1, beta2, torch.float32)
     packed_sums = None
@@ -174,7 +171,7 @@ def _native_update_(
         adam_bias=adam_bias,
         row_sums=packed_sums,
         rounding=batch.rounding_keys() if batch.weight.dtype != torch.float32 else None,
-        optimizer=batch.optimizer,
+        optimizer=rule.name,
         lr=options.lr,
         betas=options.betas,
         eps=options.eps,

@@ -3,9 +3,10 @@
 Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
 ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
 TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
-Backward: per-row gradients (:mod:`.row_gradients`), handed to the collection, which
-applies the in-place update (:mod:`.fused_update`) or holds them for Helen's second pass
-(:mod:`.helen`); it returns no gradient, so the weights never hold a ``.grad``.
+Backward: per-row gradients (:mod:`.row_gradients`), submitted to the lookup's step of
+the row-update coordinator (:mod:`.row_updates`), which applies the in-place update
+(:mod:`.fused_update`) or holds them for Helen; it returns no gradient, so the weights
+never hold a ``.grad``.
 
 Float16 / bfloat16 tables pool in float32 (the native kernel reads the half rows and
 accumulates and returns float32; without it, ATen's ``embedding_bag`` pools in the
@@ -168,17 +169,19 @@ def lookup_row_gradients(
     )
 
 
-#: What a table batch's backward hands its row gradients to: ``(batch index, row
-#: gradients)``; the collection applies the update (or, inside a Helen step, holds them).
-RowGradientSink = Callable[[int, RowGradients], None]
+#: Builds a table batch's :class:`~torchrec_cowclip.embedding.row_updates.Submission`
+#: from its row gradients at backward time (the caller binds the key, the fused optimizer's
+#: hyperparameters and, for column shards, the whole tables' dims).
+MakeSubmission = Callable[[RowGradients], Any]
 
 
-class FusedCowClipLookup(torch.autograd.Function):
-    """Autograd node: pooled lookup forward, fused CowClip update backward.
+class RowLookup(torch.autograd.Function):
+    """Autograd node of one table batch's lookup: pooled lookup forward; backward hands
+    the batch's row gradients to its lookup's step.
 
-    ``anchor`` is a zero-size tensor that requires grad, so autograd records the node
-    and calls backward; the table weights themselves are not autograd inputs. The
-    backward computes the batch's row gradients and hands them to ``sink``.
+    ``anchor`` is the step's zero-size tensor (:class:`~torchrec_cowclip.embedding.row_updates.LookupChannel`):
+    taking it as input records the node (the table weights are not autograd inputs, so
+    they never hold a ``.grad``) and makes the step's own node run after this backward.
     """
 
     @staticmethod
@@ -186,11 +189,11 @@ class FusedCowClipLookup(torch.autograd.Function):
         ctx: Any,
         anchor: Tensor,
         batch: TableBatch,
-        batch_index: int,
         lookup: BatchLookup,
-        sink: RowGradientSink,
+        step: Any,
+        make_submission: MakeSubmission,
     ) -> Tensor:
-        ctx.batch, ctx.batch_index, ctx.lookup, ctx.sink = batch, batch_index, lookup, sink
+        ctx.batch, ctx.lookup, ctx.step, ctx.make_submission = batch, lookup, step, make_submission
         lookup.grouping.users += 1
         return pooled_lookup(batch, lookup)
 
@@ -198,11 +201,16 @@ class FusedCowClipLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None, None]:
         if ctx.batch is None:
             raise RuntimeError(
-                "a second backward reached the same CowClipEmbeddingBagCollection lookup "
-                "(retain_graph=True?); the fused update applies exactly once per forward"
+                "a second backward reached the same CowClip lookup (retain_graph=True?); "
+                "the fused update applies exactly once per forward"
+            )
+        if ctx.step is None:
+            raise RuntimeError(
+                "a CowClip table batch was looked up outside its lookup's forward (a "
+                "sharded kernel called directly?); call the collection"
             )
         row_grads = lookup_row_gradients(ctx.batch, ctx.lookup, grad_output)
-        sink = ctx.sink
-        ctx.batch = ctx.lookup = ctx.sink = None  # a second backward through this node is a bug
-        sink(ctx.batch_index, row_grads)
+        step, make_submission = ctx.step, ctx.make_submission
+        ctx.batch = ctx.lookup = ctx.step = ctx.make_submission = None  # once per forward
+        step.submit(make_submission(row_grads))
         return None, None, None, None, None

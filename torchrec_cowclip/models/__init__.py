@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from torchrec_cowclip.models.base import CTRModel, FirstOrderLogit, dense_parameters_of
 from torchrec_cowclip.models.dcn import DCN, DCNv2
@@ -47,7 +47,6 @@ from torchrec_cowclip.models.embeddings import (
     linear_table_name,
 )
 from torchrec_cowclip.models.wide_deep import WideAndDeep
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.options import CowClipOptions
 
 
@@ -93,14 +92,7 @@ def build_model(
     cross_layers: int = 3,
     init_std: float = 1e-2,
     embedding_backend: EmbeddingBackend = "cowclip",
-    embedding_optimizer: str = "adam",
-    embedding_lr: float = 1e-4,
-    embedding_betas: Tuple[float, float] = (0.9, 0.999),
-    embedding_eps: float = 1e-8,
-    embedding_weight_decay: float = 0.0,
-    cowclip: Optional[CowClip] = CowClip(),
     device: DeviceLike = None,
-    embedding_count_lr: Optional[CountLR] = None,
     init_seed: Optional[int] = None,
     table_device: DeviceLike = None,
     embedding_options: Optional[CowClipOptions] = None,
@@ -125,18 +117,13 @@ def build_model(
             EBC whose weights a dense optimizer trains; the ``embedding_*`` optimizer
             arguments and ``cowclip`` are then unused).
         embedding_options: the in-backward optimizer, its hyperparameters and the clip
-            as one :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the
-            trainer passes); or the separate keywords that follow (give one or the
-            other).
-        embedding_optimizer, embedding_lr, embedding_betas, embedding_eps,
-            embedding_weight_decay: the in-backward optimizer (weight decay is
-            ``2 * lambda`` of the reference's ``--l2``).
-        cowclip: clip parameters or None for no clip. The default ``CowClip()`` is
-            r = 1, zeta = 1e-5; the reference's Criteo setting is
-            ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``.
+            as one :class:`~torchrec_cowclip.optim.options.CowClipOptions` (weight decay
+            is ``2 * lambda`` of the reference's ``--l2``; the reference's Criteo clip is
+            ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``). The older
+            spelling, its fields as keywords, is still read: ``embedding_optimizer``,
+            ``embedding_lr``, ``embedding_betas``, ``embedding_eps``,
+            ``embedding_weight_decay``, ``cowclip``, ``embedding_count_lr``.
         device: where tables and layers live.
-        embedding_count_lr: per-row embedding lr from the row's count in the batch
-            (:class:`~torchrec_cowclip.optim.config.CountLR`), or None.
         init_seed: seed of the tables' counter-based initial weights (None:
             ``torch.initial_seed()``): the same for every sharding plan and world size.
         table_device: where the tables are built, if not ``device``: ``"meta"`` for
@@ -159,15 +146,11 @@ def build_model(
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names are {sorted(MODELS)}")
     n_dense = _resolve_num_dense(num_dense, dense_names)
-    training = CowClipOptions.resolve(
+    training = CowClipOptions.from_keywords(
         embedding_options,
-        optimizer=embedding_optimizer,
-        lr=embedding_lr,
-        betas=embedding_betas,
-        eps=embedding_eps,
-        weight_decay=embedding_weight_decay,
-        cowclip=cowclip,
-        count_lr=embedding_count_lr,
+        {k: model_options.pop(k) for k in list(model_options) if k in _TRAINING_SPELLING},
+        "build_model()",
+        _TRAINING_SPELLING,
     )
     embedding = EmbeddingOptions(
         backend=embedding_backend,
@@ -188,6 +171,18 @@ def build_model(
         device=device,
         **model_options,
     )
+
+
+#: build_model's older keywords for CowClipOptions' fields.
+_TRAINING_SPELLING = {
+    "embedding_optimizer": "optimizer",
+    "embedding_lr": "lr",
+    "embedding_betas": "betas",
+    "embedding_eps": "eps",
+    "embedding_weight_decay": "weight_decay",
+    "cowclip": "cowclip",
+    "embedding_count_lr": "count_lr",
+}
 
 
 def _resolve_num_dense(num_dense: Optional[int], dense_names: Optional[Sequence[str]]) -> int:

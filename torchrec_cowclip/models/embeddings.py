@@ -124,7 +124,11 @@ class EmbeddingOptions:
         if not init_std > 0:
             raise ValueError(f"init_std must be > 0, got {init_std}")
         object.__setattr__(self, "backend", backend)
-        object.__setattr__(self, "training", CowClipOptions.resolve(training, **training_keywords))
+        object.__setattr__(
+            self,
+            "training",
+            CowClipOptions.from_keywords(training, training_keywords, "EmbeddingOptions()"),
+        )
         object.__setattr__(self, "init_std", float(init_std))
         object.__setattr__(self, "init_seed", init_seed)
         object.__setattr__(self, "table_device", table_device)

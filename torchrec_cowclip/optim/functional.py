@@ -581,7 +581,7 @@ def stochastic_round(
 
 
 def cowclip_row_update_(
-    optimizer: str,
+    optimizer: Union[str, UpdateRule],
     weight: Tensor,
     grad: Tensor,
     counts: Tensor,
@@ -601,8 +601,9 @@ def cowclip_row_update_(
     """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
     Args:
-        optimizer: a registered rule (:data:`UPDATE_RULES`): ``"adam"``,
-            ``"rowwise_adagrad"`` or ``"sgd"``, or one added by :func:`register_update_rule`.
+        optimizer: a registered rule (:data:`~.rules.UPDATE_RULES`), or its name:
+            ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``, or one added by
+            :func:`~.rules.register_update_rule`.
         weight: ``[U, D]`` rows before the step; updated in place.
         grad: ``[U, D]`` summed gradients of the rows (not modified).
         counts: ``[U]`` occurrences of each row in the batch.
@@ -631,7 +632,8 @@ def cowclip_row_update_(
         >>> w
         tensor([[-0.5000, -0.5000]])
     """
-    rule = update_rule(optimizer)  # before any row changes
+    # Looked up before any row changes; the fused paths pass the rule itself.
+    rule = optimizer if isinstance(optimizer, UpdateRule) else update_rule(optimizer)
     norms = None if row_sums is None else row_sums.norms()
     if cowclip is not None:
         scale, was_clipped = cowclip_scale(

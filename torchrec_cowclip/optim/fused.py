@@ -42,6 +42,10 @@ __all__ = [
 ]
 
 
+#: The param-group entries the update reads (``CowClipOptions.hyperparameters``).
+_ROW_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "cowclip", "count_lr")
+
+
 class CowClipFusedOptimizer(FusedOptimizer):
     """KeyedOptimizer view of the fused CowClip update of one embedding collection.
 
@@ -63,6 +67,7 @@ class CowClipFusedOptimizer(FusedOptimizer):
         self.optimizer_name = options.optimizer
         group = {"params": list(params.values()), **options.hyperparameters()}
         super().__init__(dict(params), state, [group])
+        self._parsed: Optional[Tuple[Tuple[Any, ...], CowClipOptions]] = None
 
     def step(self, closure: Any = None) -> None:
         """No-op: the update was applied during backward."""
@@ -89,7 +94,6 @@ class CowClipFusedOptimizer(FusedOptimizer):
                     f"fused optimizer: {len(groups)} param groups in the state dict, "
                     f"{len(self.param_groups)} here; nothing was loaded"
                 )
-            names = ("lr", "betas", "eps", "weight_decay", "cowclip", "count_lr")
             for i, group in enumerate(groups):
                 if set(group) != set(self.param_groups[i]):
                     raise StateDictMismatch(
@@ -97,12 +101,25 @@ class CowClipFusedOptimizer(FusedOptimizer):
                         f"state dict, {sorted(self.param_groups[i])} here; nothing was loaded"
                     )
                 try:
-                    validate_hyperparameters(**{k: group[k] for k in names if k in group})
+                    validate_hyperparameters(
+                        **{k: group[k] for k in _ROW_HYPERPARAMETERS if k in group}
+                    )
                 except (TypeError, ValueError) as e:
                     raise StateDictMismatch(
                         f"fused optimizer: param_groups[{i}]: {e}; nothing was loaded"
                     ) from None
         super().load_state_dict(state_dict)
+
+    def row_options(self) -> CowClipOptions:
+        """The hyperparameters the update steps with: ``param_groups[0]`` as it is now,
+        parsed and validated (ValueError naming a NaN, infinite or negative value, before
+        any row changes) - once while the group's values stay the same, again whenever a
+        schedule or a user changes one."""
+        group = self.param_groups[0]
+        values = tuple(group.get(name) for name in _ROW_HYPERPARAMETERS)
+        if self._parsed is None or self._parsed[0] != values:
+            self._parsed = (values, CowClipOptions.from_param_group(group, self.optimizer_name))
+        return self._parsed[1]
 
     @property
     def hyperparameters(self) -> Dict[str, Any]:

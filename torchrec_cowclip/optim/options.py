@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
-from torchrec_cowclip.optim.rules import OPTIMIZERS
+from torchrec_cowclip.optim.rules import OPTIMIZERS, UpdateRule, update_rule
 
 
 def validate_hyperparameters(
@@ -81,25 +81,40 @@ class CowClipOptions:
             raise TypeError(f"helen must be a Helen or None, got {type(self.helen).__name__}")
 
     @classmethod
-    def resolve(cls, options: Optional["CowClipOptions"], **keywords: Any) -> "CowClipOptions":
-        """``options`` itself, or, when None, the options the separate ``keywords``
-        (``optimizer``, ``lr``, ...: the constructors' older spelling) describe.
+    def from_keywords(
+        cls,
+        options: Optional["CowClipOptions"],
+        keywords: Mapping[str, Any],
+        where: str,
+        spelling: Optional[Mapping[str, str]] = None,
+    ) -> "CowClipOptions":
+        """The one adapter of the constructors' older spelling: ``options`` itself, or,
+        when None, the options the separate ``keywords`` describe.
+
+        Args:
+            options: the options object, or None.
+            keywords: the older keywords given (``optimizer=``, ``lr=``, ...).
+            where: the constructor, for messages (``CowClipEmbeddingBagCollection()``).
+            spelling: keyword -> field, where a constructor prefixes them
+                (``build_model``'s ``embedding_lr`` -> ``lr``); default: the field names.
 
         Raises:
-            ValueError: both are given (a keyword differs from its default).
+            TypeError: a keyword that names no field.
+            ValueError: both ``options`` and keywords are given.
         """
+        names = spelling if spelling is not None else {f: f for f in _FIELDS}
+        unknown = sorted(k for k in keywords if k not in names)
+        if unknown:
+            raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
+        fields = {names[k]: v for k, v in keywords.items()}
         if options is None:
-            return cls(**keywords)
+            return cls(**fields)
         if not isinstance(options, CowClipOptions):
             raise TypeError(f"options must be a CowClipOptions, got {type(options).__name__}")
-        defaults = cls()
-        given = sorted(
-            k
-            for k, v in keywords.items()
-            if (frozenset(v) if k == "unclipped_tables" else v) != getattr(defaults, k)
-        )
-        if given:
-            raise ValueError(f"give options= or the keyword arguments {given}, not both")
+        if keywords:
+            raise ValueError(
+                f"{where}: give options= or the keyword arguments {sorted(keywords)}, not both"
+            )
         return options
 
     @classmethod
@@ -128,6 +143,11 @@ class CowClipOptions:
         """A copy with ``changes`` (validated)."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def rule(self) -> UpdateRule:
+        """The registered update rule :attr:`optimizer` names."""
+        return update_rule(self.optimizer)
+
     def hyperparameters(self) -> Dict[str, Any]:
         """The fused optimizer's param group entries (``lr``, ``betas``, ``eps``,
         ``weight_decay``, ``cowclip``, ``count_lr``), which are also the row step's
@@ -154,3 +174,5 @@ class CowClipOptions:
 #: Every field at its default: the one place the defaults are stated (the keyword
 #: spellings and the in-backward optimizer classes read theirs from here).
 DEFAULT_OPTIONS = CowClipOptions()
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(CowClipOptions))

@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 import warnings
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -46,6 +46,7 @@ from torch import Tensor
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
 from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, stochastic_round
+from torchrec_cowclip.optim.rules import UpdateRule
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +126,13 @@ def gather_step_scatter_(
     grad: Tensor,
     counts: Tensor,
     *,
-    optimizer: str,
+    optimizer: Union[str, UpdateRule],
     lr: float,
     betas: Tuple[float, float],
     eps: float,
     weight_decay: float,
     cowclip: Optional[CowClip],
     count_lr: Optional[CountLR] = None,
-    step: Optional[Tensor] = None,
     clip_enabled: Optional[Tensor] = None,
     row_sums: Optional[RowSums] = None,
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
@@ -156,7 +156,7 @@ def gather_step_scatter_(
         grad,
         counts,
         state,
-        step,
+        None,  # Adam's step count enters as adam_bias, computed once per table
         lr=lr,
         betas=betas,
         eps=eps,

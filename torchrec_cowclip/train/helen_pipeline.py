@@ -14,8 +14,8 @@ backwards, then the pipeline steps the optimizer as usual.
 * :class:`HelenTrainPipelineBase` (one process): TorchRec's ``TrainPipelineBase``.
 
 The second forward does not reach the dense gradients (unless the dense parameters are
-perturbed, ``Helen(perturb_dense=True)``), so under DDP it runs in ``no_sync()``. The
-embedding module's ``last_helen_cost`` has each step's cost.
+perturbed, ``Helen(perturb_dense=True)``), so under DDP it runs in ``no_sync()``. A
+pipeline's ``last_helen_cost`` has its last step's cost.
 
 Example (what the trainer does under ``torchrun``)::
 
@@ -42,8 +42,14 @@ from torchrec_cowclip.compat import (
     pipelined_forward_target,
     use_pipelined_forward,
 )
+from torchrec_cowclip.embedding.row_updates import HelenCost
 
-__all__ = ["HelenTrainPipelineBase", "HelenTrainPipelineSparseDist", "helen_module"]
+__all__ = [
+    "HelenPipeline",
+    "HelenTrainPipelineBase",
+    "HelenTrainPipelineSparseDist",
+    "helen_module",
+]
 
 
 def helen_module(model: nn.Module) -> Any:
@@ -61,8 +67,12 @@ def helen_module(model: nn.Module) -> Any:
     return found[0]
 
 
-class _HelenStep:
-    """The backward of a TorchRec pipeline replaced by Helen's two passes."""
+class HelenPipeline:
+    """The backward of a TorchRec pipeline replaced by Helen's two passes (the base of
+    both pipelines here). :attr:`last_helen_cost` is the last step's cost."""
+
+    #: The last step's cost (None before the first).
+    last_helen_cost: Optional[HelenCost] = None
 
     def _init_helen(
         self,
@@ -99,9 +109,10 @@ class _HelenStep:
                 second, _ = self._helen_forward(batch)
             return torch.sum(second, dim=0)
 
-        self._helen_module.helen_step(
+        step = self._helen_module.row_updates.helen_step(
             closure, dense_params=self._dense_params if self._helen.perturb_dense else None
         )
+        self.last_helen_cost = step.cost
 
 
 @dataclass
@@ -135,7 +146,7 @@ class _ReplayingPipelinedForward(PipelinedForward):
         return super().__call__(*input, **kwargs)
 
 
-class HelenTrainPipelineSparseDist(_HelenStep, TrainPipelineSparseDist):
+class HelenTrainPipelineSparseDist(HelenPipeline, TrainPipelineSparseDist):
     """TorchRec's ``TrainPipelineSparseDist`` with Helen's step (see the module docstring).
 
     Args:
@@ -165,7 +176,7 @@ class HelenTrainPipelineSparseDist(_HelenStep, TrainPipelineSparseDist):
 use_pipelined_forward(HelenTrainPipelineSparseDist, _ReplayingPipelinedForward)
 
 
-class HelenTrainPipelineBase(_HelenStep, TrainPipelineBase):
+class HelenTrainPipelineBase(HelenPipeline, TrainPipelineBase):
     """TorchRec's ``TrainPipelineBase`` with Helen's step, for a model in one process
     (arguments as :class:`HelenTrainPipelineSparseDist`'s)."""
 

@@ -25,14 +25,13 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, cast
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from torchrec_cowclip.data import open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding.helen import HelenCost
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
@@ -44,6 +43,7 @@ from torchrec_cowclip.train.checkpoint import (
     DamagedCheckpointError,
 )
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.helen_pipeline import HelenPipeline
 from torchrec_cowclip.train.resume_guard import (
     check_resume,
     resumed_message,
@@ -434,7 +434,8 @@ class Trainer:
         )
         running = None
         t_last, samples_since = time.perf_counter(), 0
-        helen_module = self.runtime.embedding_module() if self.hp.helen_rho is not None else None
+        # Helen's pipelines report each step's cost (the runtime chose one from the module).
+        helen = pipeline if isinstance(pipeline, HelenPipeline) else None
         try:
             while True:
                 if cfg.max_steps and p.global_step >= cfg.max_steps:
@@ -457,10 +458,9 @@ class Trainer:
                         f"Lower --lr / --lr-embed or check the data."
                     )
                 p.train_seconds += time.perf_counter() - t0
-                if helen_module is not None:
-                    cost = cast(HelenCost, helen_module.last_helen_cost)
-                    p.helen_first_pass_s += cost.first_pass_s
-                    p.helen_extra_s += cost.extra_s
+                if helen is not None and helen.last_helen_cost is not None:
+                    p.helen_first_pass_s += helen.last_helen_cost.first_pass_s
+                    p.helen_extra_s += helen.last_helen_cost.extra_s
                 p.train_samples += n
                 p.global_step += 1
                 p.batch_in_epoch += 1
@@ -484,7 +484,7 @@ class Trainer:
                     "loss": f"{running:.4f}",
                     "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
                 }
-                if helen_module is not None:
+                if helen is not None:
                     postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
                 bar.set_postfix(postfix)
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
