@@ -133,10 +133,10 @@ def test_clip_counters_are_checked_before_any_is_restored():
     assert {k: v.tolist() for k, v in ebc.table_counters().items()} == {
         k: v.tolist() for k, v in before.items()
     }
-    saved = ebc.clip_counters_state()
+    saved = ebc.clip_counters.state()
     with pytest.raises(StateDictMismatch, match=r"clip counters: \[0\] is \[1\] int64"):
-        ebc.load_clip_counters_state([torch.zeros(1, dtype=torch.int64)] + saved[1:])
-    assert all(torch.equal(a, b) for a, b in zip(ebc.clip_counters_state(), saved))
+        ebc.clip_counters.load_state([torch.zeros(1, dtype=torch.int64)] + saved[1:])
+    assert all(torch.equal(a, b) for a, b in zip(ebc.clip_counters.state(), saved))
 
 
 def test_check_loadable_compares_by_whatever_keys_there_are():

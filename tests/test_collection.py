@@ -309,7 +309,7 @@ def test_row_clip_counts_match_the_reference_row_by_row():
         assert torch.equal(updated, want_updated[t.name]), t.name
         assert torch.equal(clipped, want_clipped[t.name]), t.name
         assert clipped.sum() == ebc.clip_stats()[t.name].total_rows_clipped
-    ebc.reset_clip_stats()
+    ebc.clip_counters.reset()
     assert all(int(u.sum()) == 0 for u, _ in ebc.row_clip_counts().values())
     ebc.track_row_clips(False)
     with pytest.raises(RuntimeError):

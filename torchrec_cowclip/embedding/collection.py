@@ -33,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
@@ -209,6 +210,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         for table in tables:
             params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
+        self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
         self._bind_views()
         self.reset_parameters()
 
@@ -431,84 +433,37 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     # --- Observability -------------------------------------------------------------
 
+    @property
+    def clip_counters(self) -> ClipCounters:
+        """What the fused update did to each table, and with :meth:`track_row_clips` to
+        each row: the counters, their checkpoint form and their reset
+        (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
+        return self._clip_counters
+
     def clip_stats(self) -> Dict[str, TableClipStats]:
         """Per table: rows updated, clipped and skipped as non-finite, for the last
         step and cumulatively. Reading them synchronises with the device."""
-        stats: Dict[str, TableClipStats] = {}
-        for batch in self._batches:
-            stats.update(batch.stats())
-        return {t.name: stats[t.name] for t in self._embedding_bag_configs}
-
-    def clip_counters_state(self) -> List[Tensor]:
-        """The counters behind :meth:`clip_stats`, for checkpoints (they are not part of
-        ``state_dict()``, which keeps TorchRec's keys)."""
-        return [batch.counters.clone() for batch in self._batches]
-
-    def load_clip_counters_state(self, counters: List[Tensor]) -> None:
-        """Restores counters saved by :meth:`clip_counters_state` (all checked first)."""
-        check_loadable(list(counters), [b.counters for b in self._batches], "clip counters")
-        for batch, saved in zip(self._batches, counters):
-            batch.counters.copy_(saved)
+        return self._clip_counters.stats()
 
     def table_counters(self) -> Dict[str, Tensor]:
-        """Per table, its ``[6]`` int64 clip counters (:data:`COUNTER_NAMES` order), the
-        layout checkpoints keep for unsharded and sharded modules alike."""
-        return {
-            name: batch.counters[:, i].clone()
-            for batch in self._batches
-            for i, name in enumerate(batch.table_names)
-        }
+        """Per table, its ``[6]`` int64 clip counters, the layout checkpoints keep for
+        unsharded and sharded modules alike (:meth:`ClipCounters.table_counters`)."""
+        return self._clip_counters.table_counters()
 
     def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
-        """Restores counters saved by :meth:`table_counters` (the sharded module's too),
-        all checked before any is copied."""
-        _check_counter_tables(counters, [t.name for t in self._embedding_bag_configs])
-        check_loadable(dict(counters), self.table_counters(), "clip counters")
-        for batch in self._batches:
-            for i, name in enumerate(batch.table_names):
-                batch.counters[:, i] = counters[name].to(batch.counters.device)
-
-    def row_clip_counters_state(self) -> Optional[List[Tensor]]:
-        """The per-row counters of :meth:`track_row_clips`, for checkpoints; None when
-        they are off."""
-        counters = [batch.row_counters for batch in self._batches]
-        if any(c is None for c in counters):
-            return None
-        return [c.clone() for c in counters if c is not None]
-
-    def load_row_clip_counters_state(self, counters: List[Tensor]) -> None:
-        """Turns per-row counting on and restores counters saved by
-        :meth:`row_clip_counters_state`."""
-        shapes = [(2, batch.weight.shape[0]) for batch in self._batches]
-        got = [tuple(c.shape) for c in counters]
-        if got != shapes:
-            raise ValueError(f"row clip counters: expected shapes {shapes}, got {got}")
-        self.track_row_clips()
-        for batch, saved in zip(self._batches, counters):
-            assert batch.row_counters is not None  # track_row_clips() allocated them
-            batch.row_counters.copy_(saved)
-
-    def reset_clip_stats(self) -> None:
-        """Zeroes all counters (the step counts, which are optimizer state, stay)."""
-        for batch in self._batches:
-            batch.reset_stats()
-            if batch.row_counters is not None:
-                batch.row_counters.zero_()
+        """Restores :meth:`table_counters` (the sharded module's too), all checked first."""
+        self._clip_counters.load_table_counters(counters)
 
     def track_row_clips(self, enabled: bool = True) -> None:
         """Starts (or stops) counting, for every row of every table, how many steps
-        updated it and how many of those clipped its gradient (:meth:`row_clip_counts`).
-
-        It costs two int64 counters per row and two ``index_add_`` per step; the counts
-        start at zero, and :meth:`row_clip_counters_state` saves them (the trainer's
-        checkpoints do, so ``--resume`` keeps them). Use it to see *which* rows the
-        clip binds on, e.g. by id frequency (:func:`~torchrec_cowclip.embedding.row_clip_stats.clip_rates_by_frequency`).
+        updated it and how many of those clipped its gradient (:meth:`row_clip_counts`;
+        :meth:`ClipCounters.track_rows`).
 
         Example::
 
             >>> ebc = CowClipEmbeddingBagCollection(
             ...     [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["user"])], lr=1e-2)
+            ...                         feature_names=["user"])], CowClipOptions(lr=1e-2))
             >>> ebc.track_row_clips()
             >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # bags [3, 3] and [7]
             ...     keys=["user"], values=torch.tensor([3, 3, 7]), lengths=torch.tensor([2, 1]))
@@ -517,32 +472,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> updated.tolist(), int(clipped.sum()) <= 2
             ([0, 0, 0, 1, 0, 0, 0, 1, 0, 0], True)
         """
-        for batch in self._batches:
-            if not enabled:
-                batch.row_counters = None
-            elif batch.row_counters is None:
-                batch.row_counters = torch.zeros(
-                    2, batch.weight.shape[0], dtype=torch.int64, device=batch.weight.device
-                )
+        self._clip_counters.track_rows(enabled)
 
     def row_clip_counts(self) -> Dict[str, Tuple[Tensor, Tensor]]:
-        """Per table, ``(updated, clipped)``: ``[num_embeddings]`` int64 counts of the steps
-        that updated each row and of those that clipped it, since :meth:`track_row_clips`
-        (or the last :meth:`reset_clip_stats`).
-
-        Raises:
-            RuntimeError: :meth:`track_row_clips` was not called.
-        """
-        counts: Dict[str, Tuple[Tensor, Tensor]] = {}
-        for batch in self._batches:
-            if batch.row_counters is None:
-                raise RuntimeError(
-                    "row clip counts are off: call track_row_clips() before training"
-                )
-            for i, name in enumerate(batch.table_names):
-                lo, hi = batch.row_offsets_list[i], batch.row_offsets_list[i + 1]
-                counts[name] = (batch.row_counters[0, lo:hi], batch.row_counters[1, lo:hi])
-        return {t.name: counts[t.name] for t in self._embedding_bag_configs}
+        """Per table, ``(updated, clipped)`` counts of each row since
+        :meth:`track_row_clips` (:meth:`ClipCounters.row_counts`)."""
+        return self._clip_counters.row_counts()
 
     # --- Module plumbing -----------------------------------------------------------
 
@@ -653,14 +588,6 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             table.feature_names = [table.name]  # TorchRec's convention
         if len(set(table.feature_names)) != len(table.feature_names):
             raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
-
-
-def _check_counter_tables(counters: Mapping[str, Tensor], tables: List[str]) -> None:
-    """Raises ValueError unless ``counters`` has exactly ``tables``."""
-    if set(counters) != set(tables):
-        raise ValueError(
-            f"clip counters are for tables {sorted(counters)}, this module has {sorted(tables)}"
-        )
 
 
 def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[int]]:

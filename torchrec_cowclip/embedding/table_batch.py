@@ -42,7 +42,7 @@ COUNTER_NAMES = (
 @dataclass(frozen=True)
 class TableClipStats:
     """What the fused update did to one table: the last step and since construction
-    (or :meth:`CowClipEmbeddingBagCollection.reset_clip_stats`).
+    (or :meth:`ClipCounters.reset <torchrec_cowclip.embedding.clip_counters.ClipCounters.reset>`).
 
     ``rows_updated`` counts distinct rows updated; ``rows_clipped`` those among them
     whose gradient the CowClip clip shrank; ``rows_nonfinite`` rows skipped because their

@@ -257,7 +257,7 @@ class Trainer:
         ebc = self.model.embedding_collection
         row_counters = None
         if self.config.row_clip_stats and isinstance(ebc, CowClipEmbeddingBagCollection):
-            row_counters = ebc.row_clip_counters_state()
+            row_counters = ebc.clip_counters.row_state()
         return {
             "progress": copy.deepcopy(self.progress.__dict__),
             "config": self.config.as_dict(),
@@ -336,7 +336,7 @@ class Trainer:
             self.runtime.load_table_counters(state["table_counters"])
         row_counters = state.get("row_clip_counters")
         if row_counters is not None and self.config.row_clip_stats:
-            self.model.embedding_collection.load_row_clip_counters_state(row_counters)
+            self.model.embedding_collection.clip_counters.load_row_state(row_counters)
         rng = state["rng"]
         set_rng_state(rng[self.runtime.rank] if self.runtime.rank < len(rng) else rng[0])
         self._best_checkpoint = state.get("best_checkpoint")
