@@ -23,7 +23,7 @@ from typing import Callable, List
 
 from common import digest_files
 
-from torchrec_cowclip.data import cache as cache_module
+from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data import open_dataset
 
 

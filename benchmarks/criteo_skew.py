@@ -36,7 +36,7 @@ from torchrec_cowclip.data.schema import (  # noqa: E402
     CRITEO_KAGGLE_CARDINALITIES,
     CRITEO_SPARSE_NAMES,
 )
-from torchrec_cowclip.data.synthetic import PlantedModel, SyntheticConfig  # noqa: E402
+from torchrec_cowclip.data.sources.synthetic import PlantedModel, SyntheticConfig  # noqa: E402
 
 SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
 

@@ -303,7 +303,7 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     from torchrec.distributed.train_pipeline import TrainPipelineBase
 
     from torchrec_cowclip.data import open_dataset
-    from torchrec_cowclip.data.batches import BatchIterator
+    from torchrec_cowclip.data.pipeline.batches import BatchIterator
     from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES, CRITEO_KAGGLE_ROWS
     from torchrec_cowclip.train.task import CTRTrainTask
 

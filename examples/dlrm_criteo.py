@@ -47,7 +47,7 @@ from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 from torchrec_cowclip import CowClip
 from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset
-from torchrec_cowclip.data.criteo_npy import find_npy_days
+from torchrec_cowclip.data.sources.criteo_npy import find_npy_days
 from torchrec_cowclip.distributed import get_default_sharders
 from torchrec_cowclip.optim import CowClipAdam
 from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner

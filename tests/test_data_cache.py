@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from torchrec_cowclip.data import BAD_LABEL, CTRDataset, DataError, open_dataset
-from torchrec_cowclip.data.cache import CACHE_VERSION
-from torchrec_cowclip.data.criteo_npy import find_npy_days
-from torchrec_cowclip.data.rows import TextRowSource
+from torchrec_cowclip.data.parsing.rows import TextRowSource
+from torchrec_cowclip.data.pipeline.cache import CACHE_VERSION
+from torchrec_cowclip.data.sources.criteo_npy import find_npy_days
 
 DATA = Path(__file__).resolve().parent / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"
@@ -104,7 +104,7 @@ def test_rebuild_flag_and_incomplete_entry(tmp_path: Path) -> None:
 
 
 def test_vocabulary_file_is_saved_and_reloadable(tmp_path: Path) -> None:
-    from torchrec_cowclip.data.vocab import Vocabulary
+    from torchrec_cowclip.data.parsing.vocab import Vocabulary
 
     ds = open_dataset(f"criteo:{CRITEO_TSV}", tmp_path)
     (stats,) = _entries(tmp_path, "stats")

@@ -25,13 +25,13 @@ from torchrec_cowclip.data import (
     register_source,
     source_kinds,
 )
-from torchrec_cowclip.data import cache as cache_module
-from torchrec_cowclip.data.cache import build_entry, cache_key, fingerprint
-from torchrec_cowclip.data.criteo_npy import StoredIds
-from torchrec_cowclip.data.encode import Conversion
+from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data.errors import BadRowLog
-from torchrec_cowclip.data.fields import check_labels
-from torchrec_cowclip.data.rows import RowBlock, SparseCheck, validate_block
+from torchrec_cowclip.data.parsing.fields import check_labels
+from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
+from torchrec_cowclip.data.pipeline.cache import build_entry, cache_key, fingerprint
+from torchrec_cowclip.data.pipeline.encode import Conversion
+from torchrec_cowclip.data.sources.criteo_npy import StoredIds
 from torchrec_cowclip.train.cli import main
 
 DATA = Path(__file__).resolve().parent / "data"

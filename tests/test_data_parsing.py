@@ -28,7 +28,7 @@ from torchrec_cowclip.data import (
     open_dataset,
     parse_spec,
 )
-from torchrec_cowclip.data.hashing import fnv1a64_scalar
+from torchrec_cowclip.data.parsing.hashing import fnv1a64_scalar
 
 DATA = Path(__file__).resolve().parent / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"
@@ -220,10 +220,10 @@ def test_multiple_files_and_gzip(tmp_path: Path) -> None:
 
 
 def test_small_blocks_and_missing_trailing_newline(tmp_path: Path) -> None:
-    from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
-    from torchrec_cowclip.data.delimited import DelimitedFile
     from torchrec_cowclip.data.errors import BadRowLog
-    from torchrec_cowclip.data.rows import TextRowSource
+    from torchrec_cowclip.data.parsing.delimited import DelimitedFile
+    from torchrec_cowclip.data.parsing.rows import TextRowSource
+    from torchrec_cowclip.data.sources.criteo import CRITEO_LAYOUT
 
     text = CRITEO_TSV.read_text().rstrip("\n")  # no final newline
     p = tmp_path / "x.tsv"

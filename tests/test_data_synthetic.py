@@ -18,7 +18,7 @@ from torchrec_cowclip.data import (
     open_dataset,
     synthetic_arrays,
 )
-from torchrec_cowclip.data.synthetic import fit_zipf_exponent
+from torchrec_cowclip.data.sources.synthetic import fit_zipf_exponent
 
 OPTS = dict(cardinality_scale=0.01, max_cardinality=20_000)
 
@@ -200,7 +200,7 @@ def hard(tmp_path_factory: pytest.TempPathFactory):
 
 def test_hard_profile_is_its_own_reproducible_source(tmp_path: Path, hard, synthetic) -> None:
     from torchrec_cowclip.data.registry import source_kinds
-    from torchrec_cowclip.data.synthetic import HARD_PROFILE
+    from torchrec_cowclip.data.sources.synthetic import HARD_PROFILE
 
     assert "synthetic-hard" in source_kinds()
     assert hard.path.name.startswith("synthetic-hard")
@@ -239,7 +239,7 @@ def test_hard_profile_puts_the_signal_in_interactions_and_rare_ids(hard, synthet
 
 
 def test_logit_terms_add_up_to_the_planted_logit() -> None:
-    from torchrec_cowclip.data.synthetic import HARD_PROFILE
+    from torchrec_cowclip.data.sources.synthetic import HARD_PROFILE
 
     model = PlantedModel(SyntheticConfig(rows=1, seed=2, **OPTS, **HARD_PROFILE))
     chunk = model.chunk(1)

@@ -17,10 +17,6 @@ Example::
     (['C1', 'C2', 'C3'], 200)
 """
 
-from torchrec_cowclip.data.batches import ArrayDataset, BatchIterator, epoch_order, make_batch
-from torchrec_cowclip.data.cache import CacheCorrupt
-from torchrec_cowclip.data.dataset import SPEC_KINDS, CTRDataset, open_dataset, parse_spec
-from torchrec_cowclip.data.dense import DENSE_CLIP, DENSE_TRANSFORMS
 from torchrec_cowclip.data.errors import (
     BAD_DENSE,
     BAD_HEX,
@@ -31,6 +27,17 @@ from torchrec_cowclip.data.errors import (
     DataOptionError,
 )
 from torchrec_cowclip.data.options import FileSourceOptions, SourceOptions
+from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DENSE_TRANSFORMS
+from torchrec_cowclip.data.parsing.vocab import MISSING_ID, OOV_ID
+from torchrec_cowclip.data.pipeline.batches import (
+    ArrayDataset,
+    BatchIterator,
+    epoch_order,
+    make_batch,
+)
+from torchrec_cowclip.data.pipeline.cache import CacheCorrupt
+from torchrec_cowclip.data.pipeline.dataset import SPEC_KINDS, CTRDataset, open_dataset, parse_spec
+from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, register_source, source_kinds
 from torchrec_cowclip.data.schema import (
     CRITEO_DENSE_NAMES,
@@ -38,14 +45,12 @@ from torchrec_cowclip.data.schema import (
     CRITEO_SPARSE_NAMES,
     Schema,
 )
-from torchrec_cowclip.data.splits import split_indices
-from torchrec_cowclip.data.synthetic import (
+from torchrec_cowclip.data.sources.synthetic import (
     PlantedModel,
     SyntheticConfig,
     rank_auc,
     synthetic_arrays,
 )
-from torchrec_cowclip.data.vocab import MISSING_ID, OOV_ID
 
 __all__ = [
     "ArrayDataset",

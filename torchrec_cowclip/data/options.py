@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from torchrec_cowclip.data.dense import check_transform
 from torchrec_cowclip.data.errors import BadRowLog
+from torchrec_cowclip.data.parsing.dense import check_transform
 
 
 def option_field(default: Any, flag: Optional[str] = None) -> Any:

@@ -4,7 +4,7 @@ A source kind is a :class:`SourceKind` subclass registered with
 :func:`register_source`. It names its spec prefix and usage, its options dataclass
 (a :class:`~torchrec_cowclip.data.options.SourceOptions` subclass: the keyword
 options it takes), the cache payload of a spec (everything the converted arrays
-depend on) and the :class:`~torchrec_cowclip.data.encode.Conversion` of its rows,
+depend on) and the :class:`~torchrec_cowclip.data.pipeline.encode.Conversion` of its rows,
 which the one pipeline in ``encode`` runs. Adding a format is one module defining
 and registering its kind, plus its test; the built-in kinds (``BUILTIN_MODULES``)
 are imported on the first lookup, and a kind registered from outside the package
@@ -25,15 +25,15 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Sequence, Tuple, Type, TypeVar
 
-from torchrec_cowclip.data.encode import Conversion
 from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.pipeline.encode import Conversion
 
 BUILTIN_MODULES = (
-    "torchrec_cowclip.data.criteo",
-    "torchrec_cowclip.data.criteo_npy",
-    "torchrec_cowclip.data.avazu",
-    "torchrec_cowclip.data.table",
-    "torchrec_cowclip.data.synthetic",
+    "torchrec_cowclip.data.sources.criteo",
+    "torchrec_cowclip.data.sources.criteo_npy",
+    "torchrec_cowclip.data.sources.avazu",
+    "torchrec_cowclip.data.sources.table",
+    "torchrec_cowclip.data.sources.synthetic",
 )
 
 _KINDS: Dict[str, "SourceKind"] = {}

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip.compat import ShardedTensor
-from torchrec_cowclip.data.cache import check_file, file_record
+from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.safe_load import (

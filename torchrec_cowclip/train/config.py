@@ -191,7 +191,7 @@ class TrainConfig:
         """``--data``, ``--test-data`` and every data option against the data kind, before
         anything is read: an option of another kind is refused naming its flag."""
         from torchrec_cowclip.data import parse_spec
-        from torchrec_cowclip.data.dataset import kind_options
+        from torchrec_cowclip.data.pipeline.dataset import kind_options
 
         for flag, spec in (("--data", self.data), ("--test-data", self.test_data)):
             if spec is not None:

@@ -27,14 +27,19 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrec_cowclip.data.cache import fingerprint
-from torchrec_cowclip.data.delimited import infer_delimiter
-from torchrec_cowclip.data.encode import Conversion, EncodedOptions, text_conversion, text_payload
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
-from torchrec_cowclip.data.fields import check_labels, parse_numeric
 from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.parsing.delimited import infer_delimiter
+from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
+from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, TextLayout, validate_block
+from torchrec_cowclip.data.pipeline.cache import fingerprint
+from torchrec_cowclip.data.pipeline.encode import (
+    Conversion,
+    EncodedOptions,
+    text_conversion,
+    text_payload,
+)
 from torchrec_cowclip.data.registry import SourceKind, register_source
-from torchrec_cowclip.data.rows import RowBlock, SparseCheck, TextLayout, validate_block
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_BATCH = 65536

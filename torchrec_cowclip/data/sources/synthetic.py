@@ -97,13 +97,13 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from torchrec_cowclip.data.dense import DenseStats, check_transform, transform_dense
-from torchrec_cowclip.data.encode import Conversion, SparseEncoding
 from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
-from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import SourceOptions, option_field
+from torchrec_cowclip.data.parsing.dense import DenseStats, check_transform, transform_dense
+from torchrec_cowclip.data.parsing.fields import check_labels
+from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck
+from torchrec_cowclip.data.pipeline.encode import Conversion, SparseEncoding
 from torchrec_cowclip.data.registry import SourceKind, register_source
-from torchrec_cowclip.data.rows import RowBlock, SparseCheck
 from torchrec_cowclip.data.schema import (
     CRITEO_DENSE_NAMES,
     CRITEO_KAGGLE_CARDINALITIES,

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from torchrec_cowclip.data.delimited import read_header
-from torchrec_cowclip.data.encode import Conversion, text_conversion
 from torchrec_cowclip.data.errors import DataError
+from torchrec_cowclip.data.parsing.delimited import read_header
+from torchrec_cowclip.data.parsing.rows import TextLayout
+from torchrec_cowclip.data.pipeline.encode import Conversion, text_conversion
 from torchrec_cowclip.data.registry import SourceKind, register_source
-from torchrec_cowclip.data.rows import TextLayout
-from torchrec_cowclip.data.table import ColumnOptions, column_payload
+from torchrec_cowclip.data.sources.table import ColumnOptions, column_payload
 
 AVAZU_LABEL = "click"
 AVAZU_DROPPED = ("id",)

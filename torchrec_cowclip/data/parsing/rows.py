@@ -4,7 +4,7 @@ A *row source* turns one input file into a stream of :class:`RowBlock` s whose r
 all well formed; bad rows are reported to a :class:`~torchrec_cowclip.data.errors.BadRowLog`
 (which raises in ``"error"`` mode, at the first bad row of the file). Encoding
 (vocabulary or hashing) and dense transforms happen later, in
-:mod:`torchrec_cowclip.data.encode`.
+:mod:`torchrec_cowclip.data.pipeline.encode`.
 
 Example::
 
@@ -28,7 +28,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 
 import numpy as np
 
-from torchrec_cowclip.data.delimited import DelimitedFile, infer_delimiter
 from torchrec_cowclip.data.errors import (
     BAD_DENSE,
     BAD_LABEL,
@@ -36,7 +35,8 @@ from torchrec_cowclip.data.errors import (
     BadRowLog,
     DataError,
 )
-from torchrec_cowclip.data.fields import parse_labels, parse_numeric
+from torchrec_cowclip.data.parsing.delimited import DelimitedFile, infer_delimiter
+from torchrec_cowclip.data.parsing.fields import parse_labels, parse_numeric
 
 # Given the raw categoricals of a block: None if every row is encodable, else
 # (bad-row mask, reason, one detail per bad row).
@@ -238,7 +238,7 @@ class TextRowSource:
 
     Example::
 
-        >>> from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
+        >>> from torchrec_cowclip.data.sources.criteo import CRITEO_LAYOUT
         >>> src = TextRowSource(CRITEO_LAYOUT)
         >>> src.names("tests/data/criteo_sample.tsv")[1][:2]
         ['C1', 'C2']

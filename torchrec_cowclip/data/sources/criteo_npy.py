@@ -45,14 +45,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, 
 
 import numpy as np
 
-from torchrec_cowclip.data.cache import fingerprint
-from torchrec_cowclip.data.encode import (
-    Conversion,
-    HashSize,
-    SparseEncoding,
-    TableSizes,
-    json_sizes,
-)
 from torchrec_cowclip.data.errors import (
     BAD_DENSE,
     BAD_LABEL,
@@ -61,10 +53,18 @@ from torchrec_cowclip.data.errors import (
     DataError,
     DataOptionError,
 )
-from torchrec_cowclip.data.fields import check_labels
 from torchrec_cowclip.data.options import FileSourceOptions, option_field
+from torchrec_cowclip.data.parsing.fields import check_labels
+from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
+from torchrec_cowclip.data.pipeline.cache import fingerprint
+from torchrec_cowclip.data.pipeline.encode import (
+    Conversion,
+    HashSize,
+    SparseEncoding,
+    TableSizes,
+    json_sizes,
+)
 from torchrec_cowclip.data.registry import SourceKind, register_source
-from torchrec_cowclip.data.rows import RowBlock, SparseCheck, validate_block
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, resolve_sizes
 
 CHUNK_ROWS = 1 << 18

@@ -30,7 +30,7 @@ from typing import List, Literal, Optional, Sequence, Tuple
 import numpy as np
 
 from torchrec_cowclip.data.errors import BAD_HEX
-from torchrec_cowclip.data.fields import byte_matrix, rows_all
+from torchrec_cowclip.data.parsing.fields import byte_matrix, rows_all
 
 HashMethod = Literal["hex", "fnv"]
 

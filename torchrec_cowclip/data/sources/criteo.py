@@ -29,10 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
-from torchrec_cowclip.data.encode import Conversion, EncodedOptions, text_conversion, text_payload
 from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.parsing.rows import TextLayout
+from torchrec_cowclip.data.pipeline.encode import (
+    Conversion,
+    EncodedOptions,
+    text_conversion,
+    text_payload,
+)
 from torchrec_cowclip.data.registry import SourceKind, register_source
-from torchrec_cowclip.data.rows import TextLayout
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES
 
 CRITEO_LAYOUT = TextLayout(

@@ -14,13 +14,13 @@ memory:
    re-counting.
 2. *Encoding pass*, over training then test parts: encodes ids, clips and
    transforms dense values (see ``dense``) and appends to the arrays through the one
-   :class:`~torchrec_cowclip.data.writer.CacheWriter`.
+   :class:`~torchrec_cowclip.data.pipeline.writer.CacheWriter`.
 
 Example::
 
     >>> import tempfile, pathlib
-    >>> from torchrec_cowclip.data.criteo import CRITEO_LAYOUT
-    >>> from torchrec_cowclip.data.rows import TextRowSource
+    >>> from torchrec_cowclip.data.sources.criteo import CRITEO_LAYOUT
+    >>> from torchrec_cowclip.data.parsing.rows import TextRowSource
     >>> out = pathlib.Path(tempfile.mkdtemp())
     >>> paths = ["tests/data/criteo_sample.tsv"]
     >>> conversion = Conversion(TextRowSource(CRITEO_LAYOUT), paths, [],
@@ -41,15 +41,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from torchrec_cowclip.data.cache import build_entry, fingerprint
-from torchrec_cowclip.data.dense import DENSE_CLIP, DenseStats, transform_dense
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
-from torchrec_cowclip.data.hashing import HashEncoder, HashMethod
 from torchrec_cowclip.data.options import FileSourceOptions, option_field
-from torchrec_cowclip.data.rows import RowSource, SparseCheck, TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DenseStats, transform_dense
+from torchrec_cowclip.data.parsing.hashing import HashEncoder, HashMethod
+from torchrec_cowclip.data.parsing.rows import RowSource, SparseCheck, TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.vocab import Vocabulary
+from torchrec_cowclip.data.pipeline.cache import build_entry, fingerprint
+from torchrec_cowclip.data.pipeline.writer import CacheWriter
 from torchrec_cowclip.data.schema import Schema, resolve_sizes
-from torchrec_cowclip.data.vocab import Vocabulary
-from torchrec_cowclip.data.writer import CacheWriter
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrec_cowclip.data.fields import byte_matrix
+from torchrec_cowclip.data.parsing.fields import byte_matrix
 
 OOV_ID = 0
 MISSING_ID = 1

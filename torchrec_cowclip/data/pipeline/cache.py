@@ -71,7 +71,7 @@ from typing import (
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.npyfile import CHECKSUM
+from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
 
 logger = logging.getLogger(__name__)
 

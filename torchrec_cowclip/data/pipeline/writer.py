@@ -38,7 +38,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.npyfile import Closing, NpyAppender
+from torchrec_cowclip.data.pipeline.npyfile import Closing, NpyAppender
 
 logger = logging.getLogger(__name__)
 

@@ -38,14 +38,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from torchrec_cowclip.data.batches import BatchIterator
-from torchrec_cowclip.data.cache import build_entry, read_meta, verify_entry
-from torchrec_cowclip.data.encode import convert
 from torchrec_cowclip.data.errors import DataError, DataOptionError
 from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.pipeline.batches import BatchIterator
+from torchrec_cowclip.data.pipeline.cache import build_entry, read_meta, verify_entry
+from torchrec_cowclip.data.pipeline.encode import convert
+from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
-from torchrec_cowclip.data.splits import split_indices
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class CTRDataset:
     def batches(
         self, indices: Optional[np.ndarray] = None, batch_size: int = 1024, **kwargs: Any
     ) -> BatchIterator:
-        """A :class:`~torchrec_cowclip.data.batches.BatchIterator` over ``indices``."""
+        """A :class:`~torchrec_cowclip.data.pipeline.batches.BatchIterator` over ``indices``."""
         return BatchIterator(self, indices, batch_size, **kwargs)
 
 
