@@ -23,8 +23,8 @@ from typing import Callable, List
 
 from common import digest_files
 
-from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data import open_dataset
+from torchrec_cowclip.data.pipeline import cache as cache_module
 
 
 def _best(fn: Callable[[], object], repeat: int) -> float:

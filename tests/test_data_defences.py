@@ -25,10 +25,10 @@ from torchrec_cowclip.data import (
     register_source,
     source_kinds,
 )
-from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data.errors import BadRowLog
 from torchrec_cowclip.data.parsing.fields import check_labels
 from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
+from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data.pipeline.cache import build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.pipeline.encode import Conversion
 from torchrec_cowclip.data.sources.criteo_npy import StoredIds
