@@ -86,13 +86,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import shutil
 import statistics
 import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
 from common import RESULTS, write_csv, write_json, write_png  # noqa: E402
@@ -749,6 +750,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "into --out (table, CSV, JSON, plot)",
     )
     p.add_argument("--title", default="", help="--combine: the plot's title")
+    p.add_argument(
+        "--min-auc",
+        type=float,
+        default=None,
+        help="exit 1 if a run's test AUC is not above this (a study that must learn)",
+    )
     for name, default in zip(HELEN_FIELDS, (Helen.rho, Helen.bound)):
         flag = "--" + name.replace("_", "-")
         p.add_argument(
@@ -876,7 +883,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"rows updated, CowClip runs only)"
     )
     print(format_table(summarize(records)))
+    if args.min_auc is not None:
+        short = auc_shortfalls(records, args.min_auc)
+        for line in short:
+            print(line)
+        return 1 if short else 0
     return 0
+
+
+def auc_shortfalls(records: Sequence[Mapping[str, Any]], min_auc: float) -> List[str]:
+    """One line for each run whose test AUC is not above ``min_auc`` (or not finite).
+
+    Example::
+
+        >>> auc_shortfalls([{"batch_size": 512, "method": "cowclip", "seed": 0, "auc": 0.5}], 0.55)
+        ['batch 512 cowclip seed 0: AUC 0.5000 is not above --min-auc 0.55']
+    """
+    return [
+        f"batch {r['batch_size']} {r['method']} seed {r['seed']}: AUC {r['auc']:.4f} "
+        f"is not above --min-auc {min_auc:g}"
+        for r in records
+        if not (math.isfinite(r["auc"]) and r["auc"] > min_auc)
+    ]
 
 
 if __name__ == "__main__":

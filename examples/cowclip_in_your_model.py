@@ -15,7 +15,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions
 
 
 def main() -> None:
@@ -28,9 +28,10 @@ def main() -> None:
     ]
     stock = EmbeddingBagCollection(tables=tables)
     # Same tables, same weights, now trained by CowClip + Adam inside backward.
-    ebc = CowClipEmbeddingBagCollection.from_ebc(
-        stock, optimizer="adam", lr=1e-3, weight_decay=2e-5, cowclip=CowClip(r=1.0, zeta=4e-5)
+    options = CowClipOptions(
+        optimizer="adam", lr=1e-3, weight_decay=2e-5, cowclip=CowClip(r=1.0, zeta=4e-5)
     )
+    ebc = CowClipEmbeddingBagCollection.from_ebc(stock, options=options)
     model = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=8,

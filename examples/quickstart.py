@@ -9,7 +9,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.mlp import MLP
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions
 
 NUM_FEATURES, ROWS, DIM, BATCH = 8, 5_000, 16, 2048
 
@@ -39,10 +39,9 @@ def main() -> None:
             )
             for i in range(NUM_FEATURES)
         ],
-        optimizer="adam",
-        lr=1e-2,
-        weight_decay=1e-5,
-        cowclip=CowClip(r=1.0, zeta=1e-4),
+        options=CowClipOptions(
+            optimizer="adam", lr=1e-2, weight_decay=1e-5, cowclip=CowClip(r=1.0, zeta=1e-4)
+        ),
     )
     mlp = torch.nn.Sequential(MLP(NUM_FEATURES * DIM, [64, 32]), torch.nn.Linear(32, 1))
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=3e-3)

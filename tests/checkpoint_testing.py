@@ -42,46 +42,6 @@ def reseal(checkpoint: Path) -> None:
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
-#: The tiny synthetic run of the trainer tests (2,700 training rows; TrainConfig fields).
-TINY_RUN = dict(
-    model="deepfm",
-    data="synthetic:3000",
-    batch_size=256,
-    epochs=1,
-    hidden=(8, 8),
-    embedding_dim=4,
-    synthetic_scale=0.001,
-    synthetic_max_cardinality=200,
-    progress=False,
-    eval_batch_size=4096,
-    log_every=1,
-    threads=1,
-)
-
-
-def cli_args(**flags: Any) -> list:
-    """``train`` command-line arguments for ``flags`` given as TrainConfig-style names:
-    ``batch_size=256`` -> ``--batch-size 256``, ``no_progress=True`` -> ``--no-progress``,
-    tuples comma-joined."""
-    argv = ["train"]
-    for name, value in flags.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (tuple, list)):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-#: ``TINY_RUN`` as command-line arguments (the model and epochs left at their defaults).
-TINY_CLI = cli_args(
-    **{k: v for k, v in TINY_RUN.items() if k not in ("model", "epochs", "progress")},
-    no_progress=True,
-)
-
-
 def snapshot(directory: Path) -> Dict[str, str]:
     """Every file under ``directory`` with its content hash: what 'untouched' means."""
     return {

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from cowclip_testing import kjt_from_bags, mixed_scale_weights
+from tiny import bag_config
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -440,8 +441,8 @@ def failing_rank_case(rank: int, world: int, mode: str) -> None:
 
     s = Scenario(
         tables=[
-            EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa"]),
-            EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=50, feature_names=["fb"]),
+            bag_config("tw", 8, 40, ["fa"]),
+            bag_config("cw", 8, 50, ["fb"]),
         ],
         plan={"tw": ("table_wise", [0]), "cw": ("column_wise", [0, 1])},
         steps=3,
@@ -477,15 +478,15 @@ def init_tables() -> List[EmbeddingBagConfig]:
     models' N(0, std) on others, a dim-1 table and a table smaller than some worlds."""
     normal = functools.partial(nn.init.normal_, mean=0.0, std=0.05)
     return [
-        EmbeddingBagConfig(name="tw", embedding_dim=8, num_embeddings=5000, feature_names=["fa"]),
+        bag_config("tw", 8, 5000, ["fa"]),
         EmbeddingBagConfig(
             name="cw", embedding_dim=12, num_embeddings=4500, feature_names=["fb"], init_fn=normal
         ),
         EmbeddingBagConfig(
             name="rw", embedding_dim=4, num_embeddings=9001, feature_names=["fc"], init_fn=normal
         ),
-        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=300, feature_names=["fd"]),
-        EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=4099, feature_names=["fe"]),
+        bag_config("dp", 4, 300, ["fd"]),
+        bag_config("twrw", 4, 4099, ["fe"]),
         EmbeddingBagConfig(
             name="tiny", embedding_dim=1, num_embeddings=2, feature_names=["ff"], init_fn=normal
         ),

@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from checkpoint_testing import TINY_CLI, TINY_RUN, CreatesAFile, reseal, snapshot, write_payload
+from checkpoint_testing import CreatesAFile, reseal, snapshot, write_payload
+from tiny import TINY_CLI, tiny_config
 
 from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.checkpoint import (
@@ -31,13 +32,12 @@ from torchrec_cowclip.train.run_dir import LOCK_NAME
 from torchrec_cowclip.train.trainer import Trainer
 
 # 2,700 training rows at batch 256: 10 steps an epoch; checkpoints at steps 2 and 4.
-TINY = TrainConfig(**TINY_RUN, checkpoint_every=2)
 COMPARED = ("auc", "logloss", "epoch_auc", "steps", "train_samples", "rows_updated")
 CLI = TINY_CLI + ["--checkpoint-every", "2"]
 
 
 def _config(root: Path, **overrides) -> TrainConfig:
-    return replace(TINY, out=str(root / "run"), cache_dir=str(root / "cache"), **overrides)
+    return tiny_config(root, checkpoint_every=2, **overrides)
 
 
 @pytest.fixture(scope="module")

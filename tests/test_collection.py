@@ -13,10 +13,10 @@ from cowclip_testing import (
     default_cowclip,
     keys_can_be_reordered,
     kjt_from_bags,
-    mixed_scale_weights,
     random_kjt,
     to_device,
 )
+from tiny import HYPER, bag_config, load_mixed_scale_weights, mixed_tables
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -26,24 +26,6 @@ from torchrec_cowclip.embedding import fused_update
 from torchrec_cowclip.optim.config import CountLR
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import set_compiled_update
-
-
-def _tables():
-    """Shared table (2 features), mixed dims, MEAN pooling, an unclipped table."""
-    return [
-        EmbeddingBagConfig(
-            name="shared", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
-        ),
-        EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=30, feature_names=["fc"]),
-        EmbeddingBagConfig(
-            name="mean",
-            embedding_dim=8,
-            num_embeddings=25,
-            feature_names=["fd"],
-            pooling=PoolingType.MEAN,
-        ),
-        EmbeddingBagConfig(name="linear", embedding_dim=1, num_embeddings=20, feature_names=["fe"]),
-    ]
 
 
 def _build(
@@ -58,10 +40,7 @@ def _build(
         device=device,
         **hyper,
     )
-    weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
-    with torch.no_grad():
-        for name, w in weights.items():
-            ebc.embedding_bags[name].weight.copy_(w)
+    weights = load_mixed_scale_weights(ebc, tables, gen)
     ref = DenseReference(
         tables,
         weights,
@@ -106,9 +85,6 @@ needs_compiler = pytest.mark.skipif(
     reason="no C++ compiler for Inductor",
 )
 
-HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
-
-
 PATH_MODES = {"eager": "0", "compiled": "1", "inductor": "inductor"}
 
 
@@ -146,7 +122,7 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, every_upd
     pooling, mixed dims, an unclipped dim-1 table, multi-hot bags with duplicates and empty
     ones, every other step's keys in another order than the tables'."""
     gen = torch.Generator().manual_seed(7)
-    tables = _tables()
+    tables = mixed_tables()
     cowclip = default_cowclip() if clip else None
     ebc, ref = _build(tables, gen, optimizer, cowclip, device=device, **HYPER)
     reorder = keys_can_be_reordered(device)
@@ -190,7 +166,7 @@ def test_count_lr_matches_dense_reference(optimizer, update_path):
     """The per-id-frequency lr (CountLR) in the fused update equals the reference's, with
     repeated ids so that counts reach past the cap."""
     gen = torch.Generator().manual_seed(11)
-    tables = _tables()
+    tables = mixed_tables()
     ebc, ref = _build(
         tables, gen, optimizer, default_cowclip(), **HYPER, count_lr=CountLR(power=0.5, cap=3.0)
     )
@@ -206,7 +182,7 @@ def test_weighted_features_match_reference(update_path):
         EmbeddingBagConfig(
             name="t0", embedding_dim=6, num_embeddings=30, feature_names=["f0", "f1"]
         ),
-        EmbeddingBagConfig(name="t1", embedding_dim=6, num_embeddings=20, feature_names=["f2"]),
+        bag_config("t1", 6, 20, ["f2"]),
     ]
     ebc, ref = _build(
         tables, gen, "adam", default_cowclip(), unclipped=(), is_weighted=True, **HYPER
@@ -241,8 +217,8 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     )
     gen = torch.Generator().manual_seed(11)
     tables = [
-        EmbeddingBagConfig(name="emb_a", embedding_dim=6, num_embeddings=30, feature_names=["a"]),
-        EmbeddingBagConfig(name="emb_b", embedding_dim=6, num_embeddings=20, feature_names=["b"]),
+        bag_config("emb_a", 6, 30, ["a"]),
+        bag_config("emb_b", 6, 20, ["b"]),
         EmbeddingBagConfig(
             name="lin_a",
             embedding_dim=1,
@@ -287,7 +263,7 @@ def test_row_clip_counts_match_the_reference_row_by_row():
     """With tracking on, each row's (updated, clipped) counts are the number of steps whose
     batch looked it up and of those whose reference step clipped it."""
     gen = torch.Generator().manual_seed(5)
-    tables = _tables()
+    tables = mixed_tables()
     ebc, ref = _build(tables, gen, "adam", default_cowclip(), **HYPER)
     with pytest.raises(RuntimeError, match="track_row_clips"):
         ebc.row_clip_counts()
@@ -358,7 +334,7 @@ def test_counts_include_duplicates_inside_a_bag_and_shared_features():
 
 def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
     gen = torch.Generator().manual_seed(0)
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables], optimizer="adam", cowclip=CowClip(r=1.0, zeta=0.0)
     )
@@ -376,7 +352,7 @@ def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
 
 def test_forward_without_backward_and_no_grad_change_nothing():
     gen = torch.Generator().manual_seed(1)
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
     before = copy.deepcopy(ebc.state_dict())
     opt_before = copy.deepcopy(ebc.fused_optimizer.state_dict())
@@ -396,14 +372,14 @@ def test_forward_without_backward_and_no_grad_change_nothing():
 
 def test_no_dense_gradient_is_kept_on_the_tables():
     gen = torch.Generator().manual_seed(2)
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
     ebc(random_kjt(tables, 4, gen)).values().sum().backward()
     assert all(p.grad is None for p in ebc.parameters())
 
 
 def test_state_dict_keys_and_weights_move_both_ways_with_torchrec():
-    tables = _tables()
+    tables = mixed_tables()
     ours = CowClipEmbeddingBagCollection([replace(t) for t in tables])
     stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
     assert list(ours.state_dict().keys()) == list(stock.state_dict().keys())
@@ -425,7 +401,7 @@ def test_state_dict_keys_and_weights_move_both_ways_with_torchrec():
 
 
 def test_from_ebc_copies_weights_and_options():
-    tables = _tables()
+    tables = mixed_tables()
     stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
     ours = CowClipEmbeddingBagCollection.from_ebc(
         stock, optimizer="sgd", lr=0.5, unclipped_tables=["linear"]
@@ -446,7 +422,7 @@ def _train(ebc, tables, seed, steps):
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
 def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
-    tables = _tables()
+    tables = mixed_tables()
     torch.manual_seed(0)
     a = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
@@ -483,7 +459,7 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
 
 
 def test_lr_in_param_groups_takes_effect_between_steps():
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables], optimizer="sgd", lr=0.1, cowclip=None
     )
@@ -503,7 +479,7 @@ def test_lr_in_param_groups_takes_effect_between_steps():
 
 
 def test_keys_that_do_not_match_are_named():
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
     bags = {k: [[0]] for k in ["fa", "fb", "fc", "fd"]}
     with pytest.raises(ValueError, match=r"missing \['fe'\]"):
@@ -514,7 +490,7 @@ def test_keys_that_do_not_match_are_named():
 
 @pytest.mark.parametrize("bad_id", [40, -1, 10**9])
 def test_out_of_range_ids_raise_before_any_change(bad_id, device):
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables], optimizer="adam", lr=0.1, device=device
     )
@@ -537,7 +513,7 @@ def test_out_of_range_ids_raise_before_any_change(bad_id, device):
 
 
 def test_nonfinite_row_gradients_are_skipped_and_counted():
-    table = EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=10, feature_names=["f"])
+    table = bag_config("t", 3)
     ebc = CowClipEmbeddingBagCollection([table], optimizer="adam", lr=0.1)
     before = ebc.embedding_bags["t"].weight.detach().clone()
     kjt = kjt_from_bags({"f": [[1, 2], [3], [2]]})
@@ -556,7 +532,7 @@ def test_nonfinite_row_gradients_are_skipped_and_counted():
 
 
 def test_weighted_collection_requires_weights_and_structure_is_checked():
-    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["f"])
+    table = bag_config("t", 2, 5)
     ebc = CowClipEmbeddingBagCollection([table], is_weighted=True)
     with pytest.raises(ValueError, match="has no weights"):
         ebc(kjt_from_bags({"f": [[1]]}))
@@ -569,7 +545,7 @@ def test_weighted_collection_requires_weights_and_structure_is_checked():
 
 
 def test_constructor_arguments_are_validated():
-    table = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=5, feature_names=["f"])
+    table = bag_config("t", 2, 5)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         CowClipEmbeddingBagCollection([replace(table)], optimizer="adamw")
     with pytest.raises(
@@ -590,7 +566,7 @@ def test_constructor_arguments_are_validated():
 
 
 def test_options_object_and_keywords_build_the_same_module():
-    tables = _tables()
+    tables = mixed_tables()
     options = CowClipOptions(
         optimizer="rowwise_adagrad",
         lr=0.05,
@@ -624,7 +600,7 @@ def test_options_object_and_keywords_build_the_same_module():
     ],
 )
 def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
-    tables = _tables()
+    tables = mixed_tables()
     gen = torch.Generator().manual_seed(3)
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], lr=0.1)
     ebc(random_kjt(tables, 4, gen)).values().sum().backward()
@@ -642,7 +618,7 @@ def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
 
 
 def test_module_moves_and_copies_keep_tables_and_views_together():
-    tables = _tables()
+    tables = mixed_tables()
     gen = torch.Generator().manual_seed(6)
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
     ebc = ebc.to(torch.device("cpu"))
@@ -659,7 +635,7 @@ def test_module_moves_and_copies_keep_tables_and_views_together():
 
 
 def test_works_with_torchrec_keyed_optimizers():
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables])
     model = torch.nn.ModuleDict({"ebc": ebc, "dense": torch.nn.Linear(3, 1)})
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
@@ -674,8 +650,8 @@ def test_works_with_torchrec_keyed_optimizers():
 
 def test_single_and_multiple_table_batches_agree_with_torchrec_order():
     tables = [
-        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["x"]),
-        EmbeddingBagConfig(name="b", embedding_dim=2, num_embeddings=10, feature_names=["y"]),
+        bag_config("a", 4, 10, ["x"]),
+        bag_config("b", 2, 10, ["y"]),
         EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=10, feature_names=["z", "x"]),
     ]
     ours = CowClipEmbeddingBagCollection([replace(t) for t in tables])
@@ -688,7 +664,7 @@ def test_single_and_multiple_table_batches_agree_with_torchrec_order():
 
 
 def test_table_batch_tensors_are_module_buffers_outside_the_state_dict():
-    tables = _tables()
+    tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam")
     batch = ebc._batches[0]
     names = dict(batch.named_buffers())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from torchrec_cowclip.data import (
     open_dataset,
     split_indices,
 )
+from torchrec_cowclip.data.pipeline.batches import PREFETCH_THREAD
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -124,11 +126,24 @@ def test_start_batch_resumes_exactly(start: int) -> None:
     assert all(_same(x, y) for x, y in zip(full[start:], resumed))
 
 
+def _prefetch_threads() -> set:
+    return {t for t in threading.enumerate() if t.name == PREFETCH_THREAD and t.is_alive()}
+
+
 def test_prefetch_stops_when_abandoned() -> None:
+    """Closing an iterator whose prefetch thread is blocked on a full queue returns within
+    the bound and the thread ends (it neither hangs the consumer nor lingers)."""
     ds = _toy()
+    before = _prefetch_threads()
     it = iter(BatchIterator(ds, batch_size=5, prefetch=1))
-    next(it)
-    it.close()  # must not hang
+    assert next(it).labels.shape[0] == 5
+    (worker,) = _prefetch_threads() - before  # filling the one-slot queue, then waiting on it
+    closer = threading.Thread(target=it.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive(), "close() of an abandoned prefetching iterator hung"
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the prefetch thread outlived its iterator"
 
 
 def test_batches_from_cached_criteo(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import distributed_cases as cases
 import pytest
 import torch
 from distributed_harness import run_ranks, start_ranks
+from tiny import bag_config
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 
 from torchrec_cowclip import CowClip, Helen
@@ -48,9 +49,9 @@ def mixed_tables():
             pooling=PoolingType.MEAN,
         ),
         # column-wise over ranks 0 and 1
-        EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=50, feature_names=["fd"]),
+        bag_config("cw", 8, 50, ["fd"]),
         # column-wise, 3 shards: two on rank 0 (their partial norms add up locally first)
-        EmbeddingBagConfig(name="cw3", embedding_dim=12, num_embeddings=30, feature_names=["fe"]),
+        bag_config("cw3", 12, 30, ["fe"]),
         # table-column-wise over ranks 1 and 0, MEAN pooling
         EmbeddingBagConfig(
             name="twcw",
@@ -60,7 +61,7 @@ def mixed_tables():
             pooling=PoolingType.MEAN,
         ),
         # data-parallel
-        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fg"]),
+        bag_config("dp", 4, 20, ["fg"]),
         # row-wise over both ranks (each id's row, and its count, on one rank), MEAN pooling
         EmbeddingBagConfig(
             name="rw",
@@ -70,9 +71,9 @@ def mixed_tables():
             pooling=PoolingType.MEAN,
         ),
         # table-row-wise within the host
-        EmbeddingBagConfig(name="twrw", embedding_dim=4, num_embeddings=26, feature_names=["fi"]),
+        bag_config("twrw", 4, 26, ["fi"]),
         # unclipped first-order table sharing feature "fa" with "tw"
-        EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=20, feature_names=["fa"]),
+        bag_config("lin", 1, 20, ["fa"]),
     ]
 
 
@@ -128,9 +129,7 @@ def norm_scenario() -> cases.Scenario:
     u1 = 2 * g[3] - u0
     batch = ({"f": [[3, 6], [3]]}, None, {"f": torch.stack([u0, u1])})
     return cases.Scenario(
-        tables=[
-            EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=10, feature_names=["f"])
-        ],
+        tables=[bag_config("cw", 8)],
         plan={"cw": ("column_wise", [0, 1])},
         optimizer="sgd",
         cowclip=CowClip(r=1.0, zeta=NORM_ZETA),
@@ -144,11 +143,11 @@ def norm_scenario() -> cases.Scenario:
 
 def planner_scenario() -> cases.Scenario:
     tables = [
-        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=60, feature_names=["fa"]),
+        bag_config("a", 8, 60, ["fa"]),
         EmbeddingBagConfig(
             name="b", embedding_dim=16, num_embeddings=40, feature_names=["fb", "fc"]
         ),
-        EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=30, feature_names=["fd"]),
+        bag_config("c", 4, 30, ["fd"]),
     ]
     return cases.Scenario(
         tables=tables,
@@ -374,8 +373,8 @@ def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
         EmbeddingBagConfig(
             name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
         ),
-        EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=50, feature_names=["fc"]),
-        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fd"]),
+        bag_config("cw", 8, 50, ["fc"]),
+        bag_config("dp", 4, 20, ["fd"]),
         EmbeddingBagConfig(
             name="mean",
             embedding_dim=4,
@@ -383,7 +382,7 @@ def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
             feature_names=["fe"],
             pooling=PoolingType.MEAN,
         ),
-        EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=22, feature_names=["ff"]),
+        bag_config("rw", 4, 22, ["ff"]),
     ]
     if world == 2:
         plan = {
@@ -498,13 +497,13 @@ def test_three_ranks_column_shards_over_subgroups(tmp_path):
     # Column-wise tables over ranks {0,1}, {1,2} and all three: two process subgroups,
     # and ranks whose lookups hold different tables must still meet in the same order.
     tables = [
-        EmbeddingBagConfig(name="cw01", embedding_dim=8, num_embeddings=40, feature_names=["fa"]),
-        EmbeddingBagConfig(name="cw12", embedding_dim=8, num_embeddings=30, feature_names=["fb"]),
+        bag_config("cw01", 8, 40, ["fa"]),
+        bag_config("cw12", 8, 30, ["fb"]),
         EmbeddingBagConfig(
             name="cw_all", embedding_dim=12, num_embeddings=30, feature_names=["fc"]
         ),
-        EmbeddingBagConfig(name="tw", embedding_dim=4, num_embeddings=20, feature_names=["fd"]),
-        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["fe"]),
+        bag_config("tw", 4, 20, ["fd"]),
+        bag_config("dp", 4, 20, ["fe"]),
     ]
     plan = {
         "cw01": ("column_wise", [0, 1]),

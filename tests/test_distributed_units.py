@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 import torch
+from tiny import bag_config
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
@@ -168,8 +169,8 @@ def test_sharder_options_are_validated_and_read_from_cowclip_modules():
         CowClipOptions(unclipped_tables=frozenset({"nope"})).check_tables(["t"])
     module = CowClipEmbeddingBagCollection(
         [
-            EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"]),
-            EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=10, feature_names=["f"]),
+            bag_config("t"),
+            bag_config("lin", 1),
         ],
         optimizer="rowwise_adagrad",
         lr=0.3,

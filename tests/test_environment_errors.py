@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_testing import TINY_CLI
+from tiny import TINY_CLI, cli_args
 
 from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.cli import main
@@ -24,7 +24,6 @@ from torchrec_cowclip.train.run_dir import LOCK_NAME
 REPO = Path(__file__).resolve().parents[1]
 CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
 DEV_FULL = Path("/dev/full")  # every write fails with ENOSPC: a disk that is full
-TINY = TINY_CLI
 
 
 def _run(argv, capsys):
@@ -56,7 +55,14 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_last_on
     tmp_path, capsys, monkeypatch
 ):
     out = tmp_path / "run"
-    argv = TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "c"), "--checkpoint-every", "2"]
+    argv = TINY_CLI + [
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--checkpoint-every",
+        "2",
+    ]
     assert _run(argv + ["--max-steps", "2"], capsys)[0] == 0
     _on_a_full_disk(monkeypatch, lambda p: p.suffix == ".distcp")
     status, line = _run(argv + ["--max-steps", "4", "--resume"], capsys)
@@ -82,7 +88,8 @@ def test_a_full_disk_when_writing_metrics_is_one_line_naming_the_file(
     out = tmp_path / "run"
     _on_a_full_disk(monkeypatch, lambda p: p.name == "metrics.json.tmp")
     status, line = _run(
-        TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "c"), "--max-steps", "2"], capsys
+        TINY_CLI + ["--out", str(out), "--cache-dir", str(tmp_path / "c"), "--max-steps", "2"],
+        capsys,
     )
     assert status == 4
     assert (
@@ -101,7 +108,7 @@ def test_a_read_only_out_is_one_line(tmp_path, capsys, monkeypatch):
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
-    status, line = _run(TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "c")], capsys)
+    status, line = _run(TINY_CLI + ["--out", str(out), "--cache-dir", str(tmp_path / "c")], capsys)
     assert status == 2
     assert line == (
         f"torchrec-cowclip: error: --out {out} cannot be written: Read-only file system: "
@@ -115,7 +122,7 @@ def test_an_out_without_write_permission_is_one_line(tmp_path, capsys):
     parent.mkdir()
     parent.chmod(0o555)
     try:
-        status, line = _run(TINY + ["--out", str(parent / "run")], capsys)
+        status, line = _run(TINY_CLI + ["--out", str(parent / "run")], capsys)
     finally:
         parent.chmod(0o755)
     assert status == 2 and "cannot be written: Permission denied" in line
@@ -125,19 +132,10 @@ def test_a_truncated_gzip_input_is_one_line_naming_the_file(tmp_path, capsys):
     packed = gzip.compress(CRITEO_SAMPLE.read_bytes())
     data = tmp_path / "day_0.gz"
     data.write_bytes(packed[: len(packed) // 2])
-    status, line = _run(
-        TINY[:2]
-        + [
-            f"criteo:{data}",
-            "--batch-size",
-            "32",
-            "--out",
-            str(tmp_path / "o"),
-            "--cache-dir",
-            str(tmp_path / "c"),
-        ],
-        capsys,
+    argv = cli_args(
+        data=f"criteo:{data}", batch_size=32, out=tmp_path / "o", cache_dir=tmp_path / "c"
     )
+    status, line = _run(argv, capsys)
     assert status == 2
     assert line.startswith(f"torchrec-cowclip: error: {data}: damaged compressed file (")
     assert line.endswith("): re-download or re-compress it")
@@ -153,18 +151,13 @@ def test_raw_hash_ids_are_refused_before_the_tables_are_allocated(tmp_path, caps
     np.save(days / "day_0_dense.npy", rng.random((300, 13), dtype=np.float32))
     np.save(days / "day_0_sparse.npy", rng.integers(0, 2**32, (300, 26), dtype=np.int64))
     np.save(days / "day_0_labels.npy", rng.integers(0, 2, (300, 1)).astype(np.int32))
-    argv = [
-        "train",
-        "--data",
-        f"criteo-npy:{days}",
-        "--batch-size",
-        "64",
-        "--hidden",
-        "8",
-        "--no-progress",
-        "--cache-dir",
-        str(tmp_path / "c"),
-    ]
+    argv = cli_args(
+        data=f"criteo-npy:{days}",
+        batch_size=64,
+        hidden=8,
+        no_progress=True,
+        cache_dir=tmp_path / "c",
+    )
     status, line = _run(argv + ["--out", str(tmp_path / "raw")], capsys)
     assert status == 2
     assert (
@@ -198,7 +191,7 @@ def test_a_run_that_would_train_or_evaluate_nothing_is_refused_before_any_step(
 ):
     out = tmp_path / "run"
     status, line = _run(
-        TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "c")] + flags, capsys
+        TINY_CLI + ["--out", str(out), "--cache-dir", str(tmp_path / "c")] + flags, capsys
     )
     assert status == 2 and line == f"torchrec-cowclip: error: {message}", line
     assert not (out / "steps.csv").exists() and not (out / "checkpoints").exists()
@@ -224,7 +217,8 @@ def test_flags_that_n_processes_cannot_run_are_refused_before_any_work(
 ):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets, before the process group
     status, line = _run(
-        TINY + ["--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")] + flags, capsys
+        TINY_CLI + ["--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")] + flags,
+        capsys,
     )
     assert status == 2 and message in line, line
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
@@ -238,7 +232,7 @@ def test_resume_auto_starts_anew_when_an_attempt_wrote_no_checkpoint(tmp_path, c
     out.mkdir()
     (out / "steps.csv").write_text("step,loss\n1,0.5\n")
     (out / "notes.txt").write_text("mine")
-    argv = TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "c"), "--max-steps", "2"]
+    argv = TINY_CLI + ["--out", str(out), "--cache-dir", str(tmp_path / "c"), "--max-steps", "2"]
     status, _ = _run(argv + ["--resume", "auto"], capsys)
     assert status == 0 and (out / "notes.txt").read_text() == "mine"
     shutil.rmtree(out / "checkpoints")

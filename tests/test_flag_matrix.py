@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import pytest
 from cowclip_testing import write_criteo_npy_days
+from tiny import cli_args
 
 from torchrec_cowclip.train.cli import build_parser, config_from_args, main, train_flags
 from torchrec_cowclip.train.config import ConfigError
@@ -229,26 +230,17 @@ def test_refused_config_raises_config_error_naming_the_flag(inputs: Inputs, tmp_
 
 def _train(kind: str, inputs: Inputs, tmp: Path, name: str, *flags: str) -> Dict:
     out, cache = tmp / name, tmp / "cache"
-    argv = [
-        "train",
-        *inputs.data(kind),
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(cache),
-        "--batch-size",
-        "64",
-        "--embedding-dim",
-        "4",
-        "--hidden",
-        "8",
-        "--threads",
-        "1",
-        "--no-progress",
-        "--test-fraction",
-        "0.25",
-        *flags,
-    ]
+    argv = cli_args(
+        out=out,
+        cache_dir=cache,
+        batch_size=64,
+        embedding_dim=4,
+        hidden=8,
+        threads=1,
+        no_progress=True,
+        test_fraction=0.25,
+    )
+    argv += [*inputs.data(kind), *flags]
     if _kind_name(kind) in GENERATORS:
         argv += ["--synthetic-scale", "0.001", "--synthetic-max-cardinality", "200"]
     assert main(argv) == 0

@@ -12,38 +12,17 @@ from cowclip_testing import (
     assert_close_to_reference,
     curved_loss,
     default_cowclip,
-    mixed_scale_weights,
     random_kjt,
     to_device,
 )
-from torchrec import EmbeddingBagConfig, PoolingType
+from tiny import HELEN_ORDER, HYPER, load_mixed_scale_weights, mixed_tables
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection, Helen
 from torchrec_cowclip.embedding import row_updates
 
-HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
-
-
-def _tables():
-    """A table shared by two features, MEAN pooling, mixed dims, an unclipped dim-1 table."""
-    return [
-        EmbeddingBagConfig(
-            name="shared", embedding_dim=6, num_embeddings=40, feature_names=["fa", "fb"]
-        ),
-        EmbeddingBagConfig(
-            name="mean",
-            embedding_dim=6,
-            num_embeddings=25,
-            feature_names=["fc"],
-            pooling=PoolingType.MEAN,
-        ),
-        EmbeddingBagConfig(name="small", embedding_dim=3, num_embeddings=30, feature_names=["fd"]),
-        EmbeddingBagConfig(name="linear", embedding_dim=1, num_embeddings=20, feature_names=["fe"]),
-    ]
-
 
 def _build(optimizer, cowclip, helen, gen, device=None, **hyper):
-    tables = _tables()
+    tables = mixed_tables(dim=6, small_dim=3, order=HELEN_ORDER)
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
         optimizer=optimizer,
@@ -53,10 +32,7 @@ def _build(optimizer, cowclip, helen, gen, device=None, **hyper):
         device=device,
         **{**HYPER, **hyper},
     )
-    weights = {t.name: mixed_scale_weights(t.num_embeddings, t.embedding_dim, gen) for t in tables}
-    with torch.no_grad():
-        for name, w in weights.items():
-            ebc.embedding_bags[name].weight.copy_(w)
+    weights = load_mixed_scale_weights(ebc, tables, gen)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     head = torch.nn.Linear(width, 1)
     with torch.no_grad():

@@ -10,27 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny import cli_args
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-TINY = [
-    "--model",
-    "deepfm",
-    "--data",
-    "synthetic:12000",
-    "--batch-size",
-    "2048",
-    "--hidden",
-    "16,16",
-    "--synthetic-scale",
-    "0.01",
-    "--synthetic-max-cardinality",
-    "3000",
-    "--lr-embed",
-    "1e-2",
-    "--no-progress",
-    "--dist-timeout",
-    "60",
-]
+TINY = cli_args(
+    command=None,
+    model="deepfm",
+    data="synthetic:12000",
+    batch_size=2048,
+    hidden=(16, 16),
+    synthetic_scale=0.01,
+    synthetic_max_cardinality=3000,
+    lr_embed="1e-2",
+    no_progress=True,
+    dist_timeout=60,
+)
 
 
 def _env() -> dict:

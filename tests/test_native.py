@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cowclip_testing import kjt_from_bags, random_kjt
+from tiny import HYPER, bag_config, mixed_tables
 from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
@@ -417,9 +418,7 @@ def test_stochastic_rounding_is_unbiased(dtype):
 def _half_tables(data_type):
     """The collection tests' tables (a shared table, MEAN pooling, mixed dims, an
     unclipped dim-1 table) stored in ``data_type``."""
-    from test_collection import _tables
-
-    return [replace(t, data_type=data_type) for t in _tables()]
+    return [replace(t, data_type=data_type) for t in mixed_tables()]
 
 
 def _half_module(tables, optimizer, weights, mode):
@@ -429,10 +428,7 @@ def _half_module(tables, optimizer, weights, mode):
         optimizer=optimizer,
         cowclip=CowClip(r=1.0, zeta=1e-3),
         unclipped_tables=("linear",),
-        lr=0.05,
-        betas=(0.8, 0.99),
-        eps=1e-6,
-        weight_decay=0.01,
+        **HYPER,
     )
     with torch.no_grad():
         for name, w in weights.items():
@@ -556,7 +552,7 @@ def test_unsupported_data_types_are_refused_naming_the_table():
 def test_inductor_and_eager_modes_use_no_native_kernels(monkeypatch):
     calls = []
     monkeypatch.setattr(native, "fused_update_", lambda *a, **k: calls.append(1))
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
     for mode in ("0", "inductor"):
         set_compiled_update(mode)
@@ -575,7 +571,7 @@ def test_a_failed_build_warns_and_falls_back_in_auto_mode_and_raises_in_mode_1(m
     monkeypatch.setattr(native, "_failure", None)
     monkeypatch.setattr(native, "_build_and_load", broken)
     set_compiled_update("0")  # reference result on the eager path
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
     expected = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
     expected(kjt).values().sum().backward()

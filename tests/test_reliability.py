@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_testing import TINY_CLI, TINY_RUN, reseal, snapshot
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from checkpoint_testing import reseal, snapshot
+from tiny import TINY_CLI, bag_config, tiny_config
+from torchrec import KeyedJaggedTensor
 
 import torchrec_cowclip.train.resume_guard as resume_guard
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.fused import validate_hyperparameters
-from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.checkpoint import (
     TRAINER_STATE,
     WRITING_MARKER,
@@ -40,10 +40,6 @@ from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 REPO = Path(__file__).resolve().parents[1]
 CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
 
-# 2,700 training rows at batch 256: 10 steps an epoch (the last 140 rows, an incomplete
-# batch, are dropped on any number of processes).
-TINY = TINY_RUN
-
 
 def _saved_state(run: Path) -> dict:
     """The trainer state of the run's latest checkpoint."""
@@ -51,7 +47,7 @@ def _saved_state(run: Path) -> dict:
 
 
 def _config(out, cache, **overrides):
-    return TrainConfig(**{**TINY, "out": str(out), "cache_dir": str(cache), **overrides})
+    return tiny_config(**{"out": str(out), "cache_dir": str(cache), **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -319,9 +315,7 @@ def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
 def _ebc():
     torch.manual_seed(0)
     return CowClipEmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=20, feature_names=["f0"])
-        ],
+        tables=[bag_config("t0", 4, 20, ["f0"])],
         optimizer="adam",
         lr=1e-2,
     )

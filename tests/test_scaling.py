@@ -1,30 +1,9 @@
-"""A small, fast version of the large-batch scaling study (benchmarks/scaling.py).
+"""benchmarks/scaling.py's machinery on a two-batch study: every method runs, the clip
+counters add up, the outputs are written, and CowClip whose clip cannot bind is the
+no-clip run to the bit (an exact property, not a statistical one).
 
-DeepFM on seeded synthetic data (100,000 rows, tables capped at 5,000 rows, DNN 32-32),
-2 epochs, batch 512 (the base batch; CowClip only, every method has the same lrs there)
-and 4096 (8x, the four methods of the study, plus CowClip given the sqrt method's lrs),
-base embedding lr 1e-2 and base dense lr 4e-3 so that something is learned in a few
-hundred steps (about 15 s on 2 cores).
-
-Asserted, because it held for every one of seeds 0-4 when this was written:
-every run gives finite AUC / logloss, AUC > 0.55 (lowest observed 0.587), the clip
-counters are consistent (0 <= clipped <= updated, per table and in epoch 1), and the
-no-clip methods clip nothing. And one AUC property that is exact rather than statistical:
-CowClip run with the sqrt method's lrs and L2 and a threshold floor ``zeta`` that no
-gradient reaches (so the test forces the regime where no row is clipped) has the sqrt
-run's AUC and logloss to the bit, every epoch (seeds 0-4 at the default zeta: no row
-clipped, equal to the bit, 13-15 s per seed with one thread; in the full study of
-docs/scaling.md the same held at batch 16384 for CowClip vs sqrt and vs none). A margin
-between batch sizes was not asserted: see below.
-
-NOT asserted, because it is not robust at this size: that CowClip at 4096 keeps its AUC
-at 512, or beats the baselines. Seeds 0-4, AUC 4096 - 512 for CowClip: +0.002, +0.017,
-+0.021, -0.008, -0.122; CowClip - linear at 4096: +0.094, +0.066, +0.088, +0.078, -0.023.
-At 4096 the runs get only 44 steps and are still climbing (seed 4: 0.46 after epoch 1,
-0.59 after epoch 2), while 512 peaks after epoch 1. The clip bound on 0 rows in all of
-these runs (init N(0, 1e-2)), so CowClip equals plain lazy Adam here
-(docs/algorithm.md, "When does the clip bind?").
-``COWCLIP_SCALING_TEST_SEED`` picks another seed to re-check.
+Whether the runs learn, and by how much at which batch, is the study's own result
+(docs/scaling.md, "The small study", with its ``--min-auc`` check), not asserted here.
 """
 
 import importlib.util
@@ -45,8 +24,7 @@ _spec.loader.exec_module(scaling)
 
 SEED = int(os.environ.get("COWCLIP_SCALING_TEST_SEED", "0"))
 SMALL, LARGE = 512, 4096
-EPOCHS, TRAIN_ROWS = 2, 90_000
-MIN_AUC = 0.55
+EPOCHS, TRAIN_ROWS = 2, 27_000
 # tau_j >= c_j * zeta: with a mean loss no row's gradient norm comes near 1e3 per occurrence.
 UNREACHABLE_ZETA = 1e3
 
@@ -56,7 +34,7 @@ def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     common = dict(
         model="deepfm",
-        data="synthetic:100000",
+        data="synthetic:30000",
         seeds=[SEED],
         epochs=EPOCHS,
         out_root=out,
@@ -134,7 +112,7 @@ def test_every_run_is_finite_and_counters_are_consistent(study):
     assert len(runs) == 6
     for (b, method), r in runs.items():
         assert math.isfinite(r["auc"]) and math.isfinite(r["logloss"]), (b, method)
-        assert r["auc"] > MIN_AUC, (b, method, r["auc"])
+        assert 0 < r["auc"] < 1, (b, method, r["auc"])
         assert len(r["epoch_auc"]) == EPOCHS and all(math.isfinite(x) for x in r["epoch_auc"])
         assert r["steps"] == EPOCHS * (TRAIN_ROWS // b)  # the last incomplete batch dropped
         assert 0 <= r["rows_clipped"] <= r["rows_updated"] and r["rows_updated"] > 0
@@ -158,6 +136,18 @@ def test_cowclip_that_never_binds_is_lazy_adam_to_the_bit(study):
     assert cc["clip_zeta"] == UNREACHABLE_ZETA and cc["rows_updated"] == sq["rows_updated"] > 0
     assert cc["rows_clipped"] == 0, "zeta was meant to keep the clip from binding"
     assert cc["epoch_auc"] == sq["epoch_auc"] and cc["epoch_logloss"] == sq["epoch_logloss"]
+
+
+def test_min_auc_names_every_run_that_did_not_learn(study):
+    _, runs = study
+    records = list(runs.values())
+    assert scaling.auc_shortfalls(records, 0.0) == []
+    assert len(scaling.auc_shortfalls(records, 1.0)) == len(records)
+    nan = {**records[0], "auc": float("nan")}
+    (line,) = scaling.auc_shortfalls([nan], 0.0)
+    assert line == (
+        f"batch {nan['batch_size']} {nan['method']} seed {SEED}: AUC nan is not above --min-auc 0"
+    )
 
 
 def test_outputs_are_written(study, capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import trainer_cases as cases
 from distributed_harness import JobFailed, run_ranks
+from tiny import TINY_PROCESSES, tiny_config
 
 from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.resume_guard import ResumeRefused
@@ -41,9 +42,9 @@ def two_process_runs(tmp_path_factory):
 
 
 def test_one_process_resume_is_exact(tmp_path):
-    full = Trainer(cases.tiny_config(str(tmp_path / "full"))).run()
-    Trainer(cases.tiny_config(str(tmp_path / "part"), max_steps=5)).run()
-    Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True)).run()
+    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES)).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5)).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True)).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
     assert resumed == {k: full[k] for k in cases.EXACT}
     assert full["best_epoch"] is not None and len(full["epoch_auc"]) == 2
@@ -67,13 +68,15 @@ def test_two_process_helen_resume_is_exact(two_process_runs, sharding):
 
 def test_one_process_helen_resume_is_exact_and_reports_its_cost(tmp_path):
     helen = {"helen_rho": 0.05, "helen_bound": 0.5}
-    full = Trainer(cases.tiny_config(str(tmp_path / "full"), **helen)).run()
-    Trainer(cases.tiny_config(str(tmp_path / "part"), max_steps=5, **helen)).run()
+    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **helen)).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5, **helen)).run()
     with pytest.raises(
         ResumeRefused, match=r"trained with --helen-bound 0.5, this command has 0.3"
     ):
-        Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True, helen_rho=0.05)).run()
-    Trainer(cases.tiny_config(str(tmp_path / "part"), resume=True, **helen)).run()
+        Trainer(
+            tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, helen_rho=0.05)
+        ).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, **helen)).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
     assert resumed == {k: full[k] for k in cases.EXACT}
     cost = full["helen"]
@@ -89,7 +92,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     root = str(tmp_path)
     opts = {"max_steps": 5, "sharding": "row_wise" if first > 1 else "auto"}
     if first == 1:
-        Trainer(cases.tiny_config(root, **opts)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, **opts)).run()
     else:
         run_ranks(cases.train_phases, first, [(root, opts)], timeout_s=240)
     reference = cases.local_restored_state(root, {})
@@ -111,7 +114,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     assert sum(int(v[3]) for v in reference["counters"].values()) > 0  # rows were updated
     # Training went on from there at the new world size.
     if second == 1:
-        Trainer(cases.tiny_config(root, resume=True)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, resume=True)).run()
     assert cases.exact_metrics(root + "/run")["steps"] > 5
 
 

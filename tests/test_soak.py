@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoint_testing import cli_args
+from tiny import tiny_cli
 
 from torchrec_cowclip.train.checkpoint import WRITING_MARKER, CheckpointStore
 from torchrec_cowclip.train.cli import main
@@ -32,20 +32,7 @@ SEED = 13
 STEPS = 84
 # The kills are placed by steps logged, not by time, so that a faster machine does not
 # finish the run before the 20th kill.
-ARGV = cli_args(
-    data="synthetic:3000",
-    synthetic_scale=0.001,
-    synthetic_max_cardinality=200,
-    hidden=(8, 8),
-    embedding_dim=4,
-    batch_size=128,
-    epochs=4,
-    checkpoint_every=2,
-    log_every=1,
-    eval_batch_size=4096,
-    threads=1,
-    no_progress=True,
-)
+ARGV = tiny_cli(batch_size=128, epochs=4, checkpoint_every=2)
 COMPARED = (
     "auc",
     "logloss",
@@ -218,20 +205,12 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, sig):
 # --- two processes under torchrun, no person ------------------------------------------------
 
 ELASTIC_KILLS = 10
-ELASTIC_ARGV = cli_args(
+ELASTIC_ARGV = tiny_cli(
     data="synthetic:12000",
-    synthetic_scale=0.001,
-    synthetic_max_cardinality=200,
-    hidden=(8, 8),
-    embedding_dim=4,
-    batch_size=256,
     epochs=2,
     checkpoint_every=3,
-    log_every=1,
-    eval_batch_size=4096,
     sharding="row_wise",
     dist_timeout=30,
-    no_progress=True,
     resume="auto",
 )
 # 10,800 training rows at batch 256: 42 steps an epoch, 84 in all.

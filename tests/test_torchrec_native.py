@@ -17,7 +17,8 @@ from cowclip_testing import kjt_from_bags
 from distributed_harness import run_ranks
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from tiny import TINY_PROCESSES, bag_config, tiny_config
+from torchrec import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -32,8 +33,8 @@ STOCK_RTOL = 1e-6
 
 def _tables():
     return [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"]),
-        EmbeddingBagConfig(name="lin", embedding_dim=1, num_embeddings=10, feature_names=["f0"]),
+        bag_config("t0", 4, 10, ["f0"]),
+        bag_config("lin", 1, 10, ["f0"]),
     ]
 
 
@@ -241,7 +242,7 @@ def test_cowclip_optimizer_classes_validate_and_refuse_a_dense_step():
 
 
 def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively():
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=20, feature_names=["f"])]
+    tables = [bag_config("t", 4, 20)]
     stock = EmbeddingBagCollection(tables=tables)
     apply_optimizer_in_backward(RowWiseAdagrad, stock.parameters(), {"lr": 0.5, "eps": 1e-8})
     marked = CowClipEmbeddingBagCollection.from_ebc(stock)
@@ -380,11 +381,9 @@ def test_helen_through_the_sparse_dist_pipeline_equals_the_manual_two_pass_loop_
 
 
 def test_helen_through_the_base_pipeline_equals_the_manual_two_pass_loop_on_1_process(tmp_path):
-    from trainer_cases import tiny_config
-
     from torchrec_cowclip.train.trainer import Trainer
 
-    config = tiny_config(str(tmp_path), helen_rho=0.05, out=str(tmp_path / "pipeline"))
+    config = tiny_config(tmp_path, TINY_PROCESSES, helen_rho=0.05, out=str(tmp_path / "pipeline"))
     piped = Trainer(config)
     piped.run_dir.release()
     pipeline_type, pipeline_losses = native.pipeline_helen_steps(piped, 4)

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from tiny import SMALL_RUN, tiny_config
 
 from torchrec_cowclip.data import open_dataset, rank_auc
 from torchrec_cowclip.train import TrainConfig, scale_hyperparameters
@@ -48,23 +49,7 @@ def test_scaling_rule_avazu_and_overrides():
 
 
 def _config(tmp_path, **overrides):
-    base = dict(
-        model="deepfm",
-        data="synthetic:30000",
-        out=str(tmp_path / "run"),
-        cache_dir=str(tmp_path / "cache"),
-        batch_size=1024,
-        epochs=1,
-        hidden=(32, 32),
-        lr_embed=1e-2,
-        synthetic_scale=0.01,
-        synthetic_max_cardinality=5000,
-        progress=False,
-        eval_batch_size=8192,
-        log_every=5,
-    )
-    base.update(overrides)
-    return TrainConfig(**base)
+    return tiny_config(tmp_path, SMALL_RUN, **overrides)
 
 
 @pytest.fixture(scope="module")

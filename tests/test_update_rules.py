@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from tiny import bag_config
+from torchrec import KeyedJaggedTensor
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.distributed.options import PLANNER_OPTIMIZER_CLASS
@@ -56,7 +57,7 @@ def test_a_registered_rule_trains_a_collection_end_to_end(toy_rule):
     assert PLANNER_OPTIMIZER_CLASS[toy_rule.name] is torch.optim.Adagrad
 
     ebc = CowClipEmbeddingBagCollection(
-        [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=5, feature_names=["f"])],
+        [bag_config("t", 3, 5)],
         optimizer=toy_rule.name,
         lr=0.1,
         cowclip=None,

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from cowclip_testing import kjt_from_bags
 from distributed_cases import gather_full, global_batches, local_slice, mean_loss
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from tiny import TINY_PROCESSES, bag_config, tiny_config
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec import (
@@ -66,11 +67,11 @@ class Model(nn.Module):
 
 def tables() -> List[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
-        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f1"]),
-        EmbeddingBagConfig(name="rw", embedding_dim=4, num_embeddings=30, feature_names=["f2"]),
-        EmbeddingBagConfig(name="cw", embedding_dim=8, num_embeddings=20, feature_names=["f3"]),
-        EmbeddingBagConfig(name="dp", embedding_dim=4, num_embeddings=20, feature_names=["f4"]),
+        bag_config("t0", 8, 40, ["f0"]),
+        bag_config("t1", 8, 30, ["f1"]),
+        bag_config("rw", 4, 30, ["f2"]),
+        bag_config("cw", 8, 20, ["f3"]),
+        bag_config("dp", 4, 20, ["f4"]),
     ]
 
 
@@ -413,7 +414,7 @@ def pipeline_helen_steps(trainer: Any, steps: int) -> Tuple[str, List[float]]:
 
 
 def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None:
-    from trainer_cases import _as_torchrun, tiny_config
+    from trainer_cases import _as_torchrun
 
     from torchrec_cowclip.train.trainer import Trainer
 
@@ -424,7 +425,11 @@ def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None
         "data_parallel_perturbed": dict(sharding="data_parallel", helen_perturb_dense=True),
     }.items():
         config = tiny_config(
-            root, helen_rho=0.05, out=os.path.join(root, name, "pipeline"), **overrides
+            root,
+            TINY_PROCESSES,
+            helen_rho=0.05,
+            out=os.path.join(root, name, "pipeline"),
+            **overrides,
         )
         piped = Trainer(config)
         piped.run_dir.release()

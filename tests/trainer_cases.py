@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from distributed_cases import gather_full
+from tiny import TINY_PROCESSES, tiny_config
 
-from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.trainer import Trainer
 
 #: Metrics that a resumed run must reproduce exactly.
@@ -32,27 +31,6 @@ EXACT = (
 )
 
 
-def tiny_config(root: str, **overrides: Any) -> TrainConfig:
-    base = TrainConfig(
-        model="deepfm",
-        data="synthetic:16000",
-        batch_size=1536,
-        hidden=(16, 16),
-        synthetic_scale=0.01,
-        synthetic_max_cardinality=3000,
-        lr_embed=1e-2,
-        epochs=2,
-        progress=False,
-        cache_dir=os.path.join(root, "cache"),
-        out=os.path.join(root, "run"),
-        dist_timeout_s=60,
-        val_fraction=0.1,
-        early_stop_patience=3,
-        embedding_dim=6,
-    )
-    return replace(base, **overrides)
-
-
 def _as_torchrun(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
@@ -63,11 +41,11 @@ def exact_metrics(out: str) -> Dict[str, Any]:
 
 
 def train_phases(rank: int, world: int, runs: List[Tuple[str, Dict[str, Any]]]) -> None:
-    """Runs ``Trainer(tiny_config(root, **options)).run()`` for each ``(root, options)``
+    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()`` for each ``(root, options)``
     in turn (several runs per job: the spawn and imports dominate a tiny run)."""
     _as_torchrun(rank, world)
     for root, options in runs:
-        Trainer(tiny_config(root, **options)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()
         dist.barrier()
 
 
@@ -87,7 +65,7 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
         return result
 
     state_dict_saver.save = save
-    Trainer(tiny_config(root, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, **overrides)).run()
 
 
 def restored_state(
@@ -96,7 +74,7 @@ def restored_state(
     """Loads the run's latest checkpoint at this world size; rank 0 writes the full
     weights and optimizer states, gathered from every rank. Then trains on from there."""
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
     trainer.restore()
     trainer.run_dir.release()  # run() would release the --out lock at its end
     tensors = trainer.runtime.tensors()
@@ -112,12 +90,12 @@ def restored_state(
             {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
         )
     dist.barrier()
-    Trainer(tiny_config(root, resume=True, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides)).run()
 
 
 def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
     """The same, in this process (one process, no sharding)."""
-    trainer = Trainer(tiny_config(root, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
     trainer.restore()
     trainer.run_dir.release()
     tensors = trainer.runtime.tensors()
@@ -189,7 +167,7 @@ def train_until_signal(
     from torchrec_cowclip.train.stop import RunStopped
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides))
     _check_sharded_atomic_load(trainer)
     real = trainer.runtime.step_summary
     steps = {"n": 0}
@@ -218,7 +196,7 @@ def hang_in_step(rank: int, world: int, root: str, at_step: int) -> None:
     import time
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, sharding="table_wise"))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise"))
     real = trainer.runtime.step
 
     def step(pipeline: Any, batches: Any, number: int) -> Any:

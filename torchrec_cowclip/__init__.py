@@ -3,11 +3,14 @@
 Example::
 
     >>> from torchrec import EmbeddingBagConfig
-    >>> from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+    >>> from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions
+    >>> options = CowClipOptions(optimizer="adam", lr=1e-4, cowclip=CowClip(r=1.0, zeta=1e-5))
     >>> ebc = CowClipEmbeddingBagCollection(
     ...     tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000,
     ...                                feature_names=["f0"])],
-    ...     optimizer="adam", lr=1e-4, cowclip=CowClip(r=1.0, zeta=1e-5))
+    ...     options=options)
+    >>> ebc.options == options
+    True
 
 The names built on TorchRec types load on first use (module ``__getattr__``), so the
 torch-only core (``torchrec_cowclip.optim.functional``, ``optim.reference``,

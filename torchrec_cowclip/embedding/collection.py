@@ -123,10 +123,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     Example::
 
         >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        >>> from torchrec_cowclip import CowClip, CowClipOptions
         >>> ebc = CowClipEmbeddingBagCollection(
         ...     tables=[EmbeddingBagConfig(name="t0", embedding_dim=8,
         ...                                num_embeddings=1000, feature_names=["f0"])],
-        ...     optimizer="adam", lr=1e-3, cowclip=CowClip(r=1.0, zeta=1e-5))
+        ...     options=CowClipOptions(lr=1e-3, cowclip=CowClip(r=1.0, zeta=1e-5)))
         >>> kjt = KeyedJaggedTensor.from_lengths_sync(
         ...     keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
         >>> kt = ebc(kjt)                       # KeyedTensor, values [2, 8]
@@ -233,7 +234,8 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
             ...                              feature_names=["f"])]
             >>> ebc = torchrec.EmbeddingBagCollection(tables=tables)
-            >>> cowclip_ebc = CowClipEmbeddingBagCollection.from_ebc(ebc, lr=1e-4)
+            >>> cowclip_ebc = CowClipEmbeddingBagCollection.from_ebc(
+            ...     ebc, options=CowClipOptions(lr=1e-4))
             >>> key = "embedding_bags.t.weight"
             >>> torch.equal(cowclip_ebc.state_dict()[key], ebc.state_dict()[key])
             True

@@ -10,11 +10,12 @@ Example::
 
     >>> import torch, torch.nn.functional as F
     >>> from torchrec import KeyedJaggedTensor
-    >>> from torchrec_cowclip import CowClip
+    >>> from torchrec_cowclip import CowClip, CowClipOptions
     >>> from torchrec_cowclip.models import build_model
+    >>> clip = CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)
     >>> model = build_model("deepfm", num_dense=13, sparse_names=["C1", "C2"],
-    ...                     cardinalities=[100, 50], embedding_lr=1e-4,
-    ...                     cowclip=CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10))
+    ...                     cardinalities=[100, 50],
+    ...                     embedding_options=CowClipOptions(lr=1e-4, cowclip=clip))
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
     ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
     ...     lengths=torch.ones(4, dtype=torch.int64))

@@ -11,10 +11,10 @@ optimizer, and LR schedules (``torch.optim.lr_scheduler``, TorchRec's
 Example::
 
     >>> from torchrec import EmbeddingBagConfig
-    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions
     >>> ebc = CowClipEmbeddingBagCollection(
     ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
-    ...     optimizer="adam", lr=1e-4)
+    ...     CowClipOptions(optimizer="adam", lr=1e-4))
     >>> opt = ebc.fused_optimizer
     >>> opt.param_groups[0]["lr"] = 5e-5          # takes effect at the next backward
     >>> sorted(opt.state_dict()["state"]["embedding_bags.t.weight"])

@@ -50,7 +50,7 @@ class CowClipOptions:
 
     Example::
 
-        >>> from torchrec_cowclip.optim.functional import CowClip
+        >>> from torchrec_cowclip import CowClip
         >>> opts = CowClipOptions(optimizer="adam", lr=1e-4, cowclip=CowClip(1.0, 3.2e-5),
         ...                       unclipped_tables=frozenset({"lin"}))
         >>> opts.hyperparameters()["lr"]

@@ -94,18 +94,14 @@ class Recipe:
             raise ValueError(f"recipe {self.name}: clip_r must be > 0 and warmup_epochs >= 0")
 
 
-#: The trainer's ``--recipe`` choices; ``paper`` is the default.
+#: The trainer's ``--recipe`` choices; ``paper`` is the default. Why each is what it is:
+#: docs/scaling.md, "Why each --recipe is what it is".
 RECIPES: Dict[str, Recipe] = {
     "paper": Recipe(
         name="paper",
         summary="the paper's rule: embedding lr fixed, dense lr x sqrt(s), L2 x s, "
         "1 epoch warm-up, r = 1, zeta = sqrt(D) * bound",
     ),
-    # docs/scaling.md, "Recipe search": on Criteo-like synthetic data at 32x the base batch,
-    # scaling L2 linearly cost the most AUC (likely because coupled L2 grows with s while a
-    # rare id's gradient shrinks with it, so the decay dominates rare rows' Adam steps; not
-    # measured separately), and the one-epoch warm-up covered the whole of epoch 1, where
-    # these runs peak.
     "fixed-l2": Recipe(
         name="fixed-l2",
         l2_scaling="fixed",
@@ -114,9 +110,6 @@ RECIPES: Dict[str, Recipe] = {
         "dense lr x sqrt(s), L2 unchanged, r = 1, zeta = sqrt(D) * bound "
         "(docs/scaling.md)",
     ),
-    # docs/scaling.md, "Five methods on two generators": on the harder generator the
-    # per-id-frequency lr (CountLR, power 0.5, cap s) on top of fixed-l2 lost the least
-    # AUC at 64x and 128x of every recipe tried.
     "fixed-l2-count": Recipe(
         name="fixed-l2-count",
         l2_scaling="fixed",
@@ -125,10 +118,6 @@ RECIPES: Dict[str, Recipe] = {
         summary="fixed-l2 plus the per-id-frequency embedding lr lr * min(c_j, s) ** 0.5 "
         "(docs/scaling.md)",
     ),
-    # docs/scaling.md, "Helen": the fixed-l2 rule plus Helen, its radius grown with sqrt(s)
-    # so that a touched row's share of each table's perturbation stays about the same as
-    # the batch (and so the number of rows sharing it) grows; 0.005 at the base batch,
-    # where the reference's 0.05 cost the study's batch-64 runs about 2 AUC points.
     "helen-fixed-l2": Recipe(
         name="helen-fixed-l2",
         l2_scaling="fixed",

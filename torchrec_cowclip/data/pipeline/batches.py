@@ -239,6 +239,10 @@ class BatchIterator:
         yield from _prefetched(((lambda k=k: self._batch(order, k)) for k in todo), self.prefetch)
 
 
+#: The name of the thread that builds batches ahead of the consumer.
+PREFETCH_THREAD = "torchrec-cowclip-prefetch"
+
+
 def _prefetched(makers: Iterator[Any], depth: int) -> Iterator[Batch]:
     """Run ``makers`` (batch factories) in a thread, ``depth`` ahead, in order."""
     q: "queue.Queue[Tuple[str, Any]]" = queue.Queue(maxsize=depth)
@@ -263,7 +267,7 @@ def _prefetched(makers: Iterator[Any], depth: int) -> Iterator[Batch]:
         except BaseException as e:  # re-raised in the consumer's thread
             put(("error", e))
 
-    t = threading.Thread(target=work, daemon=True)
+    t = threading.Thread(target=work, name=PREFETCH_THREAD, daemon=True)
     t.start()
     try:
         while True:

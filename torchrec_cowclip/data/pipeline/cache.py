@@ -21,7 +21,7 @@ and the next builder removes what a killed one left in its temporary directory.
 Opening an entry verifies it: every file's size and header on every open (a ``stat``
 and a 128-byte read per file), the checksums on the first open in a process and
 again whenever a file's size or modification time has changed since (the full check
-reads every byte: about 0.1 s per GB more than ``stat``; docs/performance.md). A
+reads every byte; its cost: docs/performance.md, "Cache verification"). A
 mismatch (a truncated or overwritten array) makes :func:`build_entry` log a warning
 naming the file and rebuild the entry from its source; :class:`CacheCorrupt` is
 raised where no rebuild is possible. An entry written by an older format version is
