@@ -219,20 +219,8 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     tables = [
         bag_config("emb_a", 6, 30, ["a"]),
         bag_config("emb_b", 6, 20, ["b"]),
-        EmbeddingBagConfig(
-            name="lin_a",
-            embedding_dim=1,
-            num_embeddings=30,
-            feature_names=["a"],
-            pooling=lin_pooling,
-        ),
-        EmbeddingBagConfig(
-            name="lin_b",
-            embedding_dim=1,
-            num_embeddings=20,
-            feature_names=["b"],
-            pooling=lin_pooling,
-        ),
+        bag_config("lin_a", 1, 30, ["a"], pooling=lin_pooling),
+        bag_config("lin_b", 1, 20, ["b"], pooling=lin_pooling),
     ]
     ebc, ref = _build(
         tables,
@@ -293,9 +281,7 @@ def test_row_clip_counts_match_the_reference_row_by_row():
 
 
 def test_weighted_mean_pooling_divides_by_bag_length():
-    table = EmbeddingBagConfig(
-        name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"], pooling=PoolingType.MEAN
-    )
+    table = bag_config("t", 2, 4, ["f"], pooling=PoolingType.MEAN)
     ebc = CowClipEmbeddingBagCollection(
         [table], optimizer="sgd", lr=1.0, cowclip=None, is_weighted=True
     )

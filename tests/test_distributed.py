@@ -41,35 +41,17 @@ def mixed_tables():
             name="tw", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fb"]
         ),
         # table-wise on rank 1, MEAN pooling (a second kernel in the table-wise lookup)
-        EmbeddingBagConfig(
-            name="tw_mean",
-            embedding_dim=4,
-            num_embeddings=30,
-            feature_names=["fc"],
-            pooling=PoolingType.MEAN,
-        ),
+        bag_config("tw_mean", 4, 30, ["fc"], pooling=PoolingType.MEAN),
         # column-wise over ranks 0 and 1
         bag_config("cw", 8, 50, ["fd"]),
         # column-wise, 3 shards: two on rank 0 (their partial norms add up locally first)
         bag_config("cw3", 12, 30, ["fe"]),
         # table-column-wise over ranks 1 and 0, MEAN pooling
-        EmbeddingBagConfig(
-            name="twcw",
-            embedding_dim=8,
-            num_embeddings=30,
-            feature_names=["ff"],
-            pooling=PoolingType.MEAN,
-        ),
+        bag_config("twcw", 8, 30, ["ff"], pooling=PoolingType.MEAN),
         # data-parallel
         bag_config("dp", 4, 20, ["fg"]),
         # row-wise over both ranks (each id's row, and its count, on one rank), MEAN pooling
-        EmbeddingBagConfig(
-            name="rw",
-            embedding_dim=8,
-            num_embeddings=30,
-            feature_names=["fh"],
-            pooling=PoolingType.MEAN,
-        ),
+        bag_config("rw", 8, 30, ["fh"], pooling=PoolingType.MEAN),
         # table-row-wise within the host
         bag_config("twrw", 4, 26, ["fi"]),
         # unclipped first-order table sharing feature "fa" with "tw"
@@ -375,13 +357,7 @@ def _ckpt_scenarios(world: int) -> Dict[str, cases.Scenario]:
         ),
         bag_config("cw", 8, 50, ["fc"]),
         bag_config("dp", 4, 20, ["fd"]),
-        EmbeddingBagConfig(
-            name="mean",
-            embedding_dim=4,
-            num_embeddings=30,
-            feature_names=["fe"],
-            pooling=PoolingType.MEAN,
-        ),
+        bag_config("mean", 4, 30, ["fe"], pooling=PoolingType.MEAN),
         bag_config("rw", 4, 22, ["ff"]),
     ]
     if world == 2:
