@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks run from a clone, the package not installed
     sys.path.insert(0, str(REPO))
 
-from torchrec_cowclip.optim.config import CowClip  # noqa: E402
+from torchrec_cowclip import CowClip  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 ADAM_LR = 1e-3

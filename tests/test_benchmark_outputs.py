@@ -1,6 +1,7 @@
-"""benchmarks/end_to_end.py, benchmarks/embedding_step.py and benchmarks/gpu_timing.py at
-tiny sizes: the files each writes (JSON, CSV, PNG with matplotlib) and end_to_end's peak-RSS table, one entry
-per timed variant, each from its own subprocess."""
+"""The benchmark scripts at tiny sizes (end_to_end.py, embedding_step.py, gpu_timing.py,
+method_step_time.py, compare_checkouts.py): the files each writes (JSON, CSV, PNG with
+matplotlib), end_to_end's peak-RSS table (one entry per timed variant, each from its own
+subprocess), and the refusals and exit statuses they promise."""
 
 import csv
 import importlib.util
@@ -230,3 +231,29 @@ def test_method_step_time_writes_paired_ratios(bench, tmp_path):
     saved = json.loads((tmp_path / "method_step_time.json").read_text())
     assert saved["records"] == result["records"]
     assert (tmp_path / "method_step_time.csv").read_text().startswith("batch_size,method,")
+
+
+def test_compare_checkouts_times_both_workers_and_checks_max_ratio(bench, tmp_path):
+    import compare_checkouts
+
+    repo = BENCHMARKS.parent
+    tiny = ["--rounds", "2", "--warmup", "1", "--tables", "2", "--rows", "100", "--dim", "4",
+            "--batch-size", "64", "--threads", "1", "--json", str(tmp_path / "c.json")]  # fmt: skip
+    with pytest.raises(SystemExit) as refused:
+        compare_checkouts.main(["--before", str(repo), "--max-ratio", "1e-9", *tiny])
+    assert refused.value.code == 1
+    result = json.loads((tmp_path / "c.json").read_text())
+    package = str(repo / "torchrec_cowclip")
+    assert result["packages"] == {"before": package, "after": package}
+    for part in ("forward", "backward", "release", "step"):
+        assert result[part]["before_ms"] > 0 and result[part]["after_ms"] > 0
+        assert result[part]["paired_ratio"] > 0
+
+
+def test_compare_checkouts_refuses_a_directory_without_the_package(bench, tmp_path, capsys):
+    import compare_checkouts
+
+    with pytest.raises(SystemExit) as refused:
+        compare_checkouts.main(["--before", str(tmp_path)])
+    assert refused.value.code == 2
+    assert f"--before {tmp_path}: not a checkout of this project" in capsys.readouterr().err
