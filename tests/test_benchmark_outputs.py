@@ -25,20 +25,14 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)
 
 
-#: end_to_end.py at a tiny size: one round of one step per variant, no deepctr-torch.
-TINY_END_TO_END = [
-    "--rows",
-    "2048",
-    "--batch-sizes",
-    "256",
-    "--rounds",
-    "1",
-    "--warmup",
-    "0",
-    "--steps-per-round",
-    "1",
-    "--no-deepctr",
-]
+def tiny_end_to_end(tmp_path: Path, out: Path, *extra: str) -> list:
+    """end_to_end.py's arguments at a tiny size: one round of one step per variant, no
+    deepctr-torch, tables of at most 1,000 rows, one thread, writing under ``tmp_path``."""
+    return [
+        "--rows", "2048", "--batch-sizes", "256", "--rounds", "1", "--warmup", "0",
+        "--steps-per-round", "1", "--no-deepctr", *extra, "--max-cardinality", "1000",
+        "--threads", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+    ]  # fmt: skip
 
 
 def _csv(path):
@@ -50,19 +44,7 @@ def test_end_to_end_writes_csv_json_png_and_memory(bench, tmp_path):
     import end_to_end
 
     out = tmp_path / "out"
-    result = end_to_end.main(
-        [
-            *TINY_END_TO_END,
-            "--max-cardinality",
-            "1000",
-            "--threads",
-            "1",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--out",
-            str(out),
-        ]
-    )
+    result = end_to_end.main(tiny_end_to_end(tmp_path, out))
     variants = [end_to_end.OURS, end_to_end.STOCK, end_to_end.DENSE]
     assert json.loads((out / "end_to_end.json").read_text())["results"] == result["results"]
     rows = _csv(out / "end_to_end.csv")
@@ -95,19 +77,7 @@ def test_end_to_end_fbgemm_anchors_train_through_dmp(bench, tmp_path):
         [
             sys.executable,
             str(script),
-            *TINY_END_TO_END,
-            "--no-stock",
-            "--no-memory",
-            "--dim",
-            "8",
-            "--max-cardinality",
-            "1000",
-            "--threads",
-            "1",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--out",
-            str(out),
+            *tiny_end_to_end(tmp_path, out, "--no-stock", "--no-memory", "--dim", "8"),
         ],
         capture_output=True,
         text=True,
