@@ -7,7 +7,6 @@ One place for them, so that a test says only how its case differs from the usual
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -139,7 +138,7 @@ def tiny_config(
         if root is None
         else dict(out=os.path.join(root, "run"), cache_dir=os.path.join(root, "cache"))
     )
-    return replace(TrainConfig(**{**base, **where}), **overrides)
+    return TrainConfig(**{**base, **where, **overrides})
 
 
 # --- command lines --------------------------------------------------------------------------
