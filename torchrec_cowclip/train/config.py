@@ -311,12 +311,15 @@ class TrainConfig:
         ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.out is None and self.resume and world <= 1:
+        # Without --out a torchrun job's directory is named by its run id (the same for
+        # every rank and restart); anything else gets a new one (train/run_dir.py).
+        elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        if self.out is None and self.resume and not elastic:
             raise ConfigError(
                 "--resume continues the run in --out: give --out (the default, a new "
                 "runs/<timestamp>, holds no run to resume)"
             )
-        if self.out is None and world > 1 and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        if self.out is None and world > 1 and not elastic:
             raise ConfigError(
                 f"the {world} processes of a run share one directory: give --out (without "
                 "torchrun there is no run id to name one by)"

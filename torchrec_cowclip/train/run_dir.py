@@ -61,11 +61,11 @@ def new_run_dir(root: Path = DEFAULT_RUNS_ROOT) -> Path:
         >>> a != b and a.is_dir() and b.is_dir()
         True
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-        if not run_id:  # TrainConfig.validate() refused this already
-            raise RunDirError("several processes share one run directory: give --out")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
         return root / f"torchrun-{run_id}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # TrainConfig.validate() refused this
+        raise RunDirError("several processes share one run directory: give --out")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     for k in itertools.count(1):
