@@ -170,7 +170,8 @@ def test_criteo_npy_contiguous_ids_and_minmax(tmp_path: Path) -> None:
     sparse = np.load(d / "day_0_sparse.npy")
     np.testing.assert_array_equal(ds.sparse, sparse)
     assert ds.schema.cardinalities == tuple(int(m) + 1 for m in sparse.max(0))
-    assert np.isclose(ds.dense.min(), 0) and np.isclose(ds.dense.max(), 1)
+    inputs = ds.dense_inputs()
+    assert np.isclose(inputs.min(), 0) and np.isclose(inputs.max(), 1)
 
 
 def test_criteo_npy_bad_rows(tmp_path: Path) -> None:

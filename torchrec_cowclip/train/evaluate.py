@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Callable, Dict, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,14 @@ from torchrec.datasets.utils import Batch
 
 @torch.no_grad()
 def evaluate(
-    task: torch.nn.Module, batches: Iterable[Batch], device: torch.device
+    task: torch.nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    on_batch: Optional[Callable[[], None]] = None,
 ) -> Dict[str, float]:
     """AUC and mean binary log-loss of a ``CTRTrainTask`` (``task(batch) -> (loss,
-    (loss, logits, labels))``) over ``batches``.
+    (loss, logits, labels))``) over ``batches``; ``on_batch`` is called after each batch
+    (a progress bar).
 
     The task is put in eval mode for the pass and restored afterwards. Forward under
     ``no_grad`` leaves fused CowClip tables untouched.
@@ -50,6 +54,8 @@ def evaluate(
             _, (_, logits, labels) = task(batch.to(device))
             auc.update(torch.sigmoid(logits), labels.long())
             logloss.update(F.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
+            if on_batch is not None:
+                on_batch()
     finally:
         task.train(was_training)
     if logloss.update_count == 0 and not torch.distributed.is_initialized():
