@@ -53,7 +53,7 @@ from torchrec_cowclip.train.resume_guard import (
 from torchrec_cowclip.train.run_dir import claim_run_dir
 from torchrec_cowclip.train.run_log import RunLog, write_text_atomically
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
-from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.table_memory import check_tables_fit
 
@@ -204,22 +204,7 @@ class Trainer:
             else "--synthetic-max-cardinality",
         )
 
-        self.hp: ScaledHyperparameters = scale_hyperparameters(
-            config.batch_size,
-            dataset="avazu" if config.data.startswith("avazu:") else "criteo",
-            base_batch_size=config.base_batch_size,
-            embedding_dim=config.embedding_dim,
-            dense_lr=config.lr,
-            embedding_lr=config.lr_embed,
-            l2=config.l2,
-            clip_r=config.clip_r,
-            clip_zeta=config.clip_zeta,
-            warmup_epochs=config.warmup_epochs,
-            recipe=config.recipe,
-            count_lr_power=config.count_lr_power,
-            helen_rho=config.helen_rho,
-            helen_bound=config.helen_bound,
-        )
+        self.hp: ScaledHyperparameters = config.hyperparameters()
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.fingerprint = run_fingerprint(self.run_record)
         clipped = config.cowclip and self.hp.cowclip
