@@ -283,7 +283,7 @@ def test_stale_temp_files_are_removed_at_start(interrupted, tmp_path, capsys):
     assert f"removed metrics.json.tmp from {out}, left by an interrupted write" in err
     assert f"removed {half}, left by an interrupted checkpoint write" in err
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"]
+        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png"]
     )
     # The pointer and the last two complete checkpoints (--keep-checkpoints 2).
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [

@@ -36,6 +36,7 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.config import CowClip
+from torchrec_cowclip.plots import CURVES_PNG, write_run_curves
 from torchrec_cowclip.train.checkpoint import (
     CHECKPOINTS_DIR,
     TRAINER_STATE,
@@ -488,6 +489,8 @@ class Trainer:
         p.epoch_logloss.append(test["logloss"])
         row: Dict[str, Any] = {
             "epoch": p.epoch + 1,
+            "step": p.global_step,
+            "train_samples": p.train_samples,
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
         }
@@ -587,7 +590,21 @@ class Trainer:
             write_text_atomically(
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
+            self._plot()
         return metrics
+
+    def _plot(self) -> None:
+        """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
+        warning, not the finished run (its metrics and checkpoints are written)."""
+        hp = self.hp
+        title = (
+            f"{self.config.model} on {self.config.data}: batch {hp.batch_size} "
+            f"(x{hp.scale:g}), recipe {hp.recipe}, seed {self.config.seed}"
+        )
+        try:
+            write_run_curves(self.out, title)
+        except Exception as e:  # noqa: BLE001 - any plotting failure, reported in one line
+            _say(f"warning: no {CURVES_PNG} in {self.out}: {type(e).__name__}: {e}")
 
     def _clip_by_frequency(self) -> List[Dict[str, float]]:
         """Clip rate of the clipped tables' row updates, by each id's number of occurrences
