@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 
 from torchrec_cowclip.compat import add_fx_tracing_filter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.sweep.cli import add_sweep_parser
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a CTR model and write metrics.json",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_train_arguments(t)
+    # The sweep runs `train` once per cell: it takes train's arguments from here (the
+    # sweep package never imports this module: no cycle).
+    add_sweep_parser(sub, add_train_arguments, config_from_args)
+    return parser
+
+
+def add_train_arguments(t: argparse.ArgumentParser) -> None:
+    """Adds every option of ``train`` to ``t`` (``sweep`` takes them too)."""
     d = TrainConfig()
     g = t.add_argument_group("model and data")
     g.add_argument("--model", choices=MODELS, default=d.model)
@@ -288,7 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="count clipped updates per embedding row and report the clip rate by "
         "id frequency in the training split (clip_by_frequency.json; one process)",
     )
-    return parser
 
 
 def train_flags(parser: argparse.ArgumentParser) -> List[str]:
@@ -349,6 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_fx_tracing_filter(_FX_TRACING_NOTICE)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        return int(args.run_sweep(args))
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
