@@ -206,7 +206,7 @@ def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
     assert not (killed / "metrics.json").exists()
     assert "received SIGTERM" in (killed / "train.log").read_text()
     capsys.readouterr()
-    assert _sweep(*argv) == 0
+    assert _sweep(*argv, "--delete-finished-checkpoints") == 0
     err = capsys.readouterr().err
     assert "3 of 6 cells finished (or diverged) before: not run again" in err
     assert "cell b128-none-s0: continuing its checkpoint" in err
@@ -221,6 +221,10 @@ def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
     assert (attempts[1]["outcome"], attempts[1]["continues"]) == ("finished", True)
     with open(copy / "sweep.csv", newline="") as f:
         assert {r["cell"]: r["status"] for r in csv.DictReader(f)}["b512-none-s0"] == "finished"
+    # --delete-finished-checkpoints: the cells finished by this command keep no checkpoint.
+    assert not (killed / "checkpoints").exists() and attempts[1]["checkpoints_deleted"] > 0
+    assert not (copy / "cells" / "b512-none-s0" / "checkpoints").exists()
+    assert (copy / "cells" / "b512-fixed-l2-s0" / "checkpoints").is_dir()
 
 
 @pytest.mark.parametrize(

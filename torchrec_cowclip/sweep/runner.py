@@ -15,15 +15,14 @@ one that diverged (``train`` exit status 3) keeps that outcome; any other starts
 cell killed before its first checkpoint starts anew. A cell that was run with other
 settings than this command's, or on other data, is refused before anything runs.
 
-Each cell process gets ``--threads`` = the sweep's threads per cell and dies with the sweep
-(``PR_SET_PDEATHSIG``: a SIGTERM, on which ``train`` checkpoints and stops), so a killed
-sweep leaves no run behind holding a cell's lock. SIGTERM or Ctrl-C on the sweep stops
-its cells the same way; re-running the command continues them.
+Each cell process (:mod:`.cell`: ``train`` that gets a SIGTERM when the sweep dies, on
+which it checkpoints and stops) gets ``--threads`` = the sweep's threads per cell, so a
+killed sweep leaves no run behind holding a cell's lock. SIGTERM or Ctrl-C on the sweep
+stops its cells the same way; re-running the command continues them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -44,12 +43,15 @@ from torchrec_cowclip.sweep.grid import (
     setting_differences,
     shared_settings,
 )
+from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.run_dir import RunDirLock, has_checkpoint, run_files
 from torchrec_cowclip.train.run_log import write_text_atomically
 from torchrec_cowclip.train.stop import EXIT_STOPPED
 
 CELLS_DIR = "cells"
+#: The environment variable that names the sweep's pid to its cells (:mod:`.cell`).
+PARENT_PID = "TORCHREC_COWCLIP_SWEEP_PID"
 CELL_RECORD = "cell.json"
 CELL_LOG = "train.log"
 SETTINGS_FILE = "sweep-settings.json"
@@ -74,6 +76,8 @@ class SweepSpec:
         base: the settings every cell shares (batch size, recipe and seed set per cell).
         parallel: cells trained at once.
         threads: torch threads of each cell.
+        delete_finished_checkpoints: remove a cell's checkpoints once it has finished
+            (its metrics, logs and curves stay; a finished cell is never trained again).
     """
 
     out: Path
@@ -84,6 +88,7 @@ class SweepSpec:
     equal: str = "epochs"
     parallel: int = 1
     threads: int = 1
+    delete_finished_checkpoints: bool = False
     cells: List[Cell] = field(default_factory=list)
 
     def settings(self) -> Dict[str, Any]:
@@ -286,15 +291,6 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
         )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the sweep process dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed sweep's cell runs on to its end
-
-
 @dataclass
 class _Running:
     cell: Cell
@@ -341,7 +337,8 @@ def _threads_for(spec: SweepSpec, cell: Cell, record: Dict[str, Any]) -> int:
     (``train --resume`` refuses another); any other gets the sweep's."""
     attempts = record.get("attempts") or []
     if attempts and has_checkpoint(cell_dir(spec.out, cell.name)):
-        return int(attempts[0].get("threads", spec.threads))
+        # The last attempt wrote the checkpoint, or continued one with the same threads.
+        return int(attempts[-1].get("threads", spec.threads))
     return spec.threads
 
 
@@ -425,15 +422,19 @@ def _start(
     log = (d / CELL_LOG).open("ab")
     log.write(f"--- attempt {len(attempts)}: {' '.join(record['command'])}\n".encode())
     log.flush()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        PARENT_PID: str(os.getpid()),
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "torchrec_cowclip", "train", *argv],
+        [sys.executable, "-m", "torchrec_cowclip.sweep.cell", *argv],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,  # a Ctrl-C reaches the sweep, which stops its cells
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     how = "continuing its checkpoint" if attempts[-1]["continues"] else "starting"
     say(
@@ -455,6 +456,9 @@ def _end(spec: SweepSpec, run: _Running, status: int) -> str:
     )
     if outcome != "finished":
         attempt["message"] = _last_line(d / CELL_LOG)
+    elif spec.delete_finished_checkpoints:
+        removed, _ = CheckpointStore(d / CHECKPOINTS_DIR).remove_own()
+        attempt["checkpoints_deleted"] = len(removed)
     write_json(d / CELL_RECORD, record)
     return outcome
 
