@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_train_arguments(t)
-    # The sweep runs `train` once per cell: it takes train's arguments from here (the
-    # sweep package never imports this module: no cycle).
+    # The sweep runs `train` once per cell: it takes train's arguments from here
+    # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
     add_sweep_parser(sub, add_train_arguments, config_from_args)
     return parser
 
