@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from tiny import TINY_CLI, TINY_FILE_RUN, tiny_cli, tiny_config
 
+from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.train import train
 from torchrec_cowclip.train.cli import (
-    HelpFormatter,
     add_train_arguments,
     build_parser,
     config_from_args,
@@ -29,36 +29,49 @@ from torchrec_cowclip.train.cli import (
 # --------------------------------------------------------------------------- --help
 
 
-def _train_help() -> str:
+def _command(name: str) -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["train"].format_help()
+    return sub.choices[name]
 
 
-def _flag_helps() -> dict:
-    """Each train flag's help as ``--help`` renders it (the default included)."""
-    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
-    add_train_arguments(parser)
+def _train_help() -> str:
+    return _command("train").format_help()
+
+
+def _flag_helps(parser: argparse.ArgumentParser) -> dict:
+    """Each flag's help as ``--help`` renders it (the default included)."""
     formatter = parser._get_formatter()
     return {
         a.option_strings[-1]: formatter._expand_help(a)
         for a in parser._actions
-        if a.option_strings and a.dest != "help"
+        if a.option_strings and a.dest != "help" and a.help is not argparse.SUPPRESS
     }
 
 
-def test_every_train_flag_has_help_and_shows_its_default_once():
+def _train_flag_helps() -> dict:
     parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
     add_train_arguments(parser)
-    helps = _flag_helps()
+    return _flag_helps(parser)
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_every_flag_has_help_and_shows_its_default_once(command):
+    parser = _command(command)
+    helps = _flag_helps(parser)
+    assert len(helps) > 40
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
+        if action.help is argparse.SUPPRESS:  # the sweep's refusals of per-cell flags
+            continue
         flag = action.option_strings[-1]
-        assert action.help and len(action.help) > 10, f"{flag} has no help"
+        assert action.help and len(action.help) > 10, f"{command} {flag} has no help"
         shown = helps[flag]
         if flag != "--data":  # required: it has no default
-            assert shown.count("default") >= 1, f"{flag} shows no default: {shown}"
-        assert shown.count("(default:") <= 1, f"{flag} shows its default twice: {shown}"
+            assert shown.count("default") >= 1 or "required" in shown, (
+                f"{command} {flag} shows no default: {shown}"
+            )
+        assert shown.count("(default:") <= 1, f"{command} {flag} shows its default twice: {shown}"
         assert "(default: True)" not in shown and "(default: False)" not in shown, shown
         assert "(default: None)" not in shown, shown
 
@@ -69,10 +82,10 @@ def test_flags_are_grouped_and_the_models_are_all_named():
     assert groups == ["options", "data", "model", "optimizer and recipe", "run", "distributed"]
     from torchrec_cowclip.models import MODELS
 
-    model_help = _flag_helps()["--model"]
+    model_help = _train_flag_helps()["--model"]
     assert all(f"{name}:" in model_help for name in MODELS) and "dlrm_dcn" in model_help
-    assert "clip_by_frequency" in _flag_helps()["--row-clip-stats"]
-    assert "default: CowClip clips" in _flag_helps()["--no-cowclip"]
+    assert "clip_by_frequency" in _train_flag_helps()["--row-clip-stats"]
+    assert "default: CowClip clips" in _train_flag_helps()["--no-cowclip"]
 
 
 def test_another_command_can_reuse_trains_arguments():

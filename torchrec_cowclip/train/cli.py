@@ -17,7 +17,9 @@ import os
 import sys
 from typing import Any, Iterator, List, Optional, Sequence
 
+from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.sweep.cli import add_sweep_parser
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
@@ -59,22 +61,6 @@ def _resume_mode(text: str) -> str:
     if text != "auto":
         raise argparse.ArgumentTypeError(f"takes no value or 'auto', got {text!r}")
     return text
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Shows each flag's default once: appended as ``(default: X)`` unless the help says
-    it; a switch (``--overwrite``) is off by default, and a ``--no-x`` switch's help says
-    in its own words what happens without it (``(default: True)`` would read backwards)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        if action.nargs == 0 and action.default is False:  # a store_true switch
-            return f"{text} (default: off)"
-        if action.default is None or isinstance(action.default, bool):
-            return text  # a test requires such a help to state its default itself
-        return f"{text} (default: %(default)s)"
 
 
 def _shown_list(values: Sequence[Any]) -> str:
@@ -473,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_train_arguments(train)
+    # The sweep runs `train` once per cell: it takes train's arguments from here
+    # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
+    add_sweep_parser(sub, add_train_arguments, config_from_args)
     return parser
 
 
@@ -576,6 +565,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        return int(args.run_sweep(args))
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError

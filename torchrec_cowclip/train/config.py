@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.optim.config import Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.train.scaling import ScaledHyperparameters
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
@@ -141,10 +144,17 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         self._validate_numbers()
-        if not self.cowclip:
+        from torchrec_cowclip.train.scaling import RECIPES
+
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        unclipped = "--no-cowclip" if not self.cowclip else None
+        if not RECIPES[self.recipe].cowclip:
+            unclipped = f"--recipe {self.recipe} (no clip)"
+        if unclipped:
             for flag, clip in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
                 if clip is not None:
-                    raise ConfigError(f"{flag} {clip:g} has no effect with --no-cowclip: drop one")
+                    raise ConfigError(f"{flag} {clip:g} has no effect with {unclipped}: drop one")
         if self.resume not in (False, True, "auto"):
             raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
         if self.resume and self.overwrite:
@@ -154,10 +164,6 @@ class TrainConfig:
         for flag, seed in (("--seed", self.seed), ("--synthetic-seed", self.synthetic_seed)):
             if seed is not None and not 0 <= seed < 2**32:
                 raise ConfigError(f"{flag} must be in [0, 2**32), got {seed}")
-        from torchrec_cowclip.train.scaling import RECIPES
-
-        if self.recipe not in RECIPES:
-            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not 0.0 <= self.test_fraction < 1.0:
             raise ConfigError(f"--test-fraction must be in [0, 1), got {self.test_fraction}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -170,7 +176,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--embedding-backend must be cowclip or torchrec, got {self.embedding_backend!r}"
             )
-        if self.embedding_backend == "torchrec" and self.cowclip:
+        if self.embedding_backend == "torchrec" and self.cowclip and RECIPES[self.recipe].cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
         if self.embedding_dtype not in ("fp32", "fp16", "bf16"):
             raise ConfigError(
@@ -367,6 +373,36 @@ class TrainConfig:
                 )
         elif device.type != "cpu":
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def hyperparameters(self) -> "ScaledHyperparameters":
+        """The run's learning rates, L2, clip and warm-up: the recipe's scaling rule at
+        ``batch_size``, from the data's profile (Avazu's for ``avazu:``, else Criteo's),
+        with every explicitly given value winning.
+
+        Example::
+
+            >>> hp = TrainConfig(batch_size=4096, recipe="sqrt").hyperparameters()
+            >>> round(hp.embedding_lr, 6), hp.cowclip
+            (0.0002, False)
+        """
+        from torchrec_cowclip.train.scaling import scale_hyperparameters
+
+        return scale_hyperparameters(
+            self.batch_size,
+            dataset="avazu" if self.data.startswith("avazu:") else "criteo",
+            base_batch_size=self.base_batch_size,
+            embedding_dim=self.embedding_dim,
+            dense_lr=self.lr,
+            embedding_lr=self.lr_embed,
+            l2=self.l2,
+            clip_r=self.clip_r,
+            clip_zeta=self.clip_zeta,
+            warmup_epochs=self.warmup_epochs,
+            recipe=self.recipe,
+            count_lr_power=self.count_lr_power,
+            helen_rho=self.helen_rho,
+            helen_bound=self.helen_bound,
+        )
 
     def data_options(self) -> Dict[str, Any]:
         """``open_dataset``'s options for ``--data``: the kind's own (None where not

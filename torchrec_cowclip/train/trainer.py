@@ -36,6 +36,7 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.config import CowClip
+from torchrec_cowclip.plots import CURVES_PNG, write_run_curves
 from torchrec_cowclip.train import notices
 from torchrec_cowclip.train.checkpoint import (
     CHECKPOINTS_DIR,
@@ -61,7 +62,7 @@ from torchrec_cowclip.train.resume_guard import (
 from torchrec_cowclip.train.run_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.train.run_log import RunLog, write_text_atomically
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
-from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.table_memory import check_tables_fit
 
@@ -233,22 +234,7 @@ class Trainer:
             else "--synthetic-max-cardinality",
         )
 
-        self.hp: ScaledHyperparameters = scale_hyperparameters(
-            config.batch_size,
-            dataset="avazu" if config.data.startswith("avazu:") else "criteo",
-            base_batch_size=config.base_batch_size,
-            embedding_dim=config.embedding_dim,
-            dense_lr=config.lr,
-            embedding_lr=config.lr_embed,
-            l2=config.l2,
-            clip_r=config.clip_r,
-            clip_zeta=config.clip_zeta,
-            warmup_epochs=config.warmup_epochs,
-            recipe=config.recipe,
-            count_lr_power=config.count_lr_power,
-            helen_rho=config.helen_rho,
-            helen_bound=config.helen_bound,
-        )
+        self.hp: ScaledHyperparameters = config.hyperparameters()
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.fingerprint = run_fingerprint(self.run_record)
         clipped = config.cowclip and self.hp.cowclip
@@ -567,6 +553,8 @@ class Trainer:
         p.epoch_logloss.append(test["logloss"])
         row: Dict[str, Any] = {
             "epoch": p.epoch + 1,
+            "step": p.global_step,
+            "train_samples": p.train_samples,
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
         }
@@ -717,7 +705,21 @@ class Trainer:
             write_text_atomically(
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
+            self._plot()
         return metrics
+
+    def _plot(self) -> None:
+        """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
+        warning, not the finished run (its metrics and checkpoints are written)."""
+        hp = self.hp
+        title = (
+            f"{self.config.model} on {self.config.data}: batch {hp.batch_size} "
+            f"(x{hp.scale:g}), recipe {hp.recipe}, seed {self.config.seed}"
+        )
+        try:
+            write_run_curves(self.out, title)
+        except Exception as e:  # noqa: BLE001 - any plotting failure, reported in one line
+            _say(f"warning: no {CURVES_PNG} in {self.out}: {type(e).__name__}: {e}")
 
     def _clip_by_frequency(self) -> List[Dict[str, float]]:
         """Clip rate of the clipped tables' row updates, by each id's number of occurrences
