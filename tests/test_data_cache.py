@@ -36,8 +36,18 @@ def test_cache_layout_and_meta(tmp_path: Path) -> None:
         "sparse.npy",
         "labels.npy",
         "meta.json",
+        # What encoded the rows (a run folder takes it from here): the vocabulary and the
+        # dense statistics.
+        "vocab.npz",
+        "dense_stats.npz",
     }
     meta = json.loads((ds.path / "meta.json").read_text())
+    assert meta["encoder"] == {
+        "files": ["dense_stats.npz", "vocab.npz"],
+        "encoding": {"kind": "vocabulary", "min_count": 1, "oov_id": 0, "missing_id": 1},
+        "dense_transform": "log",
+        "dense_stats": "dense_stats.npz",
+    }
     assert meta["version"] == CACHE_VERSION
     assert meta["rows"] == 200
     assert meta["schema"]["sparse_names"][0] == "C1" and len(meta["schema"]["cardinalities"]) == 26

@@ -29,7 +29,7 @@ from torchrec_cowclip.data.errors import BadRowLog
 from torchrec_cowclip.data.parsing.fields import check_labels
 from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
 from torchrec_cowclip.data.pipeline import cache as cache_module
-from torchrec_cowclip.data.pipeline.cache import build_entry, cache_key, fingerprint
+from torchrec_cowclip.data.pipeline.cache import CACHE_VERSION, build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.pipeline.encode import Conversion
 from torchrec_cowclip.data.sources.criteo_npy import StoredIds
 from torchrec_cowclip.train.cli import main
@@ -185,12 +185,12 @@ def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Pa
     meta["version"] = 1
     del meta["checks"]
     (ds.path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CacheCorrupt, match="format version 1, expected 2"):
+    with pytest.raises(CacheCorrupt, match=f"format version 1, expected {CACHE_VERSION}"):
         CTRDataset(ds.path)  # an entry without checksums is not trusted
     again = open_dataset(f"criteo:{src}", tmp_path / "c")
     assert (
         again.path == ds.path
-        and again.meta["version"] == 2
+        and again.meta["version"] == CACHE_VERSION
         and "sparse.npy" in again.meta["checks"]
     )
 

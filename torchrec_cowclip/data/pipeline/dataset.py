@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from torchrec_cowclip.data.errors import DataError, DataOptionError
 from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
 from torchrec_cowclip.data.pipeline.cache import build_entry, read_meta, verify_entry
-from torchrec_cowclip.data.pipeline.encode import convert
+from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
@@ -51,6 +51,19 @@ logger = logging.getLogger(__name__)
 
 SPEC_KINDS = source_kinds()
 PathLike = Union[str, Path]
+
+
+class EncoderOverride(Protocol):
+    """Encoders given from outside instead of learnt from the training parts (a warm
+    start encodes new rows with its run's vocabularies, grown, and dense statistics)."""
+
+    def key(self) -> Dict[str, Any]:
+        """What the override contributes to the cache key (JSON values)."""
+        ...
+
+    def apply(self, conversion: Conversion) -> Conversion:
+        """``conversion`` with the override's encoding and statistics in place."""
+        ...
 
 
 class CTRDataset:
@@ -205,6 +218,7 @@ def open_dataset(
     *,
     test_paths: Optional[Sequence[PathLike]] = None,
     rebuild: bool = False,
+    encoders: Optional[EncoderOverride] = None,
     **options: Any,
 ) -> CTRDataset:
     """Convert (once), verify and open a CTR dataset.
@@ -216,6 +230,8 @@ def open_dataset(
         test_paths: explicit test files (same kind as the spec); otherwise
             :meth:`CTRDataset.split` splits at random.
         rebuild: convert again even if a cache entry exists.
+        encoders: encode with these instead of what the training parts would teach
+            (part of the cache key).
         **options: the kind's options (its dataclass's fields): ``dense_transform``
             (every kind); ``on_bad_row`` (every kind read from files); ``min_count``,
             ``hash_size`` (text kinds; ``hash_size`` also ``criteo-npy:``); ``label``,
@@ -238,11 +254,16 @@ def open_dataset(
     tests = [str(p) for p in (test_paths or [])]
     kind.check_test_paths(tests)
     payload = kind.payload(args, tests, opts)
+    if encoders is not None:
+        payload = {**payload, "encoders": encoders.key()}
     source = spec + (f" (test: {','.join(tests)})" if tests else "")
     root = Path(cache_dir).expanduser()
 
     def build(tmp: Path) -> Dict[str, Any]:
-        meta = convert(kind.conversion(args, tests, opts), tmp, stats_cache=root)
+        conversion = kind.conversion(args, tests, opts)
+        if encoders is not None:
+            conversion = encoders.apply(conversion)
+        meta = convert(conversion, tmp, stats_cache=root)
         meta.update(source=source, seed=int(getattr(opts, "seed", 0)))
         return meta
 

@@ -16,6 +16,12 @@ memory:
    transforms dense values (see ``dense``) and appends to the arrays through the one
    :class:`~torchrec_cowclip.data.pipeline.writer.CacheWriter`.
 
+The entry keeps what encoded its rows (``meta["encoder"]``): the encoding's saved
+state (a vocabulary's ``vocab.npz``) and the dense statistics (``dense_stats.npz``),
+so that a trained model's run folder can encode new rows exactly as these were, with
+no cache left. A :class:`Conversion` may come with fixed ``dense_stats`` (a warm start
+keeps its run's scaling); the statistics pass then does not replace them.
+
 Example::
 
     >>> import tempfile, pathlib
@@ -57,6 +63,7 @@ logger = logging.getLogger(__name__)
 TableSizes = Union[int, Sequence[int], Mapping[str, int]]
 HashSize = Optional[TableSizes]
 INT32_MAX = 2**31 - 1
+DENSE_STATS_FILE = "dense_stats.npz"
 
 
 def json_sizes(hash_size: HashSize) -> Any:
@@ -235,6 +242,8 @@ class Conversion:
             ``dense_transform`` (a source whose values are transformed already).
         extra: names of the extra per-row vectors the blocks carry.
         finish: called with the finished entry directory and meta; returns more meta.
+        dense_stats: fixed dense statistics (a trained run's) instead of the training
+            parts' own.
     """
 
     source: RowSource
@@ -248,6 +257,7 @@ class Conversion:
     dense_transform_label: Optional[str] = None
     extra: Tuple[str, ...] = ()
     finish: Optional[Callable[[Path, Dict[str, Any]], Dict[str, Any]]] = field(default=None)
+    dense_stats: Optional[DenseStats] = None
 
 
 def _names(c: Conversion) -> Tuple[List[str], List[str]]:
@@ -283,9 +293,29 @@ def _stats_pass(c: Conversion, n_dense: int, out: Path) -> Dict[str, Any]:
         _log_rate("counted", c.source.part_name(part), rows - before, start)
     if c.encoding.counts:
         c.encoding.save(out)
-    with open(out / "dense_stats.npz", "wb") as f:
-        np.savez(f, allow_pickle=False, **stats.to_arrays())
+    _save_dense_stats(stats, out)
     return {"rows": rows, "bad_rows": log.counts}
+
+
+def _save_dense_stats(stats: DenseStats, directory: Path) -> None:
+    with open(directory / DENSE_STATS_FILE, "wb") as f:
+        np.savez(f, allow_pickle=False, **stats.to_arrays())
+
+
+def _keep_encoder(c: Conversion, out_dir: Path, stats: Optional[DenseStats]) -> Dict[str, Any]:
+    """Writes into the entry what encoded its rows and returns ``meta["encoder"]``: the
+    files (the encoding's state, the dense statistics) and how to read them."""
+    before = set(p.name for p in out_dir.iterdir())
+    if c.encoding.counts:
+        c.encoding.save(out_dir)
+    if stats is not None:
+        _save_dense_stats(stats, out_dir)
+    return {
+        "files": sorted(p.name for p in out_dir.iterdir() if p.name not in before),
+        "encoding": c.encoding.describe(),
+        "dense_transform": c.dense_transform,
+        "dense_stats": None if stats is None else DENSE_STATS_FILE,
+    }
 
 
 def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> Dict[str, Any]:
@@ -301,8 +331,8 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
         raise DataOptionError("no training files given")
     dense_names, sparse_names = _names(c)
     c.encoding.start(sparse_names)
-    stats: Optional[DenseStats] = None
-    if c.encoding.counts or c.dense_transform == "minmax":
+    stats: Optional[DenseStats] = c.dense_stats
+    if c.encoding.counts or (c.dense_transform == "minmax" and stats is None):
         payload = {
             **c.stats_key,
             "on_bad_row": c.on_bad_row,
@@ -313,8 +343,9 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
         )
         if c.encoding.counts:
             c.encoding.load(entry)
-        with np.load(entry / "dense_stats.npz") as z:
-            stats = DenseStats.from_arrays(dict(z))
+        if stats is None:
+            with np.load(entry / DENSE_STATS_FILE) as z:
+                stats = DenseStats.from_arrays(dict(z))
 
     cardinalities = c.encoding.cardinalities()
     sparse_dtype = np.int32 if max(cardinalities, default=1) <= INT32_MAX else np.int64
@@ -356,6 +387,7 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
         ),
         "dense_clipped": dense_clipped,
         "checks": w.arrays(),
+        "encoder": _keep_encoder(c, out_dir, stats),
     }
     if c.source_format is not None:
         meta["source_format"] = c.source_format
