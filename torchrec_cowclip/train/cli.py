@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence
 
 from torchrec_cowclip.compat import add_fx_tracing_filter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
+from torchrec_cowclip.serve.cli import add_commands, run_command
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
@@ -288,7 +290,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="count clipped updates per embedding row and report the clip rate by "
         "id frequency in the training split (clip_by_frequency.json; one process)",
     )
+    w = t.add_argument_group("warm start")
+    w.add_argument(
+        "--init-from",
+        default=None,
+        metavar="RUN",
+        help="start from a finished run's model (its --out): its weights and encoders, "
+        "vocabularies grown for new ids; flags not given take RUN's values "
+        "(train/warm_start.py)",
+    )
+    w.add_argument(
+        "--init-optimizer-state",
+        action="store_true",
+        help="also carry RUN's optimizer state (its last checkpoint's)",
+    )
+    add_commands(sub)
     return parser
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    # argparse lists a parser's subcommands only in these attributes.
+    actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command: argparse.ArgumentParser = next(actions).choices[name]
+    return command
 
 
 def train_flags(parser: argparse.ArgumentParser) -> List[str]:
@@ -300,11 +324,10 @@ def train_flags(parser: argparse.ArgumentParser) -> List[str]:
         >>> flags[:3], "--seed" in flags, "--help" in flags
         (['--model', '--data', '--test-data'], True, False)
     """
-    # argparse lists a parser's subcommands and arguments only in these attributes.
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    # argparse lists a parser's arguments only in this attribute.
     return [
         a.option_strings[-1]
-        for a in commands["train"]._actions
+        for a in _command_parser(parser, "train")._actions
         if a.option_strings and not isinstance(a, argparse._HelpAction)
     ]
 
@@ -354,12 +377,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
     from torchrec_cowclip.train.stop import RunStopped
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
+    from torchrec_cowclip.train.warm_start import warm_start_defaults
 
     try:
+        if args.command in SERVING_COMMANDS:
+            print(json.dumps(run_command(args), indent=2, default=str))
+            return 0
+        if args.init_from:
+            # A warm start: the flags not given take RUN's values (its model, its data).
+            _command_parser(parser, "train").set_defaults(**warm_start_defaults(args.init_from))
+            args = parser.parse_args(argv)
         config = config_from_args(args)
         config.validate()
         metrics = train(config)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
         parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
     except (NonFiniteLossError, NonFiniteStateError) as e:
         parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
