@@ -204,10 +204,11 @@ class FileInput(Input):
                 raise DataOptionError(
                     f"cannot infer the delimiter of {path} from its extension: pass --delimiter"
                 )
-        f = layout.open(path) if layout.n_columns is None else None
         has_label = True
         if isinstance(layout.label, str):
-            assert f is not None and f.header is not None  # named columns: a header
+            f = layout.open(path)
+            if f.header is None:
+                raise DataError(f"{path}: no header line naming its columns", path=path)
             wanted = [*layout.dense, *layout.sparse]
             missing = [c for c in wanted if c not in f.header]
             if missing:

@@ -84,7 +84,7 @@ class IdVocabulary:
         self.names: List[str] = list(names)
         self.keys: List[np.ndarray] = [np.asarray(k, dtype=np.bytes_) for k in keys]
         self.counts: List[np.ndarray] = [np.asarray(n, dtype=np.int64) for n in counts]
-        self._lookups: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._sorted_columns: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def from_vocabulary(cls, vocab: Vocabulary, min_count: int) -> "IdVocabulary":
@@ -102,14 +102,14 @@ class IdVocabulary:
 
     def _lookup(self, c: int) -> Tuple[np.ndarray, np.ndarray]:
         """``(sorted keys, their ids)`` of column ``c`` (packed to uint64 when short)."""
-        if c not in self._lookups:
+        if c not in self._sorted_columns:
             keys = self.keys[c]
             order = np.argsort(keys, kind="stable")
             ordered = keys[order]
             if keys.dtype.itemsize <= _PACK_BYTES:
                 ordered = pack_keys(ordered)
-            self._lookups[c] = (ordered, order.astype(np.int64) + FIRST_VALUE_ID)
-        return self._lookups[c]
+            self._sorted_columns[c] = (ordered, order.astype(np.int64) + FIRST_VALUE_ID)
+        return self._sorted_columns[c]
 
     def encode(self, sparse: Sequence[np.ndarray]) -> np.ndarray:
         """Ids ``int64 [n, n_columns]`` of one block (``S`` arrays; ``b""`` missing)."""
