@@ -52,9 +52,12 @@ SERVE = textwrap.dedent("""
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("export")
     files = split_sample(root / "data")
+    # Every dense transform, and missing-value indicators: the program computes the plan.
+    spec = "minmax,I1=log,I2=standardize,I3=signed-log,I4=none"
     train_table(
-        root / "run", files["train"], files["test"], root / "cache", dense_transform="minmax"
-    )
+        root / "run", files["train"], files["test"], root / "cache", dense_transform=spec,
+        missing_indicator=True,
+    )  # fmt: skip
     return {"root": root, "run": root / "run", **files}
 
 
@@ -99,7 +102,11 @@ def test_the_program_loads_with_torch_alone_and_scores_as_predict(trained, tmp_p
     names = sorted(Path(f).name for f in report["files"])
     assert names == ["model.pt2", "model.serving.json", "model.vocab.json", "model.vocab.npz"]
     serving = json.loads((tmp_path / "model.serving.json").read_text())
-    assert serving["inputs"][0]["transform"] == "minmax" and serving["output"]["shape"] == ["batch"]
+    plan = serving["inputs"][0]["plan"]
+    transforms = [c["transform"] for c in plan["columns"]]
+    assert transforms[:5] == ["log", "standardize", "signed-log", "none", "minmax"]
+    assert any(c["missing_indicator"] for c in plan["columns"])
+    assert serving["output"]["shape"] == ["batch"]
     vocabulary = json.loads((tmp_path / "model.vocab.json").read_text())
     dense, ids = _serving_inputs(trained, serving, vocabulary, tmp_path)
     served = _serve(program, dense, ids, tmp_path / "served.npy")

@@ -137,8 +137,9 @@ def test_criteo_layout_scores_with_or_without_its_label_column(tmp_path, capsys)
         capsys, "predict", "--run", tmp_path / "run", "--data", CRITEO_TSV.with_suffix(".csv"),
         "--delimiter", "|", "--output", out,
     )  # fmt: skip
-    assert "1 columns; the run's files had 40 (or 39 without the label)" in err
-    assert "is the file delimited by ','? pass --delimiter" in err and not out.exists()
+    assert "has 1 fields split on '|'; the run's files had 40 (or 39 without the label)" in err
+    assert "wrong delimiter? on ',' it splits into 40: give --delimiter ','" in err
+    assert not out.exists()
 
 
 def test_bad_inputs_are_refused_in_one_line_and_write_nothing(trained, capsys, tmp_path):
@@ -151,8 +152,8 @@ def test_bad_inputs_are_refused_in_one_line_and_write_nothing(trained, capsys, t
     bad_row[40][header.index("I2")] = "lots"
     late_bad = write_rows(tmp_path / "late_bad.csv", [header, *bad_row])
     cases = [
-        (["--data", no_c7], "no column 'C7' of the run's schema"),
-        (["--data", tabbed], "is the file delimited by '\\t'? pass --delimiter"),
+        (["--data", no_c7], "no column 'C7' (the run's categorical columns); the columns are"),
+        (["--data", tabbed], "wrong delimiter? the first line is split on ','; on tab it gives"),
         (["--data", late_bad], "late_bad.csv:42: non-numeric dense value: I2='lots'"),
         (["--data", f"avazu:{test}"], "the run was trained on table: data"),
         (["--data", tmp_path / "missing.csv"], "data file not found"),

@@ -23,6 +23,7 @@ from tiny import tiny_cli
 
 from torchrec_cowclip.train.checkpoint import WRITING_MARKER, CheckpointStore
 from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.train.report import TIMING_COLUMNS
 from torchrec_cowclip.train.run_dir import LOCK_NAME, lock_holder
 from torchrec_cowclip.train.stop import EXIT_STOPPED
 
@@ -59,9 +60,15 @@ def _last_step(out: Path) -> int:
 
 
 def _rows(path: Path, columns=None):
+    """The rows of a run's CSV log, ``columns`` only if given, never the timings (the
+    epoch time, samples/s and peak memory differ between two runs of one command)."""
     with path.open(newline="") as f:
         return [
-            {k: v for k, v in row.items() if columns is None or k in columns}
+            {
+                k: v
+                for k, v in row.items()
+                if (columns is None or k in columns) and k not in TIMING_COLUMNS
+            }
             for row in csv.DictReader(f)
         ]
 

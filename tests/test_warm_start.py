@@ -119,6 +119,23 @@ def test_weights_and_optimizer_state_come_from_run_and_new_rows_start_fresh(days
     assert moments[:rows].abs().sum() > 0 and moments[rows:].abs().sum() == 0
 
 
+def test_the_dense_plan_is_runs_not_the_new_datas(days, tmp_path):
+    run = tmp_path / "standardized"
+    train_table(run, days["day1"], days["test"], days["cache"], **MODEL,
+                dense_transform="standardize", missing_indicator=True)  # fmt: skip
+    saved = RunFolder.open(run).dense_plan()
+    config = warm_start_config(
+        run, data=f"table:{days['day2']}", out=str(tmp_path / "day2"),
+        cache_dir=str(days["cache"]), progress=False,
+    )  # fmt: skip
+    trainer = Trainer(config)
+    trainer.run_dir.release()
+    assert trainer.dataset.dense_plan == saved  # the model's inputs as day 1 trained it
+    assert saved.transforms == ("standardize",) * 13 and saved.indicators
+    own = trainer.dataset.fit_dense_plan(trainer.train_idx)  # what day 2 alone would give
+    assert own.shift != saved.shift
+
+
 def test_the_cli_takes_runs_settings_for_flags_not_given(days, tmp_path, capsys):
     out = tmp_path / "day2"
     argv = cli_args(
@@ -141,7 +158,8 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
     with pytest.raises(WarmStartRefused, match=r"trained with --hidden 32, this command has 16"):
         Trainer(warm_start_config(run, out=str(out), hidden=(16,), **common))
     with pytest.raises(
-        WarmStartRefused, match=r"--hidden 32, this command has 8; --dense-transform log vs minmax"
+        WarmStartRefused,
+        match=r"--hidden 32, this command has 8; --dense-transform signed-log vs minmax",
     ):
         Trainer(TrainConfig(init_from=str(run), out=str(out), dense_transform="minmax", hidden=(8,),
                             embedding_dim=8, **TABLE_COLUMNS, **common))  # fmt: skip

@@ -7,8 +7,10 @@
   ops) computing ``forward(dense, ids) -> probability``:
 
   - ``dense``: float32 ``[B, n_dense]``, the raw values (NaN for missing) in the
-    schema's order; the run's dense transform (missing and negatives -> 0, clip at
-    ``DENSE_CLIP``, then log(1 + x) or the training min-max) runs in the program;
+    schema's order; the run's dense plan runs in the program (:class:`DensePlanModule`:
+    clip at +-``DENSE_CLIP``, each column's transform with the training split's
+    statistics, missing -> 0, the missing-value indicators), or, with
+    ``--dense-input transformed``, the caller feeds the plan's outputs;
   - ``ids``: int64 ``[B, n_sparse]``, one id per categorical column in the schema's
     order, encoded as training encoded them (the vocabulary shipped beside it, or
     hashing); an id outside its table is read as row 0;
@@ -20,7 +22,8 @@
   module instead (``torch.jit.load``), for stacks without ``torch.export``;
 * ``model.serving.json``: the contract: the inputs' columns, order, dtypes and shapes,
   each categorical column's encoding (vocabulary ids with OOV 0 and missing 1, or the
-  hash and table size), the dense transform and its statistics, the run's metrics;
+  hash and table size), the dense plan (per column its transform, shift, scale and
+  indicator), the run's metrics;
 * ``model.vocab.npz`` (runs with a vocabulary): per column ``keys_<i>`` (the values
   in id order: id = 2 + position) and ``counts_<i>``, and ``model.vocab.json``
   (``{column: {value: id}}``) when the vocabularies hold at most a million values.
@@ -56,7 +59,7 @@ import torch
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DenseStats, transform_dense
+from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DensePlan
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.models.base import CTRModel
@@ -64,8 +67,8 @@ from torchrec_cowclip.serve.predictor import Predictor
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.run_folder import RunFolder
 
-#: The dense transforms the program computes itself.
-PROGRAM_TRANSFORMS = ("log", "minmax", "none")
+#: The dense transforms the program computes itself (all of ``data.parsing.dense``'s).
+PROGRAM_TRANSFORMS = ("log", "signed-log", "standardize", "minmax", "none")
 TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 FORMATS = ("export", "torchscript")
 PARITY_TOLERANCE = 1e-6
@@ -133,39 +136,53 @@ class PlainEmbeddings(nn.Module):
         return KeyedTensor(keys=self.keys, length_per_key=self.widths, values=values)
 
 
-class DenseTransform(nn.Module):
-    """The run's dense transform in torch (float64 inside, as ``data.parsing.dense``):
-    missing and negatives -> 0, clip at ``DENSE_CLIP``, then log(1 + x), min-max or
-    nothing."""
+class DensePlanModule(nn.Module):
+    """The run's dense plan (``data.parsing.dense.DensePlan.transform``) in torch: raw
+    values (NaN for missing) -> the model's dense inputs, with the same float64 stages
+    as ``predict``: clip at +-``DENSE_CLIP``, each column's pointwise function (log with
+    its negatives at 0, signed-log), float32 storage, ``(v - shift) / scale``, missing
+    -> 0, then the missing-value indicators."""
 
-    lo: Tensor
-    span: Tensor
+    shift: Tensor
+    scale: Tensor
+    log: Tensor
+    signed: Tensor
+    indicators: Tensor
 
-    def __init__(self, kind: str, stats: Optional[DenseStats], n_dense: int) -> None:
+    def __init__(self, plan: DensePlan) -> None:
         super().__init__()
-        if kind not in PROGRAM_TRANSFORMS:
+        unknown = sorted(set(plan.transforms) - set(PROGRAM_TRANSFORMS))
+        if unknown:
             raise ExportError(
-                f"the dense transform {kind!r} has no in-program form: export with "
-                "raw_dense=False (--dense-input transformed) and feed transformed values"
+                f"the dense transform {unknown[0]!r} has no in-program form: export with "
+                "--dense-input transformed and feed the plan's inputs"
             )
-        # No columns, nothing to scale (and torch.export.save cannot write empty buffers).
-        self.kind = kind if n_dense else "none"
-        if self.kind == "minmax":
-            if stats is None:
-                raise ExportError("a minmax run folder without its dense statistics")
-            lo = np.where(np.isfinite(stats.min), stats.min, 0.0)
-            span = np.where(np.isfinite(stats.max), stats.max, 0.0) - lo
-            self.register_buffer("lo", torch.from_numpy(lo.astype(np.float64)))
-            self.register_buffer("span", torch.from_numpy(span.astype(np.float64)))
+        transforms = np.asarray(plan.transforms)
+        # No columns: nothing to do (and torch.export.save cannot write empty buffers).
+        self.columns = len(plan.names)
+        self.indicated = len(plan.indicators)
+        if self.columns:
+            self.register_buffer("shift", torch.tensor(plan.shift, dtype=torch.float64))
+            self.register_buffer("scale", torch.tensor(plan.scale, dtype=torch.float64))
+            self.register_buffer("log", torch.from_numpy(transforms == "log"))
+            self.register_buffer("signed", torch.from_numpy(transforms == "signed-log"))
+        if self.indicated:
+            positions = [plan.names.index(n) for n in plan.indicators]
+            self.register_buffer("indicators", torch.tensor(positions, dtype=torch.int64))
 
     def forward(self, dense: Tensor) -> Tensor:
-        v = torch.nan_to_num(dense.double(), nan=0.0).clamp(0.0, DENSE_CLIP)
-        if self.kind == "log":
-            v = torch.log1p(v)
-        elif self.kind == "minmax":
-            safe = torch.where(self.span > 0, self.span, torch.ones_like(self.span))
-            v = torch.where(self.span > 0, (v - self.lo) / safe, torch.zeros_like(v))
-        return v.float()
+        if not self.columns:
+            return dense.float()
+        v = dense.double().clamp(-DENSE_CLIP, DENSE_CLIP)
+        v = torch.where(self.log & (v < 0), torch.zeros_like(v), v)
+        v = torch.where(self.log, torch.log1p(v), v)
+        v = torch.where(self.signed, torch.sign(v) * torch.log1p(v.abs()), v)
+        stored = v.float().double()  # the cache stores float32
+        missing = torch.isnan(stored)
+        out = torch.where(missing, torch.zeros_like(stored), (stored - self.shift) / self.scale)
+        if self.indicated:
+            out = torch.cat([out, missing.index_select(1, self.indicators).double()], dim=1)
+        return out.float()
 
 
 class ServingModel(nn.Module):
@@ -217,8 +234,7 @@ def serving_model(
         model.embedding_collection, schema.sparse_names, TABLE_DTYPES[table_dtype]
     )
     _swap_collection(model, plain)
-    _, stats = run.encoder()
-    dense = DenseTransform(run.dense_transform, stats, schema.n_dense) if raw_dense else None
+    dense = DensePlanModule(run.dense_plan()) if raw_dense else None
     serving = ServingModel(model, schema.cardinalities, dense).eval()
     for parameter in serving.parameters():  # inference only: outputs that need no grad
         parameter.requires_grad_(False)
@@ -232,21 +248,16 @@ def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tens
     schema = run.schema
     dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, schema.n_dense))))
     dense[g.random(dense.shape) < 0.1] = np.nan
-    dense[g.random(dense.shape) < 0.02] = -1.0
+    dense[g.random(dense.shape) < 0.02] *= -1.0
     cards = np.asarray(schema.cardinalities)
     ids = np.floor(g.random((rows, schema.n_sparse)) * (cards + 1)).astype(np.int64)
     return torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(ids)
 
 
-def reference_scores(predictor: Predictor, dense: Tensor, ids: Tensor, raw_dense: bool) -> Tensor:
-    """What ``predict`` gives for raw rows (its transform, encoder bounds and model)."""
+def reference_scores(predictor: Predictor, raw: Tensor, ids: Tensor) -> Tensor:
+    """What ``predict`` gives for raw rows (its dense plan, encoder bounds and model)."""
     run = predictor.run
-    _, stats = run.encoder()
-    x = (
-        transform_dense(dense.double().numpy(), run.dense_transform, stats)
-        if raw_dense
-        else dense.numpy()
-    )
+    x = run.dense_plan().transform(raw.double().numpy())
     cards = torch.tensor(run.schema.cardinalities)
     ids = torch.where((ids >= 0) & (ids < cards), ids, torch.zeros_like(ids))
     batch = make_batch(x, ids.numpy(), np.zeros(len(ids), np.float32), predictor.keys)
@@ -297,8 +308,7 @@ def contract(
     parity: float,
 ) -> Dict[str, Any]:
     """``model.serving.json``: what a serving stack feeds the program and how."""
-    schema = run.schema
-    _, stats = run.encoder()
+    schema, plan = run.schema, run.dense_plan()
     return {
         "format": CONTRACT_FORMAT,
         "version": 1,
@@ -308,16 +318,14 @@ def contract(
             {
                 "name": "dense",
                 "dtype": "float32",
-                "shape": ["batch", schema.n_dense],
-                "columns": list(schema.dense_names),
-                "values": "raw (NaN for missing); the program applies the transform"
+                "shape": ["batch", len(plan.names) if raw_dense else len(plan.output_names)],
+                "columns": list(plan.names if raw_dense else plan.output_names),
+                "values": "raw (NaN for missing); the program applies the dense plan"
                 if raw_dense
-                else "transformed as described below (the program applies none)",
-                "transform": run.dense_transform,
-                "clip": DENSE_CLIP,
-                "statistics": None
-                if stats is None
-                else {"min": stats.min.tolist(), "max": stats.max.tolist()},
+                else "the dense plan's outputs, computed by the caller (the program applies "
+                "none): per column clip at +-clip, its transform, (v - shift) / scale, "
+                "missing -> 0, then a 0/1 input per indicator column",
+                "plan": plan.to_json(),
             },
             {
                 "name": "ids",
@@ -393,7 +401,8 @@ def export_run(
     run = RunFolder.open(run_dir)
     predictor = Predictor(run, weights=weights)
     module = serving_model(run, predictor.weights, table_dtype, raw_dense)
-    dense, ids = _parity_rows(run, PARITY_ROWS)
+    raw, ids = _parity_rows(run, PARITY_ROWS)
+    dense = raw if raw_dense else torch.from_numpy(run.dense_plan().transform(raw.double().numpy()))
     with torch.no_grad():
         if fmt == "export":
             batch = torch.export.Dim("batch", min=1)
@@ -407,7 +416,7 @@ def export_run(
                 warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
                 program = torch.jit.trace(module, (dense, ids))
             got = program(dense, ids)
-    expected = reference_scores(predictor, dense, ids, raw_dense)
+    expected = reference_scores(predictor, raw, ids)
     difference = float((got - expected).abs().max())
     if table_dtype == "fp32" and not difference <= PARITY_TOLERANCE:
         raise ExportError(

@@ -15,7 +15,9 @@ vocabulary or hashing, labels where there are some), in input order:
   a pyarrow ``Table``: the schema's dense and categorical columns by name (pandas and
   pyarrow are not needed otherwise).
 
-Values never seen in training become the out-of-vocabulary id 0 (as they did in
+Dense values go through the run's dense plan (each column's transform, with the
+statistics of the training split, and its missing-value indicators). Values never
+seen in training become the out-of-vocabulary id 0 (as they did in
 training's explicit test files); an id outside its table (a stored id larger than any
 training saw) is mapped to row 0 too and counted.
 
@@ -47,8 +49,15 @@ import numpy as np
 import torch
 
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
+from torchrec_cowclip.data.parsing.columns import (
+    check_file_columns,
+    first_line,
+    guess_delimiter,
+    parse_delimiter,
+    shown_delimiter,
+    split_line,
+)
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
-from torchrec_cowclip.data.parsing.dense import transform_dense
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
 from torchrec_cowclip.data.parsing.rows import RowBlock, TextLayout, TextRowSource
 from torchrec_cowclip.data.registry import source_kinds
@@ -57,7 +66,6 @@ from torchrec_cowclip.train.run_folder import RunFolder
 
 #: The row id an id outside its table is scored with (every encoding's OOV or missing row).
 FALLBACK_ID = 0
-_OTHER_DELIMITERS = (",", "\t", ";", "|")
 
 
 @dataclass
@@ -65,7 +73,7 @@ class EncodedBlock:
     """Rows ready for the model.
 
     Attributes:
-        dense: float32 ``[n, n_dense]``, transformed as in training.
+        dense: float32 ``[n, inputs]``, the dense plan's model inputs (as in training).
         ids: int64 ``[n, n_sparse]``, each within its table.
         labels: float32 ``[n]``; NaN where the input had no label.
         keep: the passthrough column's values (``--id-column``), or None.
@@ -87,8 +95,8 @@ class RunEncoder:
     as the run encoded its training rows."""
 
     def __init__(self, run: RunFolder) -> None:
-        self.encoding, self.stats = run.encoder()
-        self.transform = run.dense_transform
+        self.encoding = run.encoder()
+        self.plan = run.dense_plan()
         self.cardinalities = np.asarray(run.schema.cardinalities, dtype=np.int64)
         self.text_ids = run.reader["format"] in ("text", "parquet")
 
@@ -102,7 +110,7 @@ class RunEncoder:
         n_outside = int(outside.sum())
         if n_outside:
             ids[outside] = FALLBACK_ID
-        dense = transform_dense(block.dense, self.transform, self.stats)
+        dense = self.plan.transform(block.dense)
         return EncodedBlock(
             dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             ids=torch.from_numpy(np.ascontiguousarray(ids)),
@@ -136,13 +144,22 @@ def _label_name(run: RunFolder) -> str:
     return str(reader.get("label") or "label")
 
 
-def _delimiter_hint(header: Sequence[str], delimiter: Optional[str]) -> str:
-    if len(header) != 1:
-        return ""
-    for other in _OTHER_DELIMITERS:
-        if other != delimiter and other in header[0]:
-            return f" (one column: is the file delimited by {other!r}? pass --delimiter)"
-    return ""
+def _delimiter_of(layout: TextLayout, path: str) -> str:
+    """The delimiter ``layout`` reads ``path`` with (its own, the extension's, its fallback).
+
+    Raises:
+        DataOptionError: none of them says (an unknown extension).
+    """
+    if layout.delimiter is not None:
+        return layout.delimiter
+    inferred = infer_delimiter(path)
+    if inferred is not None:
+        return inferred.decode()
+    if layout.fallback_delimiter is None:
+        raise DataOptionError(
+            f"cannot infer the delimiter of {path} from its extension: pass --delimiter"
+        )
+    return layout.fallback_delimiter
 
 
 def _shifted(refs: Tuple[Any, ...], label: int) -> Tuple[Any, ...]:
@@ -198,30 +215,25 @@ class FileInput(Input):
         self, layout: TextLayout, path: str, labels: bool
     ) -> Tuple[Any, Any, bool, Optional[Any]]:
         if self.delimiter is not None:
-            layout = dataclasses.replace(layout, delimiter=self.delimiter)
-        if layout.delimiter is None and infer_delimiter(path) is None:
-            if layout.fallback_delimiter is None:
-                raise DataOptionError(
-                    f"cannot infer the delimiter of {path} from its extension: pass --delimiter"
-                )
+            layout = dataclasses.replace(layout, delimiter=parse_delimiter(self.delimiter))
         has_label = True
+        delimiter = _delimiter_of(layout, path)
         if isinstance(layout.label, str):
-            f = layout.open(path)
-            if f.header is None:
-                raise DataError(f"{path}: no header line naming its columns", path=path)
-            wanted = [*layout.dense, *layout.sparse]
-            missing = [c for c in wanted if c not in f.header]
-            if missing:
-                raise DataError(
-                    f"{path}: no column{'s' if len(missing) > 1 else ''} "
-                    f"{', '.join(map(repr, missing))} of the run's schema; columns are "
-                    f"{f.header}{_delimiter_hint(f.header, layout.delimiter)}",
-                    path=path,
-                )
-            has_label = layout.label in f.header
+            # The run's columns against the file's first line (with a hint at a wrong
+            # delimiter or a missing header), before any row is read.
+            header = check_file_columns(
+                path,
+                delimiter,
+                {
+                    "the run's dense columns": [str(c) for c in layout.dense],
+                    "the run's categorical columns": [str(c) for c in layout.sparse],
+                },
+                where=self.run.kind.name,
+            )
+            has_label = layout.label in header
         elif isinstance(layout.label, int) and layout.n_columns is not None:
-            probe = dataclasses.replace(layout, header=True, n_columns=None)
-            first = probe.open(path).header or []
+            line = first_line(path)
+            first = split_line(line, delimiter)
             n_columns: int = layout.n_columns
             if len(first) == n_columns - 1:
                 has_label = False
@@ -233,10 +245,17 @@ class FileInput(Input):
                     sparse=_shifted(layout.sparse, layout.label),
                 )
             elif len(first) != n_columns:
+                other = guess_delimiter(line, delimiter)
+                hint = (
+                    f" (wrong delimiter? on {shown_delimiter(other)} it splits into "
+                    f"{len(split_line(line, other))}: give --delimiter {shown_delimiter(other)})"
+                    if other
+                    else ""
+                )
                 raise DataError(
-                    f"{path}:1: {len(first)} columns; the run's files had {n_columns} "
-                    f"(or {n_columns - 1} without the label)"
-                    + (_delimiter_hint(first, layout.delimiter) or ": wrong --delimiter?"),
+                    f"{path}:1 has {len(first)} fields split on {shown_delimiter(delimiter)}; "
+                    f"the run's files had {n_columns} (or {n_columns - 1} without the label)"
+                    + hint,
                     path=path,
                     line=1,
                 )

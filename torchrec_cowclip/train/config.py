@@ -37,7 +37,8 @@ class TrainConfig:
 
     model: str = "deepfm"
     data: str = "synthetic:200000"
-    out: str = "runs/latest"
+    # None: a new runs/<YYYYmmdd-HHMMSS> (torchrun: runs/torchrun-<run id>), see run_dir.
+    out: Optional[str] = None
     test_data: Optional[str] = None
     batch_size: int = 1024
     base_batch_size: int = 1024
@@ -73,10 +74,15 @@ class TrainConfig:
     on_bad_row: str = "error"
     hash_size: Optional[int] = None
     min_count: int = 1
-    dense_transform: str = "log"
+    # None: the data kind's default (log for the Criteo layouts, signed-log for tables).
+    dense_transform: Optional[str] = None
+    missing_indicator: bool = False
     label: Optional[str] = None
     dense: List[str] = field(default_factory=list)
     sparse: List[str] = field(default_factory=list)
+    delimiter: Optional[str] = None
+    no_header: bool = False
+    columns: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
     synthetic_seed: Optional[int] = None
@@ -208,10 +214,11 @@ class TrainConfig:
                     raise ConfigError(f"{flag}: {e}") from None
         kind = self.source_kind()
         try:
-            kind_options(kind, self.data_options())
+            opts = kind_options(kind, self.data_options())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.test_data is None:
+            self._check_sources(kind, opts, [])
             return
         test_kind, test_paths = parse_spec(self.test_data)
         if test_kind != kind.name:
@@ -228,6 +235,17 @@ class TrainConfig:
                 f"--test-fraction {self.test_fraction:g} has no effect with --test-data (its "
                 "rows are the test set): drop one"
             )
+        self._check_sources(kind, opts, test_paths)
+
+    def _check_sources(self, kind: Any, opts: Any, test_paths: List[str]) -> None:
+        """The chosen columns against each file's first line (``SourceKind.check_sources``),
+        still before any row is read."""
+        from torchrec_cowclip.data import DataError, parse_spec
+
+        try:
+            kind.check_sources(parse_spec(self.data)[1], list(test_paths), opts)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
 
     def source_kind(self) -> Any:
         """The registered :class:`~torchrec_cowclip.data.registry.SourceKind` of ``--data``."""
@@ -300,6 +318,19 @@ class TrainConfig:
         ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        # Without --out a torchrun job's directory is named by its run id (the same for
+        # every rank and restart); anything else gets a new one (train/run_dir.py).
+        elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        if self.out is None and self.resume and not elastic:
+            raise ConfigError(
+                "--resume continues the run in --out: give --out (the default, a new "
+                "runs/<timestamp>, holds no run to resume)"
+            )
+        if self.out is None and world > 1 and not elastic:
+            raise ConfigError(
+                f"the {world} processes of a run share one directory: give --out (without "
+                "torchrun there is no run id to name one by)"
+            )
         if self.sharding != "auto" and world <= 1:
             raise ConfigError(
                 f"--sharding {self.sharding} shards tables over processes: this is one process "
@@ -364,9 +395,13 @@ class TrainConfig:
             "min_count": self.min_count,
             "hash_size": self.hash_size,
             "dense_transform": self.dense_transform,
+            "missing_indicator": True if self.missing_indicator else None,
             "label": self.label,
             "dense": self.dense or None,
             "sparse": self.sparse or None,
+            "delimiter": self.delimiter,
+            "header": False if self.no_header else None,
+            "columns": self.columns or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,

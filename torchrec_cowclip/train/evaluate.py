@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +34,16 @@ from torchrec.datasets.utils import Batch
 
 @torch.no_grad()
 def evaluate(
-    task: torch.nn.Module, batches: Iterable[Batch], device: torch.device
-) -> Dict[str, float]:
+    task: torch.nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    on_batch: Optional[Callable[[], None]] = None,
+) -> Dict[str, Any]:
     """AUC and mean binary log-loss of a ``CTRTrainTask`` (``task(batch) -> (loss,
     (loss, logits, labels))``) over ``batches``; also ``rows``, ``positives``, the
     ``mean_prediction``, the observed ``ctr`` and their ratio, ``calibration`` (1 for a
-    calibrated model; NaN without positives).
+    calibrated model; NaN without positives). ``on_batch`` is called after each batch
+    (a progress bar).
 
     The task is put in eval mode for the pass and restored afterwards. Forward under
     ``no_grad`` leaves fused CowClip tables untouched.
@@ -59,6 +63,8 @@ def evaluate(
             rows.update(float(labels.numel()))
             positives.update(labels.double().sum())
             predicted.update(probabilities.double().sum())
+            if on_batch is not None:
+                on_batch()
     finally:
         task.train(was_training)
     if logloss.update_count == 0 and not torch.distributed.is_initialized():

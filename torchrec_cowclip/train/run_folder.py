@@ -8,13 +8,15 @@ temporary):
   ``weights/best/`` (the best validation epoch's): DCP checkpoints of the model's
   tensors alone, each rank writing its shards, global layout (they load on one process);
 * ``encoders/``: the vocabulary (``id_vocab.npz``: per column the kept values in id order,
-  ``data.pipeline.run_encoders``) and the dense statistics (``dense_stats.npz``), where
-  the run has them; hashing keeps no state (its options rebuild it);
+  ``data.pipeline.run_encoders``), where the run has one; hashing keeps no state (its
+  options rebuild it);
 * ``model.json``: the model factory's arguments, which weights train reported
   (``reported``), the run's metrics and its whole configuration;
 * ``data.json``: the data kind and its options (every field of the kind's options
   dataclass), the schema (label, dense and sparse columns, table sizes), how its files
-  were read (a text layout's delimiter and header), the encoding and dense transform;
+  were read (a text layout's delimiter and header), the encoding, and the dense plan the
+  model was trained with (each column's transform and the training split's statistics,
+  ``data.parsing.dense.DensePlan``: raw values in, the model's dense inputs out);
 * ``manifest.json``, written last: the format and version, and every file's size and
   CRC-32.
 
@@ -56,9 +58,11 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data import parse_spec
 from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout, TextRowSource
 from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.data.pipeline.dataset import kind_options
+from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import keep_encoder, restore_encoder
 from torchrec_cowclip.data.registry import SourceKind, source_kind
 from torchrec_cowclip.data.schema import Schema
@@ -138,11 +142,13 @@ def _tuples(value: Any) -> Any:
     return value
 
 
-def model_arguments(config: TrainConfig, schema: Schema) -> Dict[str, Any]:
+def model_arguments(config: TrainConfig, schema: Schema, num_dense: int) -> Dict[str, Any]:
     """The arguments the trainer builds its model with (``build_model(config.model,
-    **these)``), the training-only ones aside: what a run folder rebuilds it from."""
+    **these)``), the training-only ones aside: what a run folder rebuilds it from.
+    ``num_dense`` counts the dense plan's inputs (the columns and any missing-value
+    indicators)."""
     return {
-        "num_dense": len(schema.dense_names),
+        "num_dense": int(num_dense),
         "sparse_names": list(schema.sparse_names),
         "cardinalities": list(schema.cardinalities),
         "embedding_dim": config.embedding_dim,
@@ -157,15 +163,16 @@ def model_arguments(config: TrainConfig, schema: Schema) -> Dict[str, Any]:
 
 def describe_model(
     config: TrainConfig,
-    schema: Schema,
+    dataset: Any,
     metrics: Mapping[str, Any],
     weights: Sequence[str],
     reported: str,
 ) -> Dict[str, Any]:
     """``model.json``: the factory's arguments, the weights and the run's numbers."""
+    inputs = len(dataset.dense_plan.output_names)
     return {
         "model": config.model,
-        "arguments": model_arguments(config, schema),
+        "arguments": model_arguments(config, dataset.schema, inputs),
         "weights": {name: f"{WEIGHTS_DIR}/{name}" for name in weights},
         "reported": reported,
         "metrics": {
@@ -211,6 +218,8 @@ def describe_data(config: TrainConfig, dataset: Any, encoder: Mapping[str, Any])
         "schema": dataset.schema.to_json(),
         "reader": _reader(kind, config, opts),
         "encoder": dict(encoder),
+        "dense_transforms": list(dataset.dense_transforms),
+        "dense_plan": dataset.dense_plan.to_json(),
         "source_format": dataset.meta.get("source_format"),
         "rows": len(dataset),
     }
@@ -292,9 +301,8 @@ def encoder_writer(dataset: Any) -> Callable[[Path], Dict[str, Any]]:
                 "the run folder cannot be written"
             )
         kept = keep_encoder(Path(dataset.path), encoder, directory)
-        for name in ("vocabulary", "dense_stats"):  # files, relative to model/
-            if kept[name] is not None:
-                kept[name] = f"{ENCODERS_DIR}/{kept[name]}"
+        if kept["vocabulary"] is not None:  # a file, relative to model/
+            kept["vocabulary"] = f"{ENCODERS_DIR}/{kept['vocabulary']}"
         return kept
 
     return write
@@ -447,13 +455,13 @@ class RunFolder:
             return None
         return TextLayout(**{k: _tuples(v) for k, v in reader["layout"].items()})
 
-    @property
-    def dense_transform(self) -> str:
-        return str(self.data_info["encoder"]["dense_transform"])
+    def dense_plan(self) -> DensePlan:
+        """The run's dense plan: raw dense values -> the model's dense inputs, as trained."""
+        return DensePlan.from_json(self.data_info["dense_plan"])
 
-    def encoder(self) -> Tuple[Any, Any]:
-        """``(encoding, dense statistics or None)``: what encodes new rows as the
-        training rows were (:func:`~torchrec_cowclip.data.pipeline.run_encoders.restore_encoder`)."""
+    def encoder(self) -> SparseEncoding:
+        """What encodes new rows' categoricals as the training rows'
+        (:func:`~torchrec_cowclip.data.pipeline.run_encoders.restore_encoder`)."""
         hash_size = self.data_info["options"].get("hash_size")
         return restore_encoder(self.data_info["encoder"], self.schema, hash_size, self.model_dir)
 

@@ -6,7 +6,8 @@ warm start takes from RUN's run folder (:mod:`.run_folder`):
 * its encoders: the new rows are encoded with RUN's vocabularies, whose ids never
   move, grown by the new values the new training rows hold at least ``--min-count``
   times (:class:`~torchrec_cowclip.data.pipeline.run_encoders.GrowingVocabulary`), and
-  with RUN's dense statistics (``--dense-transform minmax`` keeps RUN's scaling);
+  fed through RUN's dense plan (its transforms, with the statistics of RUN's training
+  split: ``standardize`` and ``minmax`` keep RUN's scaling, the indicators RUN's);
 * its weights (the reported ones): every tensor is loaded; a table that grew keeps
   RUN's rows and its new rows start as training initialises them (the counter-based
   initial weights of ``embedding.row_init``, a function of the seed, table and row);
@@ -18,10 +19,10 @@ Before anything is read or written the command is checked against RUN, and refus
 in one line naming each difference: the data kind, the model (``--model``,
 ``--embedding-dim``, ``--hidden``, ``--cross-layers``, ``--embedding-backend``,
 ``--embedding-dtype``), and every data option but those that describe the files
-rather than the model (``--on-bad-row``, ``--min-count``, the delimiter, the
-generator's seed). The new data's columns must be RUN's. On the command line, the
-flags not given take RUN's values (:func:`warm_start_defaults`); from Python,
-:func:`warm_start_config` does the same.
+rather than the model (``--on-bad-row``, ``--min-count``, ``--delimiter``,
+``--no-header``, ``--columns``, the generator's seed). The new data's columns must be
+RUN's. On the command line, the flags not given take RUN's values
+(:func:`warm_start_defaults`); from Python, :func:`warm_start_config` does the same.
 
 Tables grow on one process; a sharded warm start needs tables of RUN's sizes (hashing,
 ``--hash-size``, never grows them).
@@ -55,7 +56,7 @@ import torch
 from torch.distributed.checkpoint import state_dict_loader
 
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.parsing.dense import DenseStats
+from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.pipeline.dataset import kind_options
 from torchrec_cowclip.data.pipeline.encode import Conversion, VocabularyEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import (
@@ -78,7 +79,14 @@ ARCHITECTURE = (
     "embedding_dtype",
 )
 #: Data options that describe the files, not the model: a warm start may change them.
-FILE_OPTIONS = frozenset({"on_bad_row", "min_count", "delimiter", "seed", "header"})
+FILE_OPTIONS = frozenset({"on_bad_row", "min_count", "delimiter", "seed", "header", "columns"})
+#: Data options whose TrainConfig field is not their flag's name, and how a value of the
+#: option reads there (``TrainConfig.data_options`` the other way round).
+_OPTION_FIELDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
+    "header": ("no_header", lambda header: not header),
+}
+#: Data options a warm start does not take from RUN (the new files' own).
+_NOT_INHERITED = frozenset({"on_bad_row", "seed"})
 #: The prefix of the model's keys in the trainer's state (its ``CTRTrainTask``).
 TASK_PREFIX = "model."
 
@@ -110,12 +118,16 @@ def warm_start_defaults(path: Union[str, Path]) -> Dict[str, Any]:
     for option in fields(run.kind.options):
         flag = option.metadata.get("flag")
         value = data["options"].get(option.name)
-        if not flag or value is None or option.name in ("on_bad_row", "seed"):
+        if not flag or value is None or option.name in _NOT_INHERITED:
             continue
-        name = flag[2:].replace("-", "_")
+        name, read = _OPTION_FIELDS.get(option.name, (flag[2:].replace("-", "_"), _same))
         if name in own:
-            defaults[name] = value
+            defaults[name] = read(value)
     return defaults
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def warm_start_config(path: Union[str, Path], **overrides: Any) -> TrainConfig:
@@ -129,8 +141,7 @@ def warm_start_config(path: Union[str, Path], **overrides: Any) -> TrainConfig:
 
 class RunEncoders:
     """RUN's encoders as an ``open_dataset(encoders=...)`` override (see the module
-    docstring): its vocabularies grown, or its table sizes kept, and its dense
-    statistics."""
+    docstring): its vocabularies grown, or its table sizes kept."""
 
     def __init__(self, run: RunFolder, min_count: int) -> None:
         self.run, self.min_count = run, int(min_count)
@@ -140,8 +151,6 @@ class RunEncoders:
             if info.get("vocabulary")
             else None
         )
-        _, stats = run.encoder()
-        self.stats: Optional[DenseStats] = stats
 
     def key(self) -> Dict[str, Any]:
         files = self.run.manifest["files"]
@@ -161,9 +170,9 @@ class RunEncoders:
                     f"vocabulary, this command with {encoding.describe()['kind']}"
                 )
             grown = GrowingVocabulary(self.vocabulary, self.min_count)
-            return dataclasses.replace(conversion, encoding=grown, dense_stats=self.stats)
+            return dataclasses.replace(conversion, encoding=grown)
         sized = AtLeastSizes(encoding, self.run.schema.cardinalities)
-        return dataclasses.replace(conversion, encoding=sized, dense_stats=self.stats)
+        return dataclasses.replace(conversion, encoding=sized)
 
 
 def check_columns(run: RunFolder, dense: List[str], sparse: List[str]) -> None:
@@ -198,7 +207,7 @@ class WarmStart:
         """
         assert config.init_from is not None
         path = Path(config.init_from).expanduser()
-        if path.resolve() == Path(config.out).expanduser().resolve():
+        if config.out is not None and path.resolve() == Path(config.out).expanduser().resolve():
             raise WarmStartRefused(
                 f"--init-from {path} is this run's --out: write the warm-started run "
                 "to another --out"
@@ -221,6 +230,24 @@ class WarmStart:
                 f"--init-from {self.run.path}: the new data's tables are smaller than "
                 f"RUN's ({', '.join(smaller)})"
             )
+
+    def keep_dense_plan(self, dataset: Any) -> DensePlan:
+        """Puts RUN's dense plan on ``dataset`` (its model's inputs: RUN's transforms,
+        statistics and indicators, not the new rows') and returns it.
+
+        Raises:
+            WarmStartRefused: the new data's dense columns take other transforms.
+        """
+        plan = self.run.dense_plan()
+        transforms = tuple(dataset.dense_transforms)
+        if (tuple(dataset.schema.dense_names), transforms) != (plan.names, plan.transforms):
+            raise WarmStartRefused(
+                f"--init-from {self.run.path}: RUN's dense columns {list(plan.names)} took "
+                f"{list(plan.transforms)}, the new data's {list(dataset.schema.dense_names)} "
+                f"take {list(transforms)}"
+            )
+        dataset.dense_plan = plan
+        return plan
 
     def load_into(self, runtime: Any, optimizer_state: bool) -> str:
         """Loads RUN's weights (and optimizer state) into ``runtime``'s model; returns

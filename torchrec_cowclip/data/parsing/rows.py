@@ -52,7 +52,9 @@ class RowBlock:
     in the form the source's encoding takes (for text, one ``S`` array per column with
     ``b""`` for missing); ``lines`` 1-based line (or row) numbers in ``path``;
     ``extra`` further per-row vectors the source keeps; ``paths`` overrides ``path``
-    per bad-row reason (a source whose columns live in separate files).
+    per bad-row reason (a source whose columns live in separate files); ``fraction``
+    how much of the part has been read once this block is (None if unknown), for
+    progress reports.
     """
 
     path: str
@@ -62,6 +64,7 @@ class RowBlock:
     sparse: Any
     extra: Dict[str, np.ndarray] = field(default_factory=dict)
     paths: Dict[str, str] = field(default_factory=dict)
+    fraction: Optional[float] = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,6 +83,7 @@ class RowBlock:
             sparse=sparse,
             extra={k: v[keep] for k, v in self.extra.items()},
             paths=self.paths,
+            fraction=self.fraction,
         )
 
 
@@ -290,6 +294,7 @@ class TextRowSource:
                 labels=labels,
                 dense=dense,
                 sparse=[raw.columns[c] for c in sparse_cols],
+                fraction=raw.fraction,
             )
             block = validate_block(
                 block,

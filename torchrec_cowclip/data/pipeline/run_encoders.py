@@ -1,5 +1,5 @@
 """Encoders fixed by a trained run: its vocabularies with their ids frozen (and grown by
-the new values of a warm start), its table sizes, its dense statistics.
+the new values of a warm start) and its table sizes.
 
 A trained model is only as good as the ids it was trained on, so the rows it scores
 later must be encoded exactly as its training rows were. A cache entry keeps what
@@ -10,6 +10,9 @@ into a run folder's encoder files and :func:`restore_encoder` reads them back:
   order (``id = 2 + position``; 0 is out of vocabulary, 1 missing, as in ``vocab``).
   A vocabulary numbers its kept values in byte order, so the ids are the same;
 * hashing and ids used as stored keep no state: the run's options rebuild them.
+
+The dense columns need no encoder here: the run folder keeps the run's fitted dense plan
+(``data.parsing.dense.DensePlan``), which scores raw values as training did.
 
 A warm start (``train --init-from RUN``) encodes its new data with
 :class:`GrowingVocabulary`: RUN's ids never move, and the values the new training
@@ -40,7 +43,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.parsing.dense import DenseStats
 from torchrec_cowclip.data.parsing.hashing import HashMethod
 from torchrec_cowclip.data.parsing.rows import SparseCheck
 from torchrec_cowclip.data.parsing.vocab import (
@@ -54,7 +56,6 @@ from torchrec_cowclip.data.parsing.vocab import (
     save_key_columns,
 )
 from torchrec_cowclip.data.pipeline.encode import (
-    DENSE_STATS_FILE,
     HashingEncoding,
     SparseEncoding,
     TableSizes,
@@ -276,8 +277,7 @@ class IdentityIds(SparseEncoding):
 def keep_encoder(entry: Path, encoder: Mapping[str, Any], directory: Path) -> Dict[str, Any]:
     """Writes the encoder of the cache entry ``entry`` (its ``meta["encoder"]``) into
     ``directory`` as a run folder keeps it, and returns its description: the encoding
-    (a vocabulary as an :class:`IdVocabulary` in :data:`ID_VOCABULARY_FILE`), the dense
-    transform and the dense statistics file (or None)."""
+    and its vocabulary file, an :class:`IdVocabulary` (None for encodings without)."""
     encoding = dict(encoder["encoding"])
     if encoding["kind"] == "vocabulary":
         vocab = Vocabulary.load(entry / "vocab.npz")
@@ -287,33 +287,24 @@ def keep_encoder(entry: Path, encoder: Mapping[str, Any], directory: Path) -> Di
         encoding["kind"] = "id vocabulary"
     elif encoding["kind"] == "id vocabulary":
         IdVocabulary.load(entry / ID_VOCABULARY_FILE).save(directory / ID_VOCABULARY_FILE)
-    stats = None
-    if encoder.get("dense_stats"):
-        with np.load(entry / str(encoder["dense_stats"]), allow_pickle=False) as z:
-            arrays = dict(z)
-        with open(directory / DENSE_STATS_FILE, "wb") as f:
-            np.savez(f, allow_pickle=False, **arrays)
-        stats = DENSE_STATS_FILE
     return {
         "encoding": encoding,
         "vocabulary": ID_VOCABULARY_FILE if encoding["kind"] == "id vocabulary" else None,
-        "dense_transform": encoder["dense_transform"],
-        "dense_stats": stats,
     }
 
 
 def restore_encoder(
     kept: Mapping[str, Any], schema: Schema, hash_size: Optional[TableSizes], directory: Path
-) -> Tuple[Any, Optional[DenseStats]]:
-    """``(encoding, dense statistics)`` of what :func:`keep_encoder` wrote in
-    ``directory``: anything with ``encode(sparse) -> ids`` and ``check()``.
+) -> SparseEncoding:
+    """The encoding :func:`keep_encoder` described, its files in ``directory`` (ready:
+    ``encode(sparse) -> ids``, ``check()``).
 
     Raises:
         DataError: an encoding this version does not know (a newer run folder).
     """
     encoding = kept["encoding"]
     kind = encoding["kind"]
-    restored: Any
+    restored: SparseEncoding
     if kind == "id vocabulary":
         restored = _FrozenVocabulary(IdVocabulary.load(directory / str(kept["vocabulary"])))
     elif kind == "hash" and encoding.get("method") in ("hex", "fnv"):
@@ -321,10 +312,8 @@ def restore_encoder(
             raise DataError(f"{directory}: a hashed run without hash_size in its options")
         method: HashMethod = encoding["method"]
         restored = HashingEncoding(hash_size, method)
-        restored.start(schema.sparse_names)
     elif kind == "hash" and encoding.get("method") == "mod":
         restored = ModuloIds(hash_size if hash_size is not None else schema.cardinalities)
-        restored.start(schema.sparse_names)
     elif kind in ("as stored", "synthetic ids"):
         restored = IdentityIds(schema.cardinalities)
     else:
@@ -332,11 +321,8 @@ def restore_encoder(
             f"{directory}: categorical encoding {kind!r} is not known to this version "
             "of torchrec_cowclip (a newer run folder?)"
         )
-    stats = None
-    if kept.get("dense_stats"):
-        with np.load(directory / str(kept["dense_stats"]), allow_pickle=False) as z:
-            stats = DenseStats.from_arrays(dict(z))
-    return restored, stats
+    restored.start(schema.sparse_names)
+    return restored
 
 
 class _FrozenVocabulary(SparseEncoding):
