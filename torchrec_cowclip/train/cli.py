@@ -443,6 +443,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="count clipped updates per embedding row and report the clip rate by id "
         "frequency in the training split (metrics.json: clip_by_frequency; one process)",
     )
+    r.add_argument(
+        "--init-from",
+        default=None,
+        metavar="RUN",
+        help="warm start from RUN's model (a finished run's --out): its weights and "
+        "encoders, its vocabularies grown by the new ids; the flags not given take RUN's "
+        "values (docs/serving.md, Warm start); default: none (a new model)",
+    )
+    r.add_argument(
+        "--init-optimizer-state",
+        action="store_true",
+        help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
+    )
 
     t = parser.add_argument_group("distributed", "under torchrun or torchx (README, Scale out)")
     t.add_argument(
@@ -458,23 +471,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.dist_timeout_s,
         help="seconds any collective may wait (a dead rank fails the job after this)",
-    )
-
-    w = parser.add_argument_group(
-        "warm start", "from a finished run's model (docs/serving.md, Warm start)"
-    )
-    w.add_argument(
-        "--init-from",
-        default=None,
-        metavar="RUN",
-        help="start from RUN's model (a finished run's --out): its weights and encoders, "
-        "its vocabularies grown by the new ids; the flags not given take RUN's values; "
-        "default: none (a new model)",
-    )
-    w.add_argument(
-        "--init-optimizer-state",
-        action="store_true",
-        help="also carry the optimizer state of RUN's last checkpoint",
     )
 
 
