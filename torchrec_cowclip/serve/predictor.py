@@ -46,6 +46,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type info
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.serve.inputs import EncodedBlock, Input, open_input
+from torchrec_cowclip.train import notices
 from torchrec_cowclip.train.evaluate import evaluate as evaluate_batches
 from torchrec_cowclip.train.run_folder import RunFolder
 from torchrec_cowclip.train.task import CTRTrainTask
@@ -73,6 +74,7 @@ class Predictor:
         batch_size: Optional[int] = None,
         quantize: Optional[str] = None,
     ) -> None:
+        notices.install()  # torch's and TorchRec's notices a scoring run cannot act on
         self.run = run
         self.weights = run.reported if weights is None else weights
         self.device = torch.device(device)

@@ -41,15 +41,13 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import time
-import warnings
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -73,6 +71,7 @@ from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.train.checkpoint import CheckpointStore, require_finite
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.notices import single_process_checkpoint
 from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 MODEL_DIR = "model"
@@ -113,15 +112,6 @@ def _distributed() -> bool:
 def _barrier(what: str) -> None:
     if _distributed():
         run_collective(what, None, dist.barrier)
-
-
-@contextlib.contextmanager
-def quiet_single_process() -> Iterator[None]:
-    """DCP warns on every save and load without a process group that it assumes one
-    process: here that is the point (a run folder is read on one)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def jsonable(value: Any) -> Any:
@@ -261,7 +251,7 @@ class RunFolderWriter:
         if self.main:
             target.mkdir()
         _barrier(f"run folder weights {target}")
-        with quiet_single_process():
+        with single_process_checkpoint():
             state_dict_saver.save(tensors, checkpoint_id=str(target))
         self.weights.append(name)
 
@@ -515,7 +505,7 @@ class RunFolder:
         sharded tensors of the saved shapes)."""
         path = self.weights_dir(weights)
         CheckpointStore.check_fits(path, tensors)
-        with quiet_single_process():
+        with single_process_checkpoint():
             state_dict_loader.load(
                 tensors, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner()
             )

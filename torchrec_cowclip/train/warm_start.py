@@ -66,7 +66,8 @@ from torchrec_cowclip.data.pipeline.run_encoders import (
 )
 from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.run_folder import RunFolder, jsonable, quiet_single_process
+from torchrec_cowclip.train.notices import single_process_checkpoint
+from torchrec_cowclip.train.run_folder import RunFolder, jsonable
 from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 #: TrainConfig fields that make the model: a warm start must have RUN's.
@@ -286,7 +287,7 @@ class WarmStart:
         saved = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size")}
 
         def read(into: Dict[str, Any]) -> None:
-            with quiet_single_process():
+            with single_process_checkpoint():
                 state_dict_loader.load(
                     into,
                     storage_reader=SafeFileSystemReader(str(checkpoint.path)),
