@@ -36,8 +36,14 @@ def test_cache_layout_and_meta(tmp_path: Path) -> None:
         "sparse.npy",
         "labels.npy",
         "meta.json",
+        # What encoded the categoricals (a run folder takes it from here): the vocabulary.
+        "vocab.npz",
     }
     meta = json.loads((ds.path / "meta.json").read_text())
+    assert meta["encoder"] == {
+        "files": ["vocab.npz"],
+        "encoding": {"kind": "vocabulary", "min_count": 1, "oov_id": 0, "missing_id": 1},
+    }
     assert meta["version"] == CACHE_VERSION
     assert meta["rows"] == 200
     assert meta["schema"]["sparse_names"][0] == "C1" and len(meta["schema"]["cardinalities"]) == 26

@@ -45,8 +45,8 @@ def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_score
     tmp_path, monkeypatch, capsys
 ):
     """ "Train on your own CSV"'s command, run as written from a clone (in a scratch copy),
-    starts with the lines the README shows; "Use the trained model"'s snippet then loads
-    its checkpoint and scores rows."""
+    starts with the lines the README shows; "Use the trained model"'s commands then
+    score, evaluate and export the run, and its snippet loads the run and scores the file."""
     from torchrec_cowclip.train.cli import main
 
     text = README.read_text()
@@ -63,11 +63,18 @@ def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_score
         if line.startswith("epoch "):  # timings and float sums: not compared
             continue
         assert line.removesuffix(" ...") in err, f"README shows {line!r}; the run printed:\n{err}"
-    snippet = _blocks(_section(text, "Use the trained model"), "python")[0]
+    use = _section(text, "Use the trained model")
+    for line in _blocks(use, "bash")[0].splitlines():  # predict, evaluate, export
+        scoring = shlex.split(line)
+        assert scoring[0] == ".venv/bin/torchrec-cowclip", line
+        assert main(scoring[1:]) == 0, line
+    assert (tmp_path / "runs" / "clicks-scores.csv").is_file()
+    assert (tmp_path / "runs" / "clicks-serving" / "model.pt2").is_file()
+    snippet = _blocks(use, "python")[0]
     namespace: dict = {}
     exec(compile(snippet, str(README), "exec"), namespace)  # noqa: S102 - our own README
     clicks = namespace["clicks"]
-    assert clicks.shape == (8,) and bool(((clicks > 0) & (clicks < 1)).all())
+    assert clicks.shape == (2000,) and bool(((clicks > 0) & (clicks < 1)).all())
 
 
 def test_readme_is_short_and_its_contents_list_its_sections():

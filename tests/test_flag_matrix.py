@@ -201,6 +201,12 @@ ROWS: Dict[str, tuple] = {
     "--no-progress": (["--no-progress"], EVERY_KIND),
     "--log-every": (["--log-every", "5"], EVERY_KIND),
     "--row-clip-stats": (["--row-clip-stats"], EVERY_KIND),
+    # A warm start's RUN is opened by the trainer, after these checks.
+    "--init-from": (["--init-from", "runs/earlier"], EVERY_KIND),
+    "--init-optimizer-state": (
+        ["--init-from", "runs/earlier", "--init-optimizer-state"],
+        EVERY_KIND,
+    ),
 }
 
 

@@ -136,7 +136,7 @@ def test_twenty_random_kills_each_resumed_give_the_uninterrupted_metrics(tmp_pat
     )
     assert _rows(out / "epochs.csv") == _rows(tmp_path / "full" / "epochs.csv")
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png"]
+        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model"]
     ), "stray files left"
     # The pointer and the last two complete checkpoints; no killed write left behind.
     assert [p.name.split("-")[0] for p in sorted((out / "checkpoints").iterdir())] == [

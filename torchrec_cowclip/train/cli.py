@@ -19,6 +19,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
+from torchrec_cowclip.serve.cli import add_commands, run_command
 from torchrec_cowclip.sweep.cli import add_sweep_parser
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import SHARDING_CHOICES
@@ -427,6 +429,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="count clipped updates per embedding row and report the clip rate by id "
         "frequency in the training split (metrics.json: clip_by_frequency; one process)",
     )
+    r.add_argument(
+        "--init-from",
+        default=None,
+        metavar="RUN",
+        help="warm start from RUN's model (a finished run's --out): its weights and "
+        "encoders, its vocabularies grown by the new ids; the flags not given take RUN's "
+        "values (docs/serving.md, Warm start); default: none (a new model)",
+    )
+    r.add_argument(
+        "--init-optimizer-state",
+        action="store_true",
+        help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
+    )
 
     t = parser.add_argument_group("distributed", "under torchrun or torchx (README, Scale out)")
     t.add_argument(
@@ -462,7 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
     # The sweep runs `train` once per cell: it takes train's arguments from here
     # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
     add_sweep_parser(sub, add_train_arguments, config_from_args)
+    add_commands(sub)
     return parser
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    # argparse lists a parser's subcommands only in these attributes.
+    actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command: argparse.ArgumentParser = next(actions).choices[name]
+    return command
 
 
 def train_flags(parser: argparse.ArgumentParser) -> List[str]:
@@ -474,11 +497,10 @@ def train_flags(parser: argparse.ArgumentParser) -> List[str]:
         >>> flags[:3], "--seed" in flags, "--help" in flags
         (['--data', '--test-data', '--test-fraction'], True, False)
     """
-    # argparse lists a parser's subcommands and arguments only in these attributes.
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    # argparse lists a parser's arguments only in this attribute.
     return [
         a.option_strings[-1]
-        for a in commands["train"]._actions
+        for a in _command_parser(parser, "train")._actions
         if a.option_strings and not isinstance(a, argparse._HelpAction)
     ]
 
@@ -572,12 +594,20 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
     from torchrec_cowclip.train.stop import RunStopped
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
+    from torchrec_cowclip.train.warm_start import warm_start_defaults
 
     try:
+        if args.command in SERVING_COMMANDS:
+            print(json.dumps(run_command(args), indent=2, default=str))
+            return 0
+        if args.init_from:
+            # A warm start: the flags not given take RUN's values (its model, its data).
+            _command_parser(parser, "train").set_defaults(**warm_start_defaults(args.init_from))
+            args = parser.parse_args(argv)
         config = config_from_args(args)
         config.validate()
         metrics = train(config)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
         parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
     except (NonFiniteLossError, NonFiniteStateError) as e:
         parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")

@@ -99,6 +99,9 @@ class TrainConfig:
     helen_perturb_dense: bool = False
     sharding: str = "auto"
     dist_timeout_s: float = 300.0
+    # Warm start (train.warm_start): the weights and encoders of a finished run's folder.
+    init_from: Optional[str] = None
+    init_optimizer_state: bool = False
 
     def validate(self) -> None:
         """Raises :class:`ConfigError` naming the first bad option."""
@@ -157,6 +160,10 @@ class TrainConfig:
                     raise ConfigError(f"{flag} {clip:g} has no effect with {unclipped}: drop one")
         if self.resume not in (False, True, "auto"):
             raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
+        if self.init_optimizer_state and not self.init_from:
+            raise ConfigError("--init-optimizer-state carries --init-from's optimizer: give both")
+        if self.init_from is not None and not str(self.init_from).strip():
+            raise ConfigError("--init-from needs a run directory, got an empty one")
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in --out, --overwrite deletes it: give one"

@@ -34,10 +34,10 @@ from torchrec_cowclip.train.config import ConfigError
 LOCK_NAME = ".lock"
 
 # What a training run writes into --out (trainer.py: checkpoints and metrics.json;
-# run_log.py: the CSVs and TensorBoard's tb/; plots.py: curves.png). Only these, and their
-# temporary forms (see stale_temp_files), are ever deleted; anything else in --out is left
-# alone.
-RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png")
+# run_log.py: the CSVs and TensorBoard's tb/; plots.py: curves.png; run_folder.py: model/).
+# Only these, and their temporary forms (see stale_temp_files), are ever deleted; anything
+# else in --out is left alone.
+RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model")
 
 
 class RunDirError(ConfigError):

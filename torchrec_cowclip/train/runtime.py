@@ -32,7 +32,6 @@ from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
-from torchrec_cowclip.models.embeddings import EmbeddingBackend
 from torchrec_cowclip.optim.config import CowClip
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
@@ -51,6 +50,7 @@ from torchrec_cowclip.train.helen_pipeline import (
 )
 from torchrec_cowclip.train.optimizers import build_optimizer
 from torchrec_cowclip.train.report import ModelSize
+from torchrec_cowclip.train.run_folder import model_arguments
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.task import CTRTrainTask
 
@@ -131,25 +131,15 @@ class Runtime(ABC):
         return self.rank == 0
 
     def _build_model(self, table_device: Optional[str]) -> CTRModel:
-        cfg, schema = self.config, self.dataset.schema
         # The dense plan's inputs: the columns, and their missing-value indicators if any.
         plan = getattr(self.dataset, "dense_plan", None)
-        dense_inputs = schema.dense_names if plan is None else plan.output_names
+        dense_inputs = self.dataset.schema.dense_names if plan is None else plan.output_names
+        # The same arguments as a run folder rebuilds the model from.
         model = build_model(
-            cfg.model,
-            num_dense=len(dense_inputs),
-            sparse_names=list(schema.sparse_names),
-            cardinalities=list(schema.cardinalities),
-            embedding_dim=cfg.embedding_dim,
-            hidden=tuple(cfg.hidden),
-            cross_layers=cfg.cross_layers,
-            init_std=cfg.init_std,
-            # TrainConfig.validate() has admitted only these backends.
-            embedding_backend=cast(EmbeddingBackend, cfg.embedding_backend),
+            self.config.model,
+            **model_arguments(self.config, self.dataset.schema, len(dense_inputs)),
             embedding_options=self.embedding_options,
-            embedding_dtype=cfg.embedding_dtype,
             device=self.device,
-            init_seed=cfg.seed,
             table_device=table_device,
         )
         # Counted before sharding: the tables' configurations, the dense layers' sizes.

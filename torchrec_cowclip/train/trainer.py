@@ -12,6 +12,8 @@ Example::
     ...                             cache_dir=f"{tmp}/cache"))
     >>> metrics["steps"], sorted(metrics["epoch_auc"]) == [metrics["auc"]]
     (5, True)
+    >>> metrics.run_dir.name, sorted(p.name for p in (metrics.run_dir / "model").iterdir())
+    ('run', ['data.json', 'encoders', 'manifest.json', 'model.json', 'weights'])
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from torchrec_cowclip.train.report import (
     processes_line,
     run_eta,
 )
+from torchrec_cowclip.train.result import TrainResult
 from torchrec_cowclip.train.resume_guard import (
     check_resume,
     resumed_message,
@@ -60,11 +63,18 @@ from torchrec_cowclip.train.resume_guard import (
     run_record,
 )
 from torchrec_cowclip.train.run_dir import claim_run_dir, new_run_dir
+from torchrec_cowclip.train.run_folder import (
+    RunFolderWriter,
+    describe_data,
+    describe_model,
+    encoder_writer,
+)
 from torchrec_cowclip.train.run_log import RunLog, write_text_atomically
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.table_memory import check_tables_fit
+from torchrec_cowclip.train.warm_start import WarmStart
 
 
 class NonFiniteLossError(RuntimeError):
@@ -184,6 +194,9 @@ class Trainer:
         # Rank 0 (the environment names it before the process group exists) holds the
         # output directory's lock for the run's life.
         self.is_main = int(os.environ.get("RANK", "0")) == 0
+        # --init-from: RUN verified and the command checked against it before --out is
+        # created or claimed.
+        self.warm = WarmStart.open(config) if config.init_from else None
         created = None
         if config.out is None:  # a new directory, never one that holds a run
             created = new_run_dir()
@@ -211,8 +224,14 @@ class Trainer:
         # Explicit test files are converted with the training files' vocabulary and
         # scaling, as the last rows of one cache entry.
         self.dataset = open_dataset(
-            config.data, config.cache_dir, test_paths=test_paths, **data_options
+            config.data,
+            config.cache_dir,
+            test_paths=test_paths,
+            encoders=None if self.warm is None else self.warm.encoders,
+            **data_options,
         )
+        if self.warm is not None:
+            self.warm.check_dataset(self.dataset)
         self.train_idx, self.val_idx, self.test_idx = self.dataset.split(
             config.test_fraction, config.val_fraction, config.seed
         )
@@ -221,7 +240,11 @@ class Trainer:
             config, len(self.train_idx), len(self.val_idx), len(self.test_idx), world_size
         )
         started = time.perf_counter()
-        plan = self.dataset.fit_dense_plan(self.train_idx)  # the training split's statistics
+        plan = (
+            self.dataset.fit_dense_plan(self.train_idx)  # the training split's statistics
+            if self.warm is None
+            else self.warm.keep_dense_plan(self.dataset)  # RUN's: its model's inputs
+        )
         self._plan_seconds = time.perf_counter() - started
         schema = self.dataset.schema
         check_tables_fit(
@@ -381,9 +404,10 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------
 
-    def run(self) -> Dict[str, Any]:
+    def run(self) -> TrainResult:
         """Trains to the end (or ``--max-steps``), checkpointing at every epoch's end,
-        and returns the metrics written to ``out/metrics.json``.
+        writes the run folder ``out/model`` and returns the metrics written to
+        ``out/metrics.json`` (with the run directory and the model).
 
         Raises:
             RunStopped: SIGTERM/SIGINT arrived; the run finished its step, wrote a
@@ -395,7 +419,7 @@ class Trainer:
         finally:
             self.run_dir.release()
 
-    def _run(self) -> Dict[str, Any]:
+    def _run(self) -> TrainResult:
         cfg = self.config
         resumed = self.restore() if cfg.resume else False
         main = self.runtime.is_main
@@ -415,6 +439,8 @@ class Trainer:
                 )
             )
             log.rewind(p.global_step, p.epoch)
+        elif self.warm is not None:
+            log.info(self.warm.load_into(self.runtime, cfg.init_optimizer_state))
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
@@ -631,11 +657,17 @@ class Trainer:
                 return float(opt.param_groups[0]["lr"])
         return float("nan")
 
-    def _finish(self) -> Dict[str, Any]:
+    def _finish(self) -> TrainResult:
         cfg, p = self.config, self.progress
+        # The run folder (run_folder.py): the last step's weights, then the best epoch's.
+        folder = RunFolderWriter(self.out, main=self.runtime.is_main)
+        folder.save_weights("final", self.runtime.model_tensors()["model"], prefix="model.")
+        reported = "final"
         if cfg.early_stop_patience and self._best_checkpoint is not None:
             # Early stopping: the final model is the best validation epoch's.
             self._load_best()
+            folder.save_weights("best", self.runtime.model_tensors()["model"], prefix="model.")
+            reported = "best"
         final_epoch = (
             p.best_epoch
             if (cfg.early_stop_patience and p.best_epoch >= 0)
@@ -706,7 +738,14 @@ class Trainer:
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
             self._plot()
-        return metrics
+        folder.complete(
+            describe_model(cfg, self.dataset, metrics, folder.weights, reported),
+            lambda encoders: describe_data(
+                cfg, self.dataset, encoder_writer(self.dataset)(encoders)
+            ),
+        )
+        self.model.eval()
+        return TrainResult(metrics, self.out if self.runtime.is_main else None, self.model)
 
     def _plot(self) -> None:
         """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
@@ -782,6 +821,8 @@ class Trainer:
         ]
 
 
-def train(config: TrainConfig) -> Dict[str, Any]:
-    """Runs training as configured and returns the metrics written to ``out/metrics.json``."""
+def train(config: TrainConfig) -> TrainResult:
+    """Runs training as configured; returns the metrics written to ``out/metrics.json``
+    (a dict) carrying ``run_dir`` (whose ``model/`` ``torchrec_cowclip.load_model``
+    scores with) and ``model`` (the trained module)."""
     return Trainer(config).run()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from torchrec_cowclip.data.parsing.dense import (
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
 from torchrec_cowclip.data.pipeline.cache import build_entry, read_meta, verify_entry
-from torchrec_cowclip.data.pipeline.encode import convert
+from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
@@ -61,6 +61,19 @@ PathLike = Union[str, Path]
 
 #: Rows read at a time when fitting a dense plan on a set of rows.
 _FIT_BLOCK_ROWS = 1 << 20
+
+
+class EncoderOverride(Protocol):
+    """Encoders given from outside instead of learnt from the training parts (a warm
+    start encodes new rows with its run's vocabularies, grown, and dense statistics)."""
+
+    def key(self) -> Dict[str, Any]:
+        """What the override contributes to the cache key (JSON values)."""
+        ...
+
+    def apply(self, conversion: Conversion) -> Conversion:
+        """``conversion`` with the override's encoding and statistics in place."""
+        ...
 
 
 class CTRDataset:
@@ -290,6 +303,7 @@ def open_dataset(
     *,
     test_paths: Optional[Sequence[PathLike]] = None,
     rebuild: bool = False,
+    encoders: Optional[EncoderOverride] = None,
     **options: Any,
 ) -> CTRDataset:
     """Convert (once), verify and open a CTR dataset.
@@ -301,6 +315,8 @@ def open_dataset(
         test_paths: explicit test files (same kind as the spec); otherwise
             :meth:`CTRDataset.split` splits at random.
         rebuild: convert again even if a cache entry exists.
+        encoders: encode with these instead of what the training parts would teach
+            (part of the cache key).
         **options: the kind's options (its dataclass's fields): ``dense_transform``
             (every kind); ``on_bad_row`` (every kind read from files); ``min_count``,
             ``hash_size`` (text kinds; ``hash_size`` also ``criteo-npy:``); ``label``,
@@ -324,11 +340,16 @@ def open_dataset(
     kind.check_test_paths(tests)
     kind.check_sources(args, tests, opts)
     payload = kind.payload(args, tests, opts)
+    if encoders is not None:
+        payload = {**payload, "encoders": encoders.key()}
     source = spec + (f" (test: {','.join(tests)})" if tests else "")
     root = Path(cache_dir).expanduser()
 
     def build(tmp: Path) -> Dict[str, Any]:
-        meta = convert(kind.conversion(args, tests, opts), tmp, stats_cache=root)
+        conversion = kind.conversion(args, tests, opts)
+        if encoders is not None:
+            conversion = encoders.apply(conversion)
+        meta = convert(conversion, tmp, stats_cache=root)
         meta.update(source=source, seed=int(getattr(opts, "seed", 0)))
         return meta
 

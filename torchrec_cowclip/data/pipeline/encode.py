@@ -22,6 +22,10 @@ plain text files, the share read, every 10 s), and what was counted (clipped val
 values a transform cannot take, bad rows) goes into the meta, which ``open_dataset``
 reports once per open.
 
+The entry keeps what encoded its categoricals (``meta["encoder"]``: the encoding's saved
+state, a vocabulary's ``vocab.npz``), so that a trained model's run folder can encode
+new rows exactly as these were, with no cache left.
+
 Example::
 
     >>> import tempfile, pathlib
@@ -345,6 +349,18 @@ def _stats_pass(c: Conversion, out: Path) -> Dict[str, Any]:
     return {"rows": rows, "bad_rows": log.counts}
 
 
+def _keep_encoder(c: Conversion, out_dir: Path) -> Dict[str, Any]:
+    """Writes into the entry what encoded its categoricals and returns ``meta["encoder"]``:
+    the encoding and the files of its state."""
+    before = set(p.name for p in out_dir.iterdir())
+    if c.encoding.counts:
+        c.encoding.save(out_dir)
+    return {
+        "files": sorted(p.name for p in out_dir.iterdir() if p.name not in before),
+        "encoding": c.encoding.describe(),
+    }
+
+
 def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> Dict[str, Any]:
     """Write the cache arrays of ``c``'s rows into ``out_dir``; return the meta fields
     describing them (``checks`` included).
@@ -410,6 +426,7 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
         "dense_clipped": per_column(clipped),
         "dense_negative_under_log": per_column(negative),
         "checks": w.arrays(),
+        "encoder": _keep_encoder(c, out_dir),
     }
     if c.source_format is not None:
         meta["source_format"] = c.source_format

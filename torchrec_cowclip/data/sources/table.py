@@ -56,7 +56,13 @@ from torchrec_cowclip.data.parsing.columns import (
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
-from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, TextLayout, validate_block
+from torchrec_cowclip.data.parsing.rows import (
+    RowBlock,
+    SparseCheck,
+    TextLayout,
+    no_labels,
+    validate_block,
+)
 from torchrec_cowclip.data.pipeline.cache import fingerprint
 from torchrec_cowclip.data.pipeline.encode import (
     Conversion,
@@ -87,9 +93,10 @@ def _pyarrow() -> Any:
 
 
 class ParquetRowSource:
-    """Row blocks of parquet files (label, dense and sparse columns by name)."""
+    """Row blocks of parquet files (label, dense and sparse columns by name; ``label=None``
+    reads no label: every label is NaN)."""
 
-    def __init__(self, label: str, dense: Sequence[str], sparse: Sequence[str]) -> None:
+    def __init__(self, label: Optional[str], dense: Sequence[str], sparse: Sequence[str]) -> None:
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
 
     def _open(self, path: Union[str, Path]) -> Any:
@@ -102,12 +109,16 @@ class ParquetRowSource:
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{p}: not a readable parquet file ({e})", path=p) from e
         names = f.schema_arrow.names
-        missing = [c for c in [self.label, *self.dense, *self.sparse] if c not in names]
+        missing = [c for c in self._columns() if c not in names]
         if missing:
             raise DataError(f"{p}: no columns {missing}; columns are {names}", path=p)
         if f.metadata.num_rows == 0:
             raise DataError(f"data file is empty: {p}", path=p)
         return f
+
+    def _columns(self) -> List[str]:
+        labeled = [] if self.label is None else [self.label]
+        return list(dict.fromkeys([*labeled, *self.dense, *self.sparse]))
 
     def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
         self._open(path)
@@ -122,11 +133,15 @@ class ParquetRowSource:
         pa = _pyarrow()
         f = self._open(path)
         first_row = 1
-        columns = list(dict.fromkeys([self.label, *self.dense, *self.sparse]))
-        for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+        for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=self._columns()):
             n = batch.num_rows
-            raw_labels = _as_bytes(pa, batch.column(self.label))
-            labels, bad_label = check_labels(_numeric(pa, batch.column(self.label), raw_labels)[0])
+            if self.label is None:
+                raw_labels, labels, bad_label = no_labels(n)
+            else:
+                raw_labels = _as_bytes(pa, batch.column(self.label))
+                labels, bad_label = check_labels(
+                    _numeric(pa, batch.column(self.label), raw_labels)[0]
+                )
             raw_dense = [_as_bytes(pa, batch.column(c)) for c in self.dense]
             dense = np.empty((n, len(self.dense)))
             bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
