@@ -206,7 +206,7 @@ def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
     assert not (killed / "metrics.json").exists()
     assert "received SIGTERM" in (killed / "train.log").read_text()
     capsys.readouterr()
-    assert _sweep(*argv, "--delete-finished-checkpoints") == 0
+    assert _sweep(*argv, "--delete-finished-checkpoints", "--delete-finished-models") == 0
     err = capsys.readouterr().err
     assert "3 of 6 cells finished (or diverged) before: not run again" in err
     assert "cell b128-none-s0: continuing its checkpoint" in err
@@ -225,6 +225,10 @@ def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
     assert not (killed / "checkpoints").exists() and attempts[1]["checkpoints_deleted"] > 0
     assert not (copy / "cells" / "b512-none-s0" / "checkpoints").exists()
     assert (copy / "cells" / "b512-fixed-l2-s0" / "checkpoints").is_dir()
+    # --delete-finished-models: their run folders go too; the earlier cells keep theirs.
+    assert not (killed / "model").exists() and attempts[1]["model_deleted"] is True
+    assert (copy / "cells" / "b512-fixed-l2-s0" / "model" / "manifest.json").is_file()
+    assert (killed / "curves.png").is_file()
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from torchrec_cowclip.sweep.grid import (
 from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.run_dir import RunDirLock, has_checkpoint, run_files
+from torchrec_cowclip.train.run_folder import MANIFEST, MODEL_DIR
 from torchrec_cowclip.train.run_log import write_text_atomically
 from torchrec_cowclip.train.stop import EXIT_STOPPED
 
@@ -78,6 +80,8 @@ class SweepSpec:
         threads: torch threads of each cell.
         delete_finished_checkpoints: remove a cell's checkpoints once it has finished
             (its metrics, logs and curves stay; a finished cell is never trained again).
+        delete_finished_models: remove a cell's run folder (``model/``: its weights,
+            encoders and schema, what predict and export read) once it has finished.
     """
 
     out: Path
@@ -89,6 +93,7 @@ class SweepSpec:
     parallel: int = 1
     threads: int = 1
     delete_finished_checkpoints: bool = False
+    delete_finished_models: bool = False
     cells: List[Cell] = field(default_factory=list)
 
     def settings(self) -> Dict[str, Any]:
@@ -459,6 +464,11 @@ def _end(spec: SweepSpec, run: _Running, status: int) -> str:
     elif spec.delete_finished_checkpoints:
         removed, _ = CheckpointStore(d / CHECKPOINTS_DIR).remove_own()
         attempt["checkpoints_deleted"] = len(removed)
+    if outcome == "finished" and spec.delete_finished_models:
+        # Only a complete run folder (its manifest written last) that the cell's run wrote.
+        if (d / MODEL_DIR / MANIFEST).is_file():
+            shutil.rmtree(d / MODEL_DIR)
+            attempt["model_deleted"] = True
     write_json(d / CELL_RECORD, record)
     return outcome
 
