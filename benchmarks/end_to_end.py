@@ -83,7 +83,7 @@ from common import (  # noqa: E402
     write_png,
 )
 
-from torchrec_cowclip import CowClip  # noqa: E402
+from torchrec_cowclip import CowClip, CowClipOptions  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
 from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
@@ -252,7 +252,8 @@ def build_models(
     deepctr, fbgemm, fbgemm_cowclip), built in that order."""
     common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=dim)
     common.update(
-        hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, dim)
+        hidden=HIDDEN,
+        embedding_options=CowClipOptions(lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, dim)),
     )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
     # kind -> (embedding backend, trained as a task, dense parameters only)

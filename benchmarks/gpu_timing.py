@@ -75,6 +75,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
+from torchrec_cowclip import CowClip, CowClipOptions  # noqa: E402
 from torchrec_cowclip.optim import row_step  # noqa: E402
 from torchrec_cowclip.optim.functional import adam_bias_corrections  # noqa: E402
 
@@ -334,7 +335,10 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
     # do not change the cost of a step, only keep the run a realistic one.
     scale = bs / 1024
-    model = paper_deepfm(ds.schema, embedding_weight_decay=2 * 1e-5 * scale, device=device)
+    training = CowClipOptions(
+        lr=1e-4, weight_decay=2 * 1e-5 * scale, cowclip=CowClip.from_reference(1.0, 1e-5, 10)
+    )
+    model = paper_deepfm(ds.schema, embedding_options=training, device=device)
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
     task = CTRTrainTask(model)
     task.train()

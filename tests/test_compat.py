@@ -32,6 +32,7 @@ from torchrec_cowclip import CowClipEmbeddingBagCollection, compat
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
 from torchrec_cowclip.distributed.lookup import CowClipPooledEmbeddingsLookup, ReplicatedLookup
+from torchrec_cowclip.optim.options import CowClipOptions
 
 VERSIONS = f"torchrec {torchrec.__version__}, torch {torch.__version__}"
 
@@ -77,7 +78,7 @@ def sharded():
             )
             for name, (_, pooling) in PLAN.items()
         ]
-        module = CowClipEmbeddingBagCollection(tables, lr=0.1)
+        module = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
         sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
         plan = plans.construct_module_sharding_plan(
             module,

@@ -23,7 +23,6 @@ from torchrec_cowclip.embedding import native
 from torchrec_cowclip.embedding.native import use_native_update
 from torchrec_cowclip.embedding.row_gradients import group_rows
 from torchrec_cowclip.optim import row_step
-from torchrec_cowclip.optim.config import CountLR
 from torchrec_cowclip.optim.functional import (
     RowSums,
     adam_bias_corrections,
@@ -32,7 +31,9 @@ from torchrec_cowclip.optim.functional import (
     rounding_row_keys,
     stochastic_round,
 )
+from torchrec_cowclip.optim.options import CountLR, CowClipOptions
 from torchrec_cowclip.optim.row_step import set_compiled_update
+from torchrec_cowclip.optim.rules import update_rule
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"
@@ -166,7 +167,9 @@ def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step,
     st = [s.clone() for s in state]
     w_rows = w[rows].clone()
     s_rows = {name: s[rows].clone() for name, s in zip(STATE_NAMES[optimizer], st)}
-    clipped = cowclip_row_update_(optimizer, w_rows, grad, counts, s_rows, step, **kw)
+    clipped = cowclip_row_update_(
+        update_rule(optimizer).step, w_rows, grad, counts, s_rows, step, **kw
+    )
     w[rows] = w_rows
     for name, s in zip(STATE_NAMES[optimizer], st):
         s[rows] = s_rows[name]
@@ -425,10 +428,12 @@ def _half_module(tables, optimizer, weights, mode):
     set_compiled_update(mode)
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        cowclip=CowClip(r=1.0, zeta=1e-3),
-        unclipped_tables=("linear",),
-        **HYPER,
+        options=CowClipOptions(
+            optimizer=optimizer,
+            cowclip=CowClip(r=1.0, zeta=1e-3),
+            unclipped_tables=("linear",),
+            **HYPER,
+        ),
     )
     with torch.no_grad():
         for name, w in weights.items():
@@ -495,7 +500,9 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     import torchrec
 
     tables = _half_tables(data_type)
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.01)
+    )
     kjt = random_kjt(tables, batch_size=4, generator=torch.Generator().manual_seed(1))
     ebc(kjt).values().sum().backward()
     stock = torchrec.EmbeddingBagCollection(tables=[replace(t) for t in tables])
@@ -513,7 +520,9 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     torch.save({"model": ours_state, "optim": ebc.fused_optimizer.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    copy = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    copy = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.01)
+    )
     copy.load_state_dict(saved["model"])
     copy.fused_optimizer.load_state_dict(saved["optim"])
     for k, v in ours_state.items():
@@ -527,7 +536,8 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     assert (
         ebc.table_storage_bytes()
         < CowClipEmbeddingBagCollection(
-            [replace(t, data_type=DataType.FP32) for t in tables], optimizer="adam"
+            [replace(t, data_type=DataType.FP32) for t in tables],
+            options=CowClipOptions(optimizer="adam"),
         ).table_storage_bytes()
     )
 
@@ -558,7 +568,7 @@ def test_inductor_and_eager_modes_use_no_native_kernels(monkeypatch):
         set_compiled_update(mode)
         assert not use_native_update(torch.device("cpu"))
     set_compiled_update("0")
-    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1)
+    ebc = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
     ebc(kjt).values().sum().backward()
     assert calls == [] and ebc.clip_stats()["t"].rows_updated == 3
 
@@ -573,11 +583,11 @@ def test_a_failed_build_warns_and_falls_back_in_auto_mode_and_raises_in_mode_1(m
     set_compiled_update("0")  # reference result on the eager path
     tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
-    expected = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
+    expected = CowClipEmbeddingBagCollection(tables, init_seed=0, options=CowClipOptions(lr=0.1))
     expected(kjt).values().sum().backward()
     monkeypatch.setattr(row_step, "_failed_devices", {"cpu"})  # and no Inductor either
     set_compiled_update("auto")
-    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
+    ebc = CowClipEmbeddingBagCollection(tables, init_seed=0, options=CowClipOptions(lr=0.1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ebc(kjt).values().sum().backward()

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from torchrec_cowclip.optim import row_step
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import (
     RowSums,
     adam_bias_corrections,
     cowclip_row_update_,
     partial_row_sums,
 )
+from torchrec_cowclip.optim.options import CountLR, CowClip
 from torchrec_cowclip.optim.row_step import (
     compiled_update_mode,
     gather_step_scatter_,
@@ -21,6 +21,7 @@ from torchrec_cowclip.optim.row_step import (
     set_compiled_update,
     use_compiled_update,
 )
+from torchrec_cowclip.optim.rules import update_rule
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for Inductor")
@@ -69,7 +70,13 @@ def _expected(optimizer, weight, state, rows, grad, counts, step, **kw):
     w_rows = w[rows].clone()
     s_rows = {k: v[rows].clone() for k, v in f64.items()}
     clipped = cowclip_row_update_(
-        optimizer, w_rows, grad.to("cpu", torch.float64), counts, s_rows, step, **kw
+        update_rule(optimizer).step,
+        w_rows,
+        grad.to("cpu", torch.float64),
+        counts,
+        s_rows,
+        step,
+        **kw,
     )
     w[rows] = w_rows
     for k in f64:

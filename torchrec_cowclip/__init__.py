@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CountLR, CowClip, CowClipOptions, Helen
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection

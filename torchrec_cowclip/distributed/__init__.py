@@ -22,7 +22,6 @@ table_row_wise, data_parallel.
 """
 
 from torchrec_cowclip.distributed.comm import CollectiveError
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.distributed.sharded_collection import (
     SUPPORTED_SHARDING_TYPES,
     ShardedCowClipEmbeddingBagCollection,
@@ -35,7 +34,6 @@ from torchrec_cowclip.distributed.sharder import (
 __all__ = [
     "CollectiveError",
     "CowClipEmbeddingBagCollectionSharder",
-    "CowClipOptions",
     "SUPPORTED_SHARDING_TYPES",
     "ShardedCowClipEmbeddingBagCollection",
     "get_default_sharders",

@@ -37,7 +37,6 @@ from torchrec_cowclip.compat import (
     mark_updated_in_backward,
 )
 from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding import layout
 from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
@@ -48,6 +47,7 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _shard_offsets(shard: Any) -> Tuple[int, int]:

@@ -25,9 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding.row_updates import LookupChannel
 from torchrec_cowclip.embedding.table_batch import TableClipStats
+from torchrec_cowclip.optim.options import CowClipOptions
 
 #: Plan compute kernels this lookup serves. ``fused`` is what the sharder offers the
 #: planner (a table-batched lookup with the optimizer fused into backward, which is what

@@ -41,13 +41,12 @@ from torchrec_cowclip.distributed.lookup import (
     CowClipPooledEmbeddingsLookup,
     ReplicatedLookup,
 )
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_updates import LocalRows, RowSync, RowUpdates
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
-from torchrec_cowclip.optim.config import Helen
+from torchrec_cowclip.optim.options import CowClipOptions, Helen
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
 #: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).

@@ -28,10 +28,10 @@ Example::
 
     >>> import torch
     >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, Helen
+    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions, Helen
     >>> ebc = CowClipEmbeddingBagCollection(
     ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
-    ...                         feature_names=["f"])], helen=Helen())
+    ...                         feature_names=["f"])], CowClipOptions(helen=Helen()))
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(
     ...     keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     >>> step = ebc.row_updates.helen_step(lambda: ebc(kjt).values().square().sum())
@@ -55,8 +55,7 @@ from torchrec_cowclip.embedding import helen as helen_pass
 from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.config import Helen
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CowClipOptions, Helen
 
 __all__ = [
     "HelenCost",

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, stochastic_round
-from torchrec_cowclip.optim.rules import UpdateRule
+from torchrec_cowclip.optim.options import CountLR, CowClip
+from torchrec_cowclip.optim.rules import UpdateRule, update_rule
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,9 @@ def gather_step_scatter_(
     """
     weight = weight_table.index_select(0, rows).to(grad.dtype)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
+    rule = optimizer if isinstance(optimizer, UpdateRule) else update_rule(optimizer)
     clipped = cowclip_row_update_(
-        optimizer,
+        rule.step,
         weight,
         grad,
         counts,
