@@ -144,7 +144,7 @@ def row_step_variant(
             counts_t,
             bias,
         )
-    call = row_step.row_step_ if compiled else row_step.gather_step_scatter_
+    call = row_step.row_step(compiled)
 
     def step(batch: Batch) -> None:
         unique, grad, counts, bias = inputs[id(batch)]
@@ -575,7 +575,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "part_errors": {},
     }
     out = Path(args.out) / "gpu_timing.json"
-    row_step.set_compiled_update(args.compile)
+    previous = row_step.set_compiled_update(args.compile)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchrec/fbgemm warn about FX and CUDA details
@@ -595,7 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"[{part} took {time.perf_counter() - t0:.1f} s]", flush=True)
                 write_json(out, report)
     finally:
-        row_step.set_compiled_update(None)
+        row_step.set_compiled_update(previous)
     incomplete = bool(report["part_errors"]) or bool(report.get("embedding", {}).get("skipped"))
     write_json(out, report)
     print_report(report)

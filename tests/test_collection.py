@@ -22,9 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import fused_update
 from torchrec_cowclip.optim.options import CountLR, CowClipOptions
-from torchrec_cowclip.optim.row_step import set_compiled_update
 
 
 def _build(
@@ -86,17 +84,16 @@ needs_compiler = pytest.mark.skipif(
 PATH_MODES = {"eager": "0", "compiled": "1", "inductor": "inductor"}
 
 
-def _on_path(name):
-    set_compiled_update(PATH_MODES[name])
-    yield name
-    set_compiled_update(None)
+def _on_path(name, monkeypatch):
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", PATH_MODES[name])  # read when built
+    return name
 
 
 @pytest.fixture(params=["eager", pytest.param("compiled", marks=needs_compiler)])
-def update_path(request):
+def update_path(request, monkeypatch):
     """Runs a test on the eager update and the compiled one (on CPU: the native kernels;
     on CUDA: Inductor's Triton kernels)."""
-    yield from _on_path(request.param)
+    return _on_path(request.param, monkeypatch)
 
 
 @pytest.fixture(
@@ -106,10 +103,10 @@ def update_path(request):
         pytest.param("inductor", marks=needs_compiler),
     ]
 )
-def every_update_path(request):
+def every_update_path(request, monkeypatch):
     """:func:`update_path` and the Inductor-compiled row step on CPU too (the CPU path
     before the native kernels, ``TORCHREC_COWCLIP_COMPILE=inductor``)."""
-    yield from _on_path(request.param)
+    return _on_path(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -152,9 +149,8 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, every_upd
         assert total_clipped == 0
 
 
-def test_a_wrong_update_fails_the_reference_comparison(device, wrong_row_step, monkeypatch):
+def test_a_wrong_update_fails_the_reference_comparison(device, wrong_row_step):
     """The comparison above can fail: an update that is off by 1e-3 on one row is caught."""
-    monkeypatch.setattr(fused_update, "row_step_", wrong_row_step)
     with pytest.raises(AssertionError, match="not close"):
         test_several_steps_match_dense_autograd_reference("adam", True, "eager", device)
 
@@ -202,11 +198,12 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     table batches look up the same row ids, so forward maps them once and backward sorts
     them once; each batch still gets its own, correct update (pooling and weights per batch)."""
     from torchrec_cowclip.embedding import lookup as lookup_module
+    from torchrec_cowclip.embedding.kernels import TorchKernel
 
     sorts, hot_flags = [], []
-    real_group_rows, real_pooled_lookup = lookup_module.group_rows, lookup_module.pooled_lookup
+    real_group_rows, real_pooled_lookup = TorchKernel.group_rows, lookup_module.pooled_lookup
     monkeypatch.setattr(
-        lookup_module, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
+        TorchKernel, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
     )
     monkeypatch.setattr(
         lookup_module,

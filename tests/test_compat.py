@@ -470,3 +470,16 @@ def test_dcp_metadata_private_classes():
         Recording(io.BytesIO(open(f"{root}/.metadata", "rb").read())).load()
         assert seen <= set(allowed_globals()), sorted(seen - set(allowed_globals()))
         assert seen & set(named), "the metadata no longer names the private classes"
+
+
+def test_libtorch_cpu_carries_fbgemms_radix_sort():
+    """The native grouping calls FBGEMM's ``radix_sort_parallel<int32, int32>`` from
+    libtorch_cpu (a symbol no public torch API declares); a torch without it builds the
+    kernels with their own radix sort instead (same result, slower on one large table)."""
+    from torchrec_cowclip.embedding import native
+
+    with private_name(
+        f"libtorch_cpu's {compat.FBGEMM_RADIX_SORT_SYMBOL}", "fbgemm_radix_sort_available"
+    ):
+        assert compat.fbgemm_radix_sort_available()
+    assert "-DCOWCLIP_FBGEMM_RADIX_SORT=1" in native.build_flags()

@@ -5,6 +5,8 @@ TorchRec extension points the sharder relies on (multi-rank runs: test_distribut
 from __future__ import annotations
 
 import inspect
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -238,3 +240,45 @@ def test_torchrec_extension_points_still_exist():
             __import__(f"torchrec.distributed.sharding.{module}", fromlist=["x"])
         )
         assert "grouped_configs=self._grouped_embedding_configs" in source, module
+
+
+def _peers(monkeypatch, *theirs):
+    """A process group of this rank and ``theirs`` ((kind, mode) of ranks 1, 2, ...)."""
+    from torchrec_cowclip.distributed import sharded_collection as sc
+
+    world = 1 + len(theirs)
+    monkeypatch.setattr(sc.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sc.dist, "get_world_size", lambda pg: world)
+    monkeypatch.setattr(sc.dist, "get_process_group_ranks", lambda pg: list(range(world)))
+
+    def all_gather_object(out, mine, group=None):
+        out[:] = [mine, *theirs]
+
+    monkeypatch.setattr(sc.dist, "all_gather_object", all_gather_object)
+    return lambda: sc._agreed_kernel(
+        torch.device("cpu"), update_rule("adam"), SimpleNamespace(process_group=object())
+    )
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"
+)
+def test_the_ranks_agree_on_one_row_kernel(monkeypatch):
+    """A rank whose native build failed (all in ``auto``): every rank takes its kernel,
+    with a warning naming the ranks; ranks told different modes: an error naming the
+    rank that differs."""
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "auto")
+    assert _peers(monkeypatch, ("native_cpu", "auto"))().kind == "native_cpu"
+    agree = _peers(monkeypatch, ("native_cpu", "auto"), ("eager", "auto"))
+    with pytest.warns(
+        RuntimeWarning, match="rank 0: native_cpu, rank 1: native_cpu, rank 2: eager"
+    ):
+        assert agree().kind == "eager"
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")
+    disagree = _peers(monkeypatch, ("eager", "0"), ("native_cpu", "1"))
+    with pytest.raises(
+        ValueError,
+        match=r"rank 2 updates its rows with the native_cpu row kernel "
+        r"\(TORCHREC_COWCLIP_COMPILE=1\), rank 0 with eager \(TORCHREC_COWCLIP_COMPILE=0\)",
+    ):
+        disagree()

@@ -11,7 +11,6 @@ from torchrec import KeyedJaggedTensor
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.distributed.sharder import PLANNER_OPTIMIZER_CLASS
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.optim.row_step import set_compiled_update
 from torchrec_cowclip.optim.rules import (
     OPTIMIZERS,
     STATE_LAYOUT,
@@ -35,13 +34,12 @@ TOY = UpdateRule("toy_heavy_ball", _heavy_ball, (("velocity", "D"),), "torch.opt
 
 
 @pytest.fixture
-def toy_rule():
+def toy_rule(monkeypatch):
     register_update_rule(TOY)
-    set_compiled_update("0")  # eager: the test is about the registry, not Inductor
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")  # the registry, not Inductor
     try:
         yield TOY
     finally:
-        set_compiled_update(None)
         unregister_update_rule(TOY.name)
 
 

@@ -33,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
+from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
 from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
@@ -45,6 +46,7 @@ from torchrec_cowclip.embedding.table_batch import (
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions, Helen
+from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
     options_settings,
@@ -140,6 +142,9 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # One row kernel for every table batch, chosen here (and again on a device move),
+        # not per step: building the native one, if it is that, happens now.
+        kernel = select_kernel(self._device, options.rule)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
         self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
@@ -158,6 +163,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 optimizer,
                 [tables[i].name not in unclipped for i in group],
                 self._device,
+                kernel,
             )
             for group in group_into_table_batches(tables)
         ]
@@ -297,7 +303,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             outs.append(
                 # torch.autograd.Function.apply carries no annotations.
                 RowLookup.apply(  # type: ignore[no-untyped-call]
-                    anchor, batch, lookup, step, self._submission_of(index)
+                    anchor, lookup.weights, batch, lookup, step, self._submission_of(index)
                 )
             )
         return KeyedTensor(
@@ -340,6 +346,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         return sum(batch.storage_bytes() for batch in self._batches)
 
     # --- the update -------------------------------------------------------------------
+
+    @property
+    def row_kernel(self) -> RowKernel:
+        """How the table batches group and update their touched rows
+        (:mod:`torchrec_cowclip.embedding.kernels`): chosen when the module was built or
+        last moved, the same for every batch."""
+        return self._batches[0].kernel
 
     @property
     def row_updates(self) -> RowUpdates:
@@ -497,7 +510,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         # views; moving the views alone would silently detach them from the batches.
         for batch in self._batches:
             batch._apply(fn)
-        self._device = self._batches[0].weight.device
+        moved_to = self._batches[0].weight.device
+        if moved_to != self._device:
+            kernel = select_kernel(moved_to, update_rule(self._optimizer))
+            for batch in self._batches:
+                batch.kernel = kernel
+        self._device = moved_to
         self._row_updates.to(self._device)
         self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._bind_views()

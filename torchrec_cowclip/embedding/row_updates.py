@@ -16,7 +16,8 @@ and a Helen step both run:
    (the same on every rank), and does what the mode says:
 
    * ``APPLY`` (a plain ``loss.backward()``): the channel's strategy applies them
-     (:func:`~torchrec_cowclip.embedding.fused_update.apply_fused_update_` per table batch);
+     (one call of each table batch's row kernel, :meth:`RowKernel.update_
+     <torchrec_cowclip.embedding.kernels.RowKernel.update_>`);
    * ``HOLD_ASCENT`` / ``HOLD_DESCENT`` (the two passes of :meth:`RowUpdates.helen_step`):
      they are held; between the passes the held rows are perturbed
      (:mod:`.helen`), after the second the rows are restored and the held descent steps
@@ -52,7 +53,6 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.embedding import helen as helen_pass
-from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
 from torchrec_cowclip.optim.options import CowClipOptions, Helen
@@ -121,7 +121,7 @@ class LocalRows(RowSync):
 
     def apply(self, submissions: List[Submission]) -> None:
         for sub in submissions:
-            apply_fused_update_(sub.batch, sub.row_grads, sub.options)
+            sub.batch.kernel.update_(sub.batch, sub.row_grads, sub.options)
 
 
 class LookupStep:

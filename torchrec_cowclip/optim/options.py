@@ -272,7 +272,7 @@ class CowClipOptions:
     def hyperparameters(self) -> Dict[str, Any]:
         """The fused optimizer's param group entries (``lr``, ``betas``, ``eps``,
         ``weight_decay``, ``cowclip``, ``count_lr``), which are also the row step's
-        hyperparameter keywords (:func:`~torchrec_cowclip.optim.row_step.row_step_`)."""
+        hyperparameter keywords (:func:`~torchrec_cowclip.optim.row_step.gather_step_scatter_`)."""
         return {
             "lr": self.lr,
             "betas": self.betas,
