@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+#: A clean environment, but the suite's native-library cache (built once, reused).
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PATH": "/usr/bin:/bin",
+    "PYTHONPATH": str(REPO),
+    **{k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR",) if k in os.environ},
+}
 
 
 def test_every_example_is_covered():
@@ -44,7 +52,7 @@ def test_example_runs(tmp_path, script):
             capture_output=True,
             text=True,
             timeout=300,
-            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+            env=ENV,
         )
         assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     if script.stem.startswith("train_"):
@@ -83,7 +91,7 @@ def _dlrm(tmp_path: Path, npy: Path, processes: int, *flags: str) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        env=ENV,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
