@@ -21,6 +21,13 @@ ENV = {
 }
 
 
+def _run(args, cwd: Path) -> subprocess.CompletedProcess:
+    """``args`` in ``ENV``, bounded; it must succeed."""
+    run = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    return run
+
+
 def test_every_example_is_covered():
     assert {p.name for p in EXAMPLES} == {
         "cowclip_in_your_model.py",
@@ -46,15 +53,7 @@ def test_example_runs(tmp_path, script):
             str(tmp_path / "c"),
         ]
     for _ in range(2 if script.stem.startswith("train_") else 1):  # a re-run replaces its run
-        run = subprocess.run(
-            args,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=ENV,
-        )
-        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        _run(args, tmp_path)
     if script.stem.startswith("train_"):
         metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert metrics["steps"] > 0 and metrics["epochs"] == 1
@@ -62,7 +61,7 @@ def test_example_runs(tmp_path, script):
 
 def _dlrm(tmp_path: Path, npy: Path, processes: int, *flags: str) -> dict:
     """examples/dlrm_criteo.py under torchrun on ``processes`` processes, tiny; its summary."""
-    run = subprocess.run(
+    run = _run(
         [
             str(Path(sys.executable).with_name("torchrun")),
             "--standalone",
@@ -87,13 +86,8 @@ def _dlrm(tmp_path: Path, npy: Path, processes: int, *flags: str) -> dict:
             str(tmp_path / "cache"),
             *flags,
         ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=ENV,
+        tmp_path,
     )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 

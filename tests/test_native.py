@@ -153,6 +153,18 @@ def _problem(optimizer, dim=6, num_rows=60, tables=3, seed=0):
 STATE_NAMES = {"adam": ["exp_avg", "exp_avg_sq"], "rowwise_adagrad": ["sum"], "sgd": []}
 
 
+def _summed(grouping, bag_grads, sorted_weights=None):
+    """ATen's segment sums of each row's bag gradients (the reference's ``g_j``)."""
+    return F.embedding_bag(
+        grouping.sorted_bags,
+        bag_grads,
+        grouping.segment_offsets,
+        mode="sum",
+        per_sample_weights=sorted_weights,
+        include_last_offset=True,
+    )
+
+
 def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step, **kw):
     """The functional core on the gathered rows (``dtype`` of the inputs), scattered back."""
     w = weight.clone()
@@ -182,14 +194,7 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
     bad = int(rows.numel() // 2)
     bag_grads = bag_grads.clone()
     bag_grads[grouping.sorted_bags[grouping.segment_offsets[bad]]] = float("nan")
-    finite_grad = F.embedding_bag(
-        grouping.sorted_bags,
-        bag_grads,
-        grouping.segment_offsets,
-        mode="sum",
-        per_sample_weights=sorted_weights,
-        include_last_offset=True,
-    )
+    finite_grad = _summed(grouping, bag_grads, sorted_weights)
     finite = torch.isfinite(finite_grad.sum(1))
     assert not bool(finite.all())
     table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
@@ -523,14 +528,7 @@ def test_many_chunks_on_several_threads_match_the_functional_core(optimizer, dim
     bias = adam_bias_corrections(step, *betas)
     kw = dict(lr=0.05, betas=betas, eps=1e-6, weight_decay=0.01, cowclip=cowclip)
     sorted_weights = position_weights[grouping.order]
-    grad = F.embedding_bag(
-        grouping.sorted_bags,
-        bag_grads,
-        grouping.segment_offsets,
-        mode="sum",
-        per_sample_weights=sorted_weights,
-        include_last_offset=True,
-    )
+    grad = _summed(grouping, bag_grads, sorted_weights)
     ref_w, ref_s, ref_clipped = _reference(
         optimizer,
         weight,

@@ -692,29 +692,15 @@ std::tuple<Tensor, Tensor> fused_update(
                     segment_offsets->numel() == U + 1,
                 "segment_offsets: [U + 1] int64");
     a.segment_offsets = segment_offsets->data_ptr<int64_t>();
-    const int64_t L = sorted_bags->numel();
-    {
-      const int64_t* so = a.segment_offsets;
-      bool monotone = so[0] == 0 && so[U] == L;
-      for (int64_t u = 0; u < U; ++u) monotone &= so[u] <= so[u + 1];
-      TORCH_CHECK(monotone, "fused_update_: segment_offsets must start at 0, ascend and end at "
-                  "the ", L, " positions of sorted_bags");
-    }
     TORCH_CHECK(sorted_bags->scalar_type() == at::kLong && sorted_bags->is_contiguous(),
                 "sorted_bags: [L] int64");
     a.sorted_bags = sorted_bags->data_ptr<int64_t>();
-    {
-      const int64_t* sb = a.sorted_bags;
-      const int64_t bags = grad.size(0);
-      std::atomic<bool> bad{false};
-      at::parallel_for(0, L, 65536, [&](int64_t begin, int64_t end) {
-        bool local = false;
-        for (int64_t p = begin; p < end; ++p) local |= sb[p] < 0 || sb[p] >= bags;
-        if (local) bad = true;
-      });
-      TORCH_CHECK(!bad.load(), "fused_update_: sorted_bags must index the ", bags,
-                  " rows of the bag gradients");
-    }
+    const int64_t L = sorted_bags->numel();
+    // The ends here; that the offsets ascend, and the bags, in the one pass over the rows
+    // below.
+    TORCH_CHECK(a.segment_offsets[0] == 0 && a.segment_offsets[U] == L,
+                "fused_update_: segment_offsets must start at 0, ascend and end at the ", L,
+                " positions of sorted_bags");
     a.sorted_weights = optional_float(sorted_weights, L, "sorted_weights");
   }
   a.row_offsets = row_offsets.data_ptr<int64_t>();
@@ -769,15 +755,37 @@ std::tuple<Tensor, Tensor> fused_update(
   }
   // Every row must lie in the weight (the callers' ids are checked in forward; this keeps a
   // wrong caller from writing outside the tables).
+  // And their positions: each row's segment of sorted_bags ascends, and each of its bags
+  // is a row of the bag gradients. One parallel pass, before any write.
   {
+    constexpr int kBadRows = 1, kBadSegments = 2, kBadBags = 4;
     const int64_t* rp = a.rows;
-    std::atomic<bool> bad{false};
-    at::parallel_for(0, U, 65536, [&](int64_t begin, int64_t end) {
+    const int64_t* so = a.segment_offsets;
+    const int64_t* sb = a.sorted_bags;
+    const int64_t bags = grad.size(0);
+    std::atomic<int> bad{0};
+    at::parallel_for(0, U, 16384, [&](int64_t begin, int64_t end) {
+      int local = 0;
       for (int64_t u = begin; u < end; ++u) {
-        if (rp[u] < 0 || rp[u] >= R || (u > 0 && rp[u] <= rp[u - 1])) bad = true;
+        if (rp[u] < 0 || rp[u] >= R || (u > 0 && rp[u] <= rp[u - 1])) local |= kBadRows;
+        if (so == nullptr) continue;
+        const int64_t lo = so[u], hi = so[u + 1];
+        if (lo > hi || hi > so[U]) {
+          local |= kBadSegments;
+          continue;
+        }
+        for (int64_t p = lo; p < hi; ++p) {
+          if (sb[p] < 0 || sb[p] >= bags) local |= kBadBags;
+        }
       }
+      if (local != 0) bad.fetch_or(local);
     });
-    TORCH_CHECK(!bad.load(), "rows must be distinct, ascending and inside the weight");
+    const int found = bad.load();
+    TORCH_CHECK(!(found & kBadRows), "rows must be distinct, ascending and inside the weight");
+    TORCH_CHECK(!(found & kBadSegments), "fused_update_: segment_offsets must start at 0, "
+                "ascend and end at the ", so[U], " positions of sorted_bags");
+    TORCH_CHECK(!(found & kBadBags), "fused_update_: sorted_bags must index the ", bags,
+                " rows of the bag gradients");
   }
   switch (weight.scalar_type()) {
     case at::kFloat:
@@ -801,13 +809,16 @@ std::tuple<Tensor, Tensor> fused_update(
 // --- pooled_lookup ---------------------------------------------------------------------
 
 template <typename W>
-void pool_bags(const W* weight, int64_t D, int64_t R, const int64_t* ids, const int64_t* offsets,
-               const float* psw, bool mean, float* out, int64_t begin, int64_t end) {
-  const int64_t last = offsets[end];
+void pool_bags(const W* weight, int64_t D, int64_t R, const int64_t* ids, int64_t num_ids,
+               const int64_t* offsets, const float* psw, bool mean, float* out, int64_t begin,
+               int64_t end) {
+  const int64_t last = std::min(offsets[end], num_ids);  // prefetch inside the ids
   for (int64_t b = begin; b < end; ++b) {
     float* o = out + b * D;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
     const int64_t p0 = offsets[b], p1 = offsets[b + 1];
+    TORCH_CHECK(0 <= p0 && p0 <= p1 && p1 <= num_ids, "pooled_lookup: offsets must start at 0, "
+                "ascend and end at the ", num_ids, " ids");
     for (int64_t p = p0; p < p1; ++p) {
       if (p + kPositionPrefetch < last) {
         prefetch_read(weight + ids[p + kPositionPrefetch] * D, D * static_cast<int64_t>(sizeof(W)));
@@ -838,12 +849,9 @@ Tensor pooled_lookup(const Tensor& weight, const Tensor& ids, const Tensor& offs
   const int64_t D = weight.size(1), R = weight.size(0);
   const int64_t bags = offsets.numel() - 1;
   const int64_t* off = offsets.data_ptr<int64_t>();
-  {
-    bool monotone = off[0] == 0 && off[bags] == ids.numel();
-    for (int64_t b = 0; b < bags; ++b) monotone &= off[b] <= off[b + 1];
-    TORCH_CHECK(monotone, "pooled_lookup: offsets must start at 0, ascend and end at the ",
-                ids.numel(), " ids");
-  }
+  // The ends here, that they ascend per bag as the bags are pooled (into a new tensor).
+  TORCH_CHECK(off[0] == 0 && off[bags] == ids.numel(),
+              "pooled_lookup: offsets must start at 0, ascend and end at the ", ids.numel(), " ids");
   TORCH_CHECK(!(mean && per_sample_weights.has_value()), "mean pooling takes no weights");
   const float* psw = optional_float(per_sample_weights, ids.numel(), "per_sample_weights");
   Tensor out = at::empty({bags, D}, weight.options().dtype(at::kFloat));
@@ -851,7 +859,7 @@ Tensor pooled_lookup(const Tensor& weight, const Tensor& ids, const Tensor& offs
   const int64_t* id = ids.data_ptr<int64_t>();
   auto run = [&](auto* w) {
     at::parallel_for(0, bags, 2048, [&](int64_t begin, int64_t end) {
-      pool_bags(w, D, R, id, off, psw, mean, o, begin, end);
+      pool_bags(w, D, R, id, ids.numel(), off, psw, mean, o, begin, end);
     });
   };
   switch (weight.scalar_type()) {
