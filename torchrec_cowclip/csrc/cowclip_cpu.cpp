@@ -755,37 +755,40 @@ std::tuple<Tensor, Tensor> fused_update(
   }
   // Every row must lie in the weight (the callers' ids are checked in forward; this keeps a
   // wrong caller from writing outside the tables).
-  // And their positions: each row's segment of sorted_bags ascends, and each of its bags
-  // is a row of the bag gradients. One parallel pass, before any write.
+  // And their positions: the segment offsets ascend, and every position's bag is a row of
+  // the bag gradients. Before any write, in branch-free loops the compiler vectorises
+  // (an OR of the conditions per chunk): two streaming passes, rows then positions.
   {
-    constexpr int kBadRows = 1, kBadSegments = 2, kBadBags = 4;
     const int64_t* rp = a.rows;
     const int64_t* so = a.segment_offsets;
-    const int64_t* sb = a.sorted_bags;
-    const int64_t bags = grad.size(0);
-    std::atomic<int> bad{0};
-    at::parallel_for(0, U, 16384, [&](int64_t begin, int64_t end) {
-      int local = 0;
+    std::atomic<bool> bad_rows{false}, bad_segments{false};
+    at::parallel_for(0, U, 65536, [&](int64_t begin, int64_t end) {
+      uint64_t rows_bad = 0, segments_bad = 0;
       for (int64_t u = begin; u < end; ++u) {
-        if (rp[u] < 0 || rp[u] >= R || (u > 0 && rp[u] <= rp[u - 1])) local |= kBadRows;
-        if (so == nullptr) continue;
-        const int64_t lo = so[u], hi = so[u + 1];
-        if (lo > hi || hi > so[U]) {
-          local |= kBadSegments;
-          continue;
-        }
-        for (int64_t p = lo; p < hi; ++p) {
-          if (sb[p] < 0 || sb[p] >= bags) local |= kBadBags;
-        }
+        rows_bad |= static_cast<uint64_t>(rp[u]) >= static_cast<uint64_t>(R);
+        rows_bad |= u > 0 && rp[u] <= rp[u - 1];
       }
-      if (local != 0) bad.fetch_or(local);
+      if (so != nullptr) {
+        for (int64_t u = begin; u < end; ++u) segments_bad |= so[u] > so[u + 1];
+      }
+      if (rows_bad) bad_rows = true;
+      if (segments_bad) bad_segments = true;
     });
-    const int found = bad.load();
-    TORCH_CHECK(!(found & kBadRows), "rows must be distinct, ascending and inside the weight");
-    TORCH_CHECK(!(found & kBadSegments), "fused_update_: segment_offsets must start at 0, "
-                "ascend and end at the ", so[U], " positions of sorted_bags");
-    TORCH_CHECK(!(found & kBadBags), "fused_update_: sorted_bags must index the ", bags,
-                " rows of the bag gradients");
+    TORCH_CHECK(!bad_rows.load(), "rows must be distinct, ascending and inside the weight");
+    TORCH_CHECK(!bad_segments.load(), "fused_update_: segment_offsets must start at 0, ascend "
+                "and end at the ", so[U], " positions of sorted_bags");
+    if (so != nullptr) {
+      const int64_t* sb = a.sorted_bags;
+      const uint64_t bags = static_cast<uint64_t>(grad.size(0));
+      std::atomic<bool> bad_bags{false};
+      at::parallel_for(0, so[U], 65536, [&](int64_t begin, int64_t end) {
+        uint64_t outside = 0;
+        for (int64_t p = begin; p < end; ++p) outside |= static_cast<uint64_t>(sb[p]) >= bags;
+        if (outside) bad_bags = true;
+      });
+      TORCH_CHECK(!bad_bags.load(), "fused_update_: sorted_bags must index the ", bags,
+                  " rows of the bag gradients");
+    }
   }
   switch (weight.scalar_type()) {
     case at::kFloat:
