@@ -335,7 +335,8 @@ def variant_steps(
         n_sparse, n_dense = len(ds.schema.sparse_names), ds.schema.n_dense
         sl = slice(0, fit_steps * bs)
         x_dict = {f"C{i}": np.asarray(ds.sparse[sl, i]).astype(np.int64) for i in range(n_sparse)}
-        x_dict.update({f"I{i}": np.asarray(ds.dense[sl, i]) for i in range(n_dense)})
+        dense_inputs = ds.dense_inputs(np.arange(sl.start, sl.stop))  # as the trainer's batches
+        x_dict.update({f"I{i}": dense_inputs[:, i] for i in range(n_dense)})
         y = np.asarray(ds.labels[sl]).astype(np.float32)
         # deepctr's own input layout, for the lean loop
         order = sorted(deepctr.feature_index, key=lambda k: deepctr.feature_index[k][0])

@@ -1,8 +1,9 @@
 """Quickstart: a CowClip EmbeddingBagCollection plus a small MLP on generated KJT data.
 
-Run: ``.venv/bin/python examples/quickstart.py`` (or ``make demo`` before the trainer
-existed). The embeddings are trained by the fused CowClip+Adam update inside
-``loss.backward()``; the MLP by an ordinary ``torch.optim.Adam``.
+The embeddings are trained by the fused CowClip+Adam update inside ``loss.backward()``;
+the MLP by an ordinary ``torch.optim.Adam``. 100 steps on generated data, a few seconds::
+
+    .venv/bin/python examples/quickstart.py
 """
 
 import torch

@@ -36,8 +36,14 @@ def test_cache_layout_and_meta(tmp_path: Path) -> None:
         "sparse.npy",
         "labels.npy",
         "meta.json",
+        # What encoded the categoricals (a run folder takes it from here): the vocabulary.
+        "vocab.npz",
     }
     meta = json.loads((ds.path / "meta.json").read_text())
+    assert meta["encoder"] == {
+        "files": ["vocab.npz"],
+        "encoding": {"kind": "vocabulary", "min_count": 1, "oov_id": 0, "missing_id": 1},
+    }
     assert meta["version"] == CACHE_VERSION
     assert meta["rows"] == 200
     assert meta["schema"]["sparse_names"][0] == "C1" and len(meta["schema"]["cardinalities"]) == 26
@@ -170,7 +176,8 @@ def test_criteo_npy_contiguous_ids_and_minmax(tmp_path: Path) -> None:
     sparse = np.load(d / "day_0_sparse.npy")
     np.testing.assert_array_equal(ds.sparse, sparse)
     assert ds.schema.cardinalities == tuple(int(m) + 1 for m in sparse.max(0))
-    assert np.isclose(ds.dense.min(), 0) and np.isclose(ds.dense.max(), 1)
+    inputs = ds.dense_inputs()
+    assert np.isclose(inputs.min(), 0) and np.isclose(inputs.max(), 1)
 
 
 def test_criteo_npy_bad_rows(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from torchrec_cowclip.data.errors import BadRowLog
 from torchrec_cowclip.data.parsing.fields import check_labels
 from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
 from torchrec_cowclip.data.pipeline import cache as cache_module
-from torchrec_cowclip.data.pipeline.cache import build_entry, cache_key, fingerprint
+from torchrec_cowclip.data.pipeline.cache import CACHE_VERSION, build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.pipeline.encode import Conversion
 from torchrec_cowclip.data.sources.criteo_npy import StoredIds
 from torchrec_cowclip.train.cli import main
@@ -185,12 +185,12 @@ def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Pa
     meta["version"] = 1
     del meta["checks"]
     (ds.path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CacheCorrupt, match="format version 1, expected 2"):
+    with pytest.raises(CacheCorrupt, match=f"format version 1, expected {CACHE_VERSION}"):
         CTRDataset(ds.path)  # an entry without checksums is not trusted
     again = open_dataset(f"criteo:{src}", tmp_path / "c")
     assert (
         again.path == ds.path
-        and again.meta["version"] == 2
+        and again.meta["version"] == CACHE_VERSION
         and "sparse.npy" in again.meta["checks"]
     )
 
@@ -314,8 +314,9 @@ def test_huge_dense_value_is_clipped_and_counted(
     with caplog.at_level(logging.WARNING):
         ds = open_dataset(f"criteo:{p}", tmp_path / "c", hash_size=1000, dense_transform="minmax")
     assert ds.dense_clipped == {"I1": 1}
-    assert "clipped 1 dense values above 1e+09" in caplog.text
-    i1 = np.array(ds.dense[:, 0], dtype=np.float64)
+    assert "clipped 1 dense values beyond +-1e+09" in caplog.text
+    assert caplog.text.count("clipped 1 dense values") == 1  # said once
+    i1 = np.array(ds.dense_inputs()[:, 0], dtype=np.float64)
     assert i1[5] == 1.0
     raw = np.array([float(line.split("\t")[1] or 0) for line in lines])
     raw[5] = DENSE_CLIP
@@ -324,7 +325,7 @@ def test_huge_dense_value_is_clipped_and_counted(
         raw[np.arange(200) != 5] > 0
     ).sum()  # not flattened
     none = open_dataset(f"criteo:{p}", tmp_path / "c", hash_size=1000, dense_transform="none")
-    assert np.isfinite(none.dense).all() and none.dense[5, 0] == np.float32(DENSE_CLIP)
+    assert np.isfinite(none.dense_inputs()).all() and none.dense[5, 0] == np.float32(DENSE_CLIP)
 
 
 # ---------------------------------------------------------------- a new format

@@ -47,8 +47,17 @@ def csv_rows(path: Path) -> List[List[str]]:
 
 
 def expected_log_dense(rows: List[List[str]]) -> np.ndarray:
+    """Criteo's model inputs by hand: missing and negative values 0, then log(1 + x)."""
     return np.array(
         [[math.log1p(max(0.0, float(v or 0))) for v in r[1:14]] for r in rows], dtype=np.float32
+    )
+
+
+def expected_stored_dense(rows: List[List[str]]) -> np.ndarray:
+    """What the cache stores under log: a missing value NaN, a negative one 0."""
+    return np.array(
+        [[math.log1p(max(0.0, float(v))) if v else math.nan for v in r[1:14]] for r in rows],
+        dtype=np.float32,
     )
 
 
@@ -70,7 +79,13 @@ def test_criteo_tsv_sample_shapes_labels_dense(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         ds.labels, np.array([float(r[0]) for r in rows], dtype=np.float32)
     )
-    np.testing.assert_allclose(ds.dense, expected_log_dense(rows), rtol=1e-6)
+    np.testing.assert_allclose(ds.dense, expected_stored_dense(rows), rtol=1e-6)
+    np.testing.assert_allclose(ds.dense_inputs(), expected_log_dense(rows), rtol=1e-6)
+    batch = next(iter(ds.batches(np.arange(200), batch_size=200)))
+    np.testing.assert_allclose(batch.dense_features.numpy(), expected_log_dense(rows), rtol=1e-6)
+    # I2's negative counts cannot take log(1 + x): counted and set to 0, Criteo's convention.
+    negative = sum(1 for r in rows if r[2] and float(r[2]) < 0)
+    assert negative > 0 and ds.dense_negative_under_log == {"I2": negative}
     assert (ds.sparse >= 0).all() and (ds.sparse < np.array(ds.schema.cardinalities)).all()
     assert ds.bad_rows == {}
 
@@ -86,6 +101,7 @@ def test_criteo_csv_with_header_matches_tsv(tmp_path: Path) -> None:
         label="label",
         dense=CRITEO_DENSE_NAMES,
         sparse=CRITEO_SPARSE_NAMES,
+        dense_transform="log",  # Criteo's; a table's default, signed-log, keeps I2's sign
     )
     assert int(via_table.labels.sum()) == sum(r[0] == "1" for r in rows[1:])
     for ds in (via_criteo, via_table):
@@ -176,15 +192,17 @@ def test_vocabulary_min_count_maps_rare_values_to_oov(tmp_path: Path) -> None:
     assert (ds.sparse[:, 2] == OOV_ID).mean() > 0.5
 
 
-def test_minmax_dense(tmp_path: Path) -> None:
+def test_minmax_and_none_keep_negative_values(tmp_path: Path) -> None:
     rows = tsv_rows()
-    raw = np.array([[max(0.0, float(v or 0)) for v in r[1:14]] for r in rows])
-    lo, hi = raw.min(0), raw.max(0)
-    expected = np.where(hi > lo, (raw - lo) / np.where(hi > lo, hi - lo, 1), 0)
+    raw = np.array([[float(v) if v else np.nan for v in r[1:14]] for r in rows])
+    lo, hi = np.nanmin(raw, 0), np.nanmax(raw, 0)  # of the present values only
+    expected = np.nan_to_num((raw - lo) / np.where(hi > lo, hi - lo, 1), nan=0.0)
     ds = open_dataset(f"criteo:{CRITEO_TSV}", tmp_path, dense_transform="minmax")
-    np.testing.assert_allclose(ds.dense, expected.astype(np.float32), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ds.dense_inputs(), expected.astype(np.float32), atol=1e-6)
+    assert ds.dense_negative_under_log == {} and lo[1] < 0  # I2's negatives are kept
     none = open_dataset(f"criteo:{CRITEO_TSV}", tmp_path, dense_transform="none")
     np.testing.assert_array_equal(none.dense, raw.astype(np.float32))
+    np.testing.assert_array_equal(none.dense_inputs(), np.nan_to_num(raw).astype(np.float32))
 
 
 def test_explicit_test_files_use_training_vocabulary(tmp_path: Path) -> None:
@@ -248,7 +266,12 @@ def test_table_tsv_and_delimiter(tmp_path: Path) -> None:
         sparse=["cat"],
         dense_transform="none",
     )
-    np.testing.assert_array_equal(ds.dense, np.array([[0.5, 0], [0, 3], [100, 4]], np.float32))
+    np.testing.assert_array_equal(
+        ds.dense, np.array([[0.5, -2], [np.nan, 3], [100, 4]], np.float32)
+    )
+    np.testing.assert_array_equal(
+        ds.dense_inputs(), np.array([[0.5, -2], [0, 3], [100, 4]], np.float32)
+    )
     assert ds.sparse[:, 0].tolist() == [3, 2, MISSING_ID]  # blue=2, red=3
     semi = tmp_path / "t.dat"
     semi.write_text("y;a\n1;u\n0;v\n")

@@ -47,7 +47,10 @@ def test_layout_and_ids_within_cardinalities(synthetic) -> None:
     expected = [max(1, min(20_000, round(k * 0.01))) for k in CRITEO_KAGGLE_CARDINALITIES]
     assert cards.tolist() == expected
     assert (ds.sparse >= 0).all() and (ds.sparse < cards).all()
-    assert (ds.dense >= 0).all() and np.isfinite(ds.dense).all()  # log(1 + count)
+    inputs = ds.dense_inputs()
+    assert (inputs >= 0).all() and np.isfinite(inputs).all()  # log(1 + count), missing 0
+    missing = np.isnan(ds.dense).mean(axis=0)  # stored as NaN, as a file's missing values
+    assert missing[1] == 0 and 0.5 < missing[11] < 0.9  # I2 never missing, I12 mostly
     assert ds.schema.sparse_names[0] == "C1" and ds.schema.dense_names[-1] == "I13"
 
 
@@ -73,7 +76,7 @@ def test_reproducible_and_prefix_stable(tmp_path: Path, synthetic) -> None:
     assert not np.array_equal(other_seed.sparse, shorter.sparse)
     dense, sparse, labels, _ = synthetic_arrays(SyntheticConfig(rows=1000, seed=11, **OPTS))
     np.testing.assert_array_equal(sparse, synthetic.sparse[:1000])
-    np.testing.assert_array_equal(dense, synthetic.dense[:1000])
+    np.testing.assert_array_equal(dense, synthetic.dense_inputs(np.arange(1000)))
 
 
 def test_ids_are_skewed(synthetic) -> None:
@@ -128,10 +131,9 @@ def test_dense_transforms(tmp_path: Path) -> None:
     mm = open_dataset("synthetic:3000", tmp_path, dense_transform="minmax", **cfg)
     np.testing.assert_allclose(log.dense, np.log1p(none.dense), rtol=1e-6)
     raw = np.asarray(none.dense, dtype=np.float64)
-    lo, hi = raw.min(0), raw.max(0)
-    np.testing.assert_allclose(
-        mm.dense, (raw - lo) / np.where(hi > lo, hi - lo, 1), rtol=1e-5, atol=1e-6
-    )
+    lo, hi = np.nanmin(raw, 0), np.nanmax(raw, 0)
+    expected = np.nan_to_num((raw - lo) / np.where(hi > lo, hi - lo, 1), nan=0.0)
+    np.testing.assert_allclose(mm.dense_inputs(), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(log.labels, mm.labels)  # labels do not depend on the transform
 
 

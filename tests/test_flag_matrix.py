@@ -44,6 +44,13 @@ GENERATORS = frozenset({"synthetic", "synthetic-hard"})
 EVERY_KIND = frozenset({"synthetic", "synthetic-hard", "criteo", "criteo-npy", "avazu", "table"})
 
 TABLE_COLUMNS = ["--label", "label", "--sparse", ",".join(f"C{i}" for i in range(1, 27))]
+#: Every column of the Criteo layout, in order: a header-less file's --columns.
+ALL_COLUMNS = ",".join(
+    ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
+)
+#: The table kinds of text files (``--delimiter``, ``--no-header``, ``--columns`` apply to
+#: them, not to parquet); the README's table writes it "table (text files)".
+TABLE_TEXT = "table-text"
 
 
 class Inputs:
@@ -74,6 +81,14 @@ class Inputs:
             self.parquet,
         )
         self.npy = write_criteo_npy_days(CRITEO_TSV, root / "npy")
+        self.headerless_csv = root / "criteo_sample_no_header.csv"
+        with open(self.headerless_csv, "w", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerows(body)
+
+    def headerless(self, kind: str) -> List[str]:
+        """``--data`` of a header-less file for a table text kind, else ``kind``'s own."""
+        path = {"table-csv": self.headerless_csv, "table-tsv": CRITEO_TSV}.get(kind)
+        return ["--data", f"table:{path}"] if path else self.data(kind)[:2]
 
     def data(self, kind: str) -> List[str]:
         """``--data`` (and the columns a table needs) for ``kind``."""
@@ -111,6 +126,17 @@ def _by_kind(avazu: Sequence[str], table: Sequence[str]) -> Callable[..., Sequen
     return lambda kind, inputs, tmp: avazu if kind == "avazu" else table
 
 
+def _delimiter(kind: str, inputs: Inputs, tmp: Path) -> Sequence[str]:
+    """The delimiter each kind's file has (tab for the Criteo TSV and the TSV table)."""
+    return ["--delimiter", "tab" if kind in ("criteo", "table-tsv") else ","]
+
+
+def _headerless(*flags: str) -> Callable[..., Sequence[str]]:
+    """A header-less file with the given flags (for the table text kinds; the others get
+    the flags alone, to refuse)."""
+    return lambda kind, inputs, tmp: [*inputs.headerless(kind), *flags]
+
+
 #: flag -> (its arguments at a non-default valid value, the kinds it applies to). Flags
 #: that need a companion carry it (``--helen-bound`` needs ``--helen-rho``).
 ROWS: Dict[str, tuple] = {
@@ -127,6 +153,10 @@ ROWS: Dict[str, tuple] = {
     "--hash-size": (["--hash-size", "1000"], FILE_KINDS),
     "--min-count": (["--min-count", "2"], TEXT_KINDS),
     "--dense-transform": (["--dense-transform", "minmax"], EVERY_KIND),
+    "--missing-indicator": (["--missing-indicator"], TEXT_KINDS),
+    "--delimiter": (_delimiter, {"criteo", "avazu", TABLE_TEXT}),
+    "--no-header": (_headerless("--no-header", "--columns", ALL_COLUMNS), {TABLE_TEXT}),
+    "--columns": (_headerless("--columns", ALL_COLUMNS), {TABLE_TEXT}),
     "--label": (_by_kind(["--label", "click"], ["--label", "label"]), {"avazu", "table"}),
     "--dense": (_by_kind(["--dense", "hour"], ["--dense", "I1,I2"]), {"avazu", "table"}),
     "--sparse": (_by_kind(["--sparse", "C1,site_id"], ["--sparse", "C1,C2"]), {"avazu", "table"}),
@@ -171,11 +201,23 @@ ROWS: Dict[str, tuple] = {
     "--no-progress": (["--no-progress"], EVERY_KIND),
     "--log-every": (["--log-every", "5"], EVERY_KIND),
     "--row-clip-stats": (["--row-clip-stats"], EVERY_KIND),
+    # A warm start's RUN is opened by the trainer, after these checks.
+    "--init-from": (["--init-from", "runs/earlier"], EVERY_KIND),
+    "--init-optimizer-state": (
+        ["--init-from", "runs/earlier", "--init-optimizer-state"],
+        EVERY_KIND,
+    ),
 }
 
 
 def _kind_name(kind: str) -> str:
     return kind.split("-")[0] if kind.startswith("table-") else kind
+
+
+def _applies(flag: str, kind: str) -> bool:
+    kinds = ROWS[flag][1]
+    text_table = kind in ("table-csv", "table-tsv") and TABLE_TEXT in kinds
+    return _kind_name(kind) in kinds or text_table
 
 
 def _argv(flag: str, kind: str, inputs: Inputs, tmp: Path) -> List[str]:
@@ -208,7 +250,7 @@ def test_flag_is_accepted_where_it_applies_and_refused_naming_it_elsewhere(
     if flag == "--sharding":
         monkeypatch.setenv("WORLD_SIZE", "2")
     argv = _argv(flag, kind, inputs, tmp_path)
-    applies = _kind_name(kind) in ROWS[flag][1]
+    applies = _applies(flag, kind)
     if applies:
         config_from_args(build_parser().parse_args(argv)).validate()
     else:
@@ -291,7 +333,10 @@ def test_readme_flag_table_says_which_flags_belong_to_which_kinds():
         flags_cell, kinds_cell = [c.strip() for c in line.strip().strip("|").split("|")]
         if flags_cell.startswith("every other flag"):
             continue
-        kinds = frozenset(k.strip() for k in kinds_cell.split(","))
+        kinds = frozenset(
+            TABLE_TEXT if k.strip() == "table (text files)" else k.strip()
+            for k in kinds_cell.split(",")
+        )
         for flag in re.findall(r"`(--[a-z-]+)`", flags_cell):
             documented[flag] = kinds
     expected = {flag: frozenset(kinds) for flag, (_, kinds) in ROWS.items() if kinds != EVERY_KIND}

@@ -5,6 +5,7 @@ builds its optimizers from the recipe's values."""
 import math
 
 import pytest
+from tiny import tiny_config
 
 from torchrec_cowclip import Helen
 from torchrec_cowclip.train import TrainConfig
@@ -52,6 +53,18 @@ DOCUMENTED = {
         helen_rho=0.005 * math.sqrt(S),
         helen_bound=0.3,
     ),
+    # The no-clip baselines of the scaling study (docs/scaling.md).
+    "sqrt": dict(
+        dense_lr=8e-4 * math.sqrt(S),
+        embedding_lr=1e-4 * math.sqrt(S),
+        l2=1e-5 * S,
+        warmup_epochs=1.0,
+        cowclip=False,
+    ),
+    "linear": dict(
+        dense_lr=8e-4 * S, embedding_lr=1e-4 * S, l2=1e-5 * S, warmup_epochs=1.0, cowclip=False
+    ),
+    "none": dict(dense_lr=8e-4, embedding_lr=1e-4, l2=1e-5, warmup_epochs=1.0, cowclip=False),
 }
 
 
@@ -125,8 +138,11 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     trainer = Trainer(cfg)
     for field, value in DOCUMENTED[name].items():
         assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
-    assert trainer.cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
-    assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
+    if DOCUMENTED[name].get("cowclip", True):
+        assert trainer.cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
+        assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
+    else:
+        assert trainer.cowclip is None
     power = DOCUMENTED[name].get("count_lr_power", 0.0)
     count_lr = trainer.model.embedding_collection.fused_optimizer.hyperparameters["count_lr"]
     assert (
@@ -195,4 +211,24 @@ def test_the_study_baselines_are_recipes_without_the_clip_and_base_values_can_be
     assert (hp.dense_lr, hp.embedding_lr, hp.l2) == (2e-3, 2e-4, 4e-5)
     none = scale_hyperparameters(4096, recipe=BASELINES["none"], base_embedding_lr=1e-2)
     assert (none.dense_lr, none.embedding_lr, none.l2) == (8e-4, 1e-2, 1e-5)
-    assert all(r.cowclip for r in RECIPES.values()) and set(BASELINES).isdisjoint(RECIPES)
+    # The baselines are --recipe choices: the only ones without the clip.
+    assert {name for name, r in RECIPES.items() if not r.cowclip} == set(BASELINES)
+    assert all(RECIPES[name] is recipe for name, recipe in BASELINES.items())
+
+
+def test_a_baseline_recipe_trains_without_the_clip_and_refuses_clip_options(tmp_path):
+    args = ["train", "--data", "synthetic:100", "--out", "o", "--recipe", "none"]
+    with pytest.raises(
+        ConfigError, match=r"--clip-r 2 has no effect with --recipe none \(no clip\)"
+    ):
+        config_from_args(build_parser().parse_args(args + ["--clip-r", "2"])).validate()
+    # The stock TorchRec tables have no clip: a no-clip recipe needs no --no-cowclip.
+    config_from_args(
+        build_parser().parse_args(args + ["--embedding-backend", "torchrec"])
+    ).validate()
+    trainer = Trainer(tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256))
+    try:
+        assert trainer.cowclip is None and trainer.hp.recipe == "linear"
+        assert trainer.hp.embedding_lr == pytest.approx(2e-4)
+    finally:
+        trainer.run_dir.release()

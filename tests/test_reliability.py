@@ -250,14 +250,14 @@ def test_an_out_holding_another_run_is_refused_unless_overwrite(interrupted, tmp
     with pytest.raises(
         RunDirError,
         match=rf"--out {re.escape(str(out))} holds another run's files "
-        r"\(checkpoints, metrics.json, steps.csv, tb\): add --resume",
+        r"\(checkpoints, metrics.json, steps.csv, tb, curves.png, model\): add --resume",
     ):
         Trainer(_config(out, interrupted / "cache", max_steps=2))
     assert snapshot(out) == before
     capsys.readouterr()
     metrics = Trainer(_config(out, interrupted / "cache", max_steps=2, overwrite=True)).run()
     assert (
-        "--overwrite: removed checkpoints, metrics.json, steps.csv, tb from"
+        "--overwrite: removed checkpoints, metrics.json, steps.csv, tb, curves.png, model from"
         in capsys.readouterr().err
     )
     assert metrics["steps"] == 2 and (out / "notes.txt").read_text() == "mine"
@@ -284,7 +284,7 @@ def test_stale_temp_files_are_removed_at_start(interrupted, tmp_path, capsys):
     assert f"removed metrics.json.tmp from {out}, left by an interrupted write" in err
     assert f"removed {half}, left by an interrupted checkpoint write" in err
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb"]
+        ["checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model"]
     )
     # The pointer and the last two complete checkpoints (--keep-checkpoints 2).
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [

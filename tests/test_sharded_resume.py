@@ -12,9 +12,13 @@ import torch
 import trainer_cases as cases
 from distributed_harness import JobFailed, run_ranks
 from tiny import TINY_PROCESSES, tiny_config
+from torch.distributed.checkpoint import state_dict_loader
 
 from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.resume_guard import ResumeRefused
+from torchrec_cowclip.train.run_folder import RunFolder
+from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.train.task import CTRTrainTask
 from torchrec_cowclip.train.trainer import Trainer
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
@@ -132,3 +136,22 @@ def test_rank_killed_while_writing_a_checkpoint_resumes_exactly(tmp_path):
     assert [n.split("-")[0] for n in leftovers] == ["best"] * 3 + ["latest"] * 3, leftovers
     store = CheckpointStore(tmp_path / "killed" / "run" / "checkpoints")
     assert store.unfinished() == [] and len(store.complete()) == 4
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+def test_a_run_folder_written_by_two_processes_loads_on_one(two_process_runs, sharding):
+    run = RunFolder.open(two_process_runs / f"full-{sharding}" / "run")
+    assert sorted(run.weights) == ["best", "final"] and run.reported == "best"
+    store = CheckpointStore(run.path / "checkpoints")
+    for weights, checkpoint in (("best", store.newest("best")), ("final", store.newest("latest"))):
+        model = run.build_model(weights)
+        task = CTRTrainTask(model).state_dict()
+        expected = {"model": {k: torch.zeros_like(v) for k, v in task.items()}}
+        # The checkpoint of the same step, written by the same ranks: its model part.
+        state_dict_loader.load(
+            expected,
+            storage_reader=SafeFileSystemReader(str(checkpoint.path)),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+        )
+        for key, value in model.state_dict().items():
+            assert torch.equal(expected["model"][f"model.{key}"], value), (weights, key)

@@ -1,5 +1,6 @@
 """The trainer: scaling rule, a short run that learns, checkpoint/resume, CLI errors."""
 
+import csv
 import json
 import math
 import os
@@ -104,6 +105,32 @@ def test_metrics_json_and_logs(learned):
     assert open(os.path.join(out, "epochs.csv")).read().count("\n") == 3
     assert any(
         name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb"))
+    )
+
+
+def test_run_draws_its_loss_and_auc_curves(learned):
+    cfg, metrics = learned
+    png = open(os.path.join(cfg.out, "curves.png"), "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # The epoch rows say where each epoch ended, for the AUC curve's x axis.
+    with open(os.path.join(cfg.out, "epochs.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [metrics["steps"] // 2, metrics["steps"]]
+    assert int(rows[-1]["train_samples"]) == metrics["train_samples"]
+
+
+def test_a_failed_plot_warns_and_keeps_the_run(tmp_path, monkeypatch, capsys):
+    import torchrec_cowclip.train.trainer as trainer
+
+    def broken(out, title):
+        raise ValueError("no axes today")
+
+    monkeypatch.setattr(trainer, "write_run_curves", broken)
+    cfg = tiny_config(tmp_path)
+    Trainer(cfg).run()
+    assert os.path.exists(os.path.join(cfg.out, "metrics.json"))
+    assert (
+        f"warning: no curves.png in {cfg.out}: ValueError: no axes today" in capsys.readouterr().err
     )
 
 

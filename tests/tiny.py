@@ -94,6 +94,9 @@ TINY_RUN: Dict[str, Any] = dict(
     threads=1,
 )
 
+#: ``TINY_RUN`` for a data kind read from files (give ``data=``): no generator options.
+TINY_FILE_RUN: Dict[str, Any] = {k: v for k, v in TINY_RUN.items() if not k.startswith("synthetic")}
+
 #: The tiny multi-process run (16,000 rows, 1,600 test and 1,440 validation; 12,960
 #: training rows at batch 1536: 8 steps an epoch, 2 epochs).
 TINY_PROCESSES: Dict[str, Any] = dict(

@@ -22,18 +22,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
+from torchrec_cowclip._version import __version__ as __version__
 from torchrec_cowclip.optim.options import CountLR, CowClip, CowClipOptions, Helen
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
     from torchrec_cowclip.embedding.table_batch import TableClipStats
     from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
+    from torchrec_cowclip.serve.predictor import Predictor, load_model
 
 # Public name -> the module that defines it; each needs torchrec.
 _LAZY = {
     "CowClipEmbeddingBagCollection": "torchrec_cowclip.embedding.collection",
     "CowClipFusedOptimizer": "torchrec_cowclip.optim.fused",
     "TableClipStats": "torchrec_cowclip.embedding.table_batch",
+    "load_model": "torchrec_cowclip.serve.predictor",
+    "Predictor": "torchrec_cowclip.serve.predictor",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
@@ -45,6 +49,7 @@ __all__ = [
     "CowClipFusedOptimizer",
     "CowClipOptions",
     "Helen",
+    "Predictor",
     "TableClipStats",
+    "load_model",
 ]
-__version__ = "0.1.0"

@@ -27,7 +27,13 @@ from torchrec_cowclip.data.errors import (
     DataOptionError,
 )
 from torchrec_cowclip.data.options import FileSourceOptions, SourceOptions
-from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DENSE_TRANSFORMS
+from torchrec_cowclip.data.parsing.dense import (
+    DENSE_CLIP,
+    DENSE_TRANSFORMS,
+    DensePlan,
+    DenseStats,
+    DenseTransformSpec,
+)
 from torchrec_cowclip.data.parsing.vocab import MISSING_ID, OOV_ID
 from torchrec_cowclip.data.pipeline.batches import (
     ArrayDataset,
@@ -68,6 +74,9 @@ __all__ = [
     "DENSE_TRANSFORMS",
     "DataError",
     "DataOptionError",
+    "DensePlan",
+    "DenseStats",
+    "DenseTransformSpec",
     "FileSourceOptions",
     "MISSING_ID",
     "OOV_ID",

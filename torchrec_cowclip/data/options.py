@@ -21,11 +21,11 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Optional, Tuple
 
 from torchrec_cowclip.data.errors import BadRowLog
-from torchrec_cowclip.data.parsing.dense import check_transform
+from torchrec_cowclip.data.parsing.dense import DenseTransformSpec
 
 
 def option_field(default: Any, flag: Optional[str] = None) -> Any:
@@ -38,13 +38,33 @@ class SourceOptions:
     """Options every source kind takes.
 
     Args:
-        dense_transform: ``"log"`` (log(1+x)), ``"minmax"`` or ``"none"``; see ``dense``.
+        dense_transform: the dense columns' transforms: one for every column (``"log"``,
+            ``"signed-log"``, ``"standardize"``, ``"minmax"``, ``"none"``), columns by name
+            (``"price=log,score=standardize"``) or both; a column not named takes the bare
+            one, else the kind's default (this field's default). See ``parsing.dense``.
     """
+
+    #: How messages name the kind.
+    where: ClassVar[str] = "data"
+    #: The dense columns of a kind whose columns are fixed (Criteo's I1..I13), against
+    #: which a spec's column names are checked at once.
+    fixed_dense_names: ClassVar[Optional[Tuple[str, ...]]] = None
 
     dense_transform: str = option_field("log", "--dense-transform")
 
     def __post_init__(self) -> None:
-        check_transform(self.dense_transform)
+        spec = self.dense_spec()  # validates the spec
+        if self.fixed_dense_names is not None:
+            spec.check_names(self.fixed_dense_names, self.where)
+
+    @classmethod
+    def default_dense_transform(cls) -> str:
+        """The transform of the columns a spec does not name (this kind's default)."""
+        return str(next(f.default for f in fields(cls) if f.name == "dense_transform"))
+
+    def dense_spec(self) -> DenseTransformSpec:
+        """:attr:`dense_transform` parsed, with the kind's default filled in."""
+        return DenseTransformSpec.parse(self.dense_transform, self.default_dense_transform())
 
 
 @dataclass(frozen=True)

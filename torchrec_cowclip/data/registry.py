@@ -64,6 +64,11 @@ class SourceKind(ABC):
     def check_test_paths(self, test_paths: Sequence[str]) -> None:
         """Refuse explicit test parts the kind cannot take."""
 
+    def check_sources(self, args: List[str], test_paths: List[str], opts: Any) -> None:
+        """Refuse, before any row is read (reading at most each file's first line or
+        schema), sources whose columns do not fit ``opts`` (a chosen column missing, a
+        file the delimiter or header setting does not fit)."""
+
     @abstractmethod
     def payload(self, args: List[str], test_paths: List[str], opts: Any) -> Dict[str, Any]:
         """Everything the converted arrays depend on (source fingerprints, options)."""

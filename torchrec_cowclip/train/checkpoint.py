@@ -62,6 +62,7 @@ from torchrec_cowclip.compat import ShardedTensor
 from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.notices import single_process_checkpoint
 from torchrec_cowclip.train.safe_load import (
     METADATA_FILE,
     SafeFileSystemReader,
@@ -428,7 +429,8 @@ class CheckpointStore:
         directory, sequence = _from_main(planned, f"checkpoint {name} start")
         target = self.root / directory
         try:
-            state_dict_saver.save(tensors, checkpoint_id=str(target))
+            with single_process_checkpoint():
+                state_dict_saver.save(tensors, checkpoint_id=str(target))
             if _is_main():
                 _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
             _barrier(f"checkpoint write of {target}")
@@ -522,11 +524,12 @@ class CheckpointStore:
         state = self.trainer_state(checkpoint)
         assert state is not None
         self.check_fits(checkpoint.path, tensors)
-        state_dict_loader.load(
-            tensors,
-            storage_reader=SafeFileSystemReader(str(checkpoint.path)),
-            planner=SafeLoadPlanner(),
-        )
+        with single_process_checkpoint():
+            state_dict_loader.load(
+                tensors,
+                storage_reader=SafeFileSystemReader(str(checkpoint.path)),
+                planner=SafeLoadPlanner(),
+            )
         return state
 
     def describe(self, name: str) -> str:

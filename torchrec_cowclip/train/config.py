@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.optim.options import Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.train.scaling import ScaledHyperparameters
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
@@ -37,7 +40,8 @@ class TrainConfig:
 
     model: str = "deepfm"
     data: str = "synthetic:200000"
-    out: str = "runs/latest"
+    # None: a new runs/<YYYYmmdd-HHMMSS> (torchrun: runs/torchrun-<run id>), see run_dir.
+    out: Optional[str] = None
     test_data: Optional[str] = None
     batch_size: int = 1024
     base_batch_size: int = 1024
@@ -73,10 +77,15 @@ class TrainConfig:
     on_bad_row: str = "error"
     hash_size: Optional[int] = None
     min_count: int = 1
-    dense_transform: str = "log"
+    # None: the data kind's default (log for the Criteo layouts, signed-log for tables).
+    dense_transform: Optional[str] = None
+    missing_indicator: bool = False
     label: Optional[str] = None
     dense: List[str] = field(default_factory=list)
     sparse: List[str] = field(default_factory=list)
+    delimiter: Optional[str] = None
+    no_header: bool = False
+    columns: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
     synthetic_seed: Optional[int] = None
@@ -90,6 +99,9 @@ class TrainConfig:
     helen_perturb_dense: bool = False
     sharding: str = "auto"
     dist_timeout_s: float = 300.0
+    # Warm start (train.warm_start): the weights and encoders of a finished run's folder.
+    init_from: Optional[str] = None
+    init_optimizer_state: bool = False
 
     def validate(self) -> None:
         """Raises :class:`ConfigError` naming the first bad option."""
@@ -135,12 +147,23 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         self._validate_numbers()
-        if not self.cowclip:
+        from torchrec_cowclip.train.scaling import RECIPES
+
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        unclipped = "--no-cowclip" if not self.cowclip else None
+        if not RECIPES[self.recipe].cowclip:
+            unclipped = f"--recipe {self.recipe} (no clip)"
+        if unclipped:
             for flag, clip in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
                 if clip is not None:
-                    raise ConfigError(f"{flag} {clip:g} has no effect with --no-cowclip: drop one")
+                    raise ConfigError(f"{flag} {clip:g} has no effect with {unclipped}: drop one")
         if self.resume not in (False, True, "auto"):
             raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
+        if self.init_optimizer_state and not self.init_from:
+            raise ConfigError("--init-optimizer-state carries --init-from's optimizer: give both")
+        if self.init_from is not None and not str(self.init_from).strip():
+            raise ConfigError("--init-from needs a run directory, got an empty one")
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in --out, --overwrite deletes it: give one"
@@ -148,10 +171,6 @@ class TrainConfig:
         for flag, seed in (("--seed", self.seed), ("--synthetic-seed", self.synthetic_seed)):
             if seed is not None and not 0 <= seed < 2**32:
                 raise ConfigError(f"{flag} must be in [0, 2**32), got {seed}")
-        from torchrec_cowclip.train.scaling import RECIPES
-
-        if self.recipe not in RECIPES:
-            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not 0.0 <= self.test_fraction < 1.0:
             raise ConfigError(f"--test-fraction must be in [0, 1), got {self.test_fraction}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -164,7 +183,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--embedding-backend must be cowclip or torchrec, got {self.embedding_backend!r}"
             )
-        if self.embedding_backend == "torchrec" and self.cowclip:
+        if self.embedding_backend == "torchrec" and self.cowclip and RECIPES[self.recipe].cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
         if self.embedding_dtype not in ("fp32", "fp16", "bf16"):
             raise ConfigError(
@@ -201,10 +220,11 @@ class TrainConfig:
                     raise ConfigError(f"{flag}: {e}") from None
         kind = self.source_kind()
         try:
-            kind_options(kind, self.data_options())
+            opts = kind_options(kind, self.data_options())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.test_data is None:
+            self._check_sources(kind, opts, [])
             return
         test_kind, test_paths = parse_spec(self.test_data)
         if test_kind != kind.name:
@@ -221,6 +241,17 @@ class TrainConfig:
                 f"--test-fraction {self.test_fraction:g} has no effect with --test-data (its "
                 "rows are the test set): drop one"
             )
+        self._check_sources(kind, opts, test_paths)
+
+    def _check_sources(self, kind: Any, opts: Any, test_paths: List[str]) -> None:
+        """The chosen columns against each file's first line (``SourceKind.check_sources``),
+        still before any row is read."""
+        from torchrec_cowclip.data import DataError, parse_spec
+
+        try:
+            kind.check_sources(parse_spec(self.data)[1], list(test_paths), opts)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
 
     def source_kind(self) -> Any:
         """The registered :class:`~torchrec_cowclip.data.registry.SourceKind` of ``--data``."""
@@ -293,6 +324,19 @@ class TrainConfig:
         ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        # Without --out a torchrun job's directory is named by its run id (the same for
+        # every rank and restart); anything else gets a new one (train/run_dir.py).
+        elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        if self.out is None and self.resume and not elastic:
+            raise ConfigError(
+                "--resume continues the run in --out: give --out (the default, a new "
+                "runs/<timestamp>, holds no run to resume)"
+            )
+        if self.out is None and world > 1 and not elastic:
+            raise ConfigError(
+                f"the {world} processes of a run share one directory: give --out (without "
+                "torchrun there is no run id to name one by)"
+            )
         if self.sharding != "auto" and world <= 1:
             raise ConfigError(
                 f"--sharding {self.sharding} shards tables over processes: this is one process "
@@ -337,6 +381,36 @@ class TrainConfig:
         elif device.type != "cpu":
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
 
+    def hyperparameters(self) -> "ScaledHyperparameters":
+        """The run's learning rates, L2, clip and warm-up: the recipe's scaling rule at
+        ``batch_size``, from the data's profile (Avazu's for ``avazu:``, else Criteo's),
+        with every explicitly given value winning.
+
+        Example::
+
+            >>> hp = TrainConfig(batch_size=4096, recipe="sqrt").hyperparameters()
+            >>> round(hp.embedding_lr, 6), hp.cowclip
+            (0.0002, False)
+        """
+        from torchrec_cowclip.train.scaling import scale_hyperparameters
+
+        return scale_hyperparameters(
+            self.batch_size,
+            dataset="avazu" if self.data.startswith("avazu:") else "criteo",
+            base_batch_size=self.base_batch_size,
+            embedding_dim=self.embedding_dim,
+            dense_lr=self.lr,
+            embedding_lr=self.lr_embed,
+            l2=self.l2,
+            clip_r=self.clip_r,
+            clip_zeta=self.clip_zeta,
+            warmup_epochs=self.warmup_epochs,
+            recipe=self.recipe,
+            count_lr_power=self.count_lr_power,
+            helen_rho=self.helen_rho,
+            helen_bound=self.helen_bound,
+        )
+
     def data_options(self) -> Dict[str, Any]:
         """``open_dataset``'s options for ``--data``: the kind's own (None where not
         given, as the run record has always listed them) and any other that was set
@@ -357,9 +431,13 @@ class TrainConfig:
             "min_count": self.min_count,
             "hash_size": self.hash_size,
             "dense_transform": self.dense_transform,
+            "missing_indicator": True if self.missing_indicator else None,
             "label": self.label,
             "dense": self.dense or None,
             "sparse": self.sparse or None,
+            "delimiter": self.delimiter,
+            "header": False if self.no_header else None,
+            "columns": self.columns or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,

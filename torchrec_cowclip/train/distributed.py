@@ -170,11 +170,17 @@ def shard_model(
     """Plans (TorchRec's planner, collectively) and wraps ``module`` in
     ``DistributedModelParallel`` with the given sharders."""
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.types import ShardingEnv
 
+    # TorchRec's factory (a Topology built directly makes its planner warn on every rank).
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=ctx.world_size),
+        kernel_config=KernelConfig(compute_device=ctx.device.type),
+    )
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type),
+        topology=topology,
         constraints=sharding_constraints(table_names, sharding),
         batch_size=batch_size // ctx.world_size,
     )
@@ -188,3 +194,35 @@ def shard_model(
         sharders=sharders,
     )
     return sharded
+
+
+def table_shardings(dmp: nn.Module) -> Dict[str, str]:
+    """Each sharded table's sharding type in ``dmp``'s plan (``DistributedModelParallel.plan``).
+
+    Example::
+
+        >>> table_shardings(nn.Linear(1, 1))   # not a DMP: no plan
+        {}
+    """
+    plan = getattr(dmp, "plan", None)
+    if plan is None:
+        return {}
+    return {
+        table: parameter.sharding_type
+        for module_plan in plan.plan.values()
+        for table, parameter in module_plan.items()
+    }
+
+
+def describe_shardings(shardings: Dict[str, str]) -> str:
+    """``"table_wise 20, row_wise 6"``: how many tables each sharding type holds.
+
+    Example::
+
+        >>> describe_shardings({"a": "table_wise", "b": "row_wise", "c": "table_wise"})
+        'table_wise 2, row_wise 1'
+    """
+    counts: Dict[str, int] = {}
+    for kind in shardings.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))

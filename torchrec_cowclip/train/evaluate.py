@@ -1,4 +1,5 @@
-"""Test-set metrics: AUC and log-loss, with torchmetrics (exact AUC, no binning).
+"""Test-set metrics: AUC and log-loss, with torchmetrics (exact AUC, no binning), and the
+calibration (mean prediction over the observed click rate) with the row counts.
 
 Under ``torch.distributed`` every rank evaluates its share of the rows and torchmetrics
 gathers the states across ranks in ``compute()``, so every rank gets the global figures.
@@ -17,26 +18,32 @@ Example::
     >>> test_batches = [Batch(torch.rand(2, 1), kjt, torch.tensor([0.0, 1.0]))]
     >>> metrics = evaluate(task, test_batches, torch.device("cpu"))
     >>> sorted(metrics)
-    ['auc', 'logloss']
+    ['auc', 'calibration', 'ctr', 'logloss', 'mean_prediction', 'positives', 'rows']
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.aggregation import MeanMetric
+from torchmetrics.aggregation import MeanMetric, SumMetric
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
 
 
 @torch.no_grad()
 def evaluate(
-    task: torch.nn.Module, batches: Iterable[Batch], device: torch.device
-) -> Dict[str, float]:
+    task: torch.nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    on_batch: Optional[Callable[[], None]] = None,
+) -> Dict[str, Any]:
     """AUC and mean binary log-loss of a ``CTRTrainTask`` (``task(batch) -> (loss,
-    (loss, logits, labels))``) over ``batches``.
+    (loss, logits, labels))``) over ``batches``; also ``rows``, ``positives``, the
+    ``mean_prediction``, the observed ``ctr`` and their ratio, ``calibration`` (1 for a
+    calibrated model; NaN without positives). ``on_batch`` is called after each batch
+    (a progress bar).
 
     The task is put in eval mode for the pass and restored afterwards. Forward under
     ``no_grad`` leaves fused CowClip tables untouched.
@@ -45,13 +52,31 @@ def evaluate(
     task.eval()
     auc = BinaryAUROC(thresholds=None).to(device)
     logloss = MeanMetric().to(device)
+    # float64 sums: exact counts and a mean prediction free of float32 rounding.
+    rows, positives, predicted = (SumMetric().to(device).double() for _ in range(3))
     try:
         for batch in batches:
             _, (_, logits, labels) = task(batch.to(device))
-            auc.update(torch.sigmoid(logits), labels.long())
+            probabilities = torch.sigmoid(logits)
+            auc.update(probabilities, labels.long())
             logloss.update(F.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
+            rows.update(float(labels.numel()))
+            positives.update(labels.double().sum())
+            predicted.update(probabilities.double().sum())
+            if on_batch is not None:
+                on_batch()
     finally:
         task.train(was_training)
     if logloss.update_count == 0 and not torch.distributed.is_initialized():
         raise ValueError("evaluation set is empty")
-    return {"auc": float(auc.compute()), "logloss": float(logloss.compute())}
+    n, clicks, mean = float(rows.compute()), float(positives.compute()), float(predicted.compute())
+    ctr = clicks / n if n else float("nan")
+    return {
+        "auc": float(auc.compute()),
+        "logloss": float(logloss.compute()),
+        "rows": int(n),
+        "positives": int(clicks),
+        "mean_prediction": mean / n if n else float("nan"),
+        "ctr": ctr,
+        "calibration": (mean / n) / ctr if clicks else float("nan"),
+    }

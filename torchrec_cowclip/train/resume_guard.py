@@ -126,11 +126,13 @@ def run_fingerprint(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _flag(field: str) -> str:
+def setting_flag(field: str) -> str:
+    """The command-line flag of a config field (``batch_size`` -> ``--batch-size``)."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
-def _shown(field: str, value: Any) -> str:
+def shown_setting(field: str, value: Any) -> str:
+    """A setting's value as a message shows it (``cowclip`` as on/off, lists comma-joined)."""
     if field == "cowclip":
         return "on" if value else "off"
     if value is None:
@@ -157,14 +159,16 @@ def resume_differences(
             if value < old[field]:  # a resumed run may only add epochs
                 found.append(
                     (
-                        _flag(field),
-                        _shown(field, old[field]),
-                        f"{_shown(field, value)} (a resumed run may only add epochs)",
+                        setting_flag(field),
+                        shown_setting(field, old[field]),
+                        f"{shown_setting(field, value)} (a resumed run may only add epochs)",
                     )
                 )
             continue
         if field not in RESUMABLE_SETTINGS and old[field] != value:
-            found.append((_flag(field), _shown(field, old[field]), _shown(field, value)))
+            found.append(
+                (setting_flag(field), shown_setting(field, old[field]), shown_setting(field, value))
+            )
     old_data, new_data = saved["data"], current["data"]
     if (old_data["rows"], old_data["cache_entry"]) != (new_data["rows"], new_data["cache_entry"]):
 

@@ -19,9 +19,11 @@ Example::
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import shutil
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
@@ -32,13 +34,49 @@ from torchrec_cowclip.train.config import ConfigError
 LOCK_NAME = ".lock"
 
 # What a training run writes into --out (trainer.py: checkpoints and metrics.json;
-# run_log.py: the CSVs and TensorBoard's tb/). Only these, and their temporary forms
-# (see stale_temp_files), are ever deleted; anything else in --out is left alone.
-RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb")
+# run_log.py: the CSVs and TensorBoard's tb/; plots.py: curves.png; run_folder.py: model/).
+# Only these, and their temporary forms (see stale_temp_files), are ever deleted; anything
+# else in --out is left alone.
+RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model")
 
 
 class RunDirError(ConfigError):
     """``--out`` is in use by another process, or holds another run's files."""
+
+
+#: Where a run given no ``--out`` goes.
+DEFAULT_RUNS_ROOT = Path("runs")
+
+
+def new_run_dir(root: Path = DEFAULT_RUNS_ROOT) -> Path:
+    """The directory of a run given no ``--out``: a new ``root/<YYYYmmdd-HHMMSS>`` (then
+    ``-2``, ``-3``, ... in the same second), created here so that two runs never share
+    one; under torchrun ``root/torchrun-<run id>``, the same for every rank and restart of
+    the job (rank 0 creates it), so ``--resume auto`` finds it again.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> a, b = new_run_dir(root), new_run_dir(root)
+        >>> a != b and a.is_dir() and b.is_dir()
+        True
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        return root / f"torchrun-{run_id}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # TrainConfig.validate() refused this
+        raise RunDirError("several processes share one run directory: give --out")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    for k in itertools.count(1):
+        path = root / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 def _say(message: str) -> None:

@@ -127,13 +127,13 @@ class RunLog:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
 
-    def progress_bar(self, total: int, initial: int, desc: str) -> tqdm:
+    def progress_bar(self, total: int, initial: int, desc: str, unit: str = "step") -> tqdm:
         return tqdm(
             total=total,
             initial=initial,
             desc=desc,
             disable=not self.enabled_progress,
-            unit="step",
+            unit=unit,
             dynamic_ncols=True,
             file=sys.stderr,
         )
@@ -152,10 +152,6 @@ class RunLog:
         for key, value in row.items():
             if key != "epoch" and isinstance(value, (int, float)):
                 self._tb.add_scalar(f"epoch/{key}", value, row["epoch"])
-        shown = ", ".join(
-            f"{k} {v:.5f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-        )
-        self.info(shown)
 
     def close(self) -> None:
         self._steps.close()

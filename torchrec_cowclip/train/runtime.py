@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,6 @@ from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
-from torchrec_cowclip.models.embeddings import EmbeddingBackend
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import (
@@ -41,6 +40,7 @@ from torchrec_cowclip.train.distributed import (
     rank_rows_for_eval,
     rank_rows_of_epoch,
     shard_model,
+    table_shardings,
 )
 from torchrec_cowclip.train.evaluate import evaluate
 from torchrec_cowclip.train.helen_pipeline import (
@@ -48,6 +48,8 @@ from torchrec_cowclip.train.helen_pipeline import (
     HelenTrainPipelineSparseDist,
 )
 from torchrec_cowclip.train.optimizers import build_optimizer
+from torchrec_cowclip.train.report import ModelSize
+from torchrec_cowclip.train.run_folder import model_arguments
 from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.task import CTRTrainTask
 
@@ -101,6 +103,7 @@ class Runtime(ABC):
     train_module: nn.Module
     optimizer: CombinedOptimizer
     steps_per_epoch: int
+    model_size: ModelSize
 
     def __init__(
         self,
@@ -127,24 +130,23 @@ class Runtime(ABC):
         return self.rank == 0
 
     def _build_model(self, table_device: Optional[str]) -> CTRModel:
-        cfg, schema = self.config, self.dataset.schema
-        return build_model(
-            cfg.model,
-            num_dense=len(schema.dense_names),
-            sparse_names=list(schema.sparse_names),
-            cardinalities=list(schema.cardinalities),
-            embedding_dim=cfg.embedding_dim,
-            hidden=tuple(cfg.hidden),
-            cross_layers=cfg.cross_layers,
-            init_std=cfg.init_std,
-            # TrainConfig.validate() has admitted only these backends.
-            embedding_backend=cast(EmbeddingBackend, cfg.embedding_backend),
+        # The dense plan's inputs: the columns, and their missing-value indicators if any.
+        plan = getattr(self.dataset, "dense_plan", None)
+        dense_inputs = self.dataset.schema.dense_names if plan is None else plan.output_names
+        # The same arguments as a run folder rebuilds the model from.
+        model = build_model(
+            self.config.model,
+            **model_arguments(self.config, self.dataset.schema, len(dense_inputs)),
             embedding_options=self.embedding_options,
-            embedding_dtype=cfg.embedding_dtype,
             device=self.device,
-            init_seed=cfg.seed,
             table_device=table_device,
         )
+        # Counted before sharding: the tables' configurations, the dense layers' sizes.
+        self.model_size = ModelSize.of(
+            model.embedding_collection.embedding_bag_configs(),
+            sum(p.numel() for p in model.dense_parameters()),
+        )
+        return model
 
     # --- data ------------------------------------------------------------------------
 
@@ -157,9 +159,20 @@ class Runtime(ABC):
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
         """This process's share of the evaluation rows ``indices``."""
 
-    def evaluate(self, indices: np.ndarray) -> Dict[str, float]:
-        """AUC and log-loss over all of ``indices`` (every rank gets the global figures)."""
-        return evaluate(self.train_module, self.eval_batches(indices), self.device)
+    def evaluate(
+        self, indices: np.ndarray, on_batch: Optional[Callable[[], None]] = None
+    ) -> Dict[str, float]:
+        """AUC and log-loss over all of ``indices`` (every rank gets the global figures);
+        ``on_batch`` is called after each of this process's batches."""
+        return evaluate(self.train_module, self.eval_batches(indices), self.device, on_batch)
+
+    def eval_batch_count(self, indices: np.ndarray) -> int:
+        """How many batches this process evaluates ``indices`` in."""
+        return -(-len(indices) // self.config.eval_batch_size)
+
+    def table_shardings(self) -> Dict[str, str]:
+        """Each table's sharding type (empty on one process: nothing is sharded)."""
+        return {}
 
     # --- steps -------------------------------------------------------------------------
 
@@ -352,12 +365,20 @@ class ShardedRuntime(Runtime):
         rows, num_batches = rank_rows_for_eval(indices, self.config.eval_batch_size, self.ctx)
         return iter(BatchIterator(self.dataset, rows, num_batches=num_batches, prefetch=2))
 
-    def evaluate(self, indices: np.ndarray) -> Dict[str, float]:
+    def evaluate(
+        self, indices: np.ndarray, on_batch: Optional[Callable[[], None]] = None
+    ) -> Dict[str, float]:
         return run_collective(
             f"evaluation of {len(indices):,} rows (sharded forwards, metric gather)",
             None,
-            lambda: super(ShardedRuntime, self).evaluate(indices),
+            lambda: super(ShardedRuntime, self).evaluate(indices, on_batch),
         )
+
+    def eval_batch_count(self, indices: np.ndarray) -> int:
+        return rank_rows_for_eval(indices, self.config.eval_batch_size, self.ctx)[1]
+
+    def table_shardings(self) -> Dict[str, str]:
+        return table_shardings(self.train_module)
 
     def step(self, pipeline: Any, batches: Iterator[Batch], number: int) -> Any:
         return run_collective(

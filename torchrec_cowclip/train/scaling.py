@@ -95,7 +95,8 @@ class Recipe:
 
 
 #: The trainer's ``--recipe`` choices; ``paper`` is the default. Why each is what it is:
-#: docs/scaling.md, "Why each --recipe is what it is".
+#: docs/scaling.md, "Why each --recipe is what it is". The no-clip :data:`BASELINES`
+#: follow below and are added here.
 RECIPES: Dict[str, Recipe] = {
     "paper": Recipe(
         name="paper",
@@ -132,7 +133,8 @@ RECIPES: Dict[str, Recipe] = {
 
 #: The plain large-batch rules the scaling study measures CowClip against
 #: (benchmarks/scaling.py's methods ``sqrt``, ``linear``, ``none``): no clip, the
-#: embedding and dense lr scaled alike; not ``--recipe`` choices.
+#: embedding and dense lr scaled alike. They are ``--recipe`` choices too (in
+#: :data:`RECIPES`), so that a sweep's baseline cell is an ordinary ``train`` run.
 BASELINES: Dict[str, Recipe] = {
     "sqrt": Recipe(
         name="sqrt",
@@ -156,6 +158,7 @@ BASELINES: Dict[str, Recipe] = {
         summary="no clip, no scaling: the base batch's lrs and L2 at every batch",
     ),
 }
+RECIPES.update(BASELINES)
 
 
 def get_recipe(name: str) -> Recipe:

@@ -12,6 +12,8 @@ Example::
     ...                             cache_dir=f"{tmp}/cache"))
     >>> metrics["steps"], sorted(metrics["epoch_auc"]) == [metrics["auc"]]
     (5, True)
+    >>> metrics.run_dir.name, sorted(p.name for p in (metrics.run_dir / "model").iterdir())
+    ('run', ['data.json', 'encoders', 'manifest.json', 'model.json', 'weights'])
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -36,6 +38,8 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
 from torchrec_cowclip.optim.options import CowClip
+from torchrec_cowclip.plots import CURVES_PNG, write_run_curves
+from torchrec_cowclip.train import notices
 from torchrec_cowclip.train.checkpoint import (
     CHECKPOINTS_DIR,
     TRAINER_STATE,
@@ -44,18 +48,33 @@ from torchrec_cowclip.train.checkpoint import (
 )
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.helen_pipeline import HelenPipeline
+from torchrec_cowclip.train.report import (
+    duration,
+    epoch_line,
+    peak_rss_mb,
+    processes_line,
+    run_eta,
+)
+from torchrec_cowclip.train.result import TrainResult
 from torchrec_cowclip.train.resume_guard import (
     check_resume,
     resumed_message,
     run_fingerprint,
     run_record,
 )
-from torchrec_cowclip.train.run_dir import claim_run_dir
+from torchrec_cowclip.train.run_dir import claim_run_dir, new_run_dir
+from torchrec_cowclip.train.run_folder import (
+    RunFolderWriter,
+    describe_data,
+    describe_model,
+    encoder_writer,
+)
 from torchrec_cowclip.train.run_log import RunLog, write_text_atomically
 from torchrec_cowclip.train.runtime import Runtime, make_runtime, set_rng_state
-from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
+from torchrec_cowclip.train.scaling import ScaledHyperparameters
 from torchrec_cowclip.train.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.table_memory import check_tables_fit
+from torchrec_cowclip.train.warm_start import WarmStart
 
 
 class NonFiniteLossError(RuntimeError):
@@ -81,6 +100,17 @@ class Progress:
     # Helen runs: seconds of the first passes and of what Helen adds (second passes).
     helen_first_pass_s: float = 0.0
     helen_extra_s: float = 0.0
+    # The epoch in progress: its samples, summed loss (sample-weighted), training-step
+    # and wall seconds, and the run's row counters when it began (for per-epoch figures).
+    epoch_samples: int = 0
+    epoch_loss_sum: float = 0.0
+    epoch_train_seconds: float = 0.0
+    epoch_wall_seconds: float = 0.0
+    rows_updated_before_epoch: int = 0
+    rows_clipped_before_epoch: int = 0
+    # Seconds of every evaluation pass so far, and how many (for the run's ETA).
+    eval_seconds: float = 0.0
+    evaluations: int = 0
 
     def helen_cost(self) -> Dict[str, float]:
         """Per step: the first pass, Helen's extra time, and their ratio."""
@@ -159,17 +189,27 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig) -> None:
+        notices.install()
         config.validate()
-        self.config = config
-        self.out = Path(config.out)
         # Rank 0 (the environment names it before the process group exists) holds the
         # output directory's lock for the run's life.
         self.is_main = int(os.environ.get("RANK", "0")) == 0
+        # --init-from: RUN verified and the command checked against it before --out is
+        # created or claimed.
+        self.warm = WarmStart.open(config) if config.init_from else None
+        created = None
+        if config.out is None:  # a new directory, never one that holds a run
+            created = new_run_dir()
+            config = replace(config, out=str(created))
+        self.config = config
+        self.out = Path(str(config.out))
         self.run_dir = claim_run_dir(self.out, config.resume, config.overwrite, main=self.is_main)
         try:
             self._build()
         except BaseException:
             self.run_dir.release()
+            if created is not None and self.is_main and not any(created.iterdir()):
+                created.rmdir()  # the empty directory this failed start made
             raise
 
     def _build(self) -> None:
@@ -184,8 +224,14 @@ class Trainer:
         # Explicit test files are converted with the training files' vocabulary and
         # scaling, as the last rows of one cache entry.
         self.dataset = open_dataset(
-            config.data, config.cache_dir, test_paths=test_paths, **data_options
+            config.data,
+            config.cache_dir,
+            test_paths=test_paths,
+            encoders=None if self.warm is None else self.warm.encoders,
+            **data_options,
         )
+        if self.warm is not None:
+            self.warm.check_dataset(self.dataset)
         self.train_idx, self.val_idx, self.test_idx = self.dataset.split(
             config.test_fraction, config.val_fraction, config.seed
         )
@@ -193,6 +239,13 @@ class Trainer:
         check_split_sizes(
             config, len(self.train_idx), len(self.val_idx), len(self.test_idx), world_size
         )
+        started = time.perf_counter()
+        plan = (
+            self.dataset.fit_dense_plan(self.train_idx)  # the training split's statistics
+            if self.warm is None
+            else self.warm.keep_dense_plan(self.dataset)  # RUN's: its model's inputs
+        )
+        self._plan_seconds = time.perf_counter() - started
         schema = self.dataset.schema
         check_tables_fit(
             schema.sparse_names,
@@ -204,22 +257,7 @@ class Trainer:
             else "--synthetic-max-cardinality",
         )
 
-        self.hp: ScaledHyperparameters = scale_hyperparameters(
-            config.batch_size,
-            dataset="avazu" if config.data.startswith("avazu:") else "criteo",
-            base_batch_size=config.base_batch_size,
-            embedding_dim=config.embedding_dim,
-            dense_lr=config.lr,
-            embedding_lr=config.lr_embed,
-            l2=config.l2,
-            clip_r=config.clip_r,
-            clip_zeta=config.clip_zeta,
-            warmup_epochs=config.warmup_epochs,
-            recipe=config.recipe,
-            count_lr_power=config.count_lr_power,
-            helen_rho=config.helen_rho,
-            helen_bound=config.helen_bound,
-        )
+        self.hp: ScaledHyperparameters = config.hyperparameters()
         self.run_record = run_record(config, self.hp, self.dataset, data_options)
         self.fingerprint = run_fingerprint(self.run_record)
         clipped = config.cowclip and self.hp.cowclip
@@ -231,6 +269,7 @@ class Trainer:
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
         self.steps_per_epoch = self.runtime.steps_per_epoch
+        self.dense_plan = plan
         if config.row_clip_stats:
             self.model.embedding_collection.track_row_clips()
         self.checkpoints = CheckpointStore(self.out / CHECKPOINTS_DIR, keep=config.keep_checkpoints)
@@ -248,6 +287,8 @@ class Trainer:
         self.progress = Progress()
         self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
         self._saved_step = -1
+        # This process's mean training-step time in its last epoch (the run's ETA).
+        self._step_s: Optional[float] = None
         self._best_checkpoint: Optional[str] = None
         self._resumed_from: Optional[Path] = None
 
@@ -363,9 +404,10 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------
 
-    def run(self) -> Dict[str, Any]:
+    def run(self) -> TrainResult:
         """Trains to the end (or ``--max-steps``), checkpointing at every epoch's end,
-        and returns the metrics written to ``out/metrics.json``.
+        writes the run folder ``out/model`` and returns the metrics written to
+        ``out/metrics.json`` (with the run directory and the model).
 
         Raises:
             RunStopped: SIGTERM/SIGINT arrived; the run finished its step, wrote a
@@ -377,12 +419,13 @@ class Trainer:
         finally:
             self.run_dir.release()
 
-    def _run(self) -> Dict[str, Any]:
+    def _run(self) -> TrainResult:
         cfg = self.config
         resumed = self.restore() if cfg.resume else False
         main = self.runtime.is_main
         log = RunLog(self.out, enabled_progress=cfg.progress and main, enabled=main)
-        log.info(self._banner())
+        for line in self._start_summary():
+            log.info(line)
         if resumed:
             p = self.progress
             assert self._resumed_from is not None  # restore() has just loaded it
@@ -396,6 +439,8 @@ class Trainer:
                 )
             )
             log.rewind(p.global_step, p.epoch)
+        elif self.warm is not None:
+            log.info(self.warm.load_into(self.runtime, cfg.init_optimizer_state))
         try:
             while self.progress.epoch < cfg.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
@@ -434,6 +479,9 @@ class Trainer:
         )
         running = None
         t_last, samples_since = time.perf_counter(), 0
+        wall_start = time.perf_counter()
+        # This process's mean step time, for the run's ETA (a resumed run has no other).
+        steps_here, step_seconds_here = 0, 0.0
         # Helen's pipelines report each step's cost (the runtime chose one from the module).
         helen = pipeline if isinstance(pipeline, HelenPipeline) else None
         try:
@@ -457,7 +505,12 @@ class Trainer:
                         f"{self.checkpoints.describe('latest')}. "
                         f"Lower --lr / --lr-embed or check the data."
                     )
-                p.train_seconds += time.perf_counter() - t0
+                step_s = time.perf_counter() - t0
+                p.train_seconds += step_s
+                p.epoch_train_seconds += step_s
+                steps_here, step_seconds_here = steps_here + 1, step_seconds_here + step_s
+                p.epoch_samples += n
+                p.epoch_loss_sum += loss_value * n
                 if helen is not None and helen.last_helen_cost is not None:
                     p.helen_first_pass_s += helen.last_helen_cost.first_pass_s
                     p.helen_extra_s += helen.last_helen_cost.extra_s
@@ -483,6 +536,7 @@ class Trainer:
                 postfix = {
                     "loss": f"{running:.4f}",
                     "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
+                    "run_eta": duration(self._eta(step_seconds_here / steps_here)),
                 }
                 if helen is not None:
                     postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
@@ -494,20 +548,44 @@ class Trainer:
         finally:
             bar.close()
             self.runtime.end_pipeline(pipeline)
+            p.epoch_wall_seconds += time.perf_counter() - wall_start
+            if steps_here:
+                self._step_s = step_seconds_here / steps_here
         return True
+
+    def _total_steps(self) -> int:
+        total = self.config.epochs * self.steps_per_epoch
+        return min(total, self.config.max_steps) if self.config.max_steps else total
+
+    def _eta(self, step_s: float) -> float:
+        """Seconds left in the run: its steps at ``step_s`` each, and its evaluations at
+        the mean of those so far (one test pass, and one validation pass, per epoch)."""
+        p = self.progress
+        passes = 2 if len(self.val_idx) else 1
+        epochs_left = self.config.epochs - p.epoch
+        if self.config.max_steps:
+            epochs_left = min(
+                epochs_left,
+                -(-(self._total_steps() - p.global_step) // max(self.steps_per_epoch, 1)),
+            )
+        eval_s = p.eval_seconds / p.evaluations if p.evaluations else 0.0
+        return run_eta(p.global_step, self._total_steps(), step_s, passes * epochs_left, eval_s)
 
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.config, self.progress
-        test = self._evaluate(self.test_idx)
+        wall_start = time.perf_counter()
+        test = self._evaluate(self.test_idx, log, "test")
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
         row: Dict[str, Any] = {
             "epoch": p.epoch + 1,
+            "step": p.global_step,
+            "train_samples": p.train_samples,
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
         }
         if len(self.val_idx):
-            val = self._evaluate(self.val_idx)
+            val = self._evaluate(self.val_idx, log, "validation")
             p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
             if val["auc"] > p.best_val_auc:
@@ -522,16 +600,56 @@ class Trainer:
                     and p.epochs_without_improvement >= cfg.early_stop_patience
                 ):
                     p.stopped_early = True
-        else:
-            p.best_epoch = p.epoch
         counts = clip_counts(self.runtime.embedding_module())
-        row.update(rows_updated=counts["rows_updated"], rows_clipped=counts["rows_clipped"])
-        log.epoch(row)
+        updated, clipped = counts["rows_updated"], counts["rows_clipped"]
+        p.epoch_wall_seconds += time.perf_counter() - wall_start
+        row.update(
+            train_loss=p.epoch_loss_sum / max(p.epoch_samples, 1),
+            # This epoch's row updates; the run's so far in the *_total columns.
+            rows_updated=None if updated is None else updated - p.rows_updated_before_epoch,
+            rows_clipped=None if clipped is None else clipped - p.rows_clipped_before_epoch,
+            rows_updated_total=updated,
+            rows_clipped_total=clipped,
+            epoch_s=p.epoch_wall_seconds,
+            train_samples_per_s=p.epoch_samples / max(p.epoch_train_seconds, 1e-9),
+            peak_rss_mb=peak_rss_mb(),
+        )
         p.epoch += 1
         p.batch_in_epoch = 0
+        p.epoch_samples, p.epoch_loss_sum = 0, 0.0
+        p.epoch_train_seconds, p.epoch_wall_seconds = 0.0, 0.0
+        p.rows_updated_before_epoch, p.rows_clipped_before_epoch = updated or 0, clipped or 0
+        log.epoch(row)
+        more = p.epoch < cfg.epochs and not p.stopped_early
+        step_s = (
+            self._step_s if self._step_s is not None else p.train_seconds / max(p.global_step, 1)
+        )
+        log.info(
+            epoch_line({**row, "epochs": cfg.epochs, "eta_s": self._eta(step_s) if more else None})
+        )
 
-    def _evaluate(self, indices: np.ndarray) -> Dict[str, float]:
-        return self.runtime.evaluate(indices)
+    def _evaluate(
+        self, indices: np.ndarray, log: Optional[RunLog] = None, name: str = "test"
+    ) -> Dict[str, float]:
+        bar = (
+            log.progress_bar(
+                total=self.runtime.eval_batch_count(indices),
+                initial=0,
+                desc=f"evaluating {name} ({len(indices):,} rows)",
+                unit="batch",
+            )
+            if log is not None
+            else None
+        )
+        started = time.perf_counter()
+        try:
+            result = self.runtime.evaluate(indices, None if bar is None else lambda: bar.update(1))
+        finally:
+            if bar is not None:
+                bar.close()
+        self.progress.eval_seconds += time.perf_counter() - started
+        self.progress.evaluations += 1
+        return result
 
     def _dense_lr(self) -> float:
         for name, opt in self.optimizer.optimizers:
@@ -539,16 +657,24 @@ class Trainer:
                 return float(opt.param_groups[0]["lr"])
         return float("nan")
 
-    def _finish(self) -> Dict[str, Any]:
+    def _finish(self) -> TrainResult:
         cfg, p = self.config, self.progress
+        # The run folder (run_folder.py): the last step's weights, then the best epoch's.
+        folder = RunFolderWriter(self.out, main=self.runtime.is_main)
+        folder.save_weights("final", self.runtime.model_tensors()["model"], prefix="model.")
+        reported = "final"
         if cfg.early_stop_patience and self._best_checkpoint is not None:
             # Early stopping: the final model is the best validation epoch's.
             self._load_best()
+            folder.save_weights("best", self.runtime.model_tensors()["model"], prefix="model.")
+            reported = "best"
         final_epoch = (
             p.best_epoch
             if (cfg.early_stop_patience and p.best_epoch >= 0)
             else len(p.epoch_auc) - 1
         )
+        # The best epoch is the validation split's choice: without one there is none.
+        best_epoch = p.best_epoch + 1 if len(self.val_idx) and p.best_epoch >= 0 else None
         if p.epoch_auc:
             auc, logloss = p.epoch_auc[final_epoch], p.epoch_logloss[final_epoch]
         else:  # --max-steps ended the run before the first epoch finished
@@ -561,7 +687,8 @@ class Trainer:
             "epoch_auc": p.epoch_auc,
             "epoch_logloss": p.epoch_logloss,
             "epoch_val_auc": p.epoch_val_auc,
-            "best_epoch": final_epoch + 1 if final_epoch >= 0 else None,
+            "best_epoch": best_epoch,
+            "final_epoch": final_epoch + 1 if final_epoch >= 0 else None,
             "stopped_early": p.stopped_early,
             "epochs": len(p.epoch_auc),
             "steps": p.global_step,
@@ -589,12 +716,20 @@ class Trainer:
             "sharding": self.runtime.sharding,
             "dataset": {
                 "source": str(getattr(self.dataset, "source", cfg.data)),
+                "cache_entry": str(self.dataset.path),
                 "rows": len(self.dataset),
                 "train": len(self.train_idx),
                 "val": len(self.val_idx),
                 "test": len(self.test_idx),
                 "bad_rows_skipped": self.dataset.bad_rows,
+                "dense_clipped": self.dataset.dense_clipped,
+                "dense_negative_under_log": self.dataset.dense_negative_under_log,
+                # The dense transforms and their training-split statistics, as JSON: what
+                # scoring new rows needs (torchrec_cowclip.data.DensePlan.from_json).
+                "dense_plan": self.dense_plan.to_json(),
             },
+            "model_size": self.runtime.model_size.as_dict(),
+            "peak_rss_mb": peak_rss_mb(),
         }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
@@ -602,7 +737,28 @@ class Trainer:
             write_text_atomically(
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
-        return metrics
+            self._plot()
+        folder.complete(
+            describe_model(cfg, self.dataset, metrics, folder.weights, reported),
+            lambda encoders: describe_data(
+                cfg, self.dataset, encoder_writer(self.dataset)(encoders)
+            ),
+        )
+        self.model.eval()
+        return TrainResult(metrics, self.out if self.runtime.is_main else None, self.model)
+
+    def _plot(self) -> None:
+        """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
+        warning, not the finished run (its metrics and checkpoints are written)."""
+        hp = self.hp
+        title = (
+            f"{self.config.model} on {self.config.data}: batch {hp.batch_size} "
+            f"(x{hp.scale:g}), recipe {hp.recipe}, seed {self.config.seed}"
+        )
+        try:
+            write_run_curves(self.out, title)
+        except Exception as e:  # noqa: BLE001 - any plotting failure, reported in one line
+            _say(f"warning: no {CURVES_PNG} in {self.out}: {type(e).__name__}: {e}")
 
     def _clip_by_frequency(self) -> List[Dict[str, float]]:
         """Clip rate of the clipped tables' row updates, by each id's number of occurrences
@@ -642,7 +798,31 @@ class Trainer:
             + f" | device {self.device}"
         )
 
+    def _start_summary(self) -> List[str]:
+        """The lines a run starts with: where it writes, the settings, the model's size,
+        the processes and sharding, and how the dense columns enter the model."""
+        plan = self.dense_plan
+        steps = self._total_steps()
+        return [
+            f"run {self.out}: {self.config.epochs} epoch(s) of {self.steps_per_epoch:,} steps"
+            + (f", stopping at step {steps:,}" if self.config.max_steps else "")
+            + (
+                "; best_epoch by validation AUC"
+                if len(self.val_idx)
+                else "; no validation split (--val-fraction): the final epoch is reported"
+            ),
+            self._banner(),
+            self.runtime.model_size.describe(),
+            processes_line(
+                self.runtime.world_size, self.runtime.sharding, self.runtime.table_shardings()
+            ),
+            f"dense inputs: {plan.summary()}; statistics of {plan.fitted_on}"
+            + (f" (read in {self._plan_seconds:.1f} s)" if self._plan_seconds >= 1 else ""),
+        ]
 
-def train(config: TrainConfig) -> Dict[str, Any]:
-    """Runs training as configured and returns the metrics written to ``out/metrics.json``."""
+
+def train(config: TrainConfig) -> TrainResult:
+    """Runs training as configured; returns the metrics written to ``out/metrics.json``
+    (a dict) carrying ``run_dir`` (whose ``model/`` ``torchrec_cowclip.load_model``
+    scores with) and ``model`` (the trained module)."""
     return Trainer(config).run()

@@ -37,7 +37,7 @@ from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Sequence,
 
 import numpy as np
 
-from torchrec_cowclip.data.errors import DataError
+from torchrec_cowclip.data.errors import DataError, DataOptionError
 
 HeaderRule = Union[bool, Callable[[List[bytes]], bool]]
 
@@ -102,12 +102,14 @@ class RawBlock:
 
     ``columns[c]`` is an ``S`` array with column ``c`` of every well-formed line;
     ``lines`` their 1-based line numbers; ``bad_lines`` ``(line, detail)`` of the
-    lines whose field count was wrong.
+    lines whose field count was wrong; ``fraction`` the share of the file read once
+    this block is (None for a compressed file).
     """
 
     columns: Dict[int, np.ndarray]
     lines: np.ndarray
     bad_lines: List[Tuple[int, str]] = field(default_factory=list)
+    fraction: Optional[float] = None
 
 
 class DelimitedFile:
@@ -136,8 +138,9 @@ class DelimitedFile:
         if delimiter is None:
             delimiter = infer_delimiter(self.path)
             if delimiter is None:
-                raise ValueError(
-                    f"cannot infer the delimiter of {self.path} from its extension; pass delimiter="
+                raise DataOptionError(
+                    f"cannot infer the delimiter of {self.path} from its extension; pass "
+                    "delimiter= (--delimiter)"
                 )
         if len(delimiter) != 1 or delimiter in (b"\n", b"\r", b'"'):
             raise ValueError(
@@ -179,6 +182,8 @@ class DelimitedFile:
         if any(not 0 <= c < self.n_columns for c in wanted):
             raise ValueError(f"column indices {wanted} out of range for {self.n_columns} columns")
         with open_binary(self.path) as f, damaged_gzip_as_data_error(self.path):
+            # A plain file's position tells how much of it is read; a gzip stream's does not.
+            size = None if isinstance(f, gzip.GzipFile) else self.path.stat().st_size
             line_no = 1
             if self.has_header:
                 f.readline()
@@ -188,7 +193,7 @@ class DelimitedFile:
                 data = f.read(self.block_bytes)
                 if not data:
                     if rest:
-                        yield self._parse(rest + b"\n", line_no, wanted)
+                        yield self._parse(rest + b"\n", line_no, wanted, 1.0 if size else None)
                     return
                 data = rest + data if rest else data
                 cut = data.rfind(b"\n")
@@ -197,10 +202,18 @@ class DelimitedFile:
                     continue
                 rest = data[cut + 1 :]
                 block = data[: cut + 1]
-                yield self._parse(block, line_no, wanted)
+                done = (f.tell() - len(rest)) / size if size else None
+                yield self._parse(block, line_no, wanted, done)
                 line_no += block.count(b"\n")
 
-    def _parse(self, block: bytes, first_line: int, wanted: List[int]) -> RawBlock:
+    def _parse(
+        self, block: bytes, first_line: int, wanted: List[int], fraction: Optional[float] = None
+    ) -> RawBlock:
+        parsed = self._parse_block(block, first_line, wanted)
+        parsed.fraction = fraction
+        return parsed
+
+    def _parse_block(self, block: bytes, first_line: int, wanted: List[int]) -> RawBlock:
         if b"\r" in block:
             block = block.replace(b"\r\n", b"\n")
         if self.delimiter == b"," and b'"' in block:

@@ -1,109 +1,405 @@
-"""Dense-feature transforms: missing -> 0, negatives -> 0, values above ``DENSE_CLIP``
--> ``DENSE_CLIP``, then log or min-max.
+"""Dense features: each column's transform, the statistics of the training rows, and the
+plan that turns stored values into the model's inputs.
 
-* ``"log"`` (default): ``log(1 + x)``; Criteo's counts span 0..1e6, and the log keeps
-  the MLP's inputs O(1) without needing statistics.
-* ``"minmax"``: ``(x - min) / (max - min)`` with min and max of the training rows
-  (computed in the vocabulary pass), the reference's ``MinMaxScaler``; a constant
-  column maps to 0. Rows outside the training range (explicit test files) are not
-  clipped.
-* ``"none"``: the filled, clamped values as float32.
+A dense value goes through two stages:
 
-Negatives are clamped because Criteo's few negative counts (I2 >= -3) are noise and
-``log(1 + x)`` is undefined below -1. Values above ``DENSE_CLIP`` (1e9, 40x Criteo's
-largest count, I5 <= 2.3e7) are clipped to it and counted (``meta["dense_clipped"]``,
-``CTRDataset.dense_clipped`` and a logged warning): one stray 1e300 would otherwise
-overflow float32 under ``"none"`` and, under ``"minmax"``, squash its whole column to 0.
+1. **Stored** (at conversion, value by value, no statistics): a value beyond
+   ``+-DENSE_CLIP`` is clipped to it and counted (one stray ``1e300`` would otherwise
+   overflow float32); then the column's pointwise function: ``log`` takes ``log(1 + x)``
+   of ``x >= 0`` (a negative value is one it *cannot take*: counted per column, reported,
+   and set to 0, Criteo's convention for its few negative counts), ``signed-log`` takes
+   ``sign(x) * log(1 + |x|)`` (``log`` for ``x >= 0``, mirrored below: every value is
+   kept); ``standardize``, ``minmax`` and ``none`` store ``x``. A missing value stays NaN.
+   These are the cache's ``dense.npy``.
+2. **Model input** (:class:`DensePlan`, fitted on the training rows only): per column
+   ``(v - shift) / scale``: ``standardize`` with the training rows' mean and standard
+   deviation (population, like scikit-learn's ``StandardScaler``), ``minmax`` with their
+   minimum and range (the TF reference's ``MinMaxScaler``; rows outside the training range
+   are not clipped), the others unchanged. Then a missing value becomes 0: the training
+   mean under ``standardize``, the minimum under ``minmax``, ``log(1 + 0)`` under ``log``.
+   With ``missing_indicator`` a 0/1 input is added for each column that has missing values
+   in the training rows (scikit-learn's ``SimpleImputer(add_indicator=True)``).
+
+The transform is chosen per column by a spec: one transform for every column
+(``"standardize"``), columns by name (``"price=log,score=standardize"``), or both (a bare
+transform is the default of the columns not named). Statistics and plans are plain JSON
+(:meth:`DenseStats.to_json`, :meth:`DensePlan.to_json`), so a run's transforms can score
+new rows exactly as they trained (:meth:`DensePlan.transform`).
 
 Example::
 
-    >>> import numpy as np
-    >>> x = np.array([[np.nan, 3.0], [-2.0, 1.0]])
-    >>> transform_dense(x, "log").astype(float).round(3).tolist()
-    [[0.0, 1.386], [0.0, 0.693]]
-    >>> stats = DenseStats(2); stats.update(x)
-    >>> transform_dense(x, "minmax", stats).tolist()
-    [[0.0, 1.0], [0.0, 0.0]]
-    >>> clipped = np.zeros(2, np.int64)
-    >>> transform_dense(np.array([[1e300, 2.0]]), "none", clipped=clipped).tolist(), clipped.tolist()
-    ([[1000000000.0, 2.0]], [1, 0])
+    >>> spec = DenseTransformSpec.parse("standardize, price=log", default="signed-log")
+    >>> spec.resolve(["price", "score"], "table")
+    ('log', 'standardize')
+    >>> raw = np.array([[np.nan, 3.0], [-2.0, 1.0], [1.0, 2.0]])
+    >>> clipped, negative = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    >>> stored = stored_values(raw, ("log", "standardize"), clipped, negative)
+    >>> stored.astype(float).round(3).tolist(), negative.tolist()
+    ([[nan, 3.0], [0.0, 1.0], [0.693, 2.0]], [1, 0])
+    >>> stats = DenseStats(["price", "score"]); stats.update(stored)
+    >>> plan = DensePlan.fit(stats, ("log", "standardize"), missing_indicator=True)
+    >>> plan.output_names
+    ('price', 'score', 'price:missing')
+    >>> plan.apply(stored).astype(float).round(3).tolist()
+    [[0.0, 1.225, 1.0], [0.0, -1.225, 0.0], [0.693, 0.0, 0.0]]
+    >>> DensePlan.from_json(plan.to_json()) == plan
+    True
 """
 
 from __future__ import annotations
 
-from typing import Dict, Literal, Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataOptionError
 
-DenseTransform = Literal["log", "minmax", "none"]
-DENSE_TRANSFORMS = ("log", "minmax", "none")
+#: The transforms a dense column can take, and what each does (``--dense-transform``'s help).
+DENSE_TRANSFORM_HELP: Dict[str, str] = {
+    "log": "log(1 + x); a negative x cannot take it: counted, reported and set to 0",
+    "signed-log": "sign(x) * log(1 + |x|): log(1 + x) for x >= 0, mirrored below",
+    "standardize": "(x - mean) / std of the training rows",
+    "minmax": "(x - min) / (max - min) of the training rows",
+    "none": "x as it is",
+}
+DENSE_TRANSFORMS: Tuple[str, ...] = tuple(DENSE_TRANSFORM_HELP)
+#: The transforms whose model inputs need statistics of the training rows.
+STATISTICAL_TRANSFORMS = frozenset({"standardize", "minmax"})
 DENSE_CLIP = 1e9
+#: The suffix of a missing-value indicator's name (``price:missing``).
+MISSING_SUFFIX = ":missing"
+_OPTION = "dense_transform (--dense-transform)"
 
 
-def check_transform(kind: str) -> DenseTransform:
+def check_transform(kind: str) -> str:
+    """``kind`` if it names a transform, else :class:`DataOptionError` listing them."""
     if kind not in DENSE_TRANSFORMS:
         raise DataOptionError(
-            f"dense_transform (--dense-transform) must be one of {DENSE_TRANSFORMS}, got {kind!r}"
+            f"{_OPTION}: {kind!r} is not a transform; choose one of {', '.join(DENSE_TRANSFORMS)}"
         )
-    return kind  # type: ignore[return-value]  # one of DENSE_TRANSFORMS: checked above
+    return kind
 
 
-def fill_and_clamp(x: np.ndarray, clipped: Optional[np.ndarray] = None) -> np.ndarray:
-    """Missing (NaN) and negative values become 0, values above ``DENSE_CLIP`` become
-    ``DENSE_CLIP`` (float64, new array); ``clipped`` (per column) counts the latter."""
-    x = np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0)
-    if clipped is not None and len(x):
-        clipped += (x > DENSE_CLIP).sum(axis=0)
-    return np.clip(x, 0.0, DENSE_CLIP, out=x)
+@dataclass(frozen=True)
+class DenseTransformSpec:
+    """Which transform each dense column takes: ``default`` for every column not named in
+    ``columns`` (``(name, transform)`` pairs, in the order given).
+
+    Example::
+
+        >>> DenseTransformSpec.parse("price=log", default="signed-log").text()
+        'signed-log,price=log'
+        >>> DenseTransformSpec.parse("log,price=none,price=log", default="log")
+        Traceback (most recent call last):
+        ...
+        torchrec_cowclip.data.errors.DataOptionError: dense_transform (--dense-transform): column 'price' is given twice
+    """
+
+    default: str
+    columns: Tuple[Tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, default: str) -> "DenseTransformSpec":
+        """Parse ``"[TRANSFORM,]COLUMN=TRANSFORM,..."`` (whitespace around items ignored);
+        ``default`` is the transform of the columns neither named nor covered by a bare one.
+
+        Raises:
+            DataOptionError: an unknown transform, two bare defaults, a column named twice
+                or without a name.
+        """
+        check_transform(default)
+        bare: Optional[str] = None
+        columns: List[Tuple[str, str]] = []
+        for item in (part.strip() for part in str(text).split(",")):
+            if not item:
+                continue
+            name, eq, transform = (p.strip() for p in item.partition("="))
+            if not eq:
+                if bare is not None:
+                    raise DataOptionError(
+                        f"{_OPTION}: two transforms for every column ({bare!r} and {item!r}); "
+                        "name the columns of the second (COLUMN=TRANSFORM)"
+                    )
+                bare = check_transform(item)
+                continue
+            if not name:
+                raise DataOptionError(f"{_OPTION}: {item!r} names no column (COLUMN=TRANSFORM)")
+            if any(name == c for c, _ in columns):
+                raise DataOptionError(f"{_OPTION}: column {name!r} is given twice")
+            columns.append((name, check_transform(transform)))
+        return cls(bare or default, tuple(columns))
+
+    def text(self) -> str:
+        """The canonical spec (default first), as it enters cache keys."""
+        return ",".join([self.default, *(f"{c}={t}" for c, t in self.columns)])
+
+    def named(self) -> Tuple[str, ...]:
+        """The columns the spec names."""
+        return tuple(c for c, _ in self.columns)
+
+    def check_names(self, names: Sequence[str], where: str) -> None:
+        """Refuse columns of the spec that are not among the dense ``names`` of ``where``."""
+        unknown = [c for c in self.named() if c not in names]
+        if unknown:
+            raise DataOptionError(
+                f"{where}: {_OPTION} names {', '.join(map(repr, unknown))}, which "
+                f"{'is' if len(unknown) == 1 else 'are'} not a dense column; the dense "
+                f"columns are {list(names)}"
+            )
+
+    def resolve(self, names: Sequence[str], where: str) -> Tuple[str, ...]:
+        """The transform of each of the dense columns ``names`` (of source ``where``)."""
+        self.check_names(names, where)
+        chosen = dict(self.columns)
+        return tuple(chosen.get(n, self.default) for n in names)
+
+    def replaced(self, old: str, new: str) -> "DenseTransformSpec":
+        """The same spec with transform ``old`` read as ``new`` everywhere."""
+        swap = {old: new}
+        return DenseTransformSpec(
+            swap.get(self.default, self.default),
+            tuple((c, swap.get(t, t)) for c, t in self.columns),
+        )
+
+
+def stored_values(
+    x: np.ndarray,
+    transforms: Sequence[str],
+    clipped: Optional[np.ndarray] = None,
+    negative: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Stage 1 (see the module docstring): raw float values ``[n, k]`` (NaN = missing) ->
+    the stored float32 values (NaN = missing).
+
+    ``clipped`` and ``negative`` (int64, one entry per column) count the values clipped at
+    ``+-DENSE_CLIP`` and the negative values a ``log`` column cannot take.
+    """
+    v = np.array(x, dtype=np.float64)
+    if v.ndim != 2 or v.shape[1] != len(transforms):
+        raise ValueError(f"expected [n, {len(transforms)}] dense values, got {list(v.shape)}")
+    if len(v) == 0:
+        return v.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        if clipped is not None:
+            clipped += (np.abs(v) > DENSE_CLIP).sum(axis=0)
+        np.clip(v, -DENSE_CLIP, DENSE_CLIP, out=v)
+        columns = np.asarray(transforms)
+        log = np.flatnonzero(columns == "log")
+        if len(log):
+            part = v[:, log]
+            below = part < 0
+            if negative is not None:
+                negative[log] += below.sum(axis=0)
+            part[below] = 0.0
+            v[:, log] = np.log1p(part)
+        signed = np.flatnonzero(columns == "signed-log")
+        if len(signed):
+            part = v[:, signed]
+            v[:, signed] = np.sign(part) * np.log1p(np.abs(part))
+    return v.astype(np.float32)
 
 
 class DenseStats:
-    """Running per-column min and max of filled, clamped dense values."""
+    """Per column of stored values: count of present values, missing values, mean,
+    standard deviation (population), minimum and maximum; blocks combine exactly
+    (Chan's pairwise update), so a streaming pass gives the whole set's figures.
 
-    def __init__(self, n_dense: int) -> None:
-        self.min = np.full(n_dense, np.inf)
-        self.max = np.full(n_dense, -np.inf)
+    Example::
 
-    def update(self, x: np.ndarray) -> None:
-        if len(x) == 0:
+        >>> s = DenseStats(["a"]); s.update(np.array([[1.0], [np.nan]])); s.update(np.array([[3.0]]))
+        >>> s.count.tolist(), s.missing.tolist(), s.mean.tolist(), s.std.tolist()
+        ([2], [1], [2.0], [1.0])
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        k = len(self.names)
+        self.count = np.zeros(k, dtype=np.int64)
+        self.missing = np.zeros(k, dtype=np.int64)
+        self.mean = np.zeros(k)
+        self._m2 = np.zeros(k)
+        self.min = np.full(k, np.inf)
+        self.max = np.full(k, -np.inf)
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self._m2 / np.maximum(self.count, 1))
+
+    def update(self, v: np.ndarray) -> None:
+        """Adds a block of stored values ``[n, k]`` (NaN = missing)."""
+        if len(v) == 0:
             return
-        v = fill_and_clamp(x)
-        np.minimum(self.min, v.min(axis=0), out=self.min)
-        np.maximum(self.max, v.max(axis=0), out=self.max)
+        v = np.asarray(v, dtype=np.float64)
+        present = ~np.isnan(v)
+        n_b = present.sum(axis=0)
+        self.missing += len(v) - n_b
+        with np.errstate(invalid="ignore", divide="ignore"):
+            total = np.where(present, v, 0.0).sum(axis=0)
+            mean_b = np.where(n_b > 0, total / np.maximum(n_b, 1), 0.0)
+            m2_b = np.where(present, (v - mean_b) ** 2, 0.0).sum(axis=0)
+            np.fmin(self.min, np.where(present, v, np.inf).min(axis=0), out=self.min)
+            np.fmax(self.max, np.where(present, v, -np.inf).max(axis=0), out=self.max)
+        n_a = self.count
+        n = n_a + n_b
+        delta = mean_b - self.mean
+        share = np.where(n > 0, n_b / np.maximum(n, 1), 0.0)
+        self.mean = self.mean + delta * share
+        self._m2 = self._m2 + m2_b + delta**2 * n_a * share
+        self.count = n
 
-    def to_arrays(self) -> Dict[str, np.ndarray]:
-        return {"dense_min": self.min, "dense_max": self.max}
+    def to_json(self) -> Dict[str, Any]:
+        """Plain JSON (no NaN or infinity: an empty column's figures are null)."""
+
+        def values(a: np.ndarray) -> List[Optional[float]]:
+            return [float(x) if math.isfinite(x) else None for x in a.tolist()]
+
+        return {
+            "names": list(self.names),
+            "count": self.count.tolist(),
+            "missing": self.missing.tolist(),
+            "mean": values(self.mean),
+            "std": values(self.std),
+            "min": values(self.min),
+            "max": values(self.max),
+        }
 
     @classmethod
-    def from_arrays(cls, arrays: Dict[str, np.ndarray]) -> "DenseStats":
-        stats = cls(len(arrays["dense_min"]))
-        stats.min = np.asarray(arrays["dense_min"], dtype=np.float64)
-        stats.max = np.asarray(arrays["dense_max"], dtype=np.float64)
+    def from_json(cls, d: Mapping[str, Any]) -> "DenseStats":
+        stats = cls(d["names"])
+
+        def values(key: str, empty: float) -> np.ndarray:
+            return np.array([empty if x is None else float(x) for x in d[key]], dtype=np.float64)
+
+        stats.count = np.asarray(d["count"], dtype=np.int64)
+        stats.missing = np.asarray(d["missing"], dtype=np.int64)
+        stats.mean = values("mean", 0.0)
+        stats._m2 = values("std", 0.0) ** 2 * stats.count
+        stats.min, stats.max = values("min", np.inf), values("max", -np.inf)
         return stats
 
 
-def transform_dense(
-    x: np.ndarray,
-    kind: str,
-    stats: Optional[DenseStats] = None,
-    clipped: Optional[np.ndarray] = None,
-) -> np.ndarray:
-    """Apply ``kind`` to raw dense values (NaN = missing); returns float32 ``[n, n_dense]``.
+def plan_needs_statistics(transforms: Sequence[str], missing_indicator: bool) -> bool:
+    """Whether fitting a plan reads the training rows (a statistical transform, or which
+    columns miss values)."""
+    return missing_indicator or any(t in STATISTICAL_TRANSFORMS for t in transforms)
 
-    ``clipped``, an int64 array with one entry per column, counts the values clipped
-    at ``DENSE_CLIP``.
+
+@dataclass(frozen=True)
+class DensePlan:
+    """Stored dense values -> model inputs (stage 2 of the module docstring).
+
+    Attributes:
+        names, transforms: the dense columns and their transforms.
+        shift, scale: per column, ``input = (stored - shift) / scale``.
+        indicators: the columns that get a 0/1 missing-value input (in column order).
+        fitted_on: what the statistics were taken over (for reports).
     """
-    kind = check_transform(kind)
-    v = fill_and_clamp(x, clipped)
-    if kind == "log":
-        v = np.log1p(v)
-    elif kind == "minmax":
+
+    names: Tuple[str, ...]
+    transforms: Tuple[str, ...]
+    shift: Tuple[float, ...]
+    scale: Tuple[float, ...]
+    indicators: Tuple[str, ...] = ()
+    fitted_on: str = ""
+
+    @classmethod
+    def fit(
+        cls,
+        stats: Optional[DenseStats],
+        transforms: Sequence[str],
+        missing_indicator: bool = False,
+        fitted_on: str = "",
+        names: Optional[Sequence[str]] = None,
+    ) -> "DensePlan":
+        """The plan for columns with ``transforms`` given their training ``stats`` (which
+        may be None when :func:`plan_needs_statistics` says none are needed; then
+        ``names`` names the columns)."""
         if stats is None:
-            raise ValueError("dense_transform='minmax' needs the training min/max (DenseStats)")
-        lo = np.where(np.isfinite(stats.min), stats.min, 0.0)
-        span = np.where(np.isfinite(stats.max), stats.max, 0.0) - lo
-        safe = np.where(span > 0, span, 1.0)
-        v = np.where(span > 0, (v - lo) / safe, 0.0)
-    return v.astype(np.float32)
+            if plan_needs_statistics(transforms, missing_indicator) or names is None:
+                raise ValueError("these dense transforms need the training rows' statistics")
+            k = len(transforms)
+            return cls(tuple(names), tuple(transforms), (0.0,) * k, (1.0,) * k, (), fitted_on)
+        shift, scale = [], []
+        for j, t in enumerate(transforms):
+            a, b = 0.0, 1.0
+            if stats.count[j] > 0 and t == "standardize":
+                a, b = float(stats.mean[j]), float(stats.std[j])
+            elif stats.count[j] > 0 and t == "minmax":
+                a, b = float(stats.min[j]), float(stats.max[j] - stats.min[j])
+            shift.append(a)
+            scale.append(b if b > 0 and math.isfinite(b) else 1.0)  # a constant column -> 0
+        indicators = tuple(
+            n for n, m in zip(stats.names, stats.missing.tolist()) if missing_indicator and m
+        )
+        return cls(
+            stats.names, tuple(transforms), tuple(shift), tuple(scale), indicators, fitted_on
+        )
+
+    @property
+    def output_names(self) -> Tuple[str, ...]:
+        """The model's dense inputs: the columns, then the indicators."""
+        return self.names + tuple(n + MISSING_SUFFIX for n in self.indicators)
+
+    def apply(self, stored: np.ndarray) -> np.ndarray:
+        """Model inputs (float32 ``[n, len(output_names)]``) of stored values ``[n, k]``."""
+        v = np.asarray(stored, dtype=np.float64)
+        missing = np.isnan(v)
+        out = (v - np.asarray(self.shift)) / np.asarray(self.scale)
+        out[missing] = 0.0
+        if self.indicators:
+            columns = [self.names.index(n) for n in self.indicators]
+            out = np.concatenate([out, missing[:, columns].astype(np.float64)], axis=1)
+        return out.astype(np.float32)
+
+    def transform(self, raw: np.ndarray) -> np.ndarray:
+        """Model inputs of raw values (NaN = missing): both stages, for new rows to score."""
+        return self.apply(stored_values(raw, self.transforms))
+
+    def to_json(self) -> Dict[str, Any]:
+        """Plain JSON: one entry per column, and what the plan was fitted on."""
+        return {
+            "columns": [
+                {
+                    "name": n,
+                    "transform": t,
+                    "shift": a,
+                    "scale": b,
+                    "missing_indicator": n in self.indicators,
+                }
+                for n, t, a, b in zip(self.names, self.transforms, self.shift, self.scale)
+            ],
+            "clip": DENSE_CLIP,
+            "fitted_on": self.fitted_on,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "DensePlan":
+        columns = d["columns"]
+        for c in columns:
+            check_transform(c["transform"])
+        return cls(
+            tuple(c["name"] for c in columns),
+            tuple(c["transform"] for c in columns),
+            tuple(float(c["shift"]) for c in columns),
+            tuple(float(c["scale"]) for c in columns),
+            tuple(c["name"] for c in columns if c["missing_indicator"]),
+            str(d.get("fitted_on", "")),
+        )
+
+    def summary(self) -> str:
+        """One line: the transforms by column, and the indicators."""
+        groups: Dict[str, List[str]] = {}
+        for n, t in zip(self.names, self.transforms):
+            groups.setdefault(t, []).append(n)
+        parts = [f"{t} ({_names(ns)})" for t, ns in groups.items()]
+        if self.indicators:
+            parts.append(f"missing-value indicators for {_names(self.indicators)}")
+        return "; ".join(parts) or "no dense columns"
+
+
+def _names(names: Sequence[str]) -> str:
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, ..., {names[-1]}: {len(names)} columns"

@@ -52,7 +52,9 @@ class RowBlock:
     in the form the source's encoding takes (for text, one ``S`` array per column with
     ``b""`` for missing); ``lines`` 1-based line (or row) numbers in ``path``;
     ``extra`` further per-row vectors the source keeps; ``paths`` overrides ``path``
-    per bad-row reason (a source whose columns live in separate files).
+    per bad-row reason (a source whose columns live in separate files); ``fraction``
+    how much of the part has been read once this block is (None if unknown), for
+    progress reports.
     """
 
     path: str
@@ -62,6 +64,7 @@ class RowBlock:
     sparse: Any
     extra: Dict[str, np.ndarray] = field(default_factory=dict)
     paths: Dict[str, str] = field(default_factory=dict)
+    fraction: Optional[float] = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,6 +83,7 @@ class RowBlock:
             sparse=sparse,
             extra={k: v[keep] for k, v in self.extra.items()},
             paths=self.paths,
+            fraction=self.fraction,
         )
 
 
@@ -125,6 +129,12 @@ def validate_block(
     return block.take(~flagged)
 
 
+def no_labels(n: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(raw labels, labels, bad-label mask)`` of ``n`` rows read without a label
+    column: empty fields, NaN labels, none bad."""
+    return np.zeros(n, dtype="S1"), np.full(n, np.nan, np.float32), np.zeros(n, dtype=bool)
+
+
 def _show(raw: Any) -> str:
     if isinstance(raw, bytes):
         return repr(raw.decode("utf-8", "replace"))
@@ -143,7 +153,8 @@ class TextLayout:
         header: True, False, or ``"auto"`` (a header if the first line's label and
             dense fields are all non-numeric names; see ``_names_a_header``).
         n_columns: fields per line; None takes the header's length.
-        label, dense, sparse: column indices or header names.
+        label, dense, sparse: column indices or header names; ``label=None`` reads no
+            label (a file to score: every label is NaN).
         dense_names, sparse_names: feature names when columns are given by index.
     """
 
@@ -151,7 +162,7 @@ class TextLayout:
     fallback_delimiter: Optional[str] = None
     header: Union[bool, str] = False
     n_columns: Optional[int] = None
-    label: ColumnRef = 0
+    label: Optional[ColumnRef] = 0
     dense: Tuple[ColumnRef, ...] = ()
     sparse: Tuple[ColumnRef, ...] = ()
     dense_names: Optional[Tuple[str, ...]] = None
@@ -170,7 +181,7 @@ class TextLayout:
         """``header="auto"``: the first line is a header only if its label and dense
         fields are all names (non-empty, not numbers). A data row has a number or an
         empty field among them, so a first row with a bad label stays a (bad) row."""
-        refs = [self.label, *self.dense]
+        refs = [*([] if self.label is None else [self.label]), *self.dense]
         columns = [r for r in refs if isinstance(r, int) and r < len(fields)]
         if len(columns) != len(refs):
             return False
@@ -182,8 +193,11 @@ class TextLayout:
         """JSON description of the layout, for cache keys."""
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
-    def resolve(self, f: DelimitedFile) -> Tuple[int, List[int], List[int], List[str], List[str]]:
-        """Column indices and feature names for one opened file."""
+    def resolve(
+        self, f: DelimitedFile
+    ) -> Tuple[Optional[int], List[int], List[int], List[str], List[str]]:
+        """Column indices (the label's None without one) and feature names for one
+        opened file."""
 
         def index(ref: ColumnRef) -> int:
             if isinstance(ref, int):
@@ -194,7 +208,7 @@ class TextLayout:
                 raise DataError(f"{f.path}: no column {ref!r}; columns are {f.header}", path=f.path)
             return f.header.index(ref)
 
-        label = index(self.label)
+        label = None if self.label is None else index(self.label)
         dense = [index(r) for r in self.dense]
         sparse = [index(r) for r in self.sparse]
 
@@ -260,11 +274,15 @@ class TextRowSource:
     ) -> Iterator[RowBlock]:
         f = self.layout.open(path)
         label_col, dense_cols, sparse_cols, dense_names, _ = self.layout.resolve(f)
-        wanted = sorted(set([label_col, *dense_cols, *sparse_cols]))
+        labeled = [] if label_col is None else [label_col]
+        wanted = sorted(set([*labeled, *dense_cols, *sparse_cols]))
         for raw in f.blocks(wanted):
-            raw_labels = raw.columns[label_col]
-            labels, bad_label = parse_labels(raw_labels)
-            n = len(labels)
+            n = len(raw.lines)
+            if label_col is None:
+                raw_labels, labels, bad_label = no_labels(n)
+            else:
+                raw_labels = raw.columns[label_col]
+                labels, bad_label = parse_labels(raw_labels)
             dense = np.empty((n, len(dense_cols)))
             bad_dense = np.zeros((n, len(dense_cols)), dtype=bool)
             raw_dense = [raw.columns[c] for c in dense_cols]
@@ -276,6 +294,7 @@ class TextRowSource:
                 labels=labels,
                 dense=dense,
                 sparse=[raw.columns[c] for c in sparse_cols],
+                fraction=raw.fraction,
             )
             block = validate_block(
                 block,

@@ -64,6 +64,37 @@ def unpack_keys(keys: np.ndarray) -> np.ndarray:
     return keys.astype(">u8").view("S8")
 
 
+def find_keys(keys: np.ndarray, col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(position in keys, found)`` of each value of ``col`` (an ``S`` array) in the
+    sorted ``keys``: uint64 packed values (:func:`pack_keys`) or an ``S`` array.
+
+    Example::
+
+        >>> pos, found = find_keys(pack_keys(np.array([b"a", b"c"])), np.array([b"c", b"b"]))
+        >>> pos.tolist(), found.tolist()
+        ([1, 1], [True, False])
+    """
+    n = len(col)
+    if len(keys) == 0:
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    too_long = None
+    if keys.dtype == np.uint64:
+        if col.dtype.itemsize > _PACK_BYTES:
+            # A packed column's vocabulary holds no value longer than 8 bytes.
+            too_long = byte_matrix(col)[1] > _PACK_BYTES
+            query = pack_keys(col.astype(f"S{_PACK_BYTES}"))
+        else:
+            query = pack_keys(col)
+    else:
+        query = col
+    pos = np.searchsorted(keys, query)
+    np.minimum(pos, len(keys) - 1, out=pos)
+    found = keys[pos] == query
+    if too_long is not None:
+        found &= ~too_long
+    return pos.astype(np.int64), found
+
+
 class Vocabulary:
     """Distinct values and their counts, per categorical column.
 
@@ -159,26 +190,8 @@ class Vocabulary:
         n = len(sparse[0]) if len(sparse) else 0
         out = np.empty((n, len(sparse)), dtype=np.int64)
         for c, col in enumerate(sparse):
-            kept = self._kept_keys(c, min_count)
-            too_long = None
-            if self._packed(c):
-                if col.dtype.itemsize > _PACK_BYTES:
-                    # A packed column's vocabulary holds no value longer than 8 bytes.
-                    too_long = byte_matrix(col)[1] > _PACK_BYTES
-                    query = pack_keys(col.astype(f"S{_PACK_BYTES}"))
-                else:
-                    query = pack_keys(col)
-            else:
-                query = col
-            if len(kept) == 0:
-                ids = np.full(n, OOV_ID, dtype=np.int64)
-            else:
-                pos = np.searchsorted(kept, query)
-                np.minimum(pos, len(kept) - 1, out=pos)
-                found = kept[pos] == query
-                if too_long is not None:
-                    found &= ~too_long
-                ids = np.where(found, pos + FIRST_VALUE_ID, OOV_ID).astype(np.int64)
+            pos, found = find_keys(self._kept_keys(c, min_count), col)
+            ids = np.where(found, pos + FIRST_VALUE_ID, OOV_ID).astype(np.int64)
             ids[col == b""] = MISSING_ID
             out[:, c] = ids
         return out
@@ -186,20 +199,43 @@ class Vocabulary:
     def save(self, path: Union[str, Path]) -> None:
         """Write the vocabulary to an ``.npz`` file (no pickling: keys are ``S`` arrays)."""
         self._finish()
-        arrays: Dict[str, np.ndarray] = {"names": np.array(self.names, dtype=np.str_)}
-        for c in range(len(self.names)):
-            arrays[f"keys_{c}"] = self.keys(c)
-            arrays[f"counts_{c}"] = self._counts[c]
-        with open(path, "wb") as f:
-            np.savez(f, allow_pickle=False, **arrays)
+        columns = range(len(self.names))
+        save_key_columns(path, self.names, [self.keys(c) for c in columns], self._counts)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Vocabulary":
         """Read a vocabulary written by :meth:`save`."""
-        with np.load(path, allow_pickle=False) as z:
-            vocab = cls([str(x) for x in z["names"]])
-            for c in range(len(vocab.names)):
-                keys = z[f"keys_{c}"]
-                vocab._keys[c] = pack_keys(keys) if keys.dtype.itemsize <= _PACK_BYTES else keys
-                vocab._counts[c] = z[f"counts_{c}"].astype(np.int64)
+        names, keys, counts = load_key_columns(path)
+        vocab = cls(names)
+        for c, (column, seen) in enumerate(zip(keys, counts)):
+            vocab._keys[c] = pack_keys(column) if column.dtype.itemsize <= _PACK_BYTES else column
+            vocab._counts[c] = seen
         return vocab
+
+
+def save_key_columns(
+    path: Union[str, Path],
+    names: Sequence[str],
+    keys: Sequence[np.ndarray],
+    counts: Sequence[np.ndarray],
+) -> None:
+    """Per column, its values (``S`` array) and their counts, as an ``.npz`` without
+    pickling: ``names``, ``keys_<c>``, ``counts_<c>``."""
+    arrays: Dict[str, np.ndarray] = {"names": np.array(list(names), dtype=np.str_)}
+    for c, (column, seen) in enumerate(zip(keys, counts)):
+        arrays[f"keys_{c}"] = column
+        arrays[f"counts_{c}"] = seen
+    with open(path, "wb") as f:
+        np.savez(f, allow_pickle=False, **arrays)
+
+
+def load_key_columns(
+    path: Union[str, Path],
+) -> Tuple[List[str], List[np.ndarray], List[np.ndarray]]:
+    """``(names, keys, counts)`` of what :func:`save_key_columns` wrote
+    (``allow_pickle=False``)."""
+    with np.load(path, allow_pickle=False) as z:
+        names = [str(x) for x in z["names"]]
+        keys = [z[f"keys_{c}"] for c in range(len(names))]
+        counts = [z[f"counts_{c}"].astype(np.int64) for c in range(len(names))]
+    return names, keys, counts

@@ -51,6 +51,12 @@ class ArraysLike(Protocol):
     schema: Schema
 
 
+class DenseInputs(Protocol):
+    """What turns stored dense values into the model's (a ``DensePlan``)."""
+
+    def apply(self, stored: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass
 class ArrayDataset:
     """In-memory arrays with a schema: the minimal thing :class:`BatchIterator` reads."""
@@ -86,9 +92,12 @@ def make_batch(
     keys: Sequence[str],
     rows: Optional[np.ndarray] = None,
     *,
+    dense_plan: Optional[DenseInputs] = None,
     _layout: Optional[_Layout] = None,
 ) -> Batch:
-    """One ``Batch`` from rows ``rows`` (all rows if None) of the three arrays.
+    """One ``Batch`` from rows ``rows`` (all rows if None) of the three arrays; the dense
+    values go through ``dense_plan`` (a ``CTRDataset``'s stored values are not inputs yet)
+    if given.
 
     Example::
 
@@ -102,6 +111,8 @@ def make_batch(
         rows = np.arange(len(labels))
     # Fancy indexing copies, so the tensors never alias the read-only memmaps.
     d, s, y = dense[rows], sparse[rows], labels[rows]
+    if dense_plan is not None:
+        d = dense_plan.apply(d)
     b = len(y)
     layout = _layout if _layout is not None and _layout.stride == b else _Layout(keys, b)
     values = np.ascontiguousarray(s.T, dtype=np.int64).reshape(-1)
@@ -138,7 +149,8 @@ class BatchIterator:
 
     Args:
         dataset: anything with ``dense``, ``sparse``, ``labels`` arrays and a ``schema``
-            (a ``CTRDataset``, an :class:`ArrayDataset`).
+            (a ``CTRDataset``, an :class:`ArrayDataset`); a ``dense_plan`` attribute, if
+            it has one (a ``CTRDataset``), makes the model inputs of its dense values.
         indices: rows to visit (default: all), e.g. the train split.
         batch_size: rows per batch.
         shuffle: visit the rows in the order of a permutation drawn from ``(seed, epoch)``.
@@ -226,6 +238,7 @@ class BatchIterator:
             ds.labels,
             self.keys,
             self.batch_rows(order, k),
+            dense_plan=getattr(ds, "dense_plan", None),
             _layout=self._layout,
         )
 

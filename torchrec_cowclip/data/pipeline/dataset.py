@@ -34,15 +34,21 @@ from __future__ import annotations
 import logging
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError, DataOptionError
 from torchrec_cowclip.data.options import SourceOptions
+from torchrec_cowclip.data.parsing.dense import (
+    DENSE_CLIP,
+    DensePlan,
+    DenseStats,
+    plan_needs_statistics,
+)
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
 from torchrec_cowclip.data.pipeline.cache import build_entry, read_meta, verify_entry
-from torchrec_cowclip.data.pipeline.encode import convert
+from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
@@ -53,19 +59,43 @@ SPEC_KINDS = source_kinds()
 PathLike = Union[str, Path]
 
 
+#: Rows read at a time when fitting a dense plan on a set of rows.
+_FIT_BLOCK_ROWS = 1 << 20
+
+
+class EncoderOverride(Protocol):
+    """Encoders given from outside instead of learnt from the training parts (a warm
+    start encodes new rows with its run's vocabularies, grown, and dense statistics)."""
+
+    def key(self) -> Dict[str, Any]:
+        """What the override contributes to the cache key (JSON values)."""
+        ...
+
+    def apply(self, conversion: Conversion) -> Conversion:
+        """``conversion`` with the override's encoding and statistics in place."""
+        ...
+
+
 class CTRDataset:
     """A converted dataset: memory-mapped arrays plus their description.
 
     Opening verifies the entry's files against its ``meta.json`` (see ``cache``).
 
     Attributes:
-        dense: float32 ``[N, n_dense]`` memmap.
+        dense: float32 ``[N, n_dense]`` memmap of the *stored* dense values: each
+            column's pointwise transform applied, NaN where a value is missing (see
+            ``parsing.dense``); the model's inputs are ``dense_plan.apply(dense[rows])``,
+            which :meth:`batches` and :meth:`dense_inputs` give.
         sparse: int32/int64 ``[N, n_sparse]`` memmap of encoded ids.
         labels: float32 ``[N]`` memmap of 0/1.
         schema: feature names and table sizes.
         source: the spec (and test files) it was built from.
         meta: the cache entry's ``meta.json``.
         path: the cache entry directory.
+        dense_plan: stored dense values -> model inputs; at open, fitted on the training
+            files (the rows before ``test_start``); :meth:`fit_dense_plan` fits it on the
+            training split instead.
+        missing_indicator: whether plans add missing-value indicators.
 
     Raises:
         CacheCorrupt: a file of the entry does not match its ``meta.json`` (one line
@@ -77,9 +107,11 @@ class CTRDataset:
         >>> ds = open_dataset("criteo:tests/data/criteo_sample.tsv", tempfile.mkdtemp())
         >>> CTRDataset(ds.path).sparse.shape
         (200, 26)
+        >>> ds.dense_plan.summary(), ds.dense_inputs(np.arange(2)).shape
+        ('log (I1, ..., I13: 13 columns)', (2, 13))
     """
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, missing_indicator: bool = False) -> None:
         self.path = Path(path)
         self.meta: Dict[str, Any] = read_meta(self.path)
         verify_entry(self.path, self.meta)
@@ -95,6 +127,14 @@ class CTRDataset:
                 f"cache entry {self.path} is inconsistent: shapes {shapes}, meta rows {rows}",
                 path=self.path,
             )
+        self.missing_indicator = bool(missing_indicator)
+        n_train = rows if self.test_start is None else self.test_start
+        self.dense_plan: DensePlan = DensePlan.fit(
+            DenseStats.from_json(self.meta["dense_stats"]),
+            self.dense_transforms,
+            self.missing_indicator,
+            fitted_on=f"the {n_train:,} rows of the training files",
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -111,9 +151,41 @@ class CTRDataset:
         return dict(self.meta.get("bad_rows", {}))
 
     @property
+    def dense_transforms(self) -> Tuple[str, ...]:
+        """Each dense column's transform (``parsing.dense``)."""
+        return tuple(self.meta["dense_transforms"])
+
+    @property
     def dense_clipped(self) -> Dict[str, int]:
-        """Dense values clipped at ``DENSE_CLIP`` per feature (empty if none were)."""
+        """Dense values clipped at ``+-DENSE_CLIP`` per feature (empty if none were)."""
         return dict(self.meta.get("dense_clipped", {}))
+
+    @property
+    def dense_negative_under_log(self) -> Dict[str, int]:
+        """Per ``log`` column, the negative values it could not take (set to 0)."""
+        return dict(self.meta.get("dense_negative_under_log", {}))
+
+    def data_notes(self) -> List[str]:
+        """What the conversion changed or dropped, one line each (empty if nothing):
+        skipped rows, clipped values, negative values a ``log`` column set to 0."""
+        notes = []
+        if self.bad_rows:
+            notes.append(str(self.meta.get("bad_row_summary")))
+        if self.dense_clipped:
+            notes.append(
+                f"clipped {sum(self.dense_clipped.values()):,} dense values beyond "
+                f"+-{DENSE_CLIP:g} (per column: {self.dense_clipped})"
+            )
+        negative = self.dense_negative_under_log
+        if negative:
+            rows = max(len(self), 1)
+            shown = ", ".join(f"{n} {v:,} ({v / rows:.1%})" for n, v in negative.items())
+            notes.append(
+                f"negative values set to 0: log(1 + x) cannot take them ({shown}); "
+                f"--dense-transform {next(iter(negative))}=signed-log (or standardize, minmax, "
+                "none) keeps them"
+            )
+        return notes
 
     @property
     def test_start(self) -> Optional[int]:
@@ -135,6 +207,32 @@ class CTRDataset:
         return split_indices(
             len(self), test_fraction, val_fraction, seed, test_start=self.test_start
         )
+
+    def fit_dense_plan(self, rows: np.ndarray) -> DensePlan:
+        """Fits :attr:`dense_plan` on the stored dense values of ``rows`` (the training
+        split: statistics of no other row enter it) and returns it. Reads those rows
+        once, in blocks, when a transform needs statistics or the plan adds
+        missing-value indicators; otherwise the plan needs none."""
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        fitted_on = f"the {len(rows):,} rows of the training split"
+        if not plan_needs_statistics(self.dense_transforms, self.missing_indicator):
+            self.dense_plan = DensePlan.fit(
+                None, self.dense_transforms, fitted_on=fitted_on, names=self.schema.dense_names
+            )
+            return self.dense_plan
+        stats = DenseStats(self.schema.dense_names)
+        for start in range(0, len(rows), _FIT_BLOCK_ROWS):
+            stats.update(np.asarray(self.dense[rows[start : start + _FIT_BLOCK_ROWS]]))
+        self.dense_plan = DensePlan.fit(
+            stats, self.dense_transforms, self.missing_indicator, fitted_on=fitted_on
+        )
+        return self.dense_plan
+
+    def dense_inputs(self, rows: Optional[np.ndarray] = None) -> np.ndarray:
+        """The model's dense inputs of ``rows`` (all rows if None): :attr:`dense_plan`
+        applied to their stored values."""
+        stored = self.dense if rows is None else self.dense[np.asarray(rows)]
+        return self.dense_plan.apply(np.asarray(stored))
 
     def batches(
         self, indices: Optional[np.ndarray] = None, batch_size: int = 1024, **kwargs: Any
@@ -205,6 +303,7 @@ def open_dataset(
     *,
     test_paths: Optional[Sequence[PathLike]] = None,
     rebuild: bool = False,
+    encoders: Optional[EncoderOverride] = None,
     **options: Any,
 ) -> CTRDataset:
     """Convert (once), verify and open a CTR dataset.
@@ -216,6 +315,8 @@ def open_dataset(
         test_paths: explicit test files (same kind as the spec); otherwise
             :meth:`CTRDataset.split` splits at random.
         rebuild: convert again even if a cache entry exists.
+        encoders: encode with these instead of what the training parts would teach
+            (part of the cache key).
         **options: the kind's options (its dataclass's fields): ``dense_transform``
             (every kind); ``on_bad_row`` (every kind read from files); ``min_count``,
             ``hash_size`` (text kinds; ``hash_size`` also ``criteo-npy:``); ``label``,
@@ -237,16 +338,25 @@ def open_dataset(
     opts = kind_options(kind, options)
     tests = [str(p) for p in (test_paths or [])]
     kind.check_test_paths(tests)
+    kind.check_sources(args, tests, opts)
     payload = kind.payload(args, tests, opts)
+    if encoders is not None:
+        payload = {**payload, "encoders": encoders.key()}
     source = spec + (f" (test: {','.join(tests)})" if tests else "")
     root = Path(cache_dir).expanduser()
 
     def build(tmp: Path) -> Dict[str, Any]:
-        meta = convert(kind.conversion(args, tests, opts), tmp, stats_cache=root)
+        conversion = kind.conversion(args, tests, opts)
+        if encoders is not None:
+            conversion = encoders.apply(conversion)
+        meta = convert(conversion, tmp, stats_cache=root)
         meta.update(source=source, seed=int(getattr(opts, "seed", 0)))
         return meta
 
-    ds = CTRDataset(build_entry(root, kind.name, payload, build, rebuild=rebuild))
-    if ds.bad_rows:
-        logger.warning("%s: %s", source, ds.meta.get("bad_row_summary"))
+    ds = CTRDataset(
+        build_entry(root, kind.name, payload, build, rebuild=rebuild),
+        missing_indicator=bool(getattr(opts, "missing_indicator", False)),
+    )
+    for note in ds.data_notes():
+        logger.warning("%s: %s", source, note)
     return ds

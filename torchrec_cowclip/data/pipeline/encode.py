@@ -6,15 +6,25 @@ test parts, and a :class:`SparseEncoding` turning raw categoricals into ids. The
 pipeline makes at most two streaming passes, never holding more than one block in
 memory:
 
-1. *Statistics pass*, when needed (an encoding that counts, e.g. a vocabulary, or
-   ``dense_transform="minmax"``): over the training parts (and the test parts for an
-   encoding that must see every id), counting categoricals and tracking dense
-   min/max. Its result is itself a cache entry (``stats-<key>``), so changing
-   ``min_count``, the transform of another run or the test files re-encodes without
-   re-counting.
-2. *Encoding pass*, over training then test parts: encodes ids, clips and
-   transforms dense values (see ``dense``) and appends to the arrays through the one
+1. *Statistics pass*, for an encoding that counts (a vocabulary): over the training
+   parts (and the test parts for an encoding that must see every id), counting
+   categoricals. Its result is itself a cache entry (``stats-<key>``), so changing
+   ``min_count``, the dense transform or the test files re-encodes without re-counting.
+2. *Encoding pass*, over training then test parts: encodes ids, stores the dense values
+   (clipped, each column's pointwise transform, NaN where missing: see ``dense``) while
+   taking their statistics over the training parts (``meta["dense_stats"]``, from which
+   a dataset's default :class:`~torchrec_cowclip.data.parsing.dense.DensePlan` is fitted),
+   and appends to the arrays through the one
    :class:`~torchrec_cowclip.data.pipeline.writer.CacheWriter`.
+
+Every part is reported as it goes (``logger.info``: the rows so far, rows/s and, for
+plain text files, the share read, every 10 s), and what was counted (clipped values,
+values a transform cannot take, bad rows) goes into the meta, which ``open_dataset``
+reports once per open.
+
+The entry keeps what encoded its categoricals (``meta["encoder"]``: the encoding's saved
+state, a vocabulary's ``vocab.npz``), so that a trained model's run folder can encode
+new rows exactly as these were, with no cache left.
 
 Example::
 
@@ -43,9 +53,15 @@ import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.options import FileSourceOptions, option_field
-from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DenseStats, transform_dense
+from torchrec_cowclip.data.parsing.dense import DenseStats, DenseTransformSpec, stored_values
 from torchrec_cowclip.data.parsing.hashing import HashEncoder, HashMethod
-from torchrec_cowclip.data.parsing.rows import RowSource, SparseCheck, TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.rows import (
+    RowBlock,
+    RowSource,
+    SparseCheck,
+    TextLayout,
+    TextRowSource,
+)
 from torchrec_cowclip.data.parsing.vocab import Vocabulary
 from torchrec_cowclip.data.pipeline.cache import build_entry, fingerprint
 from torchrec_cowclip.data.pipeline.writer import CacheWriter
@@ -76,10 +92,14 @@ class EncodedOptions(FileSourceOptions):
         min_count: vocabulary encoding: values seen fewer times share the OOV id 0.
         hash_size: None for vocabulary encoding; else a table size (int, per-feature
             sequence or ``{name: size}``) to hash into.
+        missing_indicator: the dataset's dense plan adds a 0/1 input per dense column
+            with missing values in the training rows (it changes no stored array, so it
+            is not part of the cache key).
     """
 
     min_count: int = option_field(1, "--min-count")
     hash_size: HashSize = option_field(None, "--hash-size")
+    missing_indicator: bool = option_field(False, "--missing-indicator")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,7 +123,7 @@ class EncodedOptions(FileSourceOptions):
             "on_bad_row": self.on_bad_row,
             "min_count": self.min_count,
             "hash_size": json_sizes(self.hash_size),
-            "dense_transform": self.dense_transform,
+            "dense_transform": self.dense_spec().text(),
         }
         if self.hash_size is not None:
             d["hash_method"] = method
@@ -228,13 +248,16 @@ class Conversion:
         encoding: raw categoricals -> ids.
         stats_key: what identifies the statistics pass (the training parts'
             fingerprint, the layout); the pipeline adds the bad-row mode and encoding.
-        dense_transform: applied to every dense block (see ``dense``).
+        dense_transform: the dense columns' transform spec (see ``dense``), resolved
+            against the source's dense names (a column it names that is not one of them
+            is refused).
         on_bad_row: ``"error"`` or ``"skip"``.
         source_format: recorded as ``meta["source_format"]``.
         dense_transform_label: recorded as ``meta["dense_transform"]`` instead of
             ``dense_transform`` (a source whose values are transformed already).
         extra: names of the extra per-row vectors the blocks carry.
         finish: called with the finished entry directory and meta; returns more meta.
+        where: how errors name the source (its kind).
     """
 
     source: RowSource
@@ -248,6 +271,7 @@ class Conversion:
     dense_transform_label: Optional[str] = None
     extra: Tuple[str, ...] = ()
     finish: Optional[Callable[[Path, Dict[str, Any]], Dict[str, Any]]] = field(default=None)
+    where: str = "data"
 
 
 def _names(c: Conversion) -> Tuple[List[str], List[str]]:
@@ -261,31 +285,80 @@ def _names(c: Conversion) -> Tuple[List[str], List[str]]:
     return names
 
 
-def _log_rate(what: str, name: str, rows: int, start: float) -> None:
-    secs = max(time.time() - start, 1e-9)
-    logger.info("%s %d rows of %s in %.1fs (%.0f rows/s)", what, rows, name, secs, rows / secs)
+#: Seconds between two progress lines of one part.
+PROGRESS_EVERY_S = 10.0
 
 
-def _stats_pass(c: Conversion, n_dense: int, out: Path) -> Dict[str, Any]:
+class _PartProgress:
+    """Progress lines for one part of a pass: rows so far, rate, share read if known."""
+
+    def __init__(self, what: str, name: str) -> None:
+        self.what, self.name = what, name
+        self.start = self.last = time.time()
+        self.rows = 0
+
+    def add(self, block: RowBlock) -> None:
+        self.rows += len(block)
+        now = time.time()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        rate = self.rows / max(now - self.start, 1e-9)
+        done = block.fraction
+        share = "" if done is None else f", {done:.0%} read"
+        eta = (
+            f", about {(1 - done) * (now - self.start) / done:.0f} s to go"
+            if done is not None and done > 0
+            else ""
+        )
+        logger.info(
+            "%s %s: %s rows so far (%s rows/s%s%s)",
+            self.what,
+            self.name,
+            f"{self.rows:,}",
+            f"{rate:,.0f}",
+            share,
+            eta,
+        )
+
+    def done(self) -> None:
+        secs = max(time.time() - self.start, 1e-9)
+        logger.info(
+            "%s %s rows of %s in %.1fs (%s rows/s)",
+            self.what,
+            f"{self.rows:,}",
+            self.name,
+            secs,
+            f"{self.rows / secs:,.0f}",
+        )
+
+
+def _stats_pass(c: Conversion, out: Path) -> Dict[str, Any]:
     log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]  # a str: BadRowLog checks it
-    stats = DenseStats(n_dense)
     check = c.encoding.check()
     rows = 0
-    parts = [*c.train, *(c.test if c.encoding.counts and c.encoding.count_test else ())]
-    for k, part in enumerate(parts):
-        start, before, is_train = time.time(), rows, k < len(c.train)
+    parts = [*c.train, *(c.test if c.encoding.count_test else ())]
+    for part in parts:
+        progress = _PartProgress("counted", c.source.part_name(part))
         for block in c.source.blocks(part, log, check):
-            if c.encoding.counts:
-                c.encoding.update(block.sparse)
-            if is_train:
-                stats.update(block.dense)
-            rows += len(block)
-        _log_rate("counted", c.source.part_name(part), rows - before, start)
-    if c.encoding.counts:
-        c.encoding.save(out)
-    with open(out / "dense_stats.npz", "wb") as f:
-        np.savez(f, allow_pickle=False, **stats.to_arrays())
+            c.encoding.update(block.sparse)
+            progress.add(block)
+        progress.done()
+        rows += progress.rows
+    c.encoding.save(out)
     return {"rows": rows, "bad_rows": log.counts}
+
+
+def _keep_encoder(c: Conversion, out_dir: Path) -> Dict[str, Any]:
+    """Writes into the entry what encoded its categoricals and returns ``meta["encoder"]``:
+    the encoding and the files of its state."""
+    before = set(p.name for p in out_dir.iterdir())
+    if c.encoding.counts:
+        c.encoding.save(out_dir)
+    return {
+        "files": sorted(p.name for p in out_dir.iterdir() if p.name not in before),
+        "encoding": c.encoding.describe(),
+    }
 
 
 def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> Dict[str, Any]:
@@ -300,46 +373,43 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
     if not c.train:
         raise DataOptionError("no training files given")
     dense_names, sparse_names = _names(c)
+    spec = DenseTransformSpec.parse(c.dense_transform, default="log")
+    transforms = spec.resolve(dense_names, c.where)
     c.encoding.start(sparse_names)
-    stats: Optional[DenseStats] = None
-    if c.encoding.counts or c.dense_transform == "minmax":
+    if c.encoding.counts:
         payload = {
             **c.stats_key,
             "on_bad_row": c.on_bad_row,
             **c.encoding.stats_key(),
         }
-        entry = build_entry(
-            stats_cache, "stats", payload, lambda tmp: _stats_pass(c, len(dense_names), tmp)
-        )
-        if c.encoding.counts:
-            c.encoding.load(entry)
-        with np.load(entry / "dense_stats.npz") as z:
-            stats = DenseStats.from_arrays(dict(z))
+        entry = build_entry(stats_cache, "stats", payload, lambda tmp: _stats_pass(c, tmp))
+        c.encoding.load(entry)
 
     cardinalities = c.encoding.cardinalities()
     sparse_dtype = np.int32 if max(cardinalities, default=1) <= INT32_MAX else np.int64
     log = BadRowLog(c.on_bad_row)  # type: ignore[arg-type]  # a str: BadRowLog checks it
     check = c.encoding.check()
-    clipped = np.zeros(len(dense_names), dtype=np.int64)
-    with CacheWriter(out_dir, len(dense_names), len(sparse_names), sparse_dtype, c.extra) as w:
-        for k, part in enumerate([*c.train, *c.test]):
+    k = len(dense_names)
+    clipped, negative = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
+    stats = DenseStats(dense_names)
+    with CacheWriter(out_dir, k, len(sparse_names), sparse_dtype, c.extra) as w:
+        for i, part in enumerate([*c.train, *c.test]):
             name = c.source.part_name(part)
-            w.begin(name, test=k >= len(c.train))
+            is_train = i < len(c.train)
+            w.begin(name, test=not is_train)
+            progress = _PartProgress("wrote", name)
             for block in c.source.blocks(part, log, check):
-                dense = transform_dense(block.dense, c.dense_transform, stats, clipped)
+                dense = stored_values(block.dense, transforms, clipped, negative)
+                if is_train:
+                    stats.update(dense)
                 w.append(dense, c.encoding.encode(block.sparse), block.labels, block.extra)
+                progress.add(block)
             w.end(name, log.summary())
-    if log.total:
-        logger.warning("%s: %s", ", ".join(r["path"] for r in w.file_rows), log.summary())
-    dense_clipped = {n: int(v) for n, v in zip(dense_names, clipped.tolist()) if v}
-    if dense_clipped:
-        logger.warning(
-            "%s: clipped %d dense values above %g (per feature: %s)",
-            w.file_rows[0]["path"],
-            sum(dense_clipped.values()),
-            DENSE_CLIP,
-            dense_clipped,
-        )
+            progress.done()
+
+    def per_column(counts: np.ndarray) -> Dict[str, int]:
+        return {n: int(v) for n, v in zip(dense_names, counts.tolist()) if v}
+
     meta: Dict[str, Any] = {
         "schema": Schema(tuple(dense_names), tuple(sparse_names), tuple(cardinalities)).to_json(),
         "rows": w.rows,
@@ -350,12 +420,13 @@ def convert(c: Conversion, out_dir: Path, *, stats_cache: Union[str, Path]) -> D
         "bad_row_summary": log.summary(),
         "sparse_dtype": np.dtype(sparse_dtype).name,
         "encoding": c.encoding.describe(),
-        "dense_transform": c.dense_transform_label or c.dense_transform,
-        "dense_stats": (
-            None if stats is None else {"min": stats.min.tolist(), "max": stats.max.tolist()}
-        ),
-        "dense_clipped": dense_clipped,
+        "dense_transform": c.dense_transform_label or spec.text(),
+        "dense_transforms": list(transforms),
+        "dense_stats": stats.to_json(),
+        "dense_clipped": per_column(clipped),
+        "dense_negative_under_log": per_column(negative),
         "checks": w.arrays(),
+        "encoder": _keep_encoder(c, out_dir),
     }
     if c.source_format is not None:
         meta["source_format"] = c.source_format
@@ -400,7 +471,8 @@ def text_conversion(
             "train": fingerprint(paths),
             "layout": {"layout": layout_name, **layout.payload()},
         },
-        dense_transform=opts.dense_transform,
+        dense_transform=opts.dense_spec().text(),
         on_bad_row=opts.on_bad_row,
         source_format=source_format,
+        where=layout_name,
     )

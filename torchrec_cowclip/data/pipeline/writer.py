@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -39,8 +38,6 @@ from numpy.typing import DTypeLike
 
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.pipeline.npyfile import Closing, NpyAppender
-
-logger = logging.getLogger(__name__)
 
 
 class CacheWriter(Closing):
@@ -116,7 +113,6 @@ class CacheWriter(Closing):
             )
         secs = max(time.time() - start, 1e-9)
         self.file_rows.append({"path": name, "rows": rows, "seconds": round(secs, 3)})
-        logger.info("wrote %d rows of %s in %.1fs (%.0f rows/s)", rows, name, secs, rows / secs)
         return rows
 
     def arrays(self) -> Dict[str, Dict[str, Any]]:

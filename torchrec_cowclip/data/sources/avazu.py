@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Union
 
 from torchrec_cowclip.data.errors import DataError
+from torchrec_cowclip.data.parsing.columns import check_file_columns
 from torchrec_cowclip.data.parsing.delimited import read_header
 from torchrec_cowclip.data.parsing.rows import TextLayout
 from torchrec_cowclip.data.pipeline.encode import Conversion, text_conversion
@@ -63,10 +64,18 @@ def avazu_layout(
 class AvazuOptions(ColumnOptions):
     """``avazu:`` options: the columns default to Avazu's (see :func:`avazu_layout`)."""
 
+    where: ClassVar[str] = "avazu"
+
 
 @register_source
 class AvazuSource(SourceKind, name="avazu", usage="avazu:PATH[,PATH...]", options=AvazuOptions):
     """``avazu:PATH[,PATH...]``: Avazu CSV files; categoricals hashed with FNV-1a."""
+
+    def check_sources(self, args: List[str], test_paths: List[str], opts: AvazuOptions) -> None:
+        for p in [*args, *test_paths]:
+            check_file_columns(
+                p, opts.delimiter or ",", opts.wanted(label=AVAZU_LABEL), where=self.name
+            )
 
     def payload(self, args: List[str], test_paths: List[str], opts: AvazuOptions) -> Dict[str, Any]:
         return column_payload(args, test_paths, opts)

@@ -27,9 +27,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.parsing.columns import parse_delimiter
 from torchrec_cowclip.data.parsing.rows import TextLayout
 from torchrec_cowclip.data.pipeline.encode import (
     Conversion,
@@ -58,10 +59,21 @@ class CriteoOptions(EncodedOptions):
     """``criteo:`` options: those of every text source, and the delimiter.
 
     Args:
-        delimiter: overrides the one implied by the file names.
+        delimiter: overrides the one implied by the file names (``--delimiter``).
+        dense_transform: default ``log``: missing -> 0, negative values (a few in I2:
+            noise) -> 0, counted and reported, then ``log(1 + x)``, as DLRM and TorchRec
+            preprocess Criteo; ``minmax`` is the TF reference's scaling.
     """
 
-    delimiter: Optional[str] = option_field(None)
+    where: ClassVar[str] = "criteo"
+    fixed_dense_names: ClassVar[Optional[Tuple[str, ...]]] = CRITEO_DENSE_NAMES
+
+    delimiter: Optional[str] = option_field(None, "--delimiter")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.delimiter is not None:
+            object.__setattr__(self, "delimiter", parse_delimiter(self.delimiter))
 
 
 @register_source

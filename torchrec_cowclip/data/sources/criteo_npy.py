@@ -13,8 +13,9 @@ writes, per day file (or ``train``/``test`` for Kaggle):
 These files are read through ``np.load(mmap_mode="r")`` a chunk of rows at a time,
 as a row source like the text formats (same bad-row checks and reporting, same
 writer). Dense values are kept as stored for ``dense_transform="log"`` or ``"none"``
-(they are log values already; like every source's, they are clamped to
-``[0, DENSE_CLIP]``); ``"minmax"`` scales them. Sparse ids are kept (table size =
+(they are log values already; like every source's, they are clipped to
+``+-DENSE_CLIP``); the other transforms apply to the stored values (``"minmax"``,
+``"standardize"`` fitted on the training rows). Sparse ids are kept (table size =
 largest id + 1 over the training and test days, found by a cached statistics pass)
 or hashed with ``id % hash_size`` (no row is reserved for missing: TorchRec has
 already mapped missing to 0). Labels other than 0/1, non-finite dense values and
@@ -296,7 +297,7 @@ class CriteoNpySource(SourceKind, name="criteo-npy", usage="criteo-npy:DIR", opt
             "test": fingerprint(npy_source_files(test_paths)) if test_paths else [],
             "hash_size": json_sizes(opts.hash_size),
             "on_bad_row": opts.on_bad_row,
-            "dense_transform": opts.dense_transform,
+            "dense_transform": opts.dense_spec().text(),
         }
 
     def conversion(self, args: List[str], test_paths: List[str], opts: NpyOptions) -> Conversion:
@@ -307,15 +308,22 @@ class CriteoNpySource(SourceKind, name="criteo-npy", usage="criteo-npy:DIR", opt
         }
         if encoding.count_test:
             stats_key["test"] = fingerprint(npy_source_files(test_paths))
-        minmax = opts.dense_transform == "minmax"
+        # The stored values are log values already: "log" keeps them as they are.
+        spec = opts.dense_spec().replaced("log", "none")
+        as_stored = spec.text() == "none"
         return Conversion(
             NpyRowSource(),
             [d for p in args for d in find_npy_days(p)],
             [d for p in test_paths for d in find_npy_days(p)],
             encoding,
             stats_key=stats_key,
-            dense_transform="minmax" if minmax else "none",
+            dense_transform=spec.text(),
             on_bad_row=opts.on_bad_row,
             source_format="torchrec criteo npy",
-            dense_transform_label=None if minmax else "as stored (torchrec log)",
+            dense_transform_label=(
+                "as stored (torchrec log)"
+                if as_stored
+                else f"{spec.text()} of the stored (torchrec log) values"
+            ),
+            where=self.name,
         )

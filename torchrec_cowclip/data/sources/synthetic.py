@@ -75,8 +75,8 @@ the same options give bit-identical arrays, and ``synthetic:N`` is a prefix of
 
 As a source kind (``synthetic:ROWS``, ``synthetic-hard:ROWS``), the rows are one part written through the
 same pipeline and writer as the files of the other kinds, with the planted logit as
-an extra array; ``dense_transform="minmax"`` generates the rows twice (once for the
-statistics pass) instead of keeping them.
+an extra array. Their missing dense values are stored as NaN, as a file's are, and the
+dataset's plan makes the model inputs (``parsing.dense``).
 
 Example::
 
@@ -93,13 +93,18 @@ import re
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
 from torchrec_cowclip.data.options import SourceOptions, option_field
-from torchrec_cowclip.data.parsing.dense import DenseStats, check_transform, transform_dense
+from torchrec_cowclip.data.parsing.dense import (
+    DensePlan,
+    DenseStats,
+    DenseTransformSpec,
+    stored_values,
+)
 from torchrec_cowclip.data.parsing.fields import check_labels
 from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck
 from torchrec_cowclip.data.pipeline.encode import Conversion, SparseEncoding
@@ -159,7 +164,8 @@ class SyntheticConfig:
         max_cardinality: cap on any feature's cardinality.
         top1_share: share of occurrences of each feature's top 1% ids.
         positive_rate: target mean click probability.
-        dense_transform: ``"log"``, ``"minmax"`` or ``"none"``.
+        dense_transform: the dense columns' transform spec (``parsing.dense``; default
+            ``"log"``, a column not named takes ``log``).
         id_sigma: std of the per-id weights ``w_f`` of the ids in their field's top 1%.
         rare_id_sigma: std of ``w_f`` for every other id (the tail).
         dense_sigma: std of the dense weights ``v_j``.
@@ -196,7 +202,7 @@ class SyntheticConfig:
         for name in ("top1_share", "positive_rate"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise DataOptionError(f"{name} must be in (0, 1), got {getattr(self, name)}")
-        check_transform(self.dense_transform)
+        object.__setattr__(self, "dense_transform", self.dense_spec().text())
         for name in ("id_sigma", "rare_id_sigma", "dense_sigma", "latent_sigma"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise DataOptionError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
@@ -219,6 +225,10 @@ class SyntheticConfig:
 
     def schema(self) -> Schema:
         return Schema(CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, self.cardinalities())
+
+    def dense_spec(self) -> DenseTransformSpec:
+        """:attr:`dense_transform` parsed (a column not named takes ``log``)."""
+        return DenseTransformSpec.parse(self.dense_transform, default="log")
 
     def payload(self) -> Dict[str, Any]:
         """The options as JSON. The options added with the hard profile are left out at
@@ -483,12 +493,11 @@ def synthetic_arrays(
     """
     model = PlantedModel(config)
     chunks = list(model.chunks())
-    raw = np.concatenate([c.dense_raw for c in chunks])
-    stats = None
-    if config.dense_transform == "minmax":
-        stats = DenseStats(raw.shape[1])
-        stats.update(raw)
-    dense = transform_dense(raw, config.dense_transform, stats)
+    transforms = config.dense_spec().resolve(CRITEO_DENSE_NAMES, "synthetic")
+    stored = stored_values(np.concatenate([c.dense_raw for c in chunks]), transforms)
+    stats = DenseStats(CRITEO_DENSE_NAMES)
+    stats.update(stored)
+    dense = DensePlan.fit(stats, transforms).apply(stored)
     return (
         dense,
         np.concatenate([c.sparse for c in chunks]),
@@ -609,6 +618,9 @@ def _planted_meta(rows: _SyntheticRows, out_dir: Path, meta: Dict[str, Any]) -> 
 class SyntheticOptions(SourceOptions):
     """``synthetic:`` options (see :class:`SyntheticConfig`)."""
 
+    where: ClassVar[str] = "synthetic"
+    fixed_dense_names: ClassVar[Optional[Tuple[str, ...]]] = CRITEO_DENSE_NAMES
+
     # The generator's seed: its own flag, so that the trainer's --seed (weights, order,
     # splits) reaches every kind; the trainer passes --seed here unless it is given.
     seed: int = option_field(0, "--synthetic-seed")
@@ -682,6 +694,7 @@ class SyntheticSource(
             stats_key={"train": [config.payload()], "layout": {"layout": "synthetic"}},
             dense_transform=config.dense_transform,
             on_bad_row="error",  # generated rows are valid by construction
+            where=self.name,
             source_format="synthetic criteo-like",
             extra=("planted_logit",),
             finish=lambda out_dir, meta: _planted_meta(rows, out_dir, meta),

@@ -1,13 +1,23 @@
-"""Generic tables: CSV, TSV or parquet files with named label, dense and sparse columns.
+"""Generic tables: CSV, TSV or any delimited text, or parquet, with named label, dense and
+sparse columns.
 
-Text files need a header line naming the columns; the delimiter comes from the
-extension (``.csv`` comma, ``.tsv``/``.txt`` tab) unless given. Parquet is read in
-record batches through pyarrow, imported only when a parquet file is opened (it is
-not a dependency of this project: ``pip install pyarrow`` to use it). Categorical
-values are used as text (an integer column's values as their decimal digits) and
-encoded by vocabulary or FNV-1a hashing, exactly as for Avazu. A text table has a
-header by definition (a UTF-8 byte-order mark before it is dropped); ``label=``
-(``--label``) and ``sparse=`` (``--sparse``) must name its columns.
+A text file's delimiter comes from its extension (``.csv`` comma, ``.tsv``/``.txt`` tab)
+unless ``delimiter=`` (``--delimiter``) gives it; any other extension needs it. The first
+line names the columns, unless the file has no header: ``header=False``
+(``--no-header``), with ``columns=`` (``--columns a,b,c``) naming the fields in order (or
+the positions ``0, 1, ...`` naming them), as pandas' ``header=None`` / ``names=``; giving
+``columns`` alone also says there is no header. A UTF-8 byte-order mark before the first
+line is dropped. Parquet is read in record batches through pyarrow, imported only when a
+parquet file is opened (it is not a dependency of this project: ``pip install pyarrow``
+to use it). Categorical values are used as text (an integer column's values as their
+decimal digits) and encoded by vocabulary or FNV-1a hashing, exactly as for Avazu.
+
+The column choice is checked before any row is read (``parsing.columns``): the label is
+never a feature, a column is dense or categorical but not both, no name twice (names are
+stripped: ``"price, age"`` is ``price`` and ``age``), and every name exists, with
+``wrong delimiter?`` / ``no header?`` hints when a file's first line points there. Dense
+columns take ``signed-log`` by default (``log(1 + x)`` of a count, mirrored for negative
+values, so a signed column keeps its sign); ``--dense-transform`` chooses per column.
 
 Example::
 
@@ -15,23 +25,44 @@ Example::
     >>> from torchrec_cowclip.data import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, open_dataset
     >>> ds = open_dataset("table:tests/data/criteo_sample.csv", tempfile.mkdtemp(),
     ...                   label="label", dense=CRITEO_DENSE_NAMES, sparse=CRITEO_SPARSE_NAMES)
-    >>> ds.sparse.shape, float(ds.labels.sum()) >= 0
-    ((200, 26), True)
+    >>> ds.sparse.shape, float(ds.labels.sum()) >= 0, ds.dense_transforms[0]
+    ((200, 26), True, 'signed-log')
+    >>> columns = ["label", *CRITEO_DENSE_NAMES, *CRITEO_SPARSE_NAMES]
+    >>> tsv = open_dataset("table:tests/data/criteo_sample.tsv", tempfile.mkdtemp(),
+    ...                    columns=columns, label="label", sparse=CRITEO_SPARSE_NAMES)
+    >>> len(tsv), tsv.schema.n_dense
+    (200, 0)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
 from torchrec_cowclip.data.options import option_field
+from torchrec_cowclip.data.parsing.columns import (
+    check_choice,
+    check_file_columns,
+    first_line,
+    guess_delimiter,
+    normalize_names,
+    parse_delimiter,
+    shown_delimiter,
+    split_line,
+)
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
-from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, TextLayout, validate_block
+from torchrec_cowclip.data.parsing.rows import (
+    RowBlock,
+    SparseCheck,
+    TextLayout,
+    no_labels,
+    validate_block,
+)
 from torchrec_cowclip.data.pipeline.cache import fingerprint
 from torchrec_cowclip.data.pipeline.encode import (
     Conversion,
@@ -62,9 +93,10 @@ def _pyarrow() -> Any:
 
 
 class ParquetRowSource:
-    """Row blocks of parquet files (label, dense and sparse columns by name)."""
+    """Row blocks of parquet files (label, dense and sparse columns by name; ``label=None``
+    reads no label: every label is NaN)."""
 
-    def __init__(self, label: str, dense: Sequence[str], sparse: Sequence[str]) -> None:
+    def __init__(self, label: Optional[str], dense: Sequence[str], sparse: Sequence[str]) -> None:
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
 
     def _open(self, path: Union[str, Path]) -> Any:
@@ -77,12 +109,16 @@ class ParquetRowSource:
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{p}: not a readable parquet file ({e})", path=p) from e
         names = f.schema_arrow.names
-        missing = [c for c in [self.label, *self.dense, *self.sparse] if c not in names]
+        missing = [c for c in self._columns() if c not in names]
         if missing:
             raise DataError(f"{p}: no columns {missing}; columns are {names}", path=p)
         if f.metadata.num_rows == 0:
             raise DataError(f"data file is empty: {p}", path=p)
         return f
+
+    def _columns(self) -> List[str]:
+        labeled = [] if self.label is None else [self.label]
+        return list(dict.fromkeys([*labeled, *self.dense, *self.sparse]))
 
     def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
         self._open(path)
@@ -97,11 +133,15 @@ class ParquetRowSource:
         pa = _pyarrow()
         f = self._open(path)
         first_row = 1
-        columns = list(dict.fromkeys([self.label, *self.dense, *self.sparse]))
-        for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+        for batch in f.iter_batches(batch_size=_PARQUET_BATCH, columns=self._columns()):
             n = batch.num_rows
-            raw_labels = _as_bytes(pa, batch.column(self.label))
-            labels, bad_label = check_labels(_numeric(pa, batch.column(self.label), raw_labels)[0])
+            if self.label is None:
+                raw_labels, labels, bad_label = no_labels(n)
+            else:
+                raw_labels = _as_bytes(pa, batch.column(self.label))
+                labels, bad_label = check_labels(
+                    _numeric(pa, batch.column(self.label), raw_labels)[0]
+                )
             raw_dense = [_as_bytes(pa, batch.column(c)) for c in self.dense]
             dense = np.empty((n, len(self.dense)))
             bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
@@ -150,11 +190,28 @@ def _numeric(pa: Any, col: Any, raw: np.ndarray) -> Tuple[np.ndarray, np.ndarray
 
 
 def table_layout(
-    label: str, dense: Sequence[str], sparse: Sequence[str], delimiter: Optional[str] = None
+    label: str,
+    dense: Sequence[str],
+    sparse: Sequence[str],
+    delimiter: Optional[str] = None,
+    names: Optional[Sequence[str]] = None,
 ) -> TextLayout:
-    """Layout of a text table with a header naming its columns."""
+    """Layout of a text table: with a header naming its columns, or, given ``names`` (the
+    columns of a header-less file, in order), without one."""
+    if names is None:
+        return TextLayout(
+            delimiter=delimiter, header=True, label=label, dense=tuple(dense), sparse=tuple(sparse)
+        )
+    index = {n: i for i, n in enumerate(names)}
     return TextLayout(
-        delimiter=delimiter, header=True, label=label, dense=tuple(dense), sparse=tuple(sparse)
+        delimiter=delimiter,
+        header=False,
+        n_columns=len(names),
+        label=index[label],
+        dense=tuple(index[n] for n in dense),
+        sparse=tuple(index[n] for n in sparse),
+        dense_names=tuple(dense),
+        sparse_names=tuple(sparse),
     )
 
 
@@ -163,16 +220,41 @@ class ColumnOptions(EncodedOptions):
     """Options of the sources whose columns are chosen by name (tables, Avazu).
 
     Args:
-        label, dense, sparse: column names.
-        delimiter: field separator of text files (default: from the extension).
+        label, dense, sparse: column names (surrounding whitespace stripped).
+        delimiter: field separator of text files (default: from the extension): one
+            character, or ``tab``, ``comma``, ``semicolon``, ``pipe``, ``space``.
+        dense_transform: as for every kind; the default here is ``signed-log``.
     """
 
+    where: ClassVar[str] = "table"
+
+    dense_transform: str = option_field("signed-log", "--dense-transform")
     label: Optional[str] = option_field(None, "--label")
     dense: Optional[Sequence[str]] = option_field(None, "--dense")
     sparse: Optional[Sequence[str]] = option_field(None, "--sparse")
-    delimiter: Optional[str] = option_field(None)
+    delimiter: Optional[str] = option_field(None, "--delimiter")
 
-    def columns(self) -> Dict[str, Any]:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.label is not None:
+            object.__setattr__(self, "label", str(self.label).strip())
+        object.__setattr__(self, "dense", normalize_names(self.dense, "--dense"))
+        object.__setattr__(self, "sparse", normalize_names(self.sparse, "--sparse"))
+        if self.delimiter is not None:
+            object.__setattr__(self, "delimiter", parse_delimiter(self.delimiter))
+        check_choice(self.label, self.dense or (), self.sparse or (), self.where)
+        self.dense_spec().check_names(self.dense or (), self.where)
+
+    def wanted(self, label: Optional[str] = None) -> Dict[str, Sequence[str]]:
+        """The chosen columns by flag (``label`` standing in for an unset label)."""
+        chosen = self.label if self.label is not None else label
+        return {
+            "--label": [chosen] if chosen is not None else [],
+            "--dense": list(self.dense or ()),
+            "--sparse": list(self.sparse or ()),
+        }
+
+    def key_columns(self) -> Dict[str, Any]:
         """The column choices as they enter the cache key."""
         return {
             "label": self.label,
@@ -184,49 +266,130 @@ class ColumnOptions(EncodedOptions):
 
 def column_payload(args: List[str], test_paths: List[str], opts: ColumnOptions) -> Dict[str, Any]:
     """The cache key payload of a source with named columns (FNV-1a hashing)."""
-    return text_payload(args, test_paths, opts, "fnv", opts.columns())
+    return text_payload(args, test_paths, opts, "fnv", opts.key_columns())
 
 
 @dataclass(frozen=True)
 class TableOptions(ColumnOptions):
-    """``table:`` options: ``label`` and ``sparse`` are required."""
+    """``table:`` options: ``label`` and ``sparse`` are required.
+
+    Args:
+        header: whether a text file's first line names its columns (``--no-header``:
+            it does not).
+        columns: the columns of header-less text files, in order (``--columns``); giving
+            them says there is no header. Without them a header-less file's columns are
+            named by position, ``0, 1, ...``.
+    """
+
+    header: bool = option_field(True, "--no-header")
+    columns: Optional[Sequence[str]] = option_field(None, "--columns")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.label is None or self.sparse is None:
             raise DataOptionError(
                 "table: sources need label= (--label) and sparse= (--sparse) column names "
                 "(and dense= (--dense), possibly empty)"
             )
+        super().__post_init__()
+        names = normalize_names(self.columns, "--columns")
+        object.__setattr__(self, "columns", names)
+        if names is not None:
+            object.__setattr__(self, "header", False)
+            check_choice(self.label, self.dense or (), self.sparse or (), self.where, names)
+
+    def key_columns(self) -> Dict[str, Any]:
+        d = super().key_columns()
+        if not self.header:  # only then, so header files keep the keys they had
+            d.update(header=False, columns=list(self.columns or ()) or None)
+        return d
+
+    def names(self, path: Union[str, Path], delimiter: str) -> Optional[List[str]]:
+        """The columns of a header-less file (None for a file with a header)."""
+        if self.header:
+            return None
+        if self.columns is not None:
+            return list(self.columns)
+        return [str(i) for i in range(len(split_line(first_line(path), delimiter)))]
+
+
+def text_delimiter(path: Union[str, Path], given: Optional[str]) -> str:
+    """The delimiter of a text table: ``given``, else the one its extension implies.
+
+    Raises:
+        DataOptionError: neither says (the message suggests one from the first line).
+    """
+    if given is not None:
+        return given
+    inferred = infer_delimiter(path)
+    if inferred is not None:
+        return inferred.decode()
+    guess = guess_delimiter(first_line(path))
+    suggestion = (
+        f" (its first line splits on {shown_delimiter(guess)}: --delimiter "
+        f"{shown_delimiter(guess)})"
+        if guess
+        else ""
+    )
+    raise DataOptionError(
+        f"{path}: cannot tell the delimiter from the extension {Path(path).suffix or '(none)'!r}"
+        f" (.csv is comma, .tsv/.txt tab): give --delimiter{suggestion}"
+    )
 
 
 @register_source
 class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", options=TableOptions):
-    """``table:PATH[,PATH...]``: CSV/TSV/parquet files with named columns."""
+    """``table:PATH[,PATH...]``: delimited text or parquet files with named columns."""
+
+    def check_sources(self, args: List[str], test_paths: List[str], opts: TableOptions) -> None:
+        all_paths = [*args, *test_paths]
+        if self._is_parquet(all_paths):
+            given = [
+                flag
+                for flag, set_ in (
+                    ("--delimiter", opts.delimiter is not None),
+                    ("--no-header / --columns", not opts.header),
+                )
+                if set_
+            ]
+            if given:
+                raise DataOptionError(
+                    f"table: {' and '.join(given)} apply to text files; {all_paths[0]} is parquet"
+                )
+            assert opts.label is not None and opts.sparse is not None  # TableOptions checked
+            for p in all_paths:
+                ParquetRowSource(opts.label, opts.dense or (), opts.sparse).names(p)
+            return
+        for p in all_paths:
+            check_file_columns(
+                p,
+                text_delimiter(p, opts.delimiter),
+                opts.wanted(),
+                header=opts.header,
+                columns=opts.columns,
+            )
 
     def payload(self, args: List[str], test_paths: List[str], opts: TableOptions) -> Dict[str, Any]:
-        self._is_parquet(args, test_paths, opts)  # refuses mixed or undelimitable files up front
         return column_payload(args, test_paths, opts)
 
-    def _is_parquet(self, args: List[str], test_paths: List[str], opts: TableOptions) -> bool:
-        all_paths = [*args, *test_paths]
+    def _is_parquet(self, all_paths: Sequence[str]) -> bool:
         kinds = {is_parquet(p) for p in all_paths}
         if len(kinds) > 1:
             raise DataOptionError(f"table: files must be all parquet or all text, got {all_paths}")
-        if kinds == {False} and opts.delimiter is None:
-            for p in all_paths:
-                if infer_delimiter(p) is None:
-                    raise DataOptionError(
-                        f"cannot infer the delimiter of {p} from its extension; pass delimiter="
-                    )
         return kinds == {True}
 
     def conversion(self, args: List[str], test_paths: List[str], opts: TableOptions) -> Conversion:
         assert opts.label is not None and opts.sparse is not None  # TableOptions checked them
         dense, sparse = list(opts.dense or ()), list(opts.sparse)
-        if not self._is_parquet(args, test_paths, opts):
+        if not self._is_parquet([*args, *test_paths]):
+            delimiter = text_delimiter(args[0], opts.delimiter)
             return text_conversion(
-                table_layout(opts.label, dense, sparse, opts.delimiter),
+                table_layout(
+                    opts.label,
+                    dense,
+                    sparse,
+                    opts.delimiter,
+                    opts.names(args[0], delimiter),
+                ),
                 args,
                 test_paths,
                 opts,
@@ -241,7 +404,8 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
             test_paths,
             opts.encoding("fnv"),
             stats_key={"train": fingerprint(args), "layout": layout},
-            dense_transform=opts.dense_transform,
+            dense_transform=opts.dense_spec().text(),
             on_bad_row=opts.on_bad_row,
             source_format="parquet",
+            where="table",
         )

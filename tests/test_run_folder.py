@@ -1,0 +1,157 @@
+"""The run folder (``<out>/model``): self-contained, verified, safe to load, and what
+``train()`` returns with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from serving_cases import cli_refusal, split_sample, train_table
+from tiny import tiny_config
+
+import torchrec_cowclip
+from torchrec_cowclip.data.pipeline.cache import file_record
+from torchrec_cowclip.train import TrainResult, train
+from torchrec_cowclip.train.run_dir import RunDirError
+from torchrec_cowclip.train.run_folder import MANIFEST, RunFolder, RunFolderError
+from torchrec_cowclip.train.safe_load import UnsafeFileError
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("run_folder")
+    files = split_sample(root / "data")
+    metrics = train_table(root / "run", files["train"], files["test"], root / "cache")
+    return {"root": root, "run": root / "run", "metrics": metrics, **files}
+
+
+def _copy(trained: dict, tmp_path: Path) -> Path:
+    """A copy of the trained run to damage."""
+    return Path(shutil.copytree(trained["run"], tmp_path / "run"))
+
+
+def _rewrite_manifest(model_dir: Path) -> None:
+    """Re-records every file's size and checksum (a forger who rewrites the manifest)."""
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    manifest["files"] = {
+        str(p.relative_to(model_dir)): file_record(p)
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    (model_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_the_run_folder_holds_what_scoring_needs(trained):
+    model = trained["run"] / "model"
+    names = {str(p.relative_to(model)) for p in model.rglob("*") if p.is_file()}
+    assert {"manifest.json", "model.json", "data.json", "encoders/id_vocab.npz"} <= names
+    assert any(n.startswith("weights/final/") and n.endswith(".distcp") for n in names)
+    run = RunFolder.open(trained["run"])
+    assert run.reported == "final" and sorted(run.weights) == ["final"]
+    data = run.data_info
+    # The data schema: the kind's every option, the columns, how the files were read.
+    assert data["kind"] == "table" and data["options"]["label"] == "label"
+    assert data["options"]["sparse"][:2] == ["C1", "C2"] and "on_bad_row" in data["options"]
+    assert data["reader"]["layout"]["header"] is True
+    assert data["schema"]["dense_names"][0] == "I1"
+    assert data["encoder"]["encoding"]["kind"] == "id vocabulary"
+    assert run.metrics["auc"] == pytest.approx(trained["metrics"]["auc"])
+    assert run.model_info["arguments"]["hidden"] == [8]
+
+
+def test_it_needs_no_cache_and_moves_anywhere(trained, tmp_path):
+    moved = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(trained["run"], moved)
+    before = torchrec_cowclip.load_model(trained["run"]).predict(trained["test"])
+    shutil.rmtree(trained["root"] / "cache", ignore_errors=True)
+    after = torchrec_cowclip.load_model(moved).predict(trained["test"])
+    np.testing.assert_array_equal(before, after)
+    # The model/ folder itself opens too.
+    assert RunFolder.open(moved / "model").path == moved
+
+
+def test_a_changed_file_is_refused_naming_it(trained, tmp_path, capsys):
+    run = _copy(trained, tmp_path)
+    weights = next((run / "model" / "weights" / "final").glob("*.distcp"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RunFolderError, match=rf"{weights.name}: checksum mismatch"):
+        RunFolder.open(run)
+    out = tmp_path / "scores.csv"
+    err = cli_refusal(capsys, "predict", "--run", run, "--data", trained["test"], "--output", out)
+    assert "checksum mismatch" in err and not out.exists()
+
+
+def test_a_file_outside_the_manifest_is_refused(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    (run / "model" / "weights" / "final" / "__1_0.distcp").write_bytes(b"extra")
+    with pytest.raises(RunFolderError, match="not part of this run folder"):
+        RunFolder.open(run)
+
+
+def test_a_newer_or_foreign_format_is_refused(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    manifest_path = run / "model" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(RunFolderError, match="format version 99.*reads version 1"):
+        RunFolder.open(run)
+    manifest_path.write_text(json.dumps({**manifest, "format": "something else"}))
+    with pytest.raises(RunFolderError, match="not a torchrec_cowclip run folder"):
+        RunFolder.open(run)
+
+
+def test_an_unfinished_run_is_not_a_run_folder(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    shutil.rmtree(run / "model")
+    with pytest.raises(RunFolderError, match="has not finished.*--resume"):
+        RunFolder.open(run)
+
+
+def test_a_crafted_pickle_is_refused_even_with_a_matching_manifest(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with open(run / "model" / "weights" / "final" / ".metadata", "wb") as f:
+        pickle.dump(Payload(), f)
+    _rewrite_manifest(run / "model")
+    with pytest.raises(UnsafeFileError, match="refused to load"):
+        torchrec_cowclip.load_model(run)
+
+
+def test_a_second_run_into_the_folder_is_refused_and_overwrite_replaces_it(trained, tmp_path):
+    config = tiny_config(tmp_path, max_steps=2)
+    train(config)
+    with pytest.raises(RunDirError, match="model"):
+        train(config)
+    train(tiny_config(tmp_path, max_steps=3, overwrite=True))
+    assert RunFolder.open(tmp_path / "run").metrics["steps"] == 3
+    assert not (tmp_path / "run" / "model.tmp").exists()
+
+
+def test_train_returns_the_metrics_with_the_run_dir_and_model(tmp_path):
+    result = train(
+        tiny_config(tmp_path, val_fraction=0.1, early_stop_patience=1, epochs=2, lr_embed=1e-2)
+    )
+    assert isinstance(result, TrainResult) and isinstance(result, dict)
+    assert result["steps"] > 0 and result.metrics["auc"] == result["auc"]
+    assert json.loads((result.run_dir / "metrics.json").read_text())["auc"] == result["auc"]
+    assert not result.model.training
+    # Early stopping keeps the last step's weights and the best epoch's; the best are reported.
+    run = RunFolder.open(result.run_dir)
+    assert sorted(run.weights) == ["best", "final"] and run.reported == "best"
+    model = torchrec_cowclip.load_model(result.run_dir)
+    assert model.weights == "best"
+    loaded = dict(model.model.state_dict())
+    for key, value in result.model.state_dict().items():
+        np.testing.assert_array_equal(loaded[key].numpy(), value.numpy(), err_msg=key)
+    assert torchrec_cowclip.load_model(result.run_dir, weights="final").weights == "final"

@@ -1,0 +1,341 @@
+"""``torchrec-cowclip sweep``: a small sweep on a CSV writes its table, CSV, JSON and PNGs;
+finished cells are never trained again; a killed sweep continues; bad commands and cells
+with other settings are refused in one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchrec_cowclip.sweep import runner
+from torchrec_cowclip.sweep.cli import train_argv, train_parser
+from torchrec_cowclip.train import cli
+from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.run_dir import lock_holder
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CELLS = ["b128-fixed-l2-s0", "b128-fixed-l2-count-s0", "b512-fixed-l2-s0", "b512-fixed-l2-count-s0"]
+
+
+def _write_clicks(path: Path, rows: int = 2000) -> Path:
+    """A small click log with a learnable signal: one dense and three categorical columns."""
+    rng = np.random.default_rng(0)
+    site, ad, slot = rng.integers(0, 20, rows), rng.integers(0, 50, rows), rng.integers(0, 5, rows)
+    price = rng.normal(size=rows)
+    logit = 0.15 * (site % 5) - 0.3 + 0.8 * price + 0.6 * (slot == 2)
+    click = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(int)
+    lines = ["click,price,site,ad,slot"] + [
+        f"{c},{abs(p) * 10:.3f},s{s},ad{a},{t}"
+        for c, p, s, a, t in zip(click, price, site, ad, slot)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep-data")
+    clicks = _write_clicks(root / "clicks.csv")
+    flags = [
+        f"--data=table:{clicks}",
+        "--label=click",
+        "--dense=price",
+        "--sparse=site,ad,slot",
+        "--hidden=8",
+        "--embedding-dim=4",
+        "--val-fraction=0.1",
+        "--lr-embed=0.01",
+        "--epochs=2",
+        "--log-every=2",
+        "--eval-batch-size=4096",
+        f"--cache-dir={root / 'cache'}",
+        "--base-batch-size=128",
+    ]
+    return root, flags
+
+
+def _sweep(*argv: str) -> int:
+    return cli.main(["sweep", *argv])
+
+
+@pytest.fixture(scope="module")
+def swept(data, tmp_path_factory):
+    """4 cells, 3 runs: at the base batch fixed-l2-count is fixed-l2's run."""
+    root, flags = data
+    out = tmp_path_factory.mktemp("sweep") / "out"
+    grid = ["--batch-sizes=128,512", "--recipes=fixed-l2,fixed-l2-count", "--seeds=0"]
+    argv = flags + grid + [f"--out={out}", "--parallel=2", "--cores=2"]
+    assert _sweep(*argv) == 0
+    return argv, out
+
+
+def _error_line(err: str) -> str:
+    """The refusal: stderr's last line, and no traceback before it (a data conversion
+    may report its progress first)."""
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def _mtimes(out: Path) -> dict:
+    return {
+        name: (out / "cells" / name / "metrics.json").stat().st_mtime_ns
+        for name in CELLS
+        if (out / "cells" / name / "metrics.json").exists()
+    }
+
+
+def test_a_sweep_writes_its_table_csv_json_and_plots(swept, capsys):
+    argv, out = swept
+    with open(out / "sweep.csv", newline="") as f:
+        rows = {r["cell"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == sorted(CELLS)
+    for name, r in rows.items():
+        assert r["status"] == "finished", (name, r["status"])
+        assert 0.0 < float(r["best_auc"]) < 1.0 and 0.0 < float(r["last_auc"]) < 1.0
+        assert float(r["best_logloss"]) > 0 and float(r["samples_per_s"]) > 0
+        assert int(r["epochs"]) == 2 and r["best_by"] == "val" and int(r["rows_updated"]) > 0
+    # The base batch's fixed-l2-count cell reports fixed-l2's run, trained once.
+    shared = rows["b128-fixed-l2-count-s0"]
+    assert shared["shares"] == "b128-fixed-l2-s0" and shared["run"] == "cells/b128-fixed-l2-s0"
+    assert shared["best_auc"] == rows["b128-fixed-l2-s0"]["best_auc"]
+    assert not (out / "cells" / "b128-fixed-l2-count-s0" / "metrics.json").exists()
+    for name in ("b128-fixed-l2-s0", "b512-fixed-l2-s0"):
+        assert float(rows[name.replace("512", "128")]["best_auc_change"]) == 0.0
+    change = 100 * (
+        float(rows["b512-fixed-l2-s0"]["best_auc"]) - float(rows["b128-fixed-l2-s0"]["best_auc"])
+    )
+    assert float(rows["b512-fixed-l2-s0"]["best_auc_change"]) == pytest.approx(change)
+    assert float(rows["b512-fixed-l2-s0"]["scale"]) == 4.0
+
+    def no_nan(constant):
+        raise AssertionError(f"sweep.json holds {constant}: not JSON")
+
+    report = json.loads((out / "sweep.json").read_text(), parse_constant=no_nan)
+    assert len(report["cells"]) == 4 and report["sweep"]["base_batch"] == 128
+    assert [(s["recipe"], s["batch_size"]) for s in report["summary"]] == [
+        ("fixed-l2", 128),
+        ("fixed-l2", 512),
+        ("fixed-l2-count", 128),
+        ("fixed-l2-count", 512),
+    ]
+    assert "| fixed-l2 | 512 | 4 | 1/1 |" in (out / "sweep.md").read_text()
+    for png in ("sweep_auc.png", "sweep_curves.png", "sweep_time.png"):
+        assert (out / png).read_bytes()[:8] == PNG, png
+    # Each trained cell is an ordinary train run with its own curves, and its command.
+    record = json.loads((out / "cells" / "b512-fixed-l2-count-s0" / "cell.json").read_text())
+    assert record["command"][:2] == ["torchrec-cowclip", "train"]
+    again = cli.config_from_args(cli.build_parser().parse_args(record["command"][1:]))
+    assert (again.batch_size, again.recipe, again.seed, again.epochs) == (
+        512,
+        "fixed-l2-count",
+        0,
+        2,
+    )
+    assert [a["outcome"] for a in record["attempts"]] == ["finished"]
+    for name in ("b128-fixed-l2-s0", "b512-fixed-l2-s0", "b512-fixed-l2-count-s0"):
+        assert (out / "cells" / name / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_a_finished_sweep_trains_nothing_again(swept, capsys):
+    argv, out = swept
+    before = _mtimes(out)
+    capsys.readouterr()
+    assert _sweep(*argv) == 0
+    captured = capsys.readouterr()
+    assert "3 of 4 cells finished (or diverged) before: not run again" in captured.err
+    assert "starting" not in captured.err and "continuing" not in captured.err
+    assert _mtimes(out) == before
+    assert "fixed-l2-count" in captured.out and "base" in captured.out  # the table
+
+
+def test_report_only_rebuilds_the_report_from_the_cells(swept, tmp_path, capsys):
+    _, out = swept
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    for name in ("sweep.csv", "sweep.json", "sweep.md", "sweep_auc.png"):
+        (copy / name).unlink()
+    assert _sweep("--report-only", f"--out={copy}") == 0
+    assert (copy / "sweep.csv").read_text() == (out / "sweep.csv").read_text().replace(
+        str(out), str(copy)
+    )
+    assert (copy / "sweep_auc.png").read_bytes()[:8] == PNG
+    assert "fixed-l2-count" in capsys.readouterr().out
+
+
+def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
+    """The finished sweep, extended by a recipe and killed (SIGKILL) while a new cell
+    trains: the cell dies with the sweep (a SIGTERM: it checkpoints and frees its folder);
+    the same command then continues that cell, trains the one never started, and trains
+    none of the finished cells again."""
+    argv, out = swept
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    before = _mtimes(copy)
+    argv = [a for a in argv if not a.startswith(("--out=", "--recipes=", "--parallel="))]
+    argv += [f"--out={copy}", "--recipes=fixed-l2,fixed-l2-count,none"]
+    killed = copy / "cells" / "b128-none-s0"
+    # A checkpoint at every step (how often is free to change between runs of a sweep):
+    # the cell is still training when the kill lands.
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "torchrec_cowclip", "sweep", *argv, "--checkpoint-every=1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (killed / "checkpoints" / "latest").exists():
+            assert sweep.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.05)
+    finally:
+        sweep.send_signal(signal.SIGKILL)
+        sweep.wait()
+    deadline = time.monotonic() + 60
+    while lock_holder(killed) is not None:  # the cell's train process stops by itself
+        assert time.monotonic() < deadline, f"{killed} still held by pid {lock_holder(killed)}"
+        time.sleep(0.1)
+    assert not (killed / "metrics.json").exists()
+    assert "received SIGTERM" in (killed / "train.log").read_text()
+    capsys.readouterr()
+    assert _sweep(*argv, "--delete-finished-checkpoints") == 0
+    err = capsys.readouterr().err
+    assert "3 of 6 cells finished (or diverged) before: not run again" in err
+    assert "cell b128-none-s0: continuing its checkpoint" in err
+    assert "cell b512-none-s0: starting" in err
+    assert err.count("starting") == 1 and err.count("continuing") == 1
+    assert _mtimes(copy) == before  # the finished cells untouched
+    assert "resumed from step" in (killed / "train.log").read_text()
+    metrics = json.loads((killed / "metrics.json").read_text())
+    assert metrics["epochs"] == 2 and metrics["hyperparameters"]["cowclip"] is None  # no clip
+    attempts = json.loads((killed / "cell.json").read_text())["attempts"]
+    assert "outcome" not in attempts[0]  # the killed sweep never saw it end
+    assert (attempts[1]["outcome"], attempts[1]["continues"]) == ("finished", True)
+    with open(copy / "sweep.csv", newline="") as f:
+        assert {r["cell"]: r["status"] for r in csv.DictReader(f)}["b512-none-s0"] == "finished"
+    # --delete-finished-checkpoints: the cells finished by this command keep no checkpoint.
+    assert not (killed / "checkpoints").exists() and attempts[1]["checkpoints_deleted"] > 0
+    assert not (copy / "cells" / "b512-none-s0" / "checkpoints").exists()
+    assert (copy / "cells" / "b512-fixed-l2-s0" / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--batch-sizes=128,abc"], "--batch-sizes: expected comma-separated positive integers"),
+        (["--batch-sizes=0,128"], "--batch-sizes: expected comma-separated positive integers"),
+        (["--batch-sizes=128,128"], "--batch-sizes: 128 given twice"),
+        (
+            ["--batch-sizes=128", "--recipes=paper,nope"],
+            "--recipes: unknown recipe 'nope'; choose from paper,",
+        ),
+        (["--batch-sizes=128", "--seeds=0,x"], "--seeds: expected comma-separated integers"),
+        (["--batch-sizes=128", "--seeds=-1"], "--seeds: expected comma-separated integers"),
+        (
+            ["--batch-sizes=128", "--batch-size=256"],
+            "--batch-size: a sweep sets it per cell: give --batch-sizes",
+        ),
+        (["--batch-sizes=128", "--seed=1"], "--seed: a sweep sets it per cell: give --seeds"),
+        (
+            ["--batch-sizes=128", "--recipe=paper"],
+            "--recipe: a sweep sets it per cell: give --recipes",
+        ),
+        (["--batch-sizes=128", "--resume"], "--resume: a sweep always continues where it stopped"),
+        (["--batch-sizes=128", "--overwrite"], "--overwrite: a sweep never deletes a run"),
+        (
+            ["--batch-sizes=128", "--parallel=3", "--cores=2"],
+            "--parallel 3 cells need at least as many --cores, got 2",
+        ),
+        (
+            ["--batch-sizes=128", "--parallel=2", "--threads=2", "--cores=2"],
+            "= 4 threads exceed --cores 2",
+        ),
+        (
+            ["--batch-sizes=128,160", "--equal=steps"],
+            "--equal steps: batch 160 x 2 epoch(s) is not a whole number",
+        ),
+        ([], "--batch-sizes is required"),
+        (
+            ["--batch-sizes=128", "--recipes=none", "--clip-r=2"],
+            "cell b128-none-s0: --clip-r 2 has no effect with --recipe none (no clip)",
+        ),
+        (
+            ["--batch-sizes=128,100000"],
+            "cell b100000-paper-s0: --batch-size 100000 is larger than the 1,620 training rows",
+        ),
+    ],
+)
+def test_bad_sweep_commands_are_refused_in_one_line(data, tmp_path, capsys, extra, message):
+    _, flags = data
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert _sweep(*flags, *extra, f"--out={out}") == 2
+    err = capsys.readouterr().err
+    assert _error_line(err).startswith("torchrec-cowclip sweep: error: "), err
+    assert message in _error_line(err)
+    assert not out.exists()  # refused before anything was written
+
+
+def test_report_only_of_an_empty_directory_is_refused(tmp_path, capsys):
+    assert _sweep("--report-only", f"--out={tmp_path}") == 2
+    assert f"no sweep cells in {tmp_path}" in capsys.readouterr().err
+
+
+def test_a_sweep_or_cell_with_other_settings_is_refused(swept, tmp_path, capsys):
+    argv, out = swept
+    before = _mtimes(out)
+    assert _sweep(*[a for a in argv if a != "--epochs=2"], "--epochs=3") == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a sweep with other settings (--epochs 2 there, 3 here)" in err
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    record_path = copy / "cells" / "b512-fixed-l2-s0" / "cell.json"
+    record = json.loads(record_path.read_text())
+    record["settings"]["hidden"] = [16]
+    record_path.write_text(json.dumps(record))
+    argv = [a for a in argv if not a.startswith("--out=")] + [f"--out={copy}"]
+    assert _sweep(*argv) == 2
+    err = capsys.readouterr().err
+    line = _error_line(err)
+    assert (
+        f"cell b512-fixed-l2-s0 in {copy} was run with other settings (--hidden 16 there, 8 here)"
+        in line
+    )
+    assert _mtimes(out) == before
+
+
+def test_a_cell_config_travels_as_train_arguments():
+    parser = train_parser(cli.add_train_arguments)
+    config = TrainConfig(
+        data="table:x.csv",
+        label="click",
+        dense=["a", "b"],
+        hidden=(16, 8),
+        lr=3.5e-4,
+        cowclip=False,
+        progress=False,
+        resume="auto",
+        threads=2,
+        out="o",
+    )
+    argv = train_argv(parser, cli.config_from_args, config)
+    assert "--no-cowclip" in argv and argv[argv.index("--hidden") + 1] == "16,8"
+    assert argv[argv.index("--resume") + 1] == "auto"
+    assert cli.config_from_args(parser.parse_args(argv)) == config
+
+
+def test_a_diverged_cell_is_a_kept_result():
+    assert runner.DIVERGED_EXIT == cli.EXIT_DIVERGED
+    assert runner._outcome(cli.EXIT_DIVERGED, finished=False) == "diverged"
+    assert runner._outcome(75, finished=False) == "stopped"
+    assert runner._outcome(0, finished=True) == "finished"
+    assert runner._outcome(4, finished=False) == "failed"
+    assert os.name != "posix" or runner._outcome(-signal.SIGTERM, finished=False) == "stopped"

@@ -1,0 +1,390 @@
+"""``torchrec-cowclip sweep``: the paper's AUC-against-batch-size study on any data the
+trainer reads, as one resumable command.
+
+It takes every option of ``train`` (data, model, run) and trains one cell per batch size
+of ``--batch-sizes``, recipe of ``--recipes`` and seed of ``--seeds``; each cell is an
+ordinary train run in ``<out>/cells/<cell>/`` (:mod:`.runner`). The report
+(:mod:`.report`, :mod:`.plots`) is rewritten as cells finish.
+
+This module takes ``train``'s arguments and their conversion to a config from the
+command line that registers it (``train/cli.py``), so that both stay defined once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
+
+# Only the standard library here: `torchrec-cowclip --help` imports this module.
+
+_PER_CELL: Dict[str, str] = {
+    "--batch-size": "a sweep sets it per cell: give --batch-sizes, e.g. --batch-sizes 1024,16384",
+    "--recipe": "a sweep sets it per cell: give --recipes, e.g. --recipes paper,fixed-l2-count,none",
+    "--seed": "a sweep sets it per cell: give --seeds, e.g. --seeds 0,1",
+    "--resume": "a sweep always continues where it stopped: run the same command again",
+    "--overwrite": "a sweep never deletes a run: remove the cell folders to train them "
+    "again, or choose another --out",
+}
+
+DESCRIPTION = """\
+Train one cell per batch size x recipe x seed on the same data, each an ordinary `train`
+run in OUT/cells/<cell>/, and report them: sweep.csv / sweep.json (one row per cell),
+sweep.md and the console (AUC change against the base batch per recipe, mean and spread
+over seeds), sweep_auc.png (AUC against the batch size), sweep_curves.png (AUC and loss
+per cell against the samples seen) and sweep_time.png. The data is converted once into
+--cache-dir and shared by every cell. Run the same command again after a stop or a kill:
+finished cells are kept, the others continue from their checkpoints.
+
+example:
+  torchrec-cowclip sweep --data table:clicks.csv --label click --batch-sizes 1024,8192,32768 \\
+      --recipes paper,fixed-l2-count,none --seeds 0,1 --epochs 2 --val-fraction 0.05 \\
+      --out runs/sweep-clicks
+"""
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_sweep_parser(
+    subparsers: Any,
+    add_train_arguments: Callable[[argparse.ArgumentParser], None],
+    config_from_args: Callable[[argparse.Namespace], Any],
+) -> argparse.ArgumentParser:
+    """Registers ``sweep`` on ``subparsers``: ``train``'s arguments (added by
+    ``add_train_arguments``) less the per-cell ones, and the sweep's own."""
+    p = subparsers.add_parser(
+        "sweep",
+        help="train a grid of batch sizes x recipes x seeds and plot AUC against batch size",
+        description=DESCRIPTION,
+        formatter_class=RawDescriptionHelpFormatter,
+        # The sweep replaces a few of train's options (--out, --threads, the per-cell ones).
+        conflict_handler="resolve",
+    )
+    add_train_arguments(p)
+    for action in p._actions:  # argparse lists a parser's arguments only here
+        if action.dest == "data":
+            action.required = False  # not for --report-only; checked in run_command
+    g = p.add_argument_group("sweep")
+    g.add_argument(
+        "--batch-sizes",
+        default=None,
+        metavar="B1,B2,...",
+        help="the batch sizes, e.g. 1024,16384,65536,131072 (required)",
+    )
+    g.add_argument(
+        "--recipes",
+        default="paper",
+        metavar="R1,R2,...",
+        help="train's --recipe names, the no-clip baselines sqrt, linear and none included",
+    )
+    g.add_argument("--seeds", default="0", metavar="S1,S2,...", help="train's --seed values")
+    g.add_argument(
+        "--equal",
+        choices=("epochs", "steps"),
+        default="epochs",
+        help="epochs: --epochs at every batch size, so every cell sees the same training "
+        "samples (the paper's comparison); steps: the base batch's number of steps, "
+        "--epochs * batch / --base-batch-size epochs (pair it with --early-stop-patience)",
+    )
+    g.add_argument("--parallel", type=int, default=1, help="cells trained at once")
+    g.add_argument(
+        "--cores",
+        type=int,
+        default=available_cores(),
+        help="the cores the sweep may use: each of the --parallel cells gets cores / "
+        "parallel threads unless --threads says",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of each cell (0: --cores / --parallel)",
+    )
+    g.add_argument(
+        "--out",
+        default="runs/sweep",
+        help="the sweep's directory: cells/<cell>/ (one train run each), sweep.csv, "
+        "sweep.json, sweep.md and the PNGs",
+    )
+    g.add_argument(
+        "--delete-finished-checkpoints",
+        action="store_true",
+        help="remove a cell's checkpoints once it has finished (its metrics, logs and "
+        "curves stay); with Criteo-sized tables (5.6M rows) and Adam one checkpoint is "
+        "0.74 GB, and a cell keeps --keep-checkpoints of them",
+    )
+    g.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: rebuild the table, CSV, JSON and plots from the cells in --out",
+    )
+    for flag in _PER_CELL:
+        p.add_argument(
+            flag,
+            dest="per_cell_" + flag[2:].replace("-", "_"),
+            nargs="?",
+            const=True,
+            default=None,
+            help=argparse.SUPPRESS,
+        )
+    p.set_defaults(
+        run_sweep=functools.partial(
+            run_command, add_train_arguments=add_train_arguments, config_from_args=config_from_args
+        )
+    )
+    return p
+
+
+def train_parser(
+    add_train_arguments: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    """A parser of ``train``'s arguments alone (to write and check a cell's command)."""
+    parser = argparse.ArgumentParser(prog="torchrec-cowclip train", add_help=False)
+    add_train_arguments(parser)
+    return parser
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def train_argv(
+    parser: argparse.ArgumentParser,
+    config_from_args: Callable[[argparse.Namespace], Any],
+    config: Any,
+) -> List[str]:
+    """The ``train`` arguments that make ``config`` (every option not at its default),
+    checked by parsing them back.
+
+    Raises:
+        SweepError: an option that has no command-line form.
+    """
+    from torchrec_cowclip.sweep.grid import SweepError
+
+    values = config.as_dict()
+    argv: List[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest not in values:
+            continue
+        value, default = values[action.dest], action.default
+        if value == default or (
+            isinstance(default, (list, tuple)) and list(value) == list(default)
+        ):
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false / store_const
+            if value != action.const:
+                raise SweepError(f"{flag}: {value!r} has no command-line form")
+            argv.append(flag)
+        elif action.nargs == "?" and value is action.const:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, _flag_value(value)]
+    try:
+        back = config_from_args(parser.parse_args(argv))
+    except SystemExit:
+        back = None
+    if back != config:
+        raise SweepError(
+            f"a cell's train command does not reproduce its settings: {' '.join(argv)}"
+        )
+    return argv
+
+
+def run_command(
+    args: argparse.Namespace,
+    add_train_arguments: Callable[[argparse.ArgumentParser], None],
+    config_from_args: Callable[[argparse.Namespace], Any],
+) -> int:
+    """``sweep``'s body: 0 when every cell finished (or diverged, a result kept), 1 when a
+    cell failed, 2 for a refused command, 75 when stopped by a signal."""
+    from torchrec_cowclip.data.errors import DataError
+    from torchrec_cowclip.train.config import ConfigError
+
+    try:
+        return _run(args, add_train_arguments, config_from_args)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"torchrec-cowclip sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _refuse_per_cell_flags(args: argparse.Namespace) -> None:
+    from torchrec_cowclip.sweep.grid import SweepError
+
+    for flag, why in _PER_CELL.items():
+        if getattr(args, "per_cell_" + flag[2:].replace("-", "_")) is not None:
+            raise SweepError(f"{flag}: {why}")
+
+
+def _threads(args: argparse.Namespace) -> int:
+    from torchrec_cowclip.sweep.grid import SweepError
+
+    if args.parallel < 1 or args.cores < 1 or args.threads < 0:
+        raise SweepError(
+            f"--parallel and --cores must be >= 1 and --threads >= 0, got --parallel "
+            f"{args.parallel}, --cores {args.cores}, --threads {args.threads}"
+        )
+    if args.parallel > args.cores:
+        raise SweepError(
+            f"--parallel {args.parallel} cells need at least as many --cores, got {args.cores}"
+        )
+    if args.threads and args.threads * args.parallel > args.cores:
+        raise SweepError(
+            f"--parallel {args.parallel} x --threads {args.threads} = "
+            f"{args.threads * args.parallel} threads exceed --cores {args.cores}: lower one"
+        )
+    return args.threads or args.cores // args.parallel
+
+
+def _run(
+    args: argparse.Namespace,
+    add_train_arguments: Callable[[argparse.ArgumentParser], None],
+    config_from_args: Callable[[argparse.Namespace], Any],
+) -> int:
+    from torchrec_cowclip.sweep import report as reporting
+    from torchrec_cowclip.sweep.grid import (
+        SweepError,
+        parse_batch_sizes,
+        parse_recipes,
+        parse_seeds,
+        plan_cells,
+    )
+    from torchrec_cowclip.sweep.runner import (
+        SweepSpec,
+        claim_sweep_dir,
+        holds_run,
+        prepare_data,
+        prepare_native_update,
+        record_cells,
+        run_cells,
+    )
+
+    _refuse_per_cell_flags(args)
+    out = Path(args.out)
+    if args.report_only:
+        return _report(out)
+    if args.data is None:
+        raise SweepError("--data is required (but for --report-only)")
+    if args.batch_sizes is None:
+        raise SweepError("--batch-sizes is required, e.g. --batch-sizes 1024,16384")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SweepError(
+            "a sweep starts one process per cell: run it as one process, not under torchrun"
+        )
+    threads = _threads(args)
+    parser = train_parser(add_train_arguments)
+    values = {a.dest: a.default for a in parser._actions if a.option_strings}
+    values.update({k: v for k, v in vars(args).items() if k in values})
+    base = config_from_args(argparse.Namespace(**values))
+    spec = SweepSpec(
+        out=out,
+        base=base,
+        batch_sizes=parse_batch_sizes(args.batch_sizes),
+        recipes=parse_recipes(args.recipes),
+        seeds=parse_seeds(args.seeds),
+        equal=args.equal,
+        parallel=args.parallel,
+        threads=threads,
+        delete_finished_checkpoints=args.delete_finished_checkpoints,
+    )
+    spec.cells = plan_cells(
+        base,
+        spec.batch_sizes,
+        spec.recipes,
+        spec.seeds,
+        spec.equal,
+        has_run=lambda name: holds_run(out, name),
+    )
+    for cell in spec.cells:  # every cell's command is checked before anything is written
+        train_argv(parser, config_from_args, cell.config)
+    created = not out.exists()
+    lock = claim_sweep_dir(spec)
+    try:
+        say = functools.partial(print, file=sys.stderr, flush=True)
+        record_cells(spec, prepare_data(spec, say))
+        trained = len({c.shares or c.name for c in spec.cells})
+        say(
+            f"sweep {out}: {len(spec.cells)} cells ({trained} runs), {spec.parallel} at a time "
+            f"with {threads} thread(s) each"
+        )
+        prepare_native_update(spec)
+
+        def ended(cell: Any, outcome: str) -> None:
+            report = reporting.build_report(out)
+            reporting.write_report(out, report)
+            row = next(r for r in report["cells"] if r["cell"] == cell.name)
+            say(f"cell {cell.name}: {outcome}" + _result(row))
+
+        outcomes = run_cells(
+            spec,
+            functools.partial(train_argv, parser, config_from_args),
+            say=say,
+            on_end=ended,
+        )
+    finally:
+        lock.release()
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # refused before anything was written: leave no trace
+    _report(out)
+    if any(o == "stopped" for o in outcomes.values()):
+        return 75
+    failed = sorted(name for name, o in outcomes.items() if o == "failed")
+    if failed:
+        print(
+            f"torchrec-cowclip sweep: {len(failed)} cell(s) failed ({', '.join(failed)}): "
+            "see their train.log; run the same command again to retry them",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _result(row: Dict[str, Any]) -> str:
+    import math
+
+    if not math.isfinite(row["best_auc"]):
+        return ""
+    clipped = row["clipped_fraction"]
+    return (
+        f": best AUC {row['best_auc']:.4f} (epoch {row['best_epoch']}, by {row['best_by']}), "
+        f"last {row['last_auc']:.4f}, {row['epochs']} epoch(s), {row['wall_s']:.0f} s"
+        + (f", {100 * clipped:.3g}% row updates clipped" if clipped is not None else "")
+    )
+
+
+def _report(out: Path) -> int:
+    """Writes the report and the plots of the cells in ``out`` and prints the table."""
+    from torchrec_cowclip.sweep import report as reporting
+    from torchrec_cowclip.sweep.grid import SweepError
+    from torchrec_cowclip.sweep.plots import write_plots
+
+    report = reporting.build_report(out)
+    if not report["cells"]:
+        raise SweepError(f"no sweep cells in {out} (no {out}/cells/*/cell.json)")
+    paths = reporting.write_report(out, report)
+    paths.update(write_plots(report, out))
+    base = report["sweep"]["base_batch"]
+    print(f"\n{reporting.title(report)}")
+    print(
+        f"test AUC (mean ± sd over seeds); change: {report['sweep']['changes']}, "
+        "mean (min..max) over seeds; best epoch: by validation AUC with --val-fraction, "
+        "else by test AUC"
+    )
+    print(reporting.format_table(report["summary"], base))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0

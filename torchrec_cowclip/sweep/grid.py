@@ -1,0 +1,255 @@
+"""A sweep's cells: every (batch size, recipe, seed) of the grid as one ``train`` config,
+the settings they share, and which cells are the same run.
+
+A cell is named ``b<batch>-<recipe>-s<seed>`` and trains in ``<out>/cells/<name>/``. Two
+cells whose runs would compute the same numbers share one run: at the base batch
+(``s = 1``) ``fixed-l2-count`` is ``fixed-l2`` (a row's lr factor ``min(c, s) ** p`` is 1),
+and ``sqrt``, ``linear`` and ``none`` are the same no-clip run; the later cell reports
+the earlier one's results instead of training again.
+
+Example::
+
+    >>> from torchrec_cowclip.train.config import TrainConfig
+    >>> base = TrainConfig(data="synthetic:100000", epochs=2)
+    >>> cells = plan_cells(base, [1024, 4096], ["fixed-l2", "fixed-l2-count"], [0])
+    >>> [(c.name, c.shares) for c in cells]  # doctest: +NORMALIZE_WHITESPACE
+    [('b1024-fixed-l2-s0', None), ('b1024-fixed-l2-count-s0', 'b1024-fixed-l2-s0'),
+     ('b4096-fixed-l2-s0', None), ('b4096-fixed-l2-count-s0', None)]
+    >>> parse_batch_sizes("1024,4096x")
+    Traceback (most recent call last):
+    ...
+    torchrec_cowclip.sweep.grid.SweepError: --batch-sizes: expected comma-separated positive integers such as 1024,4096,16384, got '1024,4096x'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+from torchrec_cowclip.train.config import ConfigError, TrainConfig
+from torchrec_cowclip.train.resume_guard import setting_flag, shown_setting
+from torchrec_cowclip.train.scaling import RECIPES
+
+#: How the cells' training lengths compare: the same ``--epochs`` at every batch size
+#: (every cell sees the same training samples, as in the paper), or the base batch's
+#: number of steps (batch ``b`` trains ``epochs * b / base`` epochs).
+EQUAL_MODES = ("epochs", "steps")
+
+#: The config fields the grid sets per cell.
+GRID_FIELDS = ("batch_size", "recipe", "seed")
+
+#: Settings in which runs of one sweep may differ, because they change how a cell runs,
+#: not what it computes (``--threads`` moves at most the last bits of float sums; the
+#: sweep sets it from ``--parallel``), or are set by the sweep itself.
+FREE_SETTINGS: FrozenSet[str] = frozenset(
+    {
+        "out",
+        "resume",
+        "overwrite",
+        "progress",
+        "threads",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "cache_dir",
+        "dist_timeout_s",
+    }
+)
+
+
+class SweepError(ConfigError):
+    """A bad sweep command or a sweep directory it cannot continue; one line."""
+
+
+def _int_list(text: str, flag: str, example: str) -> List[int]:
+    items = [item.strip() for item in text.split(",")]
+    try:
+        values = [int(item) for item in items]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise SweepError(f"{flag}: expected comma-separated {example}, got {text!r}")
+    duplicates = sorted({v for v in values if values.count(v) > 1})
+    if duplicates:
+        raise SweepError(f"{flag}: {', '.join(map(str, duplicates))} given twice in {text!r}")
+    return values
+
+
+def parse_batch_sizes(text: str) -> List[int]:
+    """``--batch-sizes 1024,4096,...``: distinct positive integers, in the order given."""
+    example = "positive integers such as 1024,4096,16384"
+    values = _int_list(text, "--batch-sizes", example)
+    if 0 in values:
+        raise SweepError(f"--batch-sizes: expected comma-separated {example}, got {text!r}")
+    return values
+
+
+def parse_seeds(text: str) -> List[int]:
+    """``--seeds 0,1``: distinct integers in ``[0, 2**32)``."""
+    values = _int_list(text, "--seeds", "integers >= 0 such as 0,1,2")
+    big = [v for v in values if v >= 2**32]
+    if big:
+        raise SweepError(f"--seeds: {big[0]} is not below 2**32")
+    return values
+
+
+def parse_recipes(text: str) -> List[str]:
+    """``--recipes paper,fixed-l2-count,none``: names of the trainer's recipes
+    (:data:`~torchrec_cowclip.train.scaling.RECIPES`, the no-clip baselines included)."""
+    names = [item.strip() for item in text.split(",")]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        raise SweepError(
+            f"--recipes: unknown recipe {unknown[0] if unknown else text!r}; choose from "
+            f"{', '.join(RECIPES)}"
+        )
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise SweepError(f"--recipes: {', '.join(duplicates)} given twice in {text!r}")
+    return names
+
+
+def cell_name(batch_size: int, recipe: str, seed: int) -> str:
+    return f"b{batch_size}-{recipe}-s{seed}"
+
+
+@dataclass
+class Cell:
+    """One (batch size, recipe, seed) of a sweep and the ``train`` config that runs it.
+
+    Attributes:
+        config: the cell's run (its ``out`` is set by the runner).
+        shares: the name of an earlier cell whose run computes the same numbers; this cell
+            reports that run's results and trains nothing.
+    """
+
+    batch_size: int
+    recipe: str
+    seed: int
+    config: TrainConfig
+    shares: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return cell_name(self.batch_size, self.recipe, self.seed)
+
+
+def cell_epochs(epochs: int, batch_size: int, base_batch_size: int, equal: str) -> int:
+    """The epochs a cell trains: ``epochs``, or (``equal="steps"``) as many as it takes
+    at ``batch_size`` to make the base batch's number of steps.
+
+    Example::
+
+        >>> cell_epochs(2, 16384, 1024, "steps"), cell_epochs(2, 16384, 1024, "epochs")
+        (32, 2)
+    """
+    if equal == "epochs":
+        return epochs
+    if equal != "steps":
+        raise SweepError(f"--equal must be one of {', '.join(EQUAL_MODES)}, got {equal!r}")
+    if (epochs * batch_size) % base_batch_size:
+        raise SweepError(
+            f"--equal steps: batch {batch_size} x {epochs} epoch(s) is not a whole number "
+            f"of epochs at --base-batch-size {base_batch_size}: choose batch sizes that are "
+            "multiples of it (or --equal epochs)"
+        )
+    return epochs * batch_size // base_batch_size
+
+
+def shared_settings(config: TrainConfig) -> Dict[str, Any]:
+    """The settings every cell of a sweep has in common: the config without the grid's
+    fields and :data:`FREE_SETTINGS`, as plain JSON types."""
+    return {
+        k: v for k, v in config.as_dict().items() if k not in FREE_SETTINGS and k not in GRID_FIELDS
+    }
+
+
+def cell_settings(config: TrainConfig) -> Dict[str, Any]:
+    """What a cell's run is compared by when the sweep meets it again: its config
+    without :data:`FREE_SETTINGS`."""
+    return {k: v for k, v in config.as_dict().items() if k not in FREE_SETTINGS}
+
+
+def setting_differences(
+    recorded: Dict[str, Any], current: Dict[str, Any]
+) -> List[Tuple[str, str, str]]:
+    """``(flag, recorded value, current value)`` for every setting that differs (a
+    setting only one side knows counts as different, with ``none`` on the other)."""
+    found = []
+    for field in list(current) + [f for f in recorded if f not in current]:
+        old, new = recorded.get(field), current.get(field)
+        if old != new:
+            found.append(
+                (setting_flag(field), shown_setting(field, old), shown_setting(field, new))
+            )
+    return found
+
+
+def describe_differences(diffs: Sequence[Tuple[str, str, str]]) -> str:
+    """``--epochs 2 there, 3 here; --hidden 8 vs 16``: the differences for one line."""
+    (flag, old, new), rest = diffs[0], diffs[1:]
+    return f"{flag} {old} there, {new} here" + "".join(f"; {f} {o} vs {n}" for f, o, n in rest)
+
+
+def _same_run_key(config: TrainConfig) -> str:
+    """A text equal for two configs exactly when their runs compute the same numbers."""
+    hp = config.hyperparameters().as_dict()
+    del hp["recipe"]
+    clipped = hp["cowclip"] and config.cowclip
+    hp["cowclip"] = clipped
+    if not clipped:  # no clip: its r and zeta are never used
+        del hp["clip_r"], hp["clip_zeta"]
+    if hp["helen_rho"] is None:
+        del hp["helen_bound"]
+    if hp["scale"] <= 1.0:
+        # CountLR caps a row's factor min(c, s) ** p at max(1, s) = 1 here: every row
+        # steps with the plain lr, as with power 0.
+        hp["count_lr_power"] = 0.0
+    settings = {k: v for k, v in cell_settings(config).items() if k != "recipe"}
+    return json.dumps({"hp": hp, "settings": settings}, sort_keys=True, default=str)
+
+
+def plan_cells(
+    base: TrainConfig,
+    batch_sizes: Sequence[int],
+    recipes: Sequence[str],
+    seeds: Sequence[int],
+    equal: str = "epochs",
+    has_run: Callable[[str], bool] = lambda name: False,
+) -> List[Cell]:
+    """The grid's cells, seed by seed, batch by batch, recipe by recipe (so the figure of
+    the first seed is complete first), each config validated.
+
+    Args:
+        base: the settings every cell shares (its batch size, recipe and seed are replaced).
+        equal: an :data:`EQUAL_MODES` name.
+        has_run: whether a cell's folder already holds a run: of cells that are the same
+            run, one that has a run is the one that trains (or has trained); otherwise the
+            first.
+
+    Raises:
+        SweepError: a cell's config is refused (naming the cell and the option).
+    """
+    cells = []
+    for seed in seeds:
+        for batch_size in batch_sizes:
+            epochs = cell_epochs(base.epochs, batch_size, base.base_batch_size, equal)
+            for recipe in recipes:
+                config = replace(
+                    base, batch_size=batch_size, recipe=recipe, seed=seed, epochs=epochs
+                )
+                try:
+                    config.validate()
+                except ConfigError as e:
+                    raise SweepError(f"cell {cell_name(batch_size, recipe, seed)}: {e}") from None
+                cells.append(Cell(batch_size, recipe, seed, config))
+    runs: Dict[str, List[Cell]] = {}
+    for cell in cells:
+        runs.setdefault(_same_run_key(cell.config), []).append(cell)
+    for same in runs.values():
+        trains = next((c for c in same if has_run(c.name)), same[0])
+        for cell in same:
+            if cell is not trains:
+                cell.shares = trains.name
+    return cells

@@ -1,0 +1,143 @@
+"""A sweep's figures (PNG, headless; :mod:`torchrec_cowclip.plots`):
+
+- ``sweep_auc.png``, the paper's figure: test AUC against the batch size per recipe (best
+  epoch), and the change against the base batch at the best and at the last epoch, in AUC
+  points; the mean over seeds, the bars their min..max;
+- ``sweep_curves.png``: per recipe, every cell's test AUC after each epoch and its
+  training loss, against the training samples seen (comparable across batch sizes);
+- ``sweep_time.png``: training seconds per epoch and training samples per second
+  against the batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from torchrec_cowclip.plots import column, epoch_ends, new_figure, read_csv, save_png
+from torchrec_cowclip.sweep.report import title
+
+AUC_PNG, CURVES_PNG, TIME_PNG = "sweep_auc.png", "sweep_curves.png", "sweep_time.png"
+
+
+def _batch_axis(ax: Any, batches: Sequence[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(batches))
+    ax.set_xticklabels([f"{b // 1024}K" if b % 1024 == 0 else str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+    ax.grid(True, alpha=0.3)
+
+
+def _recipes(summary: Sequence[Dict[str, Any]]) -> List[str]:
+    return list(dict.fromkeys(s["recipe"] for s in summary))
+
+
+def _errorbars(ax: Any, rows: Sequence[Dict[str, Any]], key: str, label: str) -> None:
+    rows = [r for r in rows if math.isfinite(r[f"{key}_mean"])]
+    if not rows:
+        return
+    ys = [r[f"{key}_mean"] for r in rows]
+    err = [
+        [y - r[f"{key}_min"] for y, r in zip(ys, rows)],
+        [r[f"{key}_max"] - y for y, r in zip(ys, rows)],
+    ]
+    ax.errorbar([r["batch_size"] for r in rows], ys, yerr=err, marker="o", capsize=3, label=label)
+
+
+def plot_auc(report: Dict[str, Any], path: Path) -> Path:
+    """``sweep_auc.png``: best-epoch AUC, and its change and the last epoch's against the
+    base batch, against the batch size per recipe."""
+    summary = report["summary"]
+    base = report["sweep"]["base_batch"]
+    batches = sorted({s["batch_size"] for s in summary})
+    panels = [
+        ("best_auc", "test AUC, best epoch"),
+        ("best_auc_change", f"best-epoch AUC change\nagainst batch {base}, points"),
+        ("last_auc_change", f"last-epoch AUC change\nagainst batch {base}, points"),
+    ]
+    fig, axes = new_figure(1, len(panels))
+    for ax, (key, label) in zip(axes[0], panels):
+        for recipe in _recipes(summary):
+            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+        if key.endswith("change"):
+            ax.axhline(0.0, color="grey", lw=0.8)
+            ax.axhspan(-0.1, 0.1, color="tab:green", alpha=0.08, lw=0)  # within 0.1 point
+        _batch_axis(ax, batches)
+        ax.set_ylabel(label, fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(title(report), fontsize=9)
+    return save_png(fig, path)
+
+
+def plot_curves(report: Dict[str, Any], out: Path, path: Path) -> Path:
+    """``sweep_curves.png``: one row per recipe, every cell's test AUC per epoch and
+    training loss (running mean) against the training samples seen."""
+    cells = [c for c in report["cells"] if c["status"] in ("finished", "shared", "unfinished")]
+    recipes = _recipes(report["summary"]) or ["(no cell)"]
+    batches = sorted({c["batch_size"] for c in cells})
+    fig, axes = new_figure(len(recipes), 2, panel=(5.2, 3.0))
+    import matplotlib
+
+    colours = matplotlib.colormaps["viridis"]
+    styles = ["-", "--", ":", "-."]
+    seeds = sorted({c["seed"] for c in cells})
+    for (auc_ax, loss_ax), recipe in zip(axes, recipes):
+        for c in (c for c in cells if c["recipe"] == recipe):
+            run = Path(out) / c["run"]
+            steps, epochs = read_csv(run / "steps.csv"), read_csv(run / "epochs.csv")
+            colour = colours(batches.index(c["batch_size"]) / max(len(batches) - 1, 1))
+            style = styles[seeds.index(c["seed"]) % len(styles)]
+            label = f"{c['batch_size']} s{c['seed']}"
+            samples = column(epochs, "train_samples")
+            if not samples or any(math.isnan(x) for x in samples):
+                samples = [e * c["batch_size"] for e in epoch_ends(epochs, steps)]
+            auc_ax.plot(samples, column(epochs, "test_auc"), style, marker="o", ms=3,
+                        color=colour, label=label)  # fmt: skip
+            loss = "running_loss" if steps and "running_loss" in steps[0] else "loss"
+            loss_ax.plot([s * c["batch_size"] for s in column(steps, "step")],
+                         column(steps, loss), style, lw=0.9, color=colour, label=label)  # fmt: skip
+        auc_ax.set(xlabel="training samples", ylabel="test AUC", title=f"{recipe}: AUC per epoch")
+        loss_ax.set(xlabel="training samples", ylabel="training logloss", title=f"{recipe}: loss")
+        for ax in (auc_ax, loss_ax):
+            ax.grid(True, alpha=0.3)
+        if auc_ax.get_legend_handles_labels()[0]:
+            auc_ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title(report), fontsize=9)
+    return save_png(fig, path)
+
+
+def plot_time(report: Dict[str, Any], path: Path) -> Path:
+    """``sweep_time.png``: training seconds per epoch and samples per second against the
+    batch size per recipe (mean over seeds, bars min..max)."""
+    summary = report["summary"]
+    batches = sorted({s["batch_size"] for s in summary})
+    fig, axes = new_figure(1, 2)
+    for ax, (key, label) in zip(
+        axes[0],
+        (
+            ("train_s_per_epoch", "training seconds per epoch"),
+            ("samples_per_s", "training samples/s"),
+        ),
+    ):
+        for recipe in _recipes(summary):
+            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+        _batch_axis(ax, batches)
+        ax.set_yscale("log")
+        ax.set_ylabel(label, fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(title(report), fontsize=9)
+    return save_png(fig, path)
+
+
+def write_plots(report: Dict[str, Any], out: Path) -> Dict[str, Path]:
+    """The three figures in ``out``."""
+    out = Path(out)
+    return {
+        "auc": plot_auc(report, out / AUC_PNG),
+        "curves": plot_curves(report, out, out / CURVES_PNG),
+        "time": plot_time(report, out / TIME_PNG),
+    }

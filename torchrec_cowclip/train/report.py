@@ -1,0 +1,137 @@
+"""What a training run tells its user: the start summary (tables, parameters, processes),
+one line per epoch, the whole run's ETA and the process's peak memory.
+
+Example::
+
+    >>> sizes = ModelSize(tables=(("emb_C1", 1000, 10), ("lin_C1", 1000, 1)), dense_parameters=2500)
+    >>> sizes.describe()
+    'tables: 2 (1 of dim 10, 1 of dim 1), 2,000 rows, largest emb_C1 (1,000 x 10) | parameters: 11,000 in tables + 2,500 dense = 13,500'
+    >>> duration(3725.0), run_eta(steps_done=10, steps_total=40, step_s=0.5, evals_left=2, eval_s=3.0)
+    ('1h02m', 21.0)
+    >>> epoch_line({"epoch": 1, "epochs": 2, "test_auc": 0.81234, "train_loss": 0.45,
+    ...             "epoch_s": 12.0, "train_samples_per_s": 10500.0, "peak_rss_mb": 812.0,
+    ...             "rows_updated": 300, "rows_clipped": 0, "eta_s": 13.0})
+    'epoch 1/2: test_auc 0.81234, train_loss 0.45000 | 12s, 10,500 samples/s, peak RSS 812 MB | rows updated 300, clipped 0 | run ETA 13s'
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+#: Epoch-row columns that are timings or memory (they differ between two runs of one
+#: command, so comparisons of runs leave them out).
+TIMING_COLUMNS = ("epoch_s", "train_samples_per_s", "peak_rss_mb")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The model's tables as ``(name, rows, dim)`` and its dense parameter count."""
+
+    tables: Tuple[Tuple[str, int, int], ...]
+    dense_parameters: int
+
+    @classmethod
+    def of(cls, table_configs: Iterable[Any], dense_parameters: int) -> "ModelSize":
+        """From TorchRec ``EmbeddingBagConfig`` s (meta-device tables count alike)."""
+        return cls(
+            tuple((c.name, int(c.num_embeddings), int(c.embedding_dim)) for c in table_configs),
+            int(dense_parameters),
+        )
+
+    @property
+    def table_parameters(self) -> int:
+        return sum(rows * dim for _, rows, dim in self.tables)
+
+    def describe(self) -> str:
+        if not self.tables:
+            return f"tables: none | parameters: {self.dense_parameters:,} dense"
+        dims: Dict[int, int] = {}
+        for _, _, dim in self.tables:
+            dims[dim] = dims.get(dim, 0) + 1
+        by_dim = ", ".join(f"{n} of dim {d}" for d, n in sorted(dims.items(), key=lambda x: -x[0]))
+        name, rows, dim = max(self.tables, key=lambda t: t[1] * t[2])
+        total = self.table_parameters + self.dense_parameters
+        return (
+            f"tables: {len(self.tables)} ({by_dim}), {sum(t[1] for t in self.tables):,} rows, "
+            f"largest {name} ({rows:,} x {dim}) | parameters: {self.table_parameters:,} in "
+            f"tables + {self.dense_parameters:,} dense = {total:,}"
+        )
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "tables": [{"name": n, "rows": r, "dim": d} for n, r, d in self.tables],
+            "table_parameters": self.table_parameters,
+            "dense_parameters": self.dense_parameters,
+        }
+
+
+def processes_line(world_size: int, sharding: Optional[str], shardings: Mapping[str, str]) -> str:
+    """How the run is spread: ``processes: 1 (no sharding)`` or, under torchrun, the
+    process count and how many tables each sharding type holds.
+
+    Example::
+
+        >>> processes_line(2, "auto", {"emb_C1": "table_wise", "emb_C2": "row_wise"})
+        "processes: 2 | sharding auto (TorchRec's planner): table_wise 1, row_wise 1"
+    """
+    if world_size <= 1:
+        return "processes: 1 (the whole model in this process)"
+    from torchrec_cowclip.train.distributed import describe_shardings
+
+    how = "TorchRec's planner" if sharding in (None, "auto") else "every table"
+    return (
+        f"processes: {world_size} | sharding {sharding or 'auto'} ({how}): "
+        f"{describe_shardings(dict(shardings)) or 'no tables'}"
+    )
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def run_eta(
+    steps_done: int, steps_total: int, step_s: float, evals_left: int, eval_s: float
+) -> float:
+    """Seconds left in the whole run: the steps left at this process's mean step time,
+    plus the evaluations left at the mean evaluation time so far."""
+    return max(steps_total - steps_done, 0) * step_s + max(evals_left, 0) * eval_s
+
+
+def epoch_line(row: Mapping[str, Any]) -> str:
+    """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``)."""
+    metrics = ", ".join(
+        f"{k} {row[k]:.5f}"
+        for k in ("test_auc", "test_logloss", "val_auc", "val_logloss", "train_loss")
+        if isinstance(row.get(k), float)
+    )
+    parts = [f"epoch {row['epoch']}/{row['epochs']}: {metrics}"]
+    if "epoch_s" in row:
+        parts.append(
+            f"{duration(row['epoch_s'])}, {row['train_samples_per_s']:,.0f} samples/s, "
+            f"peak RSS {row['peak_rss_mb']:,.0f} MB"
+        )
+    if row.get("rows_updated") is not None:
+        parts.append(f"rows updated {row['rows_updated']:,}, clipped {row['rows_clipped']:,}")
+    if row.get("eta_s") is not None:
+        parts.append(f"run ETA {duration(row['eta_s'])}")
+    return " | ".join(parts)
+
+
+def without(row: Mapping[str, Any], keys: Sequence[str]) -> Dict[str, Any]:
+    """``row`` without ``keys``."""
+    return {k: v for k, v in row.items() if k not in keys}
