@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks run from a clone, the package not installed
     sys.path.insert(0, str(REPO))
 
-from torchrec_cowclip import CowClip  # noqa: E402
+from torchrec_cowclip import CowClip, CowClipOptions  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 ADAM_LR = 1e-3
@@ -148,7 +148,9 @@ def make_ours(
     ]
     lr = ADAM_LR if optimizer == "adam" else ADAGRAD_LR
     return CowClipEmbeddingBagCollection(
-        tables, optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP, device=device
+        tables,
+        device=device,
+        options=CowClipOptions(optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP),
     )
 
 
@@ -277,8 +279,7 @@ def paper_deepfm(schema: Any, **overrides: Any) -> Any:
         num_dense=schema.n_dense,
         embedding_dim=10,
         hidden=(400, 400, 400),
-        embedding_lr=1e-4,
-        cowclip=CowClip.from_reference(1.0, 1e-5, 10),
+        embedding_options=CowClipOptions(lr=1e-4, cowclip=CowClip.from_reference(1.0, 1e-5, 10)),
     )
     return build_model("deepfm", **{**options, **overrides})
 

@@ -17,7 +17,10 @@ Usage::
 
     git worktree add ../before HEAD~1
     python benchmarks/compare_checkouts.py --before ../before [--after .] [--rounds 80]
-        [--optimizer adam] [--max-ratio 1.05]
+        [--optimizer adam] [--max-ratio 1.05] [--before-extensions-dir DIR]
+
+Both workers take the update path ``TORCHREC_COWCLIP_COMPILE`` says (default: the native
+CPU kernels).
 
 ``--max-ratio``: exit 1 if the whole step's paired ratio is above it.
 """
@@ -71,8 +74,12 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 class _Worker:
-    def __init__(self, checkout: Path, argv: Sequence[str]) -> None:
+    def __init__(
+        self, checkout: Path, argv: Sequence[str], extensions_dir: Optional[Path] = None
+    ) -> None:
         env = dict(os.environ, PYTHONPATH=str(checkout))
+        if extensions_dir is not None:
+            env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir)
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
             cwd=str(checkout),
@@ -115,6 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     parser.add_argument("--max-ratio", type=float, default=None)
+    parser.add_argument(
+        "--before-extensions-dir",
+        type=Path,
+        default=None,
+        help="TORCH_EXTENSIONS_DIR of the before worker (default: the environment's); give "
+        "a checkout older than issue 27, whose native library's cache name does not hash "
+        "its source, a directory of its own",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -137,7 +152,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         f"--{name.replace('_', '-')}={getattr(args, name)}"
         for name in ("optimizer", "tables", "rows", "dim", "batch_size", "zipf", "threads")
     ]
-    workers = {"before": _Worker(args.before, shape), "after": _Worker(args.after, shape)}
+    workers = {
+        "before": _Worker(args.before, shape, args.before_extensions_dir),
+        "after": _Worker(args.after, shape),
+    }
     try:
         packages = {name: w.ready() for name, w in workers.items()}
         for name, checkout in (("before", args.before), ("after", args.after)):

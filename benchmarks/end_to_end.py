@@ -83,7 +83,7 @@ from common import (  # noqa: E402
     write_png,
 )
 
-from torchrec_cowclip import CowClip  # noqa: E402
+from torchrec_cowclip import CowClip, CowClipOptions, compat  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
 from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
@@ -201,6 +201,7 @@ def build_dmp_fbgemm(
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        compat.import_modules_holding_the_default_group()  # a group that dies with main()
         dist.init_process_group("gloo", rank=0, world_size=1)
     model = build_model(
         "deepfm",
@@ -252,7 +253,8 @@ def build_models(
     deepctr, fbgemm, fbgemm_cowclip), built in that order."""
     common = dict(sparse_names=names, cardinalities=cards, num_dense=n_dense, embedding_dim=dim)
     common.update(
-        hidden=HIDDEN, embedding_lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, dim)
+        hidden=HIDDEN,
+        embedding_options=CowClipOptions(lr=EMB_LR, cowclip=CowClip.from_reference(1.0, 1e-5, dim)),
     )
     built: Dict[str, Tuple[Any, torch.optim.Optimizer, Any]] = {}
     # kind -> (embedding backend, trained as a task, dense parameters only)
@@ -632,6 +634,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"load average after: {load_average()}")
     if deepctr_error:
         print(f"deepctr-torch FAILED: {deepctr_error}")
+    if torch.distributed.is_initialized():  # the DMP variants' group, its threads with it
+        torch.distributed.destroy_process_group()
     return out
 
 

@@ -75,6 +75,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
+from torchrec_cowclip import CowClip, CowClipOptions  # noqa: E402
 from torchrec_cowclip.optim import row_step  # noqa: E402
 from torchrec_cowclip.optim.functional import adam_bias_corrections  # noqa: E402
 
@@ -143,7 +144,7 @@ def row_step_variant(
             counts_t,
             bias,
         )
-    call = row_step.row_step_ if compiled else row_step.gather_step_scatter_
+    call = row_step.row_step(compiled)
 
     def step(batch: Batch) -> None:
         unique, grad, counts, bias = inputs[id(batch)]
@@ -334,7 +335,10 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
     # do not change the cost of a step, only keep the run a realistic one.
     scale = bs / 1024
-    model = paper_deepfm(ds.schema, embedding_weight_decay=2 * 1e-5 * scale, device=device)
+    training = CowClipOptions(
+        lr=1e-4, weight_decay=2 * 1e-5 * scale, cowclip=CowClip.from_reference(1.0, 1e-5, 10)
+    )
+    model = paper_deepfm(ds.schema, embedding_options=training, device=device)
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
     task = CTRTrainTask(model)
     task.train()
@@ -571,7 +575,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "part_errors": {},
     }
     out = Path(args.out) / "gpu_timing.json"
-    row_step.set_compiled_update(args.compile)
+    previous = row_step.set_compiled_update(args.compile)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchrec/fbgemm warn about FX and CUDA details
@@ -591,7 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"[{part} took {time.perf_counter() - t0:.1f} s]", flush=True)
                 write_json(out, report)
     finally:
-        row_step.set_compiled_update(None)
+        row_step.set_compiled_update(previous)
     incomplete = bool(report["part_errors"]) or bool(report.get("embedding", {}).get("skipped"))
     write_json(out, report)
     print_report(report)

@@ -41,11 +41,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    set_compiled_update("0" if args.eager else None)
-
     rows = [args.rows] * args.tables
     batches = single_hot_batches(rows, args.batch_size, 1.0, 4, SEED)
+    # The collection's row kernel is chosen when it is built: eager for --eager, else as
+    # TORCHREC_COWCLIP_COMPILE says.
+    previous = set_compiled_update("0") if args.eager else None
     ebc = make_ours(rows, args.dim, args.optimizer)
+    if args.eager:
+        set_compiled_update(previous)
     grad = torch.randn(args.batch_size, args.tables * args.dim)
 
     def step(batch: Batch) -> None:

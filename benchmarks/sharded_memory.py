@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from torchrec_cowclip.optim.options import CowClipOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path
 from common import REPO, RESULTS, format_table, vm_hwm_kib, write_json  # noqa: E402
 
@@ -55,7 +57,7 @@ def child(args: argparse.Namespace) -> None:
     from torchrec import KeyedJaggedTensor
 
     from torchrec_cowclip.models import build_model
-    from torchrec_cowclip.optim.config import CowClip
+    from torchrec_cowclip.optim.options import CowClip
 
     torch.manual_seed(0)
     before = vm_hwm_kib()
@@ -70,10 +72,9 @@ def child(args: argparse.Namespace) -> None:
         cardinalities=cards,
         embedding_dim=args.dim,
         hidden=(64, 64),
-        embedding_lr=1e-4,
-        cowclip=CowClip(r=1.0, zeta=1e-5),
         init_seed=0,
         table_device="meta" if sharded else None,
+        embedding_options=CowClipOptions(lr=1e-4, cowclip=CowClip(r=1.0, zeta=1e-5)),
     )
     world, rank = 1, 0
     if sharded:

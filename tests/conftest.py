@@ -1,12 +1,16 @@
 """Test-session defaults: the update path, the devices, and what is collected without torchrec.
 
-The fused update is compiled by TorchInductor by default (torchrec_cowclip.optim.row_step);
-a cold compile costs seconds per graph, and the suite builds hundreds of small modules
-in many processes. So tests run the eager update unless they ask for the compiled one
-(``set_compiled_update("1")`` in-process, or ``TORCHREC_COWCLIP_COMPILE=1`` in the
-environment of spawned ranks): test_row_step, the collection's reference comparisons and
-one sharded case compare the compiled path with the reference; everything else checks
-behaviour that is the same on both paths. An explicit value in the environment wins.
+By default (``TORCHREC_COWCLIP_COMPILE=auto``) a table batch on CPU is updated by the
+native CPU kernels, on CUDA by the Inductor-compiled row step
+(``torchrec_cowclip.embedding.kernels``); the suite builds hundreds of small modules in
+many processes, and the per-call overhead of either (a cold Inductor compile costs
+seconds per graph) is wasted on tiny tables. So tests run the eager update unless they
+ask for another path when they build their modules (``monkeypatch.setenv`` or
+``set_compiled_update`` in-process, ``TORCHREC_COWCLIP_COMPILE`` in the environment of
+spawned ranks): test_native and test_row_step, the collection's reference comparisons and
+a few sharded cases hold the native and compiled paths to the reference; everything else
+checks behaviour that is the same on every path. An explicit value in the environment
+wins; the native library is built once per checkout into ``TORCH_EXTENSIONS_DIR``.
 """
 
 import importlib.util
@@ -58,12 +62,14 @@ def device(request) -> torch.device:
 
 
 @pytest.fixture
-def wrong_row_step():
-    """The row step made slightly wrong (each call also adds 1e-3 to the weight of its
-    first row), for the tests that prove a reference comparison can fail."""
+def wrong_row_step(monkeypatch):
+    """The eager row step (:func:`~torchrec_cowclip.optim.row_step.gather_step_scatter_`,
+    for the kernels chosen after this fixture) made slightly wrong - each call also adds
+    1e-3 to the weight of its first row - for the tests that prove a reference comparison
+    can fail."""
     from torchrec_cowclip.optim import row_step
 
-    real = row_step.row_step_
+    real = row_step.gather_step_scatter_
 
     def wrong(*args, **kwargs):
         clipped = real(*args, **kwargs)
@@ -73,4 +79,4 @@ def wrong_row_step():
                 weight_table[rows[0]] += 1e-3
         return clipped
 
-    return wrong
+    monkeypatch.setattr(row_step, "gather_step_scatter_", wrong)

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from torchrec_cowclip.optim.config import CowClip
+from torchrec_cowclip.optim.options import CowClip
 from torchrec_cowclip.optim.reference import (
     init_reference_state,
     occurrence_counts,

@@ -38,6 +38,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, Helen
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+from torchrec_cowclip.optim.options import CowClipOptions
 
 HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
 
@@ -163,24 +164,28 @@ def sharder_for(s: Scenario) -> CowClipEmbeddingBagCollectionSharder:
             module_type=CowClipEmbeddingBagCollection, **s.sharder_options
         )
     return CowClipEmbeddingBagCollectionSharder(
-        optimizer=s.optimizer,
-        cowclip=s.cowclip,
-        unclipped_tables=s.unclipped,
-        helen=s.helen,
-        **s.hyper,
+        options=CowClipOptions(
+            optimizer=s.optimizer,
+            cowclip=s.cowclip,
+            unclipped_tables=s.unclipped,
+            helen=s.helen,
+            **s.hyper,
+        )
     )
 
 
 def unsharded(s: Scenario, device: str = "cpu") -> CowClipEmbeddingBagCollection:
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in s.tables],
-        optimizer=s.optimizer,
-        cowclip=s.cowclip,
-        unclipped_tables=s.unclipped,
         is_weighted=s.weighted,
         device=device,
-        helen=s.helen,
-        **s.hyper,
+        options=CowClipOptions(
+            optimizer=s.optimizer,
+            cowclip=s.cowclip,
+            unclipped_tables=s.unclipped,
+            helen=s.helen,
+            **s.hyper,
+        ),
     )
     with torch.no_grad():
         for name, w in initial_weights(s).items():
@@ -512,7 +517,10 @@ def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -
     torch.manual_seed(100 + rank)
     tables = init_tables()
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer=optimizer, device="meta", init_seed=17
+        [replace(t) for t in tables],
+        device="meta",
+        init_seed=17,
+        options=CowClipOptions(optimizer=optimizer),
     )
     meta_only = all(
         t.device.type == "meta" for b in ebc._batches for t in (b.weight, *b.state.values())

@@ -52,8 +52,13 @@ def _entry(
     import torch
     import torch.distributed as dist
 
+    from torchrec_cowclip import compat
+
     # Two cores for all ranks: one intra-op thread each keeps them from fighting.
     torch.set_num_threads(1)
+    # Before the group exists, so that destroy_process_group ends its threads (a thread
+    # alive when the interpreter finalizes can abort the rank's exit).
+    compat.import_modules_holding_the_default_group()
     try:
         dist.init_process_group(
             "gloo",

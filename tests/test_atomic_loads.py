@@ -13,6 +13,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.load_check import StateDictMismatch, check_loadable
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _ebc() -> CowClipEmbeddingBagCollection:
@@ -23,7 +24,9 @@ def _ebc() -> CowClipEmbeddingBagCollection:
         )
         for i in range(3)
     ]
-    ebc = CowClipEmbeddingBagCollection(tables, optimizer="adam", lr=1e-2, cowclip=CowClip())
+    ebc = CowClipEmbeddingBagCollection(
+        tables, options=CowClipOptions(optimizer="adam", lr=1e-2, cowclip=CowClip())
+    )
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["f0", "f1", "f2"],
         values=torch.tensor([1, 2, 3, 4, 5, 6]),

@@ -22,10 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import fused_update
-from torchrec_cowclip.optim.config import CountLR
-from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.optim.row_step import set_compiled_update
+from torchrec_cowclip.optim.options import CountLR, CowClipOptions
 
 
 def _build(
@@ -33,12 +30,11 @@ def _build(
 ):
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        cowclip=cowclip,
-        unclipped_tables=unclipped,
         is_weighted=is_weighted,
         device=device,
-        **hyper,
+        options=CowClipOptions(
+            optimizer=optimizer, cowclip=cowclip, unclipped_tables=unclipped, **hyper
+        ),
     )
     weights = load_mixed_scale_weights(ebc, tables, gen)
     ref = DenseReference(
@@ -88,17 +84,16 @@ needs_compiler = pytest.mark.skipif(
 PATH_MODES = {"eager": "0", "compiled": "1", "inductor": "inductor"}
 
 
-def _on_path(name):
-    set_compiled_update(PATH_MODES[name])
-    yield name
-    set_compiled_update(None)
+def _on_path(name, monkeypatch):
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", PATH_MODES[name])  # read when built
+    return name
 
 
 @pytest.fixture(params=["eager", pytest.param("compiled", marks=needs_compiler)])
-def update_path(request):
+def update_path(request, monkeypatch):
     """Runs a test on the eager update and the compiled one (on CPU: the native kernels;
     on CUDA: Inductor's Triton kernels)."""
-    yield from _on_path(request.param)
+    return _on_path(request.param, monkeypatch)
 
 
 @pytest.fixture(
@@ -108,10 +103,10 @@ def update_path(request):
         pytest.param("inductor", marks=needs_compiler),
     ]
 )
-def every_update_path(request):
+def every_update_path(request, monkeypatch):
     """:func:`update_path` and the Inductor-compiled row step on CPU too (the CPU path
     before the native kernels, ``TORCHREC_COWCLIP_COMPILE=inductor``)."""
-    yield from _on_path(request.param)
+    return _on_path(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -154,9 +149,8 @@ def test_several_steps_match_dense_autograd_reference(optimizer, clip, every_upd
         assert total_clipped == 0
 
 
-def test_a_wrong_update_fails_the_reference_comparison(device, wrong_row_step, monkeypatch):
+def test_a_wrong_update_fails_the_reference_comparison(device, wrong_row_step):
     """The comparison above can fail: an update that is off by 1e-3 on one row is caught."""
-    monkeypatch.setattr(fused_update, "row_step_", wrong_row_step)
     with pytest.raises(AssertionError, match="not close"):
         test_several_steps_match_dense_autograd_reference("adam", True, "eager", device)
 
@@ -204,11 +198,12 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     table batches look up the same row ids, so forward maps them once and backward sorts
     them once; each batch still gets its own, correct update (pooling and weights per batch)."""
     from torchrec_cowclip.embedding import lookup as lookup_module
+    from torchrec_cowclip.embedding.kernels import TorchKernel
 
     sorts, hot_flags = [], []
-    real_group_rows, real_pooled_lookup = lookup_module.group_rows, lookup_module.pooled_lookup
+    real_group_rows, real_pooled_lookup = TorchKernel.group_rows, lookup_module.pooled_lookup
     monkeypatch.setattr(
-        lookup_module, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
+        TorchKernel, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
     )
     monkeypatch.setattr(
         lookup_module,
@@ -283,7 +278,7 @@ def test_row_clip_counts_match_the_reference_row_by_row():
 def test_weighted_mean_pooling_divides_by_bag_length():
     table = bag_config("t", 2, 4, ["f"], pooling=PoolingType.MEAN)
     ebc = CowClipEmbeddingBagCollection(
-        [table], optimizer="sgd", lr=1.0, cowclip=None, is_weighted=True
+        [table], is_weighted=True, options=CowClipOptions(optimizer="sgd", lr=1.0, cowclip=None)
     )
     with torch.no_grad():
         ebc.embedding_bags["t"].weight.copy_(
@@ -303,7 +298,7 @@ def test_counts_include_duplicates_inside_a_bag_and_shared_features():
         name="t", embedding_dim=2, num_embeddings=5, feature_names=["a", "b"]
     )
     ebc = CowClipEmbeddingBagCollection(
-        [table], optimizer="sgd", lr=1.0, cowclip=CowClip(r=1.0, zeta=0.0)
+        [table], options=CowClipOptions(optimizer="sgd", lr=1.0, cowclip=CowClip(r=1.0, zeta=0.0))
     )
     with torch.no_grad():
         ebc.embedding_bags["t"].weight.fill_(0.0).add_(torch.tensor([[3.0, 4.0]]))  # ||W|| = 5
@@ -322,7 +317,8 @@ def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
     gen = torch.Generator().manual_seed(0)
     tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer="adam", cowclip=CowClip(r=1.0, zeta=0.0)
+        [replace(t) for t in tables],
+        options=CowClipOptions(optimizer="adam", cowclip=CowClip(r=1.0, zeta=0.0)),
     )
     with torch.no_grad():
         ebc.embedding_bags["small"].weight.zero_()  # zero rows and zero grads: 0/0 must not appear
@@ -339,7 +335,9 @@ def test_zero_gradients_give_no_nan_and_rows_count_as_updated():
 def test_forward_without_backward_and_no_grad_change_nothing():
     gen = torch.Generator().manual_seed(1)
     tables = mixed_tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.1)
+    )
     before = copy.deepcopy(ebc.state_dict())
     opt_before = copy.deepcopy(ebc.fused_optimizer.state_dict())
     kjt = random_kjt(tables, batch_size=4, generator=gen)
@@ -390,7 +388,7 @@ def test_from_ebc_copies_weights_and_options():
     tables = mixed_tables()
     stock = EmbeddingBagCollection(tables=[replace(t) for t in tables])
     ours = CowClipEmbeddingBagCollection.from_ebc(
-        stock, optimizer="sgd", lr=0.5, unclipped_tables=["linear"]
+        stock, options=CowClipOptions(optimizer="sgd", lr=0.5, unclipped_tables=["linear"])
     )
     for k, v in stock.state_dict().items():
         assert torch.equal(ours.state_dict()[k], v)
@@ -412,10 +410,9 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
     torch.manual_seed(0)
     a = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        lr=0.05,
-        cowclip=default_cowclip(),
-        weight_decay=1e-3,
+        options=CowClipOptions(
+            optimizer=optimizer, lr=0.05, cowclip=default_cowclip(), weight_decay=1e-3
+        ),
     )
     _train(a, tables, seed=1, steps=3)
     buf = io.BytesIO()
@@ -425,10 +422,9 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
     torch.manual_seed(123)  # a different init, overwritten by the checkpoint
     b = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        lr=0.05,
-        cowclip=default_cowclip(),
-        weight_decay=1e-3,
+        options=CowClipOptions(
+            optimizer=optimizer, lr=0.05, cowclip=default_cowclip(), weight_decay=1e-3
+        ),
     )
     buf.seek(0)
     ckpt = torch.load(buf)
@@ -447,7 +443,7 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
 def test_lr_in_param_groups_takes_effect_between_steps():
     tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer="sgd", lr=0.1, cowclip=None
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="sgd", lr=0.1, cowclip=None)
     )
     gen = torch.Generator().manual_seed(5)
     kjt = random_kjt(tables, 4, gen)
@@ -478,7 +474,9 @@ def test_keys_that_do_not_match_are_named():
 def test_out_of_range_ids_raise_before_any_change(bad_id, device):
     tables = mixed_tables()
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], optimizer="adam", lr=0.1, device=device
+        [replace(t) for t in tables],
+        device=device,
+        options=CowClipOptions(optimizer="adam", lr=0.1),
     )
     before = copy.deepcopy(ebc.state_dict())
     bags = {
@@ -500,7 +498,7 @@ def test_out_of_range_ids_raise_before_any_change(bad_id, device):
 
 def test_nonfinite_row_gradients_are_skipped_and_counted():
     table = bag_config("t", 3)
-    ebc = CowClipEmbeddingBagCollection([table], optimizer="adam", lr=0.1)
+    ebc = CowClipEmbeddingBagCollection([table], options=CowClipOptions(optimizer="adam", lr=0.1))
     before = ebc.embedding_bags["t"].weight.detach().clone()
     kjt = kjt_from_bags({"f": [[1, 2], [3], [2]]})
     out = ebc(kjt).values()
@@ -533,46 +531,27 @@ def test_weighted_collection_requires_weights_and_structure_is_checked():
 def test_constructor_arguments_are_validated():
     table = bag_config("t", 2, 5)
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        CowClipEmbeddingBagCollection([replace(table)], optimizer="adamw")
+        CowClipEmbeddingBagCollection([replace(table)], options=CowClipOptions(optimizer="adamw"))
     with pytest.raises(
         ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"
     ):
-        CowClipEmbeddingBagCollection([replace(table)], unclipped_tables=["nope"])
+        CowClipEmbeddingBagCollection(
+            [replace(table)], options=CowClipOptions(unclipped_tables=["nope"])
+        )
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="lr must be >= 0 and finite"):
-            CowClipEmbeddingBagCollection([replace(table)], lr=bad)
+            CowClipEmbeddingBagCollection([replace(table)], options=CowClipOptions(lr=bad))
     with pytest.raises(ValueError, match="weight_decay must be >= 0 and finite"):
-        CowClipEmbeddingBagCollection([replace(table)], weight_decay=float("inf"))
+        CowClipEmbeddingBagCollection(
+            [replace(table)], options=CowClipOptions(weight_decay=float("inf"))
+        )
     with pytest.raises(ValueError, match="Duplicate table name"):
         CowClipEmbeddingBagCollection([replace(table), replace(table)])
-    with pytest.raises(
-        ValueError, match=r"give options= or the keyword arguments \['lr'\], not both"
-    ):
-        CowClipEmbeddingBagCollection([replace(table)], lr=0.1, options=CowClipOptions(lr=0.2))
-
-
-def test_options_object_and_keywords_build_the_same_module():
-    tables = mixed_tables()
-    options = CowClipOptions(
-        optimizer="rowwise_adagrad",
-        lr=0.05,
-        weight_decay=0.01,
-        cowclip=CowClip(r=0.5, zeta=1e-4),
-        unclipped_tables=frozenset({"linear"}),
-    )
-    by_object = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables], options=options, init_seed=1
-    )
-    by_keywords = CowClipEmbeddingBagCollection(
-        [replace(t) for t in tables],
-        optimizer="rowwise_adagrad",
-        lr=0.05,
-        weight_decay=0.01,
-        cowclip=CowClip(r=0.5, zeta=1e-4),
-        unclipped_tables=["linear"],
-        init_seed=1,
-    )
-    assert by_object.options == by_keywords.options == options
+    # One door: the options object, not its fields as keywords.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lr'"):
+        CowClipEmbeddingBagCollection([replace(table)], lr=0.1)
+    with pytest.raises(TypeError, match="options must be a torchrec_cowclip.CowClipOptions"):
+        CowClipEmbeddingBagCollection([replace(table)], options={"lr": 0.1})
 
 
 @pytest.mark.parametrize(
@@ -588,7 +567,9 @@ def test_options_object_and_keywords_build_the_same_module():
 def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
     tables = mixed_tables()
     gen = torch.Generator().manual_seed(3)
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], lr=0.1)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(lr=0.1)
+    )
     ebc(random_kjt(tables, 4, gen)).values().sum().backward()
     before = copy.deepcopy(ebc.state_dict())
     state_before = copy.deepcopy(ebc.fused_optimizer.state_dict()["state"])
@@ -606,7 +587,9 @@ def test_a_bad_lr_set_between_steps_raises_before_any_row_changes(key, value):
 def test_module_moves_and_copies_keep_tables_and_views_together():
     tables = mixed_tables()
     gen = torch.Generator().manual_seed(6)
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.1)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.1)
+    )
     ebc = ebc.to(torch.device("cpu"))
     clone = copy.deepcopy(ebc)
     kjt = random_kjt(tables, 4, gen)
@@ -651,7 +634,9 @@ def test_single_and_multiple_table_batches_agree_with_torchrec_order():
 
 def test_table_batch_tensors_are_module_buffers_outside_the_state_dict():
     tables = mixed_tables()
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam")
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam")
+    )
     batch = ebc._batches[0]
     names = dict(batch.named_buffers())
     assert {

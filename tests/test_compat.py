@@ -32,6 +32,7 @@ from torchrec_cowclip import CowClipEmbeddingBagCollection, compat
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
 from torchrec_cowclip.distributed.lookup import CowClipPooledEmbeddingsLookup, ReplicatedLookup
+from torchrec_cowclip.optim.options import CowClipOptions
 
 VERSIONS = f"torchrec {torchrec.__version__}, torch {torch.__version__}"
 
@@ -77,7 +78,7 @@ def sharded():
             )
             for name, (_, pooling) in PLAN.items()
         ]
-        module = CowClipEmbeddingBagCollection(tables, lr=0.1)
+        module = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
         sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
         plan = plans.construct_module_sharding_plan(
             module,
@@ -469,3 +470,16 @@ def test_dcp_metadata_private_classes():
         Recording(io.BytesIO(open(f"{root}/.metadata", "rb").read())).load()
         assert seen <= set(allowed_globals()), sorted(seen - set(allowed_globals()))
         assert seen & set(named), "the metadata no longer names the private classes"
+
+
+def test_libtorch_cpu_carries_fbgemms_radix_sort():
+    """The native grouping calls FBGEMM's ``radix_sort_parallel<int32, int32>`` from
+    libtorch_cpu (a symbol no public torch API declares); a torch without it builds the
+    kernels with their own radix sort instead (same result, slower on one large table)."""
+    from torchrec_cowclip.embedding import native
+
+    with private_name(
+        f"libtorch_cpu's {compat.FBGEMM_RADIX_SORT_SYMBOL}", "fbgemm_radix_sort_available"
+    ):
+        assert compat.fbgemm_radix_sort_available()
+    assert "-DCOWCLIP_FBGEMM_RADIX_SORT=1" in native.build_flags()

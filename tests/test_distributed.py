@@ -24,8 +24,8 @@ from tiny import bag_config
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 
 from torchrec_cowclip import CowClip, Helen
-from torchrec_cowclip.optim.config import CountLR
-from torchrec_cowclip.optim.functional import cowclip_row_update_
+from torchrec_cowclip.optim.functional import cowclip_row_update_, sgd_step
+from torchrec_cowclip.optim.options import CountLR
 
 RTOL = 1e-5
 
@@ -311,7 +311,7 @@ def test_column_shards_clip_with_whole_row_norms(results):
         w = per_shard[rows, cols].clone()
         g = torch.stack([grads[j][cols] for j in sorted(grads)])
         was = cowclip_row_update_(
-            "sgd",
+            sgd_step,
             w,
             g,
             torch.tensor([counts[j] for j in sorted(grads)]),

@@ -5,6 +5,8 @@ TorchRec extension points the sharder relies on (multi-rank runs: test_distribut
 from __future__ import annotations
 
 import inspect
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,17 +20,16 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions
 from torchrec_cowclip.distributed import (
     SUPPORTED_SHARDING_TYPES,
     CowClipEmbeddingBagCollectionSharder,
-    CowClipOptions,
 )
 from torchrec_cowclip.distributed.row_sync import union_row_gradients
 from torchrec_cowclip.distributed.sharded_collection import _checked_plan
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, partial_row_sums
-from torchrec_cowclip.optim.rules import STATE_LAYOUT
+from torchrec_cowclip.optim.rules import STATE_LAYOUT, update_rule
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -51,7 +52,7 @@ def test_column_shards_with_whole_row_sums_step_like_the_whole_rows(optimizer):
 
     whole_w, whole_state = weight.clone(), fresh_state()
     whole_clipped = cowclip_row_update_(
-        optimizer, whole_w, grad, counts, whole_state, torch.tensor(3), **hyper
+        update_rule(optimizer).step, whole_w, grad, counts, whole_state, torch.tensor(3), **hyper
     )
     assert 0 < int(whole_clipped.sum()) < u
 
@@ -64,7 +65,14 @@ def test_column_shards_with_whole_row_sums_step_like_the_whole_rows(optimizer):
             n: (t[:, s].clone() if t.dim() == 2 else t.clone()) for n, t in fresh_state().items()
         }
         clipped = cowclip_row_update_(
-            optimizer, w, grad[:, s], counts, state, torch.tensor(3), row_sums=row_sums, **hyper
+            update_rule(optimizer).step,
+            w,
+            grad[:, s],
+            counts,
+            state,
+            torch.tensor(3),
+            row_sums=row_sums,
+            **hyper,
         )
         assert torch.equal(clipped, whole_clipped)
         torch.testing.assert_close(w, whole_w[:, s], rtol=1e-5, atol=1e-7)
@@ -123,7 +131,8 @@ def _planned_bytes(optimizer: str) -> dict:
         topology=topology, batch_size=512, estimator=[EmbeddingStorageEstimator(topology=topology)]
     )
     options = enumerator.enumerate(
-        _Model(), [CowClipEmbeddingBagCollectionSharder(optimizer=optimizer)]
+        _Model(),
+        [CowClipEmbeddingBagCollectionSharder(options=CowClipOptions(optimizer=optimizer))],
     )
     return {
         (o.sharding_type, o.compute_kernel): (o.shards[0].storage.ddr, o.shards[0].size)
@@ -162,7 +171,7 @@ def test_sharder_offers_only_supported_types_and_refuses_others():
 
 def test_sharder_options_are_validated_and_read_from_cowclip_modules():
     with pytest.raises(ValueError, match="optimizer"):
-        CowClipEmbeddingBagCollectionSharder(optimizer="adagrad")
+        CowClipEmbeddingBagCollectionSharder(options=CowClipOptions(optimizer="adagrad"))
     with pytest.raises(ValueError, match="module_type"):
         CowClipEmbeddingBagCollectionSharder(module_type=nn.Linear)
     with pytest.raises(ValueError, match="unclipped_tables.*nope"):
@@ -172,18 +181,21 @@ def test_sharder_options_are_validated_and_read_from_cowclip_modules():
             bag_config("t"),
             bag_config("lin", 1),
         ],
-        optimizer="rowwise_adagrad",
-        lr=0.3,
-        eps=1e-5,
-        weight_decay=0.1,
-        cowclip=None,
-        unclipped_tables=("lin",),
+        options=CowClipOptions(
+            optimizer="rowwise_adagrad",
+            lr=0.3,
+            eps=1e-5,
+            weight_decay=0.1,
+            cowclip=None,
+            unclipped_tables=("lin",),
+        ),
     )
     module.fused_optimizer.param_groups[0]["lr"] = 0.2  # e.g. moved by a schedule
     # A sharder that says otherwise is refused (it used to be ignored silently).
     with pytest.raises(ValueError, match="disagree"):
         CowClipEmbeddingBagCollectionSharder(
-            optimizer="sgd", lr=9.0, module_type=CowClipEmbeddingBagCollection
+            module_type=CowClipEmbeddingBagCollection,
+            options=CowClipOptions(optimizer="sgd", lr=9.0),
         ).options_for(module)
     sharder = CowClipEmbeddingBagCollectionSharder(module_type=CowClipEmbeddingBagCollection)
     assert sharder.options_for(module) == CowClipOptions(
@@ -228,3 +240,45 @@ def test_torchrec_extension_points_still_exist():
             __import__(f"torchrec.distributed.sharding.{module}", fromlist=["x"])
         )
         assert "grouped_configs=self._grouped_embedding_configs" in source, module
+
+
+def _peers(monkeypatch, *theirs):
+    """A process group of this rank and ``theirs`` ((kind, mode) of ranks 1, 2, ...)."""
+    from torchrec_cowclip.distributed import sharded_collection as sc
+
+    world = 1 + len(theirs)
+    monkeypatch.setattr(sc.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sc.dist, "get_world_size", lambda pg: world)
+    monkeypatch.setattr(sc.dist, "get_process_group_ranks", lambda pg: list(range(world)))
+
+    def all_gather_object(out, mine, group=None):
+        out[:] = [mine, *theirs]
+
+    monkeypatch.setattr(sc.dist, "all_gather_object", all_gather_object)
+    return lambda: sc._agreed_kernel(
+        torch.device("cpu"), update_rule("adam"), SimpleNamespace(process_group=object())
+    )
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"
+)
+def test_the_ranks_agree_on_one_row_kernel(monkeypatch):
+    """A rank whose native build failed (all in ``auto``): every rank takes its kernel,
+    with a warning naming the ranks; ranks told different modes: an error naming the
+    rank that differs."""
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "auto")
+    assert _peers(monkeypatch, ("native_cpu", "auto"))().kind == "native_cpu"
+    agree = _peers(monkeypatch, ("native_cpu", "auto"), ("eager", "auto"))
+    with pytest.warns(
+        RuntimeWarning, match="rank 0: native_cpu, rank 1: native_cpu, rank 2: eager"
+    ):
+        assert agree().kind == "eager"
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")
+    disagree = _peers(monkeypatch, ("eager", "0"), ("native_cpu", "1"))
+    with pytest.raises(
+        ValueError,
+        match=r"rank 2 updates its rows with the native_cpu row kernel "
+        r"\(TORCHREC_COWCLIP_COMPILE=1\), rank 0 with eager \(TORCHREC_COWCLIP_COMPILE=0\)",
+    ):
+        disagree()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
-ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+#: A clean environment, but the suite's native-library cache (built once, reused).
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PATH": "/usr/bin:/bin",
+    "PYTHONPATH": str(REPO),
+    **{k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR",) if k in os.environ},
+}
 
 
 def _run(command: List[str], cwd: Path) -> "subprocess.CompletedProcess[str]":

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import (
     adam_rows_,
     couple_weight_decay,
@@ -13,7 +12,10 @@ from torchrec_cowclip.optim.functional import (
     cowclip_row_update_,
     rowwise_adagrad_rows_,
     sgd_rows_,
+    sgd_step,
 )
+from torchrec_cowclip.optim.options import CountLR, CowClip
+from torchrec_cowclip.optim.rules import update_rule
 
 
 def _scalar_clip(g, w, c, r, zeta):
@@ -82,7 +84,7 @@ def test_weight_decay_is_coupled_after_clip():
     weight = torch.tensor([[3.0, 4.0]])
     grad = torch.tensor([[300.0, 400.0]])
     cowclip_row_update_(
-        "sgd",
+        sgd_step,
         weight,
         grad,
         torch.tensor([1]),
@@ -156,15 +158,7 @@ def test_cowclip_validation_and_reference_mapping():
 
 def test_unknown_optimizer_is_rejected():
     with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
-        cowclip_row_update_(
-            "adamw",
-            torch.zeros(1, 1),
-            torch.zeros(1, 1),
-            torch.ones(1),
-            {},
-            torch.tensor(1),
-            lr=1.0,
-        )
+        update_rule("adamw")
 
 
 def test_count_lr_multiplier_and_validation():
@@ -203,7 +197,15 @@ def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
     kw = dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.02, cowclip=CowClip(r=1.0, zeta=1e-5))
     w_all, s_all = weight.clone(), fresh_state()
     clipped = cowclip_row_update_(
-        optimizer, w_all, grad, counts, s_all, torch.tensor(3), lr=0.1, count_lr=rule, **kw
+        update_rule(optimizer).step,
+        w_all,
+        grad,
+        counts,
+        s_all,
+        torch.tensor(3),
+        lr=0.1,
+        count_lr=rule,
+        **kw,
     )
     assert bool(clipped.any()) and not bool(clipped.all())
     for j in range(n):
@@ -211,7 +213,14 @@ def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
         s_j = {k: v[j : j + 1].clone() for k, v in s_full.items()}
         lr_j = 0.1 * min(float(counts[j]), 8.0) ** 0.5
         clipped_j = cowclip_row_update_(
-            optimizer, w_j, grad[j : j + 1], counts[j : j + 1], s_j, torch.tensor(3), lr=lr_j, **kw
+            update_rule(optimizer).step,
+            w_j,
+            grad[j : j + 1],
+            counts[j : j + 1],
+            s_j,
+            torch.tensor(3),
+            lr=lr_j,
+            **kw,
         )
         torch.testing.assert_close(w_all[j : j + 1], w_j, rtol=1e-12, atol=1e-15)
         for k in s_j:
@@ -221,7 +230,7 @@ def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
     w_one, s_one = weight.clone(), fresh_state()
     w_plain, s_plain = weight.clone(), fresh_state()
     cowclip_row_update_(
-        optimizer,
+        update_rule(optimizer).step,
         w_one,
         grad,
         counts,
@@ -231,5 +240,7 @@ def test_count_lr_equals_one_row_at_a_time_with_the_row_lr(optimizer):
         count_lr=CountLR(power=1.0, cap=1.0),
         **kw,
     )
-    cowclip_row_update_(optimizer, w_plain, grad, counts, s_plain, torch.tensor(3), lr=0.1, **kw)
+    cowclip_row_update_(
+        update_rule(optimizer).step, w_plain, grad, counts, s_plain, torch.tensor(3), lr=0.1, **kw
+    )
     assert torch.equal(w_one, w_plain)

@@ -19,18 +19,21 @@ from tiny import HELEN_ORDER, HYPER, load_mixed_scale_weights, mixed_tables
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection, Helen
 from torchrec_cowclip.embedding import row_updates
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _build(optimizer, cowclip, helen, gen, device=None, **hyper):
     tables = mixed_tables(dim=6, small_dim=3, order=HELEN_ORDER)
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        cowclip=cowclip,
-        unclipped_tables=("linear",),
-        helen=helen,
         device=device,
-        **{**HYPER, **hyper},
+        options=CowClipOptions(
+            optimizer=optimizer,
+            cowclip=cowclip,
+            unclipped_tables=("linear",),
+            helen=helen,
+            **{**HYPER, **hyper},
+        ),
     )
     weights = load_mixed_scale_weights(ebc, tables, gen)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
@@ -132,10 +135,9 @@ def test_rho_zero_equals_a_plain_step():
     helen_ebc, head, _, tables = _build("adam", default_cowclip(), Helen(rho=0.0), gen)
     plain = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer="adam",
-        cowclip=default_cowclip(),
-        unclipped_tables=("linear",),
-        **HYPER,
+        options=CowClipOptions(
+            optimizer="adam", cowclip=default_cowclip(), unclipped_tables=("linear",), **HYPER
+        ),
     )
     plain.load_state_dict(helen_ebc.state_dict())
     for _ in range(2):

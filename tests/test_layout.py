@@ -8,6 +8,7 @@ import torch
 from torchrec import EmbeddingBagConfig
 
 from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.kernels import TorchKernel
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -22,6 +23,7 @@ def _batch(dim, tables):
         "sgd",
         [True] * len(configs),
         torch.device("cpu"),
+        TorchKernel(compiled=False),
     )
 
 

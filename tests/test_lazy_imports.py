@@ -26,12 +26,11 @@ WITHOUT_TORCHREC = textwrap.dedent("""
     sys.meta_path.insert(0, Refuse())
     import torch
     from torchrec_cowclip import CowClip
-    from torchrec_cowclip.optim.row_step import row_step_, set_compiled_update
+    from torchrec_cowclip.optim.row_step import row_step
     from torchrec_cowclip.optim import functional, reference
 
-    set_compiled_update("0")
     weight = torch.ones(4, 2)
-    clipped = row_step_(weight, {}, torch.tensor([1, 3]), torch.full((2, 2), 10.0),
+    clipped = row_step(compiled=False)(weight, {}, torch.tensor([1, 3]), torch.full((2, 2), 10.0),
                         torch.tensor([1, 1]), optimizer="sgd", lr=0.1, betas=(0.9, 0.999),
                         eps=1e-8, weight_decay=0.0, cowclip=CowClip(r=1.0, zeta=0.0))
     # ||g|| = 14.1 > tau = 1 * ||w|| = 1.41: the step is clipped to norm 1.41 * lr

@@ -15,7 +15,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
 from torchrec.modules.deepfm import DeepFM as TorchRecDeepFM
 
-from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions
 from torchrec_cowclip.models import (
     MODELS,
     CTRModel,
@@ -75,7 +75,7 @@ def small_model(name: str, backend: str = "cowclip", num_dense: int = 4, **kwarg
         embedding_dim=4 if name in DLRM_MODELS else 5,
         hidden=HIDDEN,
         embedding_backend=backend,
-        embedding_lr=1e-2,
+        embedding_options=CowClipOptions(lr=1e-2),
     )
     if name == "dcnv2":
         options.update(low_rank=4, num_experts=3)
@@ -309,8 +309,7 @@ def test_first_order_tables_are_never_clipped() -> None:
             name,
             embedding_dim=10,
             init_std=1e-6,
-            cowclip=CowClip(r=1.0, zeta=1e-12),
-            embedding_lr=10.0,
+            embedding_options=CowClipOptions(lr=10.0, cowclip=CowClip(r=1.0, zeta=1e-12)),
         )
         dense, kjt, labels = make_batch(32, 4)
         (1e4 * F.binary_cross_entropy_with_logits(model(dense, kjt), labels)).backward()
@@ -421,7 +420,10 @@ def test_training_lowers_the_loss(name: str) -> None:
     gen = torch.Generator().manual_seed(1)
     effects = [torch.randn(c, generator=gen) for c in CARDS]
     model = small_model(
-        name, num_dense=2, embedding_lr=3e-2, init_std=1e-1, cowclip=CowClip(r=1.0, zeta=1e-4)
+        name,
+        num_dense=2,
+        init_std=1e-1,
+        embedding_options=CowClipOptions(lr=3e-2, cowclip=CowClip(r=1.0, zeta=1e-4)),
     )
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=1e-2)
     eval_dense, eval_kjt, eval_labels = synthetic_task(1024, gen, effects)

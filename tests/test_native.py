@@ -8,7 +8,6 @@ the functional core to 1e-6; the stochastic rounding the functional core's bit f
 
 import io
 import shutil
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -19,11 +18,9 @@ from tiny import HYPER, bag_config, mixed_tables
 from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import native
-from torchrec_cowclip.embedding.native import use_native_update
+from torchrec_cowclip.embedding import kernels, native
+from torchrec_cowclip.embedding.kernels import NativeCpuKernel, TorchKernel, select_kernel
 from torchrec_cowclip.embedding.row_gradients import group_rows
-from torchrec_cowclip.optim import row_step
-from torchrec_cowclip.optim.config import CountLR
 from torchrec_cowclip.optim.functional import (
     RowSums,
     adam_bias_corrections,
@@ -32,7 +29,8 @@ from torchrec_cowclip.optim.functional import (
     rounding_row_keys,
     stochastic_round,
 )
-from torchrec_cowclip.optim.row_step import set_compiled_update
+from torchrec_cowclip.optim.options import CountLR, CowClipOptions
+from torchrec_cowclip.optim.rules import update_rule
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler"
@@ -42,19 +40,14 @@ HALF = [torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _native():
-    set_compiled_update("1")
-    assert native.load(required=True)
-    yield
-    set_compiled_update(None)
+def _native(monkeypatch):
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "1")  # modules built here: native
+    assert native.build().ok, native.build().error
 
 
 def _eager_group(row_ids, bags, num_rows):
-    set_compiled_update("0")
-    try:
-        return group_rows(row_ids, bags, num_rows)
-    finally:
-        set_compiled_update("1")
+    """torch's stable sort and unique_consecutive: what the native grouping must equal."""
+    return group_rows(row_ids, bags, num_rows)
 
 
 @pytest.mark.parametrize("n,num_rows", [(0, 5), (1, 5), (7, 3), (5000, 70), (200_000, 3_000_000)])
@@ -160,13 +153,27 @@ def _problem(optimizer, dim=6, num_rows=60, tables=3, seed=0):
 STATE_NAMES = {"adam": ["exp_avg", "exp_avg_sq"], "rowwise_adagrad": ["sum"], "sgd": []}
 
 
+def _summed(grouping, bag_grads, sorted_weights=None):
+    """ATen's segment sums of each row's bag gradients (the reference's ``g_j``)."""
+    return F.embedding_bag(
+        grouping.sorted_bags,
+        bag_grads,
+        grouping.segment_offsets,
+        mode="sum",
+        per_sample_weights=sorted_weights,
+        include_last_offset=True,
+    )
+
+
 def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step, **kw):
     """The functional core on the gathered rows (``dtype`` of the inputs), scattered back."""
     w = weight.clone()
     st = [s.clone() for s in state]
     w_rows = w[rows].clone()
     s_rows = {name: s[rows].clone() for name, s in zip(STATE_NAMES[optimizer], st)}
-    clipped = cowclip_row_update_(optimizer, w_rows, grad, counts, s_rows, step, **kw)
+    clipped = cowclip_row_update_(
+        update_rule(optimizer).step, w_rows, grad, counts, s_rows, step, **kw
+    )
     w[rows] = w_rows
     for name, s in zip(STATE_NAMES[optimizer], st):
         s[rows] = s_rows[name]
@@ -187,14 +194,7 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
     bad = int(rows.numel() // 2)
     bag_grads = bag_grads.clone()
     bag_grads[grouping.sorted_bags[grouping.segment_offsets[bad]]] = float("nan")
-    finite_grad = F.embedding_bag(
-        grouping.sorted_bags,
-        bag_grads,
-        grouping.segment_offsets,
-        mode="sum",
-        per_sample_weights=sorted_weights,
-        include_last_offset=True,
-    )
+    finite_grad = _summed(grouping, bag_grads, sorted_weights)
     finite = torch.isfinite(finite_grad.sum(1))
     assert not bool(finite.all())
     table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
@@ -376,6 +376,231 @@ def test_bad_rows_are_refused_before_any_change():
     assert not w.any()
 
 
+def _segment_call(w, **overrides):
+    """A 2-row SGD update from 3 bag gradients, with ``overrides`` for the index inputs."""
+    given = dict(
+        bag_gradients=torch.ones(3, 4),
+        segment_offsets=torch.tensor([0, 1, 3]),
+        sorted_bags=torch.tensor([0, 1, 2]),
+        row_offsets=torch.tensor([0, 4, 10]),
+    )
+    given.update(overrides)
+    return _fused(
+        w, [], torch.tensor([1, 6]), torch.tensor([1, 2]), optimizer="sgd", lr=1.0, **given
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(row_offsets=torch.tensor([1, 4, 10])), "row_offsets must start at 0, ascend"),
+        (dict(row_offsets=torch.tensor([0, 7, 5, 10])), "row_offsets must start at 0, ascend"),
+        (dict(row_offsets=torch.tensor([0, 4, 9])), "end at the weight's 10 rows"),
+        (dict(segment_offsets=torch.tensor([1, 2, 3])), "segment_offsets must start at 0"),
+        (dict(segment_offsets=torch.tensor([0, 2, 1])), "segment_offsets must start at 0"),
+        (dict(segment_offsets=torch.tensor([0, 1, 2])), "end at the 3 positions"),
+        (dict(sorted_bags=torch.tensor([0, 3, 2])), "sorted_bags must index the 3 rows"),
+        (dict(sorted_bags=torch.tensor([0, -1, 2])), "sorted_bags must index the 3 rows"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(v),
+)
+def test_bad_indices_of_the_update_are_refused_in_one_line_before_any_change(overrides, message):
+    w = torch.zeros(10, 4)
+    _segment_call(w.clone())  # the unchanged inputs are fine
+    with pytest.raises(RuntimeError, match=message) as raised:
+        _segment_call(w, **overrides)
+    assert "\n" not in str(raised.value).strip()
+    assert not w.any()
+
+
+def test_bad_indices_of_the_grouping_and_the_lookup_are_refused():
+    ids, bags = torch.tensor([1, 2, 40, 41]), torch.arange(4)
+    starts = torch.tensor([0, 2, 4])
+    native.group_rows(ids, bags, 60, starts, torch.tensor([[0, 10], [40, 20]]))  # fine
+    for feature_rows in ([[0, 10], [40, 30]], [[-1, 10], [40, 20]], [[0, -2], [40, 20]]):
+        with pytest.raises(RuntimeError, match=r"feature_rows must lie in \[0, num_rows = 60\)"):
+            native.group_rows(ids, bags, 60, starts, torch.tensor(feature_rows))
+    weight = torch.randn(6, 4).to(torch.bfloat16)
+    native.pooled_lookup(weight, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]), None, False)
+    for offsets in ([1, 2, 3], [0, 2, 1, 3], [0, 1, 2]):
+        with pytest.raises(RuntimeError, match="offsets must start at 0, ascend and end at the 3"):
+            native.pooled_lookup(
+                weight, torch.tensor([1, 2, 3]), torch.tensor(offsets), None, False
+            )
+    with pytest.raises(RuntimeError, match=r"id 6 outside \[0, 6\)"):
+        native.pooled_lookup(weight, torch.tensor([1, 6, 3]), torch.tensor([0, 1, 3]), None, False)
+
+
+def test_the_ops_have_fake_kernels_and_compile_in_one_graph():
+    """Every op passes ``torch.library.opcheck`` (schema, fake kernel, autograd
+    registration, AOT dispatch), and a function calling the update and the half lookup
+    compiles into one graph (``fullgraph=True``) with the same result."""
+    ops = torch.ops.torchrec_cowclip
+    ids, bags = torch.tensor([3, 1, 3, 0, 5]), torch.tensor([0, 0, 1, 2, 2])
+    weight, rows, counts = torch.randn(6, 4), torch.tensor([0, 1, 3, 5]), torch.tensor([1, 1, 2, 1])
+    update = (weight, None, None, rows, counts, torch.randn(4, 4), None, None, None)
+    update += (torch.tensor([0, 6]), None, None, None, None, None)
+    update += (2, 0.1, 0.9, 0.99, 1e-8, 0.0, True, 1.0, 1e-3, 0.0, 1.0)
+    samples = {
+        ops.group_rows.default: (ids, bags, 6, None, None),
+        ops.fused_update_.default: update,
+        ops.pooled_lookup.default: (weight.half(), ids, torch.tensor([0, 2, 5]), None, False),
+        ops.rounding_row_keys.default: (
+            torch.tensor([1, 2]),
+            torch.tensor([3, 4]),
+            torch.tensor([5, 6]),
+        ),
+        ops.stochastic_round.default: (
+            torch.randn(2, 3),
+            torch.tensor([1, 2]),
+            torch.tensor([0, 3]),
+            torch.bfloat16,
+        ),
+    }
+    for op, args in samples.items():
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
+
+    def step(w, g):
+        pooled = native.pooled_lookup(
+            w.to(torch.bfloat16), ids, torch.tensor([0, 2, 5]), None, True
+        )
+        status, per_table = native.fused_update_(
+            w,
+            [],
+            rows,
+            counts,
+            **{**PLAIN, "grad": g, "clip": (1.0, 1e-3)},
+            row_offsets=torch.tensor([0, 6]),
+            optimizer="sgd",
+            lr=0.1,
+        )
+        return pooled, status, per_table
+
+    g = torch.randn(4, 4)
+    eager_w, compiled_w = weight.clone(), weight.clone()
+    expected = step(eager_w, g)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_w, g)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    assert torch.equal(eager_w, compiled_w)
+
+
+# --- the multi-chunk path (1,024-row chunks, several threads) ------------------------------
+
+#: Rows of the three tables of the multi-chunk problem: thousands of distinct rows touched,
+#: so the update runs over many 1,024-row chunks and the grouping over many 4,096-position
+#: chunks, each chunk starting in its own table.
+BIG_TABLES = (9_000, 13_000, 8_000)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("dim", [16, 5])
+def test_many_chunks_on_several_threads_match_the_functional_core(optimizer, dim):
+    """The update over ~20 chunks of 1,024 rows on 1, 2 and 4 threads: each chunk finds its
+    first row's table and counts per table atomically; the result is the functional core's
+    (1e-6) and the same bit for bit on every thread count."""
+    gen = torch.Generator().manual_seed(21)
+    num_rows = sum(BIG_TABLES)
+    row_offsets = torch.tensor([0, *torch.tensor(BIG_TABLES).cumsum(0).tolist()])
+    weight = torch.randn(num_rows, dim, generator=gen) * 0.05
+    weight[::97] *= 1e-4  # tiny rows in every chunk: the clip binds there
+    state = []
+    if optimizer == "adam":
+        state = [torch.randn(num_rows, dim, generator=gen) * 1e-2, torch.rand(num_rows, dim) * 1e-3]
+    elif optimizer == "rowwise_adagrad":
+        state = [torch.rand(num_rows, generator=gen)]
+    positions = torch.randint(0, num_rows, (60_000,), generator=gen)
+    positions[:5000] = torch.randint(0, 50, (5000,), generator=gen)  # hot rows
+    bag_grads = torch.randn(7_000, dim, generator=gen) * 0.01
+    bags = torch.randint(0, 7_000, (60_000,), generator=gen)
+    position_weights = torch.rand(60_000, generator=gen) + 0.5
+    starts = torch.tensor([0, 60_000])
+    grouping = _eager_group(positions, bags, num_rows)
+    assert grouping.rows.numel() > 15 * 1024
+    table_of_row = torch.bucketize(grouping.rows, row_offsets[1:], right=True)
+    step = torch.tensor([2, 9, 4])
+    betas, cowclip, clip_enabled = (
+        (0.8, 0.99),
+        CowClip(r=1.0, zeta=1e-4),
+        torch.tensor([True, False, True]),
+    )
+    bias = adam_bias_corrections(step, *betas)
+    kw = dict(lr=0.05, betas=betas, eps=1e-6, weight_decay=0.01, cowclip=cowclip)
+    sorted_weights = position_weights[grouping.order]
+    grad = _summed(grouping, bag_grads, sorted_weights)
+    ref_w, ref_s, ref_clipped = _reference(
+        optimizer,
+        weight,
+        state,
+        grouping.rows,
+        grad,
+        grouping.counts,
+        table_of_row,
+        None,
+        clip_enabled=clip_enabled[table_of_row],
+        adam_bias=(bias[0][table_of_row], bias[1][table_of_row]),
+        **kw,
+    )
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            got = native.group_rows(
+                positions, bags, num_rows, starts, torch.tensor([[0, num_rows]])
+            )
+            for a, b in zip(
+                (
+                    grouping.rows,
+                    grouping.counts,
+                    grouping.segment_offsets,
+                    grouping.order,
+                    grouping.sorted_bags,
+                ),
+                got,
+            ):
+                assert torch.equal(a, b), n
+            w, st = weight.clone(), [x.clone() for x in state]
+            status, per_table = _fused(
+                w,
+                st,
+                grouping.rows,
+                grouping.counts,
+                bag_gradients=bag_grads,
+                segment_offsets=grouping.segment_offsets,
+                sorted_bags=grouping.sorted_bags,
+                sorted_weights=sorted_weights,
+                row_offsets=row_offsets,
+                clip_enabled=clip_enabled,
+                adam_bias=bias if optimizer == "adam" else None,
+                optimizer=optimizer,
+                clip=(cowclip.r, cowclip.zeta),
+                **{k: v for k, v in kw.items() if k != "cowclip"},
+            )
+            results.append((w, st, status, per_table))
+    finally:
+        torch.set_num_threads(threads)
+    w, st, status, per_table = results[0]
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    for a, b in zip(st, ref_s):
+        # Hot rows sum hundreds of weighted bag gradients, in another order than ATen's.
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=3e-8)
+    assert torch.equal(status == native.CLIPPED, ref_clipped) and 0 < int(ref_clipped.sum())
+    expected_counts = torch.stack(
+        [
+            torch.bincount(table_of_row, minlength=3),
+            torch.bincount(table_of_row[ref_clipped], minlength=3),
+            torch.zeros(3, dtype=torch.int64),
+        ]
+    )
+    assert torch.equal(per_table, expected_counts)
+    for other in results[1:]:  # every thread count: the same bits
+        assert torch.equal(other[0], w) and torch.equal(other[2], status)
+        assert all(torch.equal(a, b) for a, b in zip(other[1], st))
+        assert torch.equal(other[3], per_table)
+
+
 # --- stochastic rounding --------------------------------------------------------------------
 
 
@@ -421,14 +646,16 @@ def _half_tables(data_type):
     return [replace(t, data_type=data_type) for t in mixed_tables()]
 
 
-def _half_module(tables, optimizer, weights, mode):
-    set_compiled_update(mode)
+def _half_module(tables, optimizer, weights, mode, monkeypatch):
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", mode)  # the kernel is chosen here
     ebc = CowClipEmbeddingBagCollection(
         [replace(t) for t in tables],
-        optimizer=optimizer,
-        cowclip=CowClip(r=1.0, zeta=1e-3),
-        unclipped_tables=("linear",),
-        **HYPER,
+        options=CowClipOptions(
+            optimizer=optimizer,
+            cowclip=CowClip(r=1.0, zeta=1e-3),
+            unclipped_tables=("linear",),
+            **HYPER,
+        ),
     )
     with torch.no_grad():
         for name, w in weights.items():
@@ -438,7 +665,7 @@ def _half_module(tables, optimizer, weights, mode):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
-def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optimizer):
+def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optimizer, monkeypatch):
     """Half tables keep their type, pool in float32, keep float32 optimizer state; the
     native and the eager update round alike (same keys), and both stay within a few half
     ulps of the float32 module."""
@@ -452,17 +679,22 @@ def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optim
         for t in tables
     }
     modules = {
-        "native": _half_module(tables, optimizer, weights, "1"),
-        "eager": _half_module(tables, optimizer, weights, "0"),
+        "native": _half_module(tables, optimizer, weights, "1", monkeypatch),
+        "eager": _half_module(tables, optimizer, weights, "0", monkeypatch),
         "fp32": _half_module(
-            [replace(t, data_type=DataType.FP32) for t in tables], optimizer, weights, "0"
+            [replace(t, data_type=DataType.FP32) for t in tables],
+            optimizer,
+            weights,
+            "0",
+            monkeypatch,
         ),
     }
+    assert isinstance(modules["native"].row_kernel, NativeCpuKernel)
+    assert isinstance(modules["eager"].row_kernel, TorchKernel)
     for _ in range(3):
         kjt = random_kjt(tables, batch_size=6, generator=gen)
         upstream = None
-        for mode, ebc in modules.items():
-            set_compiled_update("1" if mode == "native" else "0")
+        for ebc in modules.values():
             out = ebc(kjt).values()
             assert out.dtype == torch.float32
             if upstream is None:
@@ -495,7 +727,9 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     import torchrec
 
     tables = _half_tables(data_type)
-    ebc = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    ebc = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.01)
+    )
     kjt = random_kjt(tables, batch_size=4, generator=torch.Generator().manual_seed(1))
     ebc(kjt).values().sum().backward()
     stock = torchrec.EmbeddingBagCollection(tables=[replace(t) for t in tables])
@@ -513,7 +747,9 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     torch.save({"model": ours_state, "optim": ebc.fused_optimizer.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    copy = CowClipEmbeddingBagCollection([replace(t) for t in tables], optimizer="adam", lr=0.01)
+    copy = CowClipEmbeddingBagCollection(
+        [replace(t) for t in tables], options=CowClipOptions(optimizer="adam", lr=0.01)
+    )
     copy.load_state_dict(saved["model"])
     copy.fused_optimizer.load_state_dict(saved["optim"])
     for k, v in ours_state.items():
@@ -527,7 +763,8 @@ def test_half_tables_state_dict_round_trip_and_torchrec_layout(data_type):
     assert (
         ebc.table_storage_bytes()
         < CowClipEmbeddingBagCollection(
-            [replace(t, data_type=DataType.FP32) for t in tables], optimizer="adam"
+            [replace(t, data_type=DataType.FP32) for t in tables],
+            options=CowClipOptions(optimizer="adam"),
         ).table_storage_bytes()
     )
 
@@ -549,46 +786,70 @@ def test_unsupported_data_types_are_refused_naming_the_table():
 # --- the switch ---------------------------------------------------------------------------
 
 
-def test_inductor_and_eager_modes_use_no_native_kernels(monkeypatch):
+def test_the_kernel_is_chosen_once_per_module_from_the_mode(monkeypatch):
+    """Modes ``0`` and ``inductor`` use no native kernel; the choice is made when the
+    module is built: a mode set afterwards changes nothing until it is moved."""
     calls = []
     monkeypatch.setattr(native, "fused_update_", lambda *a, **k: calls.append(1))
+    adam = update_rule("adam")
+    for mode, kind in (("0", "eager"), ("inductor", "inductor"), ("1", "native_cpu")):
+        monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", mode)
+        assert select_kernel(torch.device("cpu"), adam).kind == kind
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")
     tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
-    for mode in ("0", "inductor"):
-        set_compiled_update(mode)
-        assert not use_native_update(torch.device("cpu"))
-    set_compiled_update("0")
-    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1)
+    ebc = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "1")  # too late for this module
     ebc(kjt).values().sum().backward()
     assert calls == [] and ebc.clip_stats()["t"].rows_updated == 3
+    assert ebc.row_kernel.kind == "eager"
+    ebc.to("meta").to_empty(device="cpu")  # a move chooses again
+    assert ebc.row_kernel.kind == "native_cpu"
 
 
 def test_a_failed_build_warns_and_falls_back_in_auto_mode_and_raises_in_mode_1(monkeypatch):
-    def broken():
-        raise OSError("no compiler here")
-
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setattr(native, "_build_and_load", broken)
-    set_compiled_update("0")  # reference result on the eager path
+    failed = native.NativeBuild(error="OSError: no compiler here")
+    monkeypatch.setattr(native, "build", lambda: failed)
+    monkeypatch.setattr(kernels, "toolchain_available", lambda device_type: False)
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")  # reference result on the eager path
     tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
-    expected = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
+    expected = CowClipEmbeddingBagCollection(tables, init_seed=0, options=CowClipOptions(lr=0.1))
     expected(kjt).values().sum().backward()
-    monkeypatch.setattr(row_step, "_failed_devices", {"cpu"})  # and no Inductor either
-    set_compiled_update("auto")
-    ebc = CowClipEmbeddingBagCollection(tables, lr=0.1, init_seed=0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ebc(kjt).values().sum().backward()
-    assert any("no compiler here" in str(w.message) for w in caught)
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "auto")
+    with pytest.warns(RuntimeWarning, match="no compiler here.*eager row step"):
+        ebc = CowClipEmbeddingBagCollection(tables, init_seed=0, options=CowClipOptions(lr=0.1))
+    assert ebc.row_kernel.kind == "eager"  # decided when built, before any step
+    ebc(kjt).values().sum().backward()
     assert torch.equal(
         ebc.state_dict()["embedding_bags.t.weight"],
         expected.state_dict()["embedding_bags.t.weight"],
     )
-    set_compiled_update("1")
-    with pytest.raises(RuntimeError, match="required.*no compiler here"):
-        use_native_update(torch.device("cpu"))
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "1")
+    with pytest.raises(RuntimeError, match="required.*: OSError: no compiler here$"):
+        CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
+
+
+def test_a_build_failure_reads_as_one_line():
+    """A compiler's pages become one line: the first that names an error, else the last."""
+    pages = RuntimeError(
+        "Error building extension 'x':\n[1/2] c++ -O3 ...\nsrc.cpp:3:1: error: 'foo' was "
+        "not declared\n   3 | foo();\nninja: build stopped"
+    )
+    assert native.one_line(pages) == "RuntimeError: Error building extension 'x':"
+    assert native.one_line(OSError("first\n\nlast line\n")) == "OSError: last line"
+    assert "\n" not in native.one_line(RuntimeError("a\nb"))
+
+
+def test_the_library_name_hashes_the_source(monkeypatch, tmp_path):
+    """Two checkouts (or an edited source) never share a cached library."""
+    name = native.extension_name()
+    copy = tmp_path / "cowclip_cpu.cpp"
+    copy.write_bytes(native.SOURCE.read_bytes())
+    monkeypatch.setattr(native, "SOURCE", copy)
+    assert native.extension_name() == name
+    copy.write_bytes(native.SOURCE.read_bytes() + b"// edited\n")
+    assert native.extension_name() != name
 
 
 def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):

@@ -20,6 +20,7 @@ from torchrec import KeyedJaggedTensor
 import torchrec_cowclip.train.resume_guard as resume_guard
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.fused import validate_hyperparameters
+from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.train.checkpoint import (
     TRAINER_STATE,
     WRITING_MARKER,
@@ -315,9 +316,7 @@ def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
 def _ebc():
     torch.manual_seed(0)
     return CowClipEmbeddingBagCollection(
-        tables=[bag_config("t0", 4, 20, ["f0"])],
-        optimizer="adam",
-        lr=1e-2,
+        tables=[bag_config("t0", 4, 20, ["f0"])], options=CowClipOptions(optimizer="adam", lr=1e-2)
     )
 
 

@@ -1,26 +1,27 @@
 """The compiled row update (TorchInductor) against the eager one and the functional math,
-and the choice between them (environment variable, fallback on a failed build)."""
+the mode that chooses between them (environment variable), and a failed compile (an
+error in one line, never a silent fallback)."""
 
+import os
 import shutil
 
 import pytest
 import torch
 
 from torchrec_cowclip.optim import row_step
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import (
     RowSums,
     adam_bias_corrections,
     cowclip_row_update_,
     partial_row_sums,
 )
+from torchrec_cowclip.optim.options import CountLR, CowClip
 from torchrec_cowclip.optim.row_step import (
     compiled_update_mode,
     gather_step_scatter_,
-    row_step_,
     set_compiled_update,
-    use_compiled_update,
 )
+from torchrec_cowclip.optim.rules import update_rule
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for Inductor")
@@ -30,12 +31,6 @@ needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler f
 SGD_0_1 = dict(
     optimizer="sgd", lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None
 )
-
-
-@pytest.fixture(autouse=True)
-def _reset_mode():
-    yield
-    set_compiled_update(None)
 
 
 def _problem(optimizer, num_rows=50, dim=6, touched=17, seed=0):
@@ -69,7 +64,13 @@ def _expected(optimizer, weight, state, rows, grad, counts, step, **kw):
     w_rows = w[rows].clone()
     s_rows = {k: v[rows].clone() for k, v in f64.items()}
     clipped = cowclip_row_update_(
-        optimizer, w_rows, grad.to("cpu", torch.float64), counts, s_rows, step, **kw
+        update_rule(optimizer).step,
+        w_rows,
+        grad.to("cpu", torch.float64),
+        counts,
+        s_rows,
+        step,
+        **kw,
     )
     w[rows] = w_rows
     for k in f64:
@@ -108,7 +109,7 @@ def test_row_step_matches_the_functional_math(
     """The row step in float32 on ``device`` (Inductor's Triton kernels on CUDA when
     compiled) against the float64 functional math on CPU. Two calls with different lr and
     row counts: one graph serves both (dynamic shapes, lr not baked in), and both are right."""
-    set_compiled_update(mode)
+    step_rows = row_step.row_step(compiled=mode == "1")
     any_clipped = any_unclipped = False
     for seed, ((num_rows, touched), lr) in enumerate(zip(SIZES[device.type], (0.05, 0.02))):
         weight, state, rows, grad, counts, step, mask = _problem(
@@ -131,7 +132,7 @@ def test_row_step_matches_the_functional_math(
         state = {k: v.to(device) for k, v in state.items()}
         bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
         clip_enabled = mask.to(device) if masked else None
-        clipped = row_step.row_step_(
+        clipped = step_rows(
             weight,
             state,
             rows,
@@ -158,7 +159,6 @@ def test_row_step_matches_the_functional_math(
 
 def test_a_wrong_row_step_fails_the_check(device, wrong_row_step, monkeypatch):
     """The comparison above can fail: a row step that is off by 1e-3 on one row is caught."""
-    monkeypatch.setattr(row_step, "row_step_", wrong_row_step)
     with pytest.raises(AssertionError, match="not close"):
         test_row_step_matches_the_functional_math(device, "0", *CASES[-1])
 
@@ -175,10 +175,9 @@ def test_compiled_column_shard_step_uses_whole_row_sums(optimizer):
     }
     sums = RowSums.from_sums(partial_row_sums(grad, weight[rows]), 8)
     results = []
-    for mode in ("0", "1"):
-        set_compiled_update(mode)
+    for compiled in (False, True):
         w, s = shard_w.clone(), {k: v.clone() for k, v in shard_state.items()}
-        clipped = row_step_(
+        clipped = row_step.row_step(compiled)(
             w,
             s,
             rows,
@@ -204,7 +203,10 @@ def test_compiled_column_shard_step_uses_whole_row_sums(optimizer):
 def test_mode_comes_from_the_environment_and_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")
     assert compiled_update_mode() == "0"
-    assert not use_compiled_update(torch.device("cpu"))
+    set_compiled_update("inductor")  # the environment, for this process and its children
+    assert compiled_update_mode() == "inductor" == os.environ["TORCHREC_COWCLIP_COMPILE"]
+    set_compiled_update(None)
+    assert compiled_update_mode() == "auto"
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "sometimes")
     with pytest.raises(ValueError, match="TORCHREC_COWCLIP_COMPILE='sometimes'"):
         compiled_update_mode()
@@ -212,29 +214,26 @@ def test_mode_comes_from_the_environment_and_rejects_bad_values(monkeypatch):
         set_compiled_update("yes")
 
 
-def test_a_failed_build_falls_back_to_eager_once_with_a_warning(monkeypatch):
-    set_compiled_update("auto")
-    monkeypatch.setattr(row_step, "_can_compile", lambda device: True)
+def test_a_failed_compile_raises_in_one_line_and_never_falls_back(monkeypatch):
+    """A compiled step whose compile fails raises (naming the error and the eager switch)
+    every time, and changes no row: a process never switches path on its own, so the
+    ranks of a job never run different paths."""
     calls = []
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("no compiler here")
+        raise RuntimeError("no compiler here\nand a second line")
 
-    monkeypatch.setattr(row_step, "_compiled_fn", lambda: broken)
+    monkeypatch.setattr(row_step, "_compiled_gather_step_scatter", lambda: broken)
     weight, state, rows, grad, counts, step, _ = _problem("sgd")
-    want_w, _, _ = _expected("sgd", weight, state, rows, grad, counts, step, lr=0.1)
-    with pytest.warns(RuntimeWarning, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
-    assert_close_to_reference(weight, want_w)
-    assert not use_compiled_update(torch.device("cpu"))
-    row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
-    assert len(calls) == 1  # not retried
-
-    # Forced compilation surfaces the error instead.
-    set_compiled_update("1")
-    with pytest.raises(RuntimeError, match="no compiler here"):
-        row_step_(weight, {}, rows, grad, counts, **SGD_0_1)
+    before = weight.clone()
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as raised:
+            row_step.row_step(compiled=True)(weight, {}, rows, grad, counts, **SGD_0_1)
+        message = str(raised.value)
+        assert "\n" not in message and "no compiler here" in message
+        assert "TORCHREC_COWCLIP_COMPILE=0" in message
+    assert len(calls) == 2 and torch.equal(weight, before)
 
 
 def test_gather_step_scatter_touches_only_the_given_rows():
@@ -267,7 +266,6 @@ def test_gather_step_scatter_touches_only_the_given_rows():
 )
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
 def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
-    set_compiled_update(mode)
     weight, state, rows, grad, counts, step, mask = _problem(optimizer)
     counts = counts * 3  # counts 3..9 against cap 4: both sides of the cap
     kw = dict(
@@ -286,7 +284,7 @@ def test_row_step_with_count_lr_matches_the_functional_math(mode, optimizer):
         optimizer, weight, state, rows, grad, counts, step, **{**kw, "count_lr": None}
     )
     bias = adam_bias_corrections(step, 0.8, 0.99) if optimizer == "adam" else None
-    clipped = row_step_(
+    clipped = row_step.row_step(compiled=mode == "1")(
         weight,
         state,
         rows,

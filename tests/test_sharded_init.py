@@ -17,11 +17,14 @@ import torch
 from distributed_harness import run_ranks
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _unsharded_start(optimizer: str) -> dict:
     ebc = CowClipEmbeddingBagCollection(
-        [replace(t) for t in cases.init_tables()], optimizer=optimizer, init_seed=17
+        [replace(t) for t in cases.init_tables()],
+        init_seed=17,
+        options=CowClipOptions(optimizer=optimizer),
     )
     return {k: v.detach().clone() for k, v in ebc.state_dict().items()}
 
@@ -40,7 +43,7 @@ def test_every_world_size_and_sharding_type_starts_from_the_unsharded_weights(
         # Bit-identical: the same generator draws for the same global rows and columns.
         assert torch.equal(result["weights"][key], weight), key
     whole = CowClipEmbeddingBagCollection(
-        [replace(t) for t in cases.init_tables()], optimizer=optimizer
+        [replace(t) for t in cases.init_tables()], options=CowClipOptions(optimizer=optimizer)
     ).table_storage_bytes()
     for rank, (held, shards) in enumerate(result["storage"]):
         assert held == shards > 0, (

@@ -153,14 +153,18 @@ def test_disagreements_between_options_fused_params_and_the_module_are_refused()
             fused_params=fused, options=CowClipOptions(optimizer="rowwise_adagrad", lr=1e-3)
         )
     with pytest.raises(ValueError, match="disagree on the tables' optimizer"):
-        CowClipEmbeddingBagCollectionSharder(fused_params=fused, optimizer="sgd")
+        CowClipEmbeddingBagCollectionSharder(
+            fused_params=fused, options=CowClipOptions(optimizer="sgd")
+        )
     # Options that agree are one configuration, said twice.
     same = CowClipEmbeddingBagCollectionSharder(
         fused_params=fused, options=CowClipOptions(optimizer="rowwise_adagrad", lr=0.5)
     )
     assert same.options.lr == 0.5
     # A CowClip collection's own options against the sharder's.
-    module = CowClipEmbeddingBagCollection(_tables(), optimizer="adam", lr=1e-3, device="meta")
+    module = CowClipEmbeddingBagCollection(
+        _tables(), device="meta", options=CowClipOptions(optimizer="adam", lr=1e-3)
+    )
     sharder = CowClipEmbeddingBagCollectionSharder(
         module_type=CowClipEmbeddingBagCollection, fused_params=fused
     )
@@ -258,14 +262,14 @@ def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively()
     assert marked.options == native.options
     torch.testing.assert_close(marked.state_dict(), native.state_dict(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="disagree"):
-        CowClipEmbeddingBagCollection.from_ebc(stock, lr=0.1)
+        CowClipEmbeddingBagCollection.from_ebc(stock, options=CowClipOptions(lr=0.1))
 
 
 # --- FBGEMM-compatible state, in memory -----------------------------------------------
 
 
 def test_state_converts_to_fbgemm_names_and_back_sharing_storage():
-    module = CowClipEmbeddingBagCollection(_tables(), optimizer="adam")
+    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer="adam"))
     module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
     ours = module.fused_optimizer.state_dict()
     stock = fbgemm_state_dict(ours)

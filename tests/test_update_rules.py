@@ -9,9 +9,8 @@ from tiny import bag_config
 from torchrec import KeyedJaggedTensor
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
-from torchrec_cowclip.distributed.options import PLANNER_OPTIMIZER_CLASS
+from torchrec_cowclip.distributed.sharder import PLANNER_OPTIMIZER_CLASS
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.optim.row_step import set_compiled_update
 from torchrec_cowclip.optim.rules import (
     OPTIMIZERS,
     STATE_LAYOUT,
@@ -35,13 +34,12 @@ TOY = UpdateRule("toy_heavy_ball", _heavy_ball, (("velocity", "D"),), "torch.opt
 
 
 @pytest.fixture
-def toy_rule():
+def toy_rule(monkeypatch):
     register_update_rule(TOY)
-    set_compiled_update("0")  # eager: the test is about the registry, not Inductor
+    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")  # the registry, not Inductor
     try:
         yield TOY
     finally:
-        set_compiled_update(None)
         unregister_update_rule(TOY.name)
 
 
@@ -58,9 +56,7 @@ def test_a_registered_rule_trains_a_collection_end_to_end(toy_rule):
 
     ebc = CowClipEmbeddingBagCollection(
         [bag_config("t", 3, 5)],
-        optimizer=toy_rule.name,
-        lr=0.1,
-        cowclip=None,
+        options=CowClipOptions(optimizer=toy_rule.name, lr=0.1, cowclip=None),
     )
     start = ebc.embedding_bags["t"].weight.detach().clone()
     kjt = KeyedJaggedTensor.from_lengths_sync(

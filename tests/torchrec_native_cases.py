@@ -213,9 +213,8 @@ class Mixed(nn.Module):
                 replace(t, name="c" + t.name, feature_names=["g" + t.feature_names[0]])
                 for t in tables()[:2]
             ],
-            optimizer="sgd",
-            lr=0.1,
             device="meta",
+            options=CowClipOptions(optimizer="sgd", lr=0.1),
         )
         self.ec = EmbeddingCollection(
             tables=[
@@ -335,7 +334,9 @@ def optimizer_keys_case(rank: int, world: int) -> Dict[str, Any]:
     merged: Dict[str, Any] = {}
     for part in everyone:
         merged.update(part)
-    unsharded = Model(CowClipEmbeddingBagCollection(tables(), optimizer="adam"))
+    unsharded = Model(
+        CowClipEmbeddingBagCollection(tables(), options=CowClipOptions(optimizer="adam"))
+    )
     local = {
         k: sorted(v) for k, v in model_fused_optimizer(unsharded).state_dict()["state"].items()
     }

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
 from torchrec_cowclip._version import __version__ as __version__
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CountLR, CowClip, CowClipOptions, Helen
 
 if TYPE_CHECKING:
     from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection

@@ -2,7 +2,10 @@
 
 The sharder extends TorchRec at three overridden methods (:func:`extension_points`) and
 reads a few attributes TorchRec documents nowhere; torch keeps ``ShardedTensor``, the
-process group's timeout and FX's tracing check under private paths. Each such name is
+process group's timeout and FX's tracing check under private paths; the native kernels
+use one symbol of FBGEMM that libtorch_cpu carries (:func:`fbgemm_radix_sort_available`);
+and a few torch modules hold the default process group once imported after it exists
+(:func:`import_modules_holding_the_default_group`). Each such name is
 reached only through this module, each accessor says why it is needed, and
 ``tests/test_compat.py`` checks every one against the installed versions, so a TorchRec
 or torch upgrade that moves one fails there, naming it, rather than deep inside a
@@ -15,7 +18,11 @@ package that need torch alone (the row step) import without it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import importlib
 import logging
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Type
 
@@ -48,7 +55,9 @@ __all__ = [
     "dmp_data_parallel",
     "embedding_shardings",
     "extension_points",
+    "fbgemm_radix_sort_available",
     "grouped_configs",
+    "import_modules_holding_the_default_group",
     "pipelined_forward_target",
     "in_backward_marks_hidden",
     "in_backward_optimizer",
@@ -336,3 +345,53 @@ def add_fx_tracing_filter(notice: logging.Filter) -> None:
     """Adds ``notice`` to the logger of torch.fx's tracing check (:data:`FX_TRACING_LOGGER`);
     idempotent."""
     logging.getLogger(FX_TRACING_LOGGER).addFilter(notice)
+
+
+# --- libtorch_cpu's FBGEMM ----------------------------------------------------------------
+
+#: The C++ symbol of ``fbgemm::radix_sort_parallel<int32_t, int32_t>`` (``fbgemm/Utils.h``,
+#: which torch ships; the template is instantiated in libtorch_cpu, not declared by any
+#: public torch API). The native grouping of one large row range calls it.
+FBGEMM_RADIX_SORT_SYMBOL = "_ZN6fbgemm19radix_sort_parallelIiiEESt4pairIPT_PT0_ES3_S5_S3_S5_llb"
+
+
+@functools.lru_cache(maxsize=None)
+def fbgemm_radix_sort_available() -> bool:
+    """Whether this torch's libtorch_cpu exports :data:`FBGEMM_RADIX_SORT_SYMBOL` (and
+    ships the header declaring it): the native kernels are built to call it when it does,
+    and to use their own radix sort, same result, when a torch upgrade drops it."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    if not os.path.exists(os.path.join(os.path.dirname(lib), "include", "fbgemm", "Utils.h")):
+        return False
+    try:
+        library = ctypes.CDLL(os.path.join(lib, "libtorch_cpu.so"), mode=os.RTLD_NOLOAD)
+        getattr(library, FBGEMM_RADIX_SORT_SYMBOL)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+# --- process groups ---------------------------------------------------------------------
+
+#: torch modules with functions whose default argument is ``dist.group.WORLD``, evaluated
+#: when the module is first imported: imported after ``init_process_group``, the default
+#: holds the default process group for the life of the process, past
+#: ``destroy_process_group``. TorchRec imports the first two lazily (on ``import
+#: torchrec``, and in ``apply_optimizer_in_backward``).
+MODULES_HOLDING_THE_DEFAULT_GROUP = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+)
+
+
+def import_modules_holding_the_default_group() -> None:
+    """Imports :data:`MODULES_HOLDING_THE_DEFAULT_GROUP`; called before a process group is
+    created, their defaults are None, not the group.
+
+    Why it matters: a gloo process group that outlives ``destroy_process_group`` keeps its
+    worker threads until the interpreter finalizes; a worker that then frees a finished
+    collective's tensors takes the GIL of a finalizing interpreter, which ends the thread
+    with a forced unwind through a ``noexcept`` destructor: ``terminate called without an
+    active exception``, SIGABRT at exit (``tests/test_process_exit.py``)."""
+    for name in MODULES_HOLDING_THE_DEFAULT_GROUP:
+        importlib.import_module(name)

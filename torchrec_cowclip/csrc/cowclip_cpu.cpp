@@ -16,7 +16,9 @@
 //                   Given each feature's positions and row range, the features of each
 //                   table sort on their own (in parallel, in cache, with digits as wide
 //                   as the table needs); one large range uses FBGEMM's radix_sort_parallel
-//                   (which libtorch_cpu carries).
+//                   where libtorch_cpu carries it (COWCLIP_FBGEMM_RADIX_SORT=1, set by
+//                   embedding/native.py from torchrec_cowclip/compat.py's check), else
+//                   the same radix sort as the tables'.
 //   fused_update_   the per-row update above, in place; returns a status per row
 //                   (0 updated, 1 updated and clipped, 2 skipped: non-finite) and per
 //                   table counts of the three.
@@ -25,6 +27,11 @@
 //   stochastic_round, rounding_row_keys
 //                   the rounding of updated float32 rows into float16 / bfloat16 storage,
 //                   exposed for the tests that hold it to optim/functional.py bit for bit.
+//
+// Every index an op reads or writes through is checked first, with one TORCH_CHECK per
+// input (offsets start at 0 and ascend, ids and rows lie in their tables, bags in the
+// gradient), in one pass over the offsets and rows: a wrong caller gets a one-line error
+// and no write outside the tensors.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,8 +39,14 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <fbgemm/Utils.h>
 #include <torch/library.h>
+
+#ifndef COWCLIP_FBGEMM_RADIX_SORT
+#define COWCLIP_FBGEMM_RADIX_SORT 0
+#endif
+#if COWCLIP_FBGEMM_RADIX_SORT
+#include <fbgemm/Utils.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -242,6 +255,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
     const int64_t* fsp = fs.data_ptr<int64_t>();
     const int64_t* frp = fr.data_ptr<int64_t>();
     TORCH_CHECK(fsp[0] == 0 && fsp[F] == n, "feature_starts must span the positions");
+    bool rows_inside = true;
+    for (int64_t f = 0; f < F; ++f) {
+      rows_inside &= frp[2 * f] >= 0 && frp[2 * f + 1] >= 0 && frp[2 * f] + frp[2 * f + 1] <= num_rows;
+    }
+    TORCH_CHECK(rows_inside, "group_rows: feature_rows must lie in [0, num_rows = ", num_rows, ")");
     for (int64_t f = 0; f < F; ++f) {
       TORCH_CHECK(fsp[f] <= fsp[f + 1], "feature_starts must be ascending");
       auto it = std::find_if(units.begin(), units.end(), [&](const SortUnit& u) {
@@ -273,7 +291,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
   int32_t* sorted_keys = sorted_keys_v.data();
   int32_t* sorted_values = sorted_values_v.data();
   std::atomic<bool> outside{false};
-  if (units.size() == 1 && n > 65536) {
+  if (COWCLIP_FBGEMM_RADIX_SORT && units.size() == 1 && n > 65536) {
+#if COWCLIP_FBGEMM_RADIX_SORT
     // One range (a single table, or rows of no known layout): FBGEMM's parallel radix sort.
     const SortUnit& u = units[0];
     std::vector<int32_t> keys, values, tmp_keys(n), tmp_values(n);
@@ -285,6 +304,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
       sorted_keys[j] = static_cast<int32_t>(sk[j] + u.row_start);
       sorted_values[j] = sv[j];
     }
+#endif
   } else {
     at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t ub, int64_t ue) {
       std::vector<int32_t> keys, values, tmp_keys, tmp_values;
@@ -641,7 +661,13 @@ std::tuple<Tensor, Tensor> fused_update(
   TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.dim() == 2 &&
                   grad.size(1) == D,
               "grad: contiguous float32 [*, D]");
-  TORCH_CHECK(row_offsets.data_ptr<int64_t>()[T] == R, "row_offsets must end at the weight's rows");
+  {
+    const int64_t* ro = row_offsets.data_ptr<int64_t>();
+    bool ascending = ro[0] == 0 && ro[T] == R;
+    for (int64_t t = 0; t < T; ++t) ascending &= ro[t] <= ro[t + 1];
+    TORCH_CHECK(ascending, "fused_update_: row_offsets must start at 0, ascend and end at the "
+                "weight's ", R, " rows");
+  }
   const bool segments = segment_offsets.has_value();
   TORCH_CHECK(segments == sorted_bags.has_value(),
               "segment_offsets and sorted_bags come together");
@@ -666,11 +692,15 @@ std::tuple<Tensor, Tensor> fused_update(
                     segment_offsets->numel() == U + 1,
                 "segment_offsets: [U + 1] int64");
     a.segment_offsets = segment_offsets->data_ptr<int64_t>();
-    const int64_t L = a.segment_offsets[U];
-    TORCH_CHECK(sorted_bags->scalar_type() == at::kLong && sorted_bags->is_contiguous() &&
-                    sorted_bags->numel() == L,
+    TORCH_CHECK(sorted_bags->scalar_type() == at::kLong && sorted_bags->is_contiguous(),
                 "sorted_bags: [L] int64");
     a.sorted_bags = sorted_bags->data_ptr<int64_t>();
+    const int64_t L = sorted_bags->numel();
+    // The ends here; that the offsets ascend, and the bags, in the one pass over the rows
+    // below.
+    TORCH_CHECK(a.segment_offsets[0] == 0 && a.segment_offsets[U] == L,
+                "fused_update_: segment_offsets must start at 0, ascend and end at the ", L,
+                " positions of sorted_bags");
     a.sorted_weights = optional_float(sorted_weights, L, "sorted_weights");
   }
   a.row_offsets = row_offsets.data_ptr<int64_t>();
@@ -725,15 +755,40 @@ std::tuple<Tensor, Tensor> fused_update(
   }
   // Every row must lie in the weight (the callers' ids are checked in forward; this keeps a
   // wrong caller from writing outside the tables).
+  // And their positions: the segment offsets ascend, and every position's bag is a row of
+  // the bag gradients. Before any write, in branch-free loops the compiler vectorises
+  // (an OR of the conditions per chunk): two streaming passes, rows then positions.
   {
     const int64_t* rp = a.rows;
-    std::atomic<bool> bad{false};
+    const int64_t* so = a.segment_offsets;
+    std::atomic<bool> bad_rows{false}, bad_segments{false};
     at::parallel_for(0, U, 65536, [&](int64_t begin, int64_t end) {
+      uint64_t rows_bad = 0, segments_bad = 0;
       for (int64_t u = begin; u < end; ++u) {
-        if (rp[u] < 0 || rp[u] >= R || (u > 0 && rp[u] <= rp[u - 1])) bad = true;
+        rows_bad |= static_cast<uint64_t>(rp[u]) >= static_cast<uint64_t>(R);
+        rows_bad |= u > 0 && rp[u] <= rp[u - 1];
       }
+      if (so != nullptr) {
+        for (int64_t u = begin; u < end; ++u) segments_bad |= so[u] > so[u + 1];
+      }
+      if (rows_bad) bad_rows = true;
+      if (segments_bad) bad_segments = true;
     });
-    TORCH_CHECK(!bad.load(), "rows must be distinct, ascending and inside the weight");
+    TORCH_CHECK(!bad_rows.load(), "rows must be distinct, ascending and inside the weight");
+    TORCH_CHECK(!bad_segments.load(), "fused_update_: segment_offsets must start at 0, ascend "
+                "and end at the ", so[U], " positions of sorted_bags");
+    if (so != nullptr) {
+      const int64_t* sb = a.sorted_bags;
+      const uint64_t bags = static_cast<uint64_t>(grad.size(0));
+      std::atomic<bool> bad_bags{false};
+      at::parallel_for(0, so[U], 65536, [&](int64_t begin, int64_t end) {
+        uint64_t outside = 0;
+        for (int64_t p = begin; p < end; ++p) outside |= static_cast<uint64_t>(sb[p]) >= bags;
+        if (outside) bad_bags = true;
+      });
+      TORCH_CHECK(!bad_bags.load(), "fused_update_: sorted_bags must index the ", bags,
+                  " rows of the bag gradients");
+    }
   }
   switch (weight.scalar_type()) {
     case at::kFloat:
@@ -757,13 +812,16 @@ std::tuple<Tensor, Tensor> fused_update(
 // --- pooled_lookup ---------------------------------------------------------------------
 
 template <typename W>
-void pool_bags(const W* weight, int64_t D, int64_t R, const int64_t* ids, const int64_t* offsets,
-               const float* psw, bool mean, float* out, int64_t begin, int64_t end) {
-  const int64_t last = offsets[end];
+void pool_bags(const W* weight, int64_t D, int64_t R, const int64_t* ids, int64_t num_ids,
+               const int64_t* offsets, const float* psw, bool mean, float* out, int64_t begin,
+               int64_t end) {
+  const int64_t last = std::min(offsets[end], num_ids);  // prefetch inside the ids
   for (int64_t b = begin; b < end; ++b) {
     float* o = out + b * D;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
     const int64_t p0 = offsets[b], p1 = offsets[b + 1];
+    TORCH_CHECK(0 <= p0 && p0 <= p1 && p1 <= num_ids, "pooled_lookup: offsets must start at 0, "
+                "ascend and end at the ", num_ids, " ids");
     for (int64_t p = p0; p < p1; ++p) {
       if (p + kPositionPrefetch < last) {
         prefetch_read(weight + ids[p + kPositionPrefetch] * D, D * static_cast<int64_t>(sizeof(W)));
@@ -794,7 +852,9 @@ Tensor pooled_lookup(const Tensor& weight, const Tensor& ids, const Tensor& offs
   const int64_t D = weight.size(1), R = weight.size(0);
   const int64_t bags = offsets.numel() - 1;
   const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[bags] == ids.numel(), "offsets must end at the number of ids");
+  // The ends here, that they ascend per bag as the bags are pooled (into a new tensor).
+  TORCH_CHECK(off[0] == 0 && off[bags] == ids.numel(),
+              "pooled_lookup: offsets must start at 0, ascend and end at the ", ids.numel(), " ids");
   TORCH_CHECK(!(mean && per_sample_weights.has_value()), "mean pooling takes no weights");
   const float* psw = optional_float(per_sample_weights, ids.numel(), "per_sample_weights");
   Tensor out = at::empty({bags, D}, weight.options().dtype(at::kFloat));
@@ -802,7 +862,7 @@ Tensor pooled_lookup(const Tensor& weight, const Tensor& ids, const Tensor& offs
   const int64_t* id = ids.data_ptr<int64_t>();
   auto run = [&](auto* w) {
     at::parallel_for(0, bags, 2048, [&](int64_t begin, int64_t end) {
-      pool_bags(w, D, R, id, off, psw, mean, o, begin, end);
+      pool_bags(w, D, R, id, ids.numel(), off, psw, mean, o, begin, end);
     });
   };
   switch (weight.scalar_type()) {

@@ -21,8 +21,8 @@ Supported sharding types: table_wise, column_wise, table_column_wise, row_wise,
 table_row_wise, data_parallel.
 """
 
+from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.comm import CollectiveError
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.distributed.sharded_collection import (
     SUPPORTED_SHARDING_TYPES,
     ShardedCowClipEmbeddingBagCollection,
@@ -32,10 +32,15 @@ from torchrec_cowclip.distributed.sharder import (
     get_default_sharders,
 )
 
+# Before any process group exists (this package is imported at the top of a script that
+# shards): torch modules first imported after init_process_group would keep the default
+# group, and its gloo threads, alive past destroy_process_group (compat's accessor says
+# why that aborts a process at exit).
+compat.import_modules_holding_the_default_group()
+
 __all__ = [
     "CollectiveError",
     "CowClipEmbeddingBagCollectionSharder",
-    "CowClipOptions",
     "SUPPORTED_SHARDING_TYPES",
     "ShardedCowClipEmbeddingBagCollection",
     "get_default_sharders",

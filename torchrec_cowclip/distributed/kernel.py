@@ -37,8 +37,8 @@ from torchrec_cowclip.compat import (
     mark_updated_in_backward,
 )
 from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.kernels import RowKernel
 from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit
@@ -48,6 +48,7 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
+from torchrec_cowclip.optim.options import CowClipOptions
 
 
 def _shard_offsets(shard: Any) -> Tuple[int, int]:
@@ -81,12 +82,16 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         channel: the lookup's channel into the row-update coordinator (shared by its
             kernels).
         index: this kernel's position in the lookup (orders the updates).
+        kernel: the row kernel of its table batches
+            (:mod:`torchrec_cowclip.embedding.kernels`; the sharded collection's, the same
+            kind on every rank).
 
     Example (what :class:`~torchrec_cowclip.distributed.lookup.CowClipPooledEmbeddingsLookup`
     does for each group)::
 
         kernel = CowClipBatchedEmbeddingBag(config, pg, device, ShardingType.TABLE_WISE,
-                                            CowClipOptions(lr=1e-4), channel, index=0)
+                                            CowClipOptions(lr=1e-4), channel, index=0,
+                                            kernel=TorchKernel(compiled=False))
         pooled = kernel(kjt)                 # [B, sum of local dims]
     """
 
@@ -99,6 +104,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         options: CowClipOptions,
         channel: LookupChannel,
         index: int,
+        kernel: RowKernel,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
         if config.data_type not in (DataType.FP32, DataType.FP16, DataType.BF16):
@@ -153,6 +159,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                     options.optimizer,
                     [shards[k].name not in options.unclipped_tables for k in group],
                     device,
+                    kernel,
                     # Each shard rounds (FP16 / BF16) as its rows and columns of the whole
                     # table would.
                     [_shard_offsets(shards[k]) for k in group],
@@ -233,7 +240,9 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
         lookups = layout.prepare_lookups(self._batches, values, offsets, b, starts, bounds, weights)
         anchor, step = self._channel.current()
         outs = [
-            RowLookup.apply(anchor, self._batches[i], lookup, step, self._submission_of(i))
+            RowLookup.apply(
+                anchor, lookup.weights, self._batches[i], lookup, step, self._submission_of(i)
+            )
             for i, lookup in enumerate(lookups)
         ]
         return layout.pooled_in_order(outs, self._output_permutation)

@@ -25,9 +25,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
-from torchrec_cowclip.distributed.options import CowClipOptions
+from torchrec_cowclip.embedding.kernels import RowKernel
 from torchrec_cowclip.embedding.row_updates import LookupChannel
 from torchrec_cowclip.embedding.table_batch import TableClipStats
+from torchrec_cowclip.optim.options import CowClipOptions
 
 #: Plan compute kernels this lookup serves. ``fused`` is what the sharder offers the
 #: planner (a table-batched lookup with the optimizer fused into backward, which is what
@@ -45,6 +46,8 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         options: how the tables are trained.
         channel: the lookup's channel into the collection's row-update coordinator,
             with the strategy of its sharding type (``RowUpdates.channel(sync)``).
+        kernel: the row kernel of every table batch of its kernels (the sharded
+            collection's, agreed across ranks).
         scale_weight_gradients: TorchRec's per-sample-weight gradient scaling (off for
             data-parallel, as TorchRec does).
 
@@ -53,7 +56,7 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
         lookup = CowClipPooledEmbeddingsLookup(configs, device, pg, env,
                                                ShardingType.TABLE_WISE, options,
-                                               row_updates.channel(LocalRows()))
+                                               row_updates.channel(LocalRows()), kernel)
         pooled = lookup(kjt)      # backward applies the CowClip update of all its tables
     """
 
@@ -66,12 +69,14 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         sharding_type: ShardingType,
         options: CowClipOptions,
         channel: LookupChannel,
+        kernel: RowKernel,
         scale_weight_gradients: bool = True,
     ) -> None:
         # TorchRec's constructor creates the kernels (`_create_embedding_kernel`), which
         # need these; plain attributes may be set before nn.Module.__init__.
         self._options = options
         self._channel = channel
+        self._row_kernel = kernel
         super().__init__(
             grouped_configs=grouped_configs,
             device=device,
@@ -104,6 +109,7 @@ class CowClipPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             sharding_type=sharding_type,
             options=self._options,
             channel=self._channel,
+            kernel=self._row_kernel,
             # TorchRec appends each kernel as it is created: this is its index.
             index=len(compat.lookup_kernels(self)),
         )

@@ -36,7 +36,6 @@ from torch import Tensor
 from torchrec.distributed.comm_ops import get_gradient_division
 
 from torchrec_cowclip.distributed.comm import ColumnShardGroups, all_gather_row_gradients
-from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients, aggregate_row_gradients
 from torchrec_cowclip.embedding.row_updates import RowSync, Submission
 from torchrec_cowclip.embedding.table_batch import TableBatch
@@ -81,7 +80,7 @@ class ColumnShardRows(RowSync):
             sums = torch.cat([totals[name] for name in sub.batch.table_names])
             assert sub.whole_dims is not None  # the kernels of column shards submit them
             dims = sub.whole_dims[sub.batch.table_of_rows(rows)]
-            apply_fused_update_(
+            sub.batch.kernel.update_(
                 sub.batch, sub.row_grads, sub.options, RowSums.from_sums(sums, dims)
             )
 
@@ -105,7 +104,7 @@ class ReplicatedRows(RowSync):
         world = dist.get_world_size(self._pg)
         scale = 1.0 / world if get_gradient_division() else 1.0
         for sub, per_rank in zip(submissions, gathered):
-            apply_fused_update_(sub.batch, union_row_gradients(per_rank, scale), sub.options)
+            sub.batch.kernel.update_(sub.batch, union_row_gradients(per_rank, scale), sub.options)
 
     def perturbation_rows(self, submissions: List[Submission]) -> List[Tuple[RowGradients, bool]]:
         """The union of all replicas' rows (as the update uses), so that every replica

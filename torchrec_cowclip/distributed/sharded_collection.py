@@ -7,14 +7,21 @@ all-to-all, output all-to-all / reduce-scatter, shard placement), builds the sta
 the lookups' fused optimizers. This subclass overrides exactly two steps:
 
 * ``_create_lookups``: one :class:`~.lookup.CowClipPooledEmbeddingsLookup` per sharding
-  type, over the table groups TorchRec's sharding computed, with the update rule that
-  sharding type needs (:mod:`.deferred_update`);
+  type, over the table groups TorchRec's sharding computed, with the strategy that
+  sharding type needs (:mod:`.row_sync`: whole rows for table-wise and row-wise tables,
+  whole-row sums for column shards, the union of all replicas' rows for data-parallel);
 * ``init_data_parallel``: no ``DistributedDataParallel`` around data-parallel lookups
   (their fused update keeps the replicas identical itself; :class:`~.lookup.ReplicatedLookup`).
+
+Before TorchRec's construction runs, the ranks agree on one row kernel
+(:mod:`torchrec_cowclip.embedding.kernels`) for all their table batches: the native and
+the torch kernels agree to about 1e-6, not bit for bit, and a data-parallel table's
+replicas must stay identical.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -41,13 +48,15 @@ from torchrec_cowclip.distributed.lookup import (
     CowClipPooledEmbeddingsLookup,
     ReplicatedLookup,
 )
-from torchrec_cowclip.distributed.options import CowClipOptions
 from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding.kernels import KINDS, RowKernel, kernel_of_kind, select_kernel
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_updates import LocalRows, RowSync, RowUpdates
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
-from torchrec_cowclip.optim.config import Helen
+from torchrec_cowclip.optim.options import CowClipOptions, Helen
+from torchrec_cowclip.optim.row_step import COMPILE_ENV, compiled_update_mode
+from torchrec_cowclip.optim.rules import UpdateRule
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
 #: on the rank that TorchRec's input dist sends its occurrences to, so counts are global).
@@ -73,7 +82,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     behaves as TorchRec's sharded EBC (same forward, ``state_dict`` keys and types,
     ``fused_optimizer``), with every table updated by the fused CowClip step of the
     unsharded :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection` on the global
-    batch (see :mod:`.deferred_update` for the per-sharding-type rules).
+    batch (see :mod:`.row_sync` for the per-sharding-type rules).
 
     Example::
 
@@ -106,6 +115,10 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._cowclip_env = env
         self._cowclip_device = device
         self._row_inits = _agreed_row_initializers(module, env)
+        # Built (the native library, on first use) and agreed on before any step.
+        self._cowclip_kernel = _agreed_kernel(
+            device if device is not None else torch.device("cpu"), options.rule, env
+        )
         # The lookups TorchRec's constructor creates each open a channel into this.
         self._row_updates = RowUpdates(
             [t.name for t in self._cowclip_tables],
@@ -137,6 +150,12 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         one channel per lookup (sharding type), in one order on every rank
         (:mod:`torchrec_cowclip.embedding.row_updates`)."""
         return self._row_updates
+
+    @property
+    def row_kernel(self) -> RowKernel:
+        """How this rank's table batches group and update their touched rows, of the
+        same kind on every rank (:func:`_agreed_kernel`)."""
+        return self._cowclip_kernel
 
     @property
     def helen(self) -> Optional[Helen]:
@@ -288,6 +307,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     sharding_type=ShardingType(sharding_type),
                     options=self._cowclip_options,
                     channel=self._row_updates.channel(row_sync),
+                    kernel=self._cowclip_kernel,
                     scale_weight_gradients=sharding_type != ShardingType.DATA_PARALLEL.value,
                 )
             )
@@ -316,6 +336,48 @@ def _agreed_row_initializers(
     return inits
 
 
+def _agreed_kernel(device: torch.device, rule: UpdateRule, env: ShardingEnv) -> RowKernel:
+    """This rank's row kernel, of one kind on every rank of ``env`` (a collective).
+
+    Every rank chooses (:func:`~torchrec_cowclip.embedding.kernels.select_kernel`) and the
+    ranks compare. Where they differ and every rank is in ``auto`` mode (a native build
+    failed on some), all take the kind every one of them can run - the most conservative
+    of those chosen - with a warning naming the ranks; where a rank was told otherwise
+    (``TORCHREC_COWCLIP_COMPILE`` set differently), ValueError naming it.
+    """
+    kernel = select_kernel(device, rule)
+    pg = env.process_group
+    if pg is None or not dist.is_initialized():
+        return kernel
+    mine = (kernel.kind, compiled_update_mode())
+    gathered: List[Any] = [None] * dist.get_world_size(pg)
+    run_collective(
+        "the ranks' row kernels", pg, lambda: dist.all_gather_object(gathered, mine, group=pg)
+    )
+    kinds = [kind for kind, _ in gathered]
+    if len(set(kinds)) == 1:
+        return kernel
+    ranks = dist.get_process_group_ranks(pg)
+    chose = ", ".join(f"rank {r}: {kind}" for r, kind in zip(ranks, kinds))
+    if all(mode == "auto" for _, mode in gathered):
+        common = max(kinds, key=KINDS.index)
+        warnings.warn(
+            f"torchrec_cowclip: the ranks chose different row kernels ({chose}; a native "
+            f"build failed?); every rank updates with the {common} kernel, so that "
+            "replicated tables stay identical",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return kernel if kernel.kind == common else kernel_of_kind(common)
+    i = next(i for i, kind in enumerate(kinds) if kind != kinds[0])
+    raise ValueError(
+        f"rank {ranks[i]} updates its rows with the {kinds[i]} row kernel "
+        f"({COMPILE_ENV}={gathered[i][1]}), rank {ranks[0]} with {kinds[0]} "
+        f"({COMPILE_ENV}={gathered[0][1]}): the ranks of a sharded collection must use one "
+        f"kind; set {COMPILE_ENV} alike on every rank"
+    )
+
+
 def _add_stats(a: TableClipStats, b: TableClipStats) -> TableClipStats:
     """Counts of two row shards of one table (same steps)."""
     counts = {
@@ -341,8 +403,7 @@ def _checked_plan(
         if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
             raise ValueError(
                 f"table '{table}': sharding type '{sharding.sharding_type}' is not supported "
-                f"by the CowClip sharder (supported: {list(SUPPORTED_SHARDING_TYPES)}); "
-                "row-wise sharding would need per-row optimizer state sharded by rows"
+                f"by the CowClip sharder (supported: {list(SUPPORTED_SHARDING_TYPES)})"
             )
         kernel = EmbeddingComputeKernel(sharding.compute_kernel)
         if kernel not in SUPPORTED_COMPUTE_KERNELS:

@@ -13,7 +13,8 @@ the collection into a :class:`~.sharded_collection.ShardedCowClipEmbeddingBagCol
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+import importlib
+from typing import Any, Dict, List, Mapping, Optional, Type
 
 import torch
 from torch import nn
@@ -29,20 +30,41 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_cowclip import compat
-from torchrec_cowclip.distributed.options import PLANNER_OPTIMIZER_CLASS, CowClipOptions
 from torchrec_cowclip.distributed.sharded_collection import (
     SUPPORTED_SHARDING_TYPES,
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.rules import RuleView
 from torchrec_cowclip.optim.torchrec_config import (
     Settings,
     fused_params_settings,
     in_backward_settings,
-    keyword_settings,
     options_settings,
     resolve_options,
     table_marks,
+)
+
+__all__ = [
+    "PLANNER_OPTIMIZER_CLASS",
+    "CowClipEmbeddingBagCollectionSharder",
+    "get_default_sharders",
+]
+
+
+def _optimizer_class(path: str) -> Type[torch.optim.Optimizer]:
+    module, _, name = path.rpartition(".")
+    optimizer_class: Type[torch.optim.Optimizer] = getattr(importlib.import_module(module), name)
+    return optimizer_class
+
+
+#: The torch/TorchRec optimizer class whose state size TorchRec's planner knows for each
+#: registered update rule (``UpdateRule.planner_optimizer``, a live view): Adam keeps two
+#: values per weight, row-wise Adagrad one per row, SGD none. The sharder tells the
+#: planner through :meth:`CowClipEmbeddingBagCollectionSharder.shardable_parameters`.
+PLANNER_OPTIMIZER_CLASS: Mapping[str, Type[torch.optim.Optimizer]] = RuleView(
+    lambda rule: _optimizer_class(rule.planner_optimizer)
 )
 
 
@@ -56,16 +78,15 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     How the tables train is read from every place TorchRec and this project say it,
     merged into one :class:`~torchrec_cowclip.optim.options.CowClipOptions`
-    (:func:`~torchrec_cowclip.optim.torchrec_config.resolve_options`): ``options=`` (or
-    the older keywords), ``fused_params`` (FBGEMM's keys, honoured or refused in one line),
+    (:func:`~torchrec_cowclip.optim.torchrec_config.resolve_options`): ``options=``,
+    ``fused_params`` (FBGEMM's keys, honoured or refused in one line),
     each table weight's ``apply_optimizer_in_backward`` mark, and a
     ``CowClipEmbeddingBagCollection``'s own options. Two of them that disagree are
     refused, naming both, before anything is allocated.
 
     Args:
-        options: how the tables are trained, as one ``CowClipOptions``.
-        **training: instead of ``options``, its fields as keywords (``optimizer``, ``lr``,
-            ...: the older spelling).
+        options: how the tables are trained, as one ``CowClipOptions`` (None: what
+            ``fused_params``, the marks and the collection say, else the defaults).
         module_type: the module class this sharder shards (TorchRec matches sharders to
             modules by exact type): ``torchrec.EmbeddingBagCollection`` (default) or
             :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`;
@@ -97,7 +118,6 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         module_type: Type[nn.Module] = EmbeddingBagCollection,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-        **training: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         if module_type not in (EmbeddingBagCollection, CowClipEmbeddingBagCollection):
@@ -106,13 +126,11 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"CowClipEmbeddingBagCollection, got {module_type!r}"
             )
         self._module_type = module_type
-        # Validates the older keywords' names and values, and refuses both spellings.
-        CowClipOptions.from_keywords(options, training, "CowClipEmbeddingBagCollectionSharder()")
-        given: Settings = (
-            options_settings(options, "options=")
-            if options is not None
-            else keyword_settings(training, "the sharder's")
-        )
+        if options is not None and not isinstance(options, CowClipOptions):
+            raise TypeError(
+                f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
+            )
+        given: Settings = {} if options is None else options_settings(options, "options=")
         self._sources: List[Settings] = [given, fused_params_settings(fused_params)]
         self._options = resolve_options(self._sources)  # a disagreement is refused here
 

@@ -4,7 +4,6 @@ inside backward.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 from typing import (
     Any,
@@ -34,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.compat import mark_updated_in_backward
 from torchrec_cowclip.embedding import layout
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
+from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
 from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
@@ -43,21 +43,16 @@ from torchrec_cowclip.embedding.table_batch import (
     TableClipStats,
     group_into_table_batches,
 )
-from torchrec_cowclip.optim.config import Helen
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions, Helen
+from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
-    keyword_settings,
     options_settings,
     resolve_options,
     table_marks,
 )
-
-#: The constructor's keywords that say how the tables train: ``options=`` and the older
-#: spelling of its fields.
-_TRAINING_KEYWORDS = ("options", *(f.name for f in dataclasses.fields(CowClipOptions)))
 
 
 class TableWeight(nn.Module):
@@ -91,27 +86,20 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             stochastically, optimizer state float32, pooled outputs float32).
         options: how the tables are trained, as one
             :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the sharder,
-            the model factory and the trainer pass on); or, equivalently, the separate
-            keywords below (give one or the other).
-        optimizer: ``"adam"`` (the paper's), ``"rowwise_adagrad"`` or ``"sgd"``.
-        lr, betas, eps: optimizer hyperparameters (``betas`` used by Adam only).
-        weight_decay: coupled L2 added to clipped gradients of touched rows
-            (``2 * lambda`` of the TF reference's ``--l2``).
-        cowclip: clip parameters; None turns clipping off (plain lazy optimizer).
-        unclipped_tables: names of tables that are updated but never clipped.
-        count_lr: optional per-row learning rate from the row's count in the batch,
-            ``lr * min(c_j, cap) ** power`` (:class:`~torchrec_cowclip.optim.config.CountLR`;
-            not in the paper, see ``docs/scaling.md``); None: one ``lr`` for all rows.
-        is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``).
+            the model factory and the trainer pass on): the optimizer (``"adam"``, the
+            paper's, ``"rowwise_adagrad"`` or ``"sgd"``), its hyperparameters, the clip
+            (``cowclip=None`` turns it off), the unclipped tables, the optional
+            per-id-frequency lr (``count_lr``, not in the paper, ``docs/scaling.md``) and
+            Helen's two-pass step (``helen``: call :meth:`helen_step` with a closure instead
+            of ``loss.backward()``, which then raises). None: ``CowClipOptions()``.
+        is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``);
+            weights that require grad get their gradient, as TorchRec's EBC gives it.
         device: where the tables live (default CPU). ``"meta"`` allocates no storage:
             shard such a module with ``DistributedModelParallel`` and the
             :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`
             (each rank then allocates and initialises only its own shards and their
             optimizer state), or materialise it with ``to_empty(device=...)`` followed by
             :meth:`reset_parameters`.
-        helen: train with Helen's two-pass step (:class:`~torchrec_cowclip.optim.config.Helen`,
-            frequency-wise sharpness-aware minimisation): call :meth:`helen_step` with a
-            closure instead of ``loss.backward()`` (which then raises). None: one pass.
         init_seed: seed of the counter-based initialisation
             (:class:`~torchrec_cowclip.embedding.row_init.RowInit`): a table whose
             ``init_fn`` is a ``RowInit`` keeps its own seed; one whose ``init_fn`` is a
@@ -144,17 +132,19 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
         init_seed: Optional[int] = None,
-        **training: Any,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
-        options = CowClipOptions.from_keywords(options, training, "CowClipEmbeddingBagCollection()")
+        options = _checked_options(options)
         optimizer = options.optimizer
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # One row kernel for every table batch, chosen here (and again on a device move),
+        # not per step: building the native one, if it is that, happens now.
+        kernel = select_kernel(self._device, options.rule)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
         self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
@@ -173,6 +163,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 optimizer,
                 [tables[i].name not in unclipped for i in group],
                 self._device,
+                kernel,
             )
             for group in group_into_table_batches(tables)
         ]
@@ -217,12 +208,16 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     @classmethod
     def from_ebc(
-        cls, ebc: EmbeddingBagCollection, **options: Any
+        cls,
+        ebc: EmbeddingBagCollection,
+        options: Optional[CowClipOptions] = None,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+        init_seed: Optional[int] = None,
     ) -> "CowClipEmbeddingBagCollection":
-        """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights.
+        """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights;
+        ``is_weighted`` is the EBC's, ``device`` defaults to the EBC's.
 
-        ``options`` are this class's keyword arguments (``options=``, or ``optimizer``,
-        ``lr``, ``cowclip``, ...); ``is_weighted`` and ``device`` default to the EBC's.
         Weights marked by TorchRec's ``apply_optimizer_in_backward`` are trained as
         marked (:mod:`torchrec_cowclip.optim.torchrec_config`: e.g.
         ``torchrec.optim.RowWiseAdagrad`` or ``torchrec_cowclip.optim.CowClipAdam``);
@@ -240,21 +235,16 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             >>> torch.equal(cowclip_ebc.state_dict()[key], ebc.state_dict()[key])
             True
         """
-        options.setdefault("is_weighted", ebc.is_weighted())
-        options.setdefault("device", ebc.device)
-        training = {k: options.pop(k) for k in _TRAINING_KEYWORDS if k in options}
-        given = training.pop("options", None)
         marks = in_backward_settings(table_marks(ebc))
-        sources = [
-            options_settings(given, "options=")
-            if given is not None
-            else keyword_settings(training, "from_ebc's"),
-            marks,
-        ]
-        if given is not None and training:  # both spellings at once: refused
-            CowClipOptions.from_keywords(given, training, "from_ebc()")
+        given = {} if options is None else options_settings(_checked_options(options), "options=")
         tables = [replace(t) for t in ebc.embedding_bag_configs()]
-        module = cls(tables, options=resolve_options(sources), **options)
+        module = cls(
+            tables,
+            options=resolve_options([given, marks]),
+            is_weighted=ebc.is_weighted(),
+            device=ebc.device if device is None else device,
+            init_seed=init_seed,
+        )
         module.load_state_dict(ebc.state_dict())
         return module
 
@@ -313,7 +303,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             outs.append(
                 # torch.autograd.Function.apply carries no annotations.
                 RowLookup.apply(  # type: ignore[no-untyped-call]
-                    anchor, batch, lookup, step, self._submission_of(index)
+                    anchor, lookup.weights, batch, lookup, step, self._submission_of(index)
                 )
             )
         return KeyedTensor(
@@ -356,6 +346,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         return sum(batch.storage_bytes() for batch in self._batches)
 
     # --- the update -------------------------------------------------------------------
+
+    @property
+    def row_kernel(self) -> RowKernel:
+        """How the table batches group and update their touched rows
+        (:mod:`torchrec_cowclip.embedding.kernels`): chosen when the module was built or
+        last moved, the same for every batch."""
+        return self._batches[0].kernel
 
     @property
     def row_updates(self) -> RowUpdates:
@@ -513,7 +510,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         # views; moving the views alone would silently detach them from the batches.
         for batch in self._batches:
             batch._apply(fn)
-        self._device = self._batches[0].weight.device
+        moved_to = self._batches[0].weight.device
+        if moved_to != self._device:
+            kernel = select_kernel(moved_to, update_rule(self._optimizer))
+            for batch in self._batches:
+                batch.kernel = kernel
+        self._device = moved_to
         self._row_updates.to(self._device)
         self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._bind_views()
@@ -561,6 +563,16 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
 
 # --- helpers -----------------------------------------------------------------------
+
+
+def _checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, CowClipOptions):
+        raise TypeError(
+            f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
+        )
+    return options
 
 
 def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:

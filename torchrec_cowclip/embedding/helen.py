@@ -21,12 +21,12 @@ from torch import Tensor
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.config import Helen
 from torchrec_cowclip.optim.functional import (
     helen_perturbation,
     helen_table_statistics,
     sam_perturbations,
 )
+from torchrec_cowclip.optim.options import Helen
 
 
 @dataclass

@@ -3,10 +3,13 @@
 Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
 ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
 TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
-Backward: per-row gradients (:mod:`.row_gradients`), submitted to the lookup's step of
-the row-update coordinator (:mod:`.row_updates`), which applies the in-place update
-(:mod:`.fused_update`) or holds them for Helen; it returns no gradient, so the weights
-never hold a ``.grad``.
+Backward: per-row gradients (:mod:`.row_gradients`, grouped and summed by the table
+batch's row kernel, :mod:`.kernels`), submitted to the lookup's step of the row-update
+coordinator (:mod:`.row_updates`), which applies the in-place update or holds them for
+Helen; the table weights get no gradient, so they never hold a ``.grad``. Per-sample
+weights that require grad get theirs, exactly as ``torchrec.EmbeddingBagCollection``
+gives it: ``d loss / d w_p = <bag gradient, looked-up row>`` at each position (times
+``1 / bag length`` under MEAN pooling), from the rows the forward read.
 
 Float16 / bfloat16 tables pool in float32 (the native kernel reads the half rows and
 accumulates and returns float32; without it, ATen's ``embedding_bag`` pools in the
@@ -19,18 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_cowclip.embedding import native
-from torchrec_cowclip.embedding.native import use_native_update
-from torchrec_cowclip.embedding.row_gradients import (
-    RowGradients,
-    RowGrouping,
-    group_rows,
-    sum_row_gradients,
-)
+from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -78,37 +73,20 @@ class BatchLookup:
         )
 
 
+def _inverse_lengths(lookup: BatchLookup) -> Tensor:
+    """``[L]``: ``1 / len`` of each position's bag (MEAN pooling's factor)."""
+    lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
+    inv_len = 1.0 / lengths.clamp_min(1).to(torch.float32)
+    return torch.repeat_interleave(inv_len, lengths, output_size=lookup.row_ids.numel())
+
+
 def _position_weights(lookup: BatchLookup, pooling: PoolingType) -> Optional[Tensor]:
     """Factor each position contributes with: per-sample weight, and 1/len for MEAN."""
     weights = lookup.weights
     if pooling == PoolingType.MEAN:
-        lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
-        inv_len = 1.0 / lengths.clamp_min(1).to(torch.float32)
-        per_pos = torch.repeat_interleave(inv_len, lengths, output_size=lookup.row_ids.numel())
+        per_pos = _inverse_lengths(lookup)
         weights = per_pos if weights is None else weights * per_pos
     return weights
-
-
-def _embedding_bag(
-    weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]
-) -> Tensor:
-    """``[bags, D]`` pooled rows in the compute type: ATen's ``embedding_bag`` (FBGEMM's
-    kernel on CPU), or for half tables on CPU the native float32-accumulating lookup."""
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        if use_native_update(weight.device):
-            return native.pooled_lookup(weight, ids, offsets, weights, mode == "mean")
-        pooled = F.embedding_bag(
-            ids,
-            weight,
-            offsets,
-            mode=mode,
-            per_sample_weights=None if weights is None else weights.to(weight.dtype),
-            include_last_offset=True,
-        )
-        return pooled.to(torch.float32)
-    return F.embedding_bag(
-        ids, weight, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
-    )
 
 
 def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
@@ -124,49 +102,61 @@ def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
         weights = None
         if lookup.weights is not None:
             weights = lookup.weights.view(num_features, b).t().reshape(-1)
-        pooled = _embedding_bag(batch.weight, ids, batch.unit_offsets(ids.numel()), "sum", weights)
+        pooled = batch.kernel.pool(
+            batch.weight, ids, batch.unit_offsets(ids.numel()), "sum", weights
+        )
         return pooled.view(b, num_features * batch.dim)
     if batch.pooling == PoolingType.MEAN and lookup.weights is None:
         mode, weights = "mean", None
     else:
         # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
         mode, weights = "sum", _position_weights(lookup, batch.pooling)
-    pooled = _embedding_bag(batch.weight, lookup.row_ids, lookup.bag_offsets, mode, weights)
+    pooled = batch.kernel.pool(batch.weight, lookup.row_ids, lookup.bag_offsets, mode, weights)
     return pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, -1)
 
 
+def bag_of_positions(batch: TableBatch, lookup: BatchLookup) -> Tensor:
+    """``[L]``: for each position of the lookup (KJT order), its bag's row in the
+    ``[B * F, D]`` view of the gradient of the batch's ``[B, F * D]`` pooled output."""
+    bag_of_position = batch.bag_gradient_rows(lookup.batch_size)
+    if not lookup.single_hot:
+        lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
+        bag_of_position = torch.repeat_interleave(
+            bag_of_position, lengths, output_size=lookup.row_ids.numel()
+        )
+    return bag_of_position
+
+
 def lookup_row_gradients(
-    batch: TableBatch, lookup: BatchLookup, grad_output: Tensor
+    batch: TableBatch, lookup: BatchLookup, bag_gradients: Tensor
 ) -> RowGradients:
     """Per distinct row, the gradient ``g_j`` and count ``c_j`` of one forward's lookup,
-    from the gradient of its ``[B, F * D]`` pooled output."""
-    b, num_features = lookup.batch_size, batch.num_features
-    # Row b * F + f of this view is the gradient of bag (f, b).
-    bag_gradients = grad_output.contiguous().view(b * num_features, batch.dim)
+    from the ``[B * F, D]`` gradient of its pooled output (:func:`bag_of_positions`)."""
 
     def compute() -> RowGrouping:
-        bag_of_position = batch.bag_gradient_rows(b)
-        if not lookup.single_hot:
-            lengths = lookup.bag_offsets[1:] - lookup.bag_offsets[:-1]
-            bag_of_position = torch.repeat_interleave(
-                bag_of_position, lengths, output_size=lookup.row_ids.numel()
-            )
-        starts = lookup.bag_offsets[batch.feature_bag_starts(b)]
-        return group_rows(
+        starts = lookup.bag_offsets[batch.feature_bag_starts(lookup.batch_size)]
+        return batch.kernel.group_rows(
             lookup.row_ids,
-            bag_of_position,
-            num_rows=batch.weight.shape[0],
-            feature_layout=(starts, batch.feature_rows),
+            bag_of_positions(batch, lookup),
+            batch.weight.shape[0],
+            (starts, batch.feature_rows),
         )
 
     grouping = lookup.grouping.get(compute)
-    # The native update sums each row's bag gradients in its own pass over the rows.
-    return sum_row_gradients(
-        grouping,
-        bag_gradients,
-        _position_weights(lookup, batch.pooling),
-        deferred=use_native_update(grad_output.device),
-    )
+    segments = row_segments(grouping, bag_gradients, _position_weights(lookup, batch.pooling))
+    return batch.kernel.row_gradients(segments)
+
+
+def per_sample_weight_gradients(
+    batch: TableBatch, lookup: BatchLookup, bag_gradients: Tensor, looked_up: Tensor
+) -> Tensor:
+    """``[L]`` ``d loss / d w_p``: the dot product of each position's bag gradient with
+    the row it looked up (``looked_up``, ``[L, D]`` as the forward read it), divided by
+    the bag's length under MEAN pooling (the forward pooled ``sum(w * x) / len``)."""
+    grad = (bag_gradients.index_select(0, bag_of_positions(batch, lookup)) * looked_up).sum(1)
+    if batch.pooling == PoolingType.MEAN:
+        grad = grad * _inverse_lengths(lookup)
+    return grad
 
 
 #: Builds a table batch's :class:`~torchrec_cowclip.embedding.row_updates.Submission`
@@ -177,17 +167,22 @@ MakeSubmission = Callable[[RowGradients], Any]
 
 class RowLookup(torch.autograd.Function):
     """Autograd node of one table batch's lookup: pooled lookup forward; backward hands
-    the batch's row gradients to its lookup's step.
+    the batch's row gradients to its lookup's step, and returns the per-sample weights'
+    gradient when they require one.
 
     ``anchor`` is the step's zero-size tensor (:class:`~torchrec_cowclip.embedding.row_updates.LookupChannel`):
     taking it as input records the node (the table weights are not autograd inputs, so
     they never hold a ``.grad``) and makes the step's own node run after this backward.
+    ``weights`` is ``lookup.weights`` (or None), an input so that autograd reaches it;
+    when it requires grad, the forward keeps the rows it read (``[L, D]``: the update of
+    this or another step may change them before this backward), else nothing more.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
         anchor: Tensor,
+        weights: Optional[Tensor],
         batch: TableBatch,
         lookup: BatchLookup,
         step: Any,
@@ -195,10 +190,15 @@ class RowLookup(torch.autograd.Function):
     ) -> Tensor:
         ctx.batch, ctx.lookup, ctx.step, ctx.make_submission = batch, lookup, step, make_submission
         lookup.grouping.users += 1
+        ctx.looked_up = None
+        if ctx.needs_input_grad[1]:
+            ctx.looked_up = batch.weight.index_select(0, lookup.row_ids).to(batch.compute_dtype)
         return pooled_lookup(batch, lookup)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[None, None, None, None, None]:
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> Tuple[None, Optional[Tensor], None, None, None, None]:
         if ctx.batch is None:
             raise RuntimeError(
                 "a second backward reached the same CowClip lookup (retain_graph=True?); "
@@ -209,8 +209,15 @@ class RowLookup(torch.autograd.Function):
                 "a CowClip table batch was looked up outside its lookup's forward (a "
                 "sharded kernel called directly?); call the collection"
             )
-        row_grads = lookup_row_gradients(ctx.batch, ctx.lookup, grad_output)
+        batch, lookup = ctx.batch, ctx.lookup
+        # Row b * F + f of this view is the gradient of bag (f, b).
+        bag_gradients = grad_output.contiguous().view(-1, batch.dim)
+        weight_grad = None
+        if ctx.looked_up is not None:
+            weight_grad = per_sample_weight_gradients(batch, lookup, bag_gradients, ctx.looked_up)
+        row_grads = lookup_row_gradients(batch, lookup, bag_gradients)
         step, make_submission = ctx.step, ctx.make_submission
-        ctx.batch = ctx.lookup = ctx.step = ctx.make_submission = None  # once per forward
+        # Once per forward.
+        ctx.batch = ctx.lookup = ctx.step = ctx.make_submission = ctx.looked_up = None
         step.submit(make_submission(row_grads))
-        return None, None, None, None, None
+        return None, weight_grad, None, None, None, None

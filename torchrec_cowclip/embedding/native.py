@@ -6,39 +6,44 @@ pass per table batch over the rows a batch touched (segment sum of their bag gra
 finiteness, CowClip clip, coupled L2, Adam / row-wise Adagrad / SGD, write back, with the
 next rows prefetched), a pooled lookup with float32 output for float16 / bfloat16 tables,
 and the stochastic rounding of those tables. The math is :mod:`torchrec_cowclip.optim.functional`'s;
-the tests hold the kernels to it (``tests/test_native.py``).
+the tests hold the kernels to it (``tests/test_native.py``). Every op checks its indices
+before it reads or writes through them (one ``TORCH_CHECK`` each, linear in the offsets
+and rows), and has a fake (meta) kernel registered here, so ``torch.compile`` and
+compiled autograd can trace calls to it.
 
-The kernels are built on first use with torch's own extension tooling
-(``torch.utils.cpp_extension.load``: the C++ compiler TorchInductor needs at run time, and
-ninja) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), under a name that includes the torch version and a hash of
-this CPU's instruction-set flags (the build uses ``-march=native``), so every later process
-on the machine loads the cached library in milliseconds. A build prints one line to stderr
-before it starts and one when it ends (times: docs/performance.md).
+The kernels are built with torch's own extension tooling (``torch.utils.cpp_extension.load``:
+the C++ compiler TorchInductor needs at run time, and ninja) into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), under a name that
+includes a hash of the C++ source, the torch version, the compiler flags and this CPU's
+instruction-set flags (the build uses ``-march=native``): two checkouts, or an edited
+source, never share a library, and every later process on the machine loads the cached one
+in milliseconds. :func:`build` runs once per process, when the first table batch that uses
+the kernels is built (:class:`~torchrec_cowclip.embedding.kernels.NativeCpuKernel`), never
+inside a backward; a build prints one line to stderr before it starts and one when it ends
+(times: docs/performance.md).
 
-Whether they run is :func:`~torchrec_cowclip.optim.row_step.compiled_update_mode`'s
-choice (``TORCHREC_COWCLIP_COMPILE``): ``auto`` and ``1`` use them on CPU, ``0`` (eager) and
-``inductor`` do not. In ``auto`` a failed build warns once, naming the error, and the CPU
-update falls back to the Inductor-compiled (or eager) row step; in ``1`` it raises.
+Whether they run is the row kernel's choice (:mod:`torchrec_cowclip.embedding.kernels`,
+``TORCHREC_COWCLIP_COMPILE``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
-import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.row_step import compiled_update_mode
+from torchrec_cowclip import compat
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +63,19 @@ OPTIMIZER_CODES = {"adam": 0, "rowwise_adagrad": 1, "sgd": 2}
 #: ``fused_update_``'s per-row status values.
 UPDATED, CLIPPED, SKIPPED = 0, 1, 2
 
-_lock = threading.Lock()
-_loaded = False
-_failure: Optional[str] = None
+
+def build_flags() -> List[str]:
+    """:data:`CFLAGS` and the optional dependencies found in this torch: FBGEMM's
+    ``radix_sort_parallel`` from libtorch_cpu
+    (:func:`~torchrec_cowclip.compat.fbgemm_radix_sort_available`), used for a large
+    grouping of one row range when present, else the kernels' own radix sort."""
+    radix = 1 if compat.fbgemm_radix_sort_available() else 0
+    return [*CFLAGS, f"-DCOWCLIP_FBGEMM_RADIX_SORT={radix}"]
 
 
 def _isa_tag() -> str:
-    """Hash of what the built library depends on: torch's version, the compiler flags
-    and this CPU's instruction-set flags (``-march=native``)."""
+    """Hash of what the built library depends on: its C++ source, torch's version, the
+    compiler flags and this CPU's instruction-set flags (``-march=native``)."""
     flags = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -75,12 +85,13 @@ def _isa_tag() -> str:
                     break
     except OSError:
         pass
-    text = "|".join([torch.version.__version__, " ".join(CFLAGS), flags])
+    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()
+    text = "|".join([source, torch.version.__version__, " ".join(build_flags()), flags])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def extension_name() -> str:
-    """The name of the library in torch's extension cache."""
+    """The name of the library in torch's extension cache (see the module docstring)."""
     return f"torchrec_cowclip_cpu_{_isa_tag()}"
 
 
@@ -90,13 +101,6 @@ def build_directory() -> Path:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / extension_name()
-
-
-def _is_cached(directory: Path) -> bool:
-    libraries = list(directory.glob("*.so"))
-    return bool(libraries) and all(
-        lib.stat().st_mtime >= SOURCE.stat().st_mtime for lib in libraries
-    )
 
 
 def _remove_stale_lock(directory: Path) -> None:
@@ -121,11 +125,12 @@ def _build_and_load() -> None:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_lock(directory)
-    cached = _is_cached(directory)
+    # The name hashes the source, so a library in its directory is this source's.
+    cached = any(directory.glob("*.so"))
     if not cached:
         print(
-            f"torchrec_cowclip: building the native CPU update (first use with this torch "
-            f"and CPU; cached in {directory}) ...",
+            f"torchrec_cowclip: building the native CPU update (first use with this source, "
+            f"torch and CPU; cached in {directory}) ...",
             file=sys.stderr,
             flush=True,
         )
@@ -145,7 +150,7 @@ def _build_and_load() -> None:
         cpp_extension.load(
             name=extension_name(),
             sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
+            extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
@@ -163,48 +168,109 @@ def _build_and_load() -> None:
     logger.info("native CPU update loaded from %s in %.2f s", directory, elapsed)
 
 
-def load(required: bool) -> bool:
-    """Builds (first use) and loads the kernels; True when they are usable.
+@dataclass(frozen=True)
+class NativeBuild:
+    """What building and loading the kernels gave in this process.
 
-    A failure is remembered for the process: with ``required`` it raises RuntimeError,
-    otherwise it warns once and returns False.
+    Attributes:
+        error: None when the ops are loaded; else why not, in one line.
     """
-    global _loaded, _failure
-    if _loaded:
-        return True
-    with _lock:
-        if not _loaded and _failure is None:
-            try:
-                _build_and_load()
-                _loaded = True
-            except Exception as error:  # noqa: BLE001 - any build or load failure
-                _failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
-                logger.debug("native CPU update failed to build", exc_info=True)
-                if not required:
-                    warnings.warn(
-                        f"torchrec_cowclip: building the native CPU update failed "
-                        f"({_failure}); the CPU update falls back to the compiled or eager "
-                        "row step (same math, slower). TORCHREC_COWCLIP_COMPILE=0 skips "
-                        "the attempt.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-    if not _loaded and required:
-        raise RuntimeError(
-            f"torchrec_cowclip: the native CPU update is required "
-            f"(TORCHREC_COWCLIP_COMPILE=1) but could not be built: {_failure}"
-        )
-    return _loaded
+
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
-def reset_failure() -> None:
-    """Forgets a failed build, so the next :func:`load` tries again (tests)."""
-    global _failure
-    _failure = None
+def one_line(error: BaseException) -> str:
+    """``Type: message`` of a build or load failure in one line: the first line that
+    names an error (a compiler's ``error:``), else the last non-empty one."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if "error" in line.lower()]
+    text = (named[0] if named else lines[-1]) if lines else ""
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+@functools.lru_cache(maxsize=None)
+def build() -> NativeBuild:
+    """Builds (first use on this machine) and loads the kernels, once per process; a
+    failure is kept, not retried (the kernels' owner decides what it means)."""
+    try:
+        _build_and_load()
+        _register_fake_kernels()
+    except Exception as error:  # noqa: BLE001 - any build or load failure
+        logger.debug("native CPU update failed to build", exc_info=True)
+        return NativeBuild(one_line(error))
+    return NativeBuild()
 
 
 def _ops() -> Any:
     return torch.ops.torchrec_cowclip
+
+
+def _register_fake_kernels() -> None:
+    """Fake (meta) kernels of the ops: output shapes and types without running them, for
+    ``torch.compile``, compiled autograd and ``torch.library.opcheck``."""
+    from torch.library import get_ctx, register_fake
+
+    def fake_group_rows(
+        row_ids: Tensor,
+        bag_of_position: Tensor,
+        num_rows: int,
+        feature_starts: Optional[Tensor] = None,
+        feature_rows: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        unique = get_ctx().new_dynamic_size()
+        positions = row_ids.shape[0]
+
+        def longs(n: Any) -> Tensor:
+            return row_ids.new_empty((n,), dtype=torch.int64)
+
+        return longs(unique), longs(unique), longs(unique + 1), longs(positions), longs(positions)
+
+    def fake_fused_update(
+        weight: Tensor,
+        state0: Optional[Tensor],
+        state1: Optional[Tensor],
+        rows: Tensor,
+        counts: Tensor,
+        grad: Tensor,
+        segment_offsets: Optional[Tensor],
+        sorted_bags: Optional[Tensor],
+        sorted_weights: Optional[Tensor],
+        row_offsets: Tensor,
+        *hyperparameters: Any,
+    ) -> Tuple[Tensor, Tensor]:
+        status = rows.new_empty(rows.shape, dtype=torch.int8)
+        per_table = rows.new_empty((3, row_offsets.shape[0] - 1), dtype=torch.int64)
+        return status, per_table
+
+    def fake_pooled_lookup(
+        weight: Tensor,
+        ids: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Optional[Tensor],
+        mean: bool,
+    ) -> Tensor:
+        return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]), dtype=torch.float32)
+
+    def fake_rounding_row_keys(seed: Tensor, step: Tensor, global_row: Tensor) -> Tensor:
+        return torch.empty_like(global_row)
+
+    def fake_stochastic_round(
+        values: Tensor, row_keys: Tensor, column_base: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        return values.new_empty(values.shape, dtype=dtype)
+
+    for name, fake in (
+        ("group_rows", fake_group_rows),
+        ("fused_update_", fake_fused_update),
+        ("pooled_lookup", fake_pooled_lookup),
+        ("rounding_row_keys", fake_rounding_row_keys),
+        ("stochastic_round", fake_stochastic_round),
+    ):
+        register_fake(f"torchrec_cowclip::{name}", fake)
 
 
 # --- wrappers ----------------------------------------------------------------------------
@@ -327,14 +393,3 @@ def stochastic_round(
     """The kernel's :func:`~torchrec_cowclip.optim.functional.stochastic_round`."""
     out: Tensor = _ops().stochastic_round(values, row_keys, column_base, dtype)
     return out
-
-
-def use_native_update(device: torch.device) -> bool:
-    """Whether table batches on ``device`` are grouped and updated by the native CPU
-    kernels (built on first use): on CPU in modes ``auto`` and ``1``."""
-    if device.type != "cpu":
-        return False
-    mode = compiled_update_mode()
-    if mode not in ("auto", "1"):
-        return False
-    return load(required=mode == "1")

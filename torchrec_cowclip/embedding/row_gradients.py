@@ -10,24 +10,22 @@ over the bag gradients - the same FBGEMM-backed CPU kernel that serves the forwa
 A stable sort plus this segment sum is cheaper than ``index_select`` + ``index_add_`` of the
 same gradients (measured: docs/performance.md, "Measured reasons behind code choices").
 
-Where the native CPU kernels run (:mod:`.native`), the sort is their radix grouping (the
-same result as the stable sort), and the segment sum is left to the fused update, which
-sums each row's bag gradients in the same pass that updates the row: a
-:class:`RowGradients` then holds its :class:`RowSegments` and forms ``grad`` only when
-something reads it (Helen, the column-sharded and replicated updates).
+Which grouping and when the sum runs is the table batch's row kernel's
+(:mod:`.kernels`): the native CPU kernel groups by radix sorts (the same result as the
+stable sort) and leaves the segment sum to its update, which sums each row's bag gradients
+in the same pass that updates the row: a :class:`RowGradients` then holds its
+:class:`RowSegments` and forms ``grad`` only when something reads it (Helen, the
+column-sharded and replicated updates).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from torchrec_cowclip.embedding import native
-from torchrec_cowclip.embedding.native import use_native_update
 
 
 class RowGradients:
@@ -91,33 +89,16 @@ class RowGrouping:
 
 
 def group_rows(
-    row_ids: Tensor,
-    bag_of_position: Tensor,
-    num_rows: Optional[int] = None,
-    feature_layout: Optional[Tuple[Tensor, Tensor]] = None,
+    row_ids: Tensor, bag_of_position: Tensor, num_rows: Optional[int] = None
 ) -> RowGrouping:
-    """Sorts the looked-up row ids and finds each distinct row's positions.
+    """Sorts the looked-up row ids (stably) and finds each distinct row's positions.
 
     Args:
         row_ids: ``[L]`` int64 row id looked up at each position.
         bag_of_position: ``[L]`` int64 index of each position's bag (output row).
         num_rows: an upper bound on the row ids (the table batch's rows), if known.
             Below 2**31 the ids are sorted as int32, twice as fast as int64.
-        feature_layout: ``([F + 1] position where each feature starts, [F, 2] its first
-            row and row count)``: lets the native grouping sort each table's positions on
-            their own (same result).
     """
-    if (
-        num_rows is not None
-        and num_rows <= torch.iinfo(torch.int32).max
-        and row_ids.numel() <= torch.iinfo(torch.int32).max
-        and use_native_update(row_ids.device)
-    ):
-        starts, feature_rows = feature_layout if feature_layout is not None else (None, None)
-        rows, counts, segment_offsets, order, sorted_bags = native.group_rows(
-            row_ids, bag_of_position, num_rows, starts, feature_rows
-        )
-        return RowGrouping(rows, counts, segment_offsets, order, sorted_bags)
     # Stable, so that each row sums its positions in input order: bit-for-bit
     # reproducible steps, which resume-from-checkpoint equality relies on.
     keys = row_ids
@@ -166,26 +147,18 @@ class RowSegments:
         )
 
 
-def sum_row_gradients(
-    grouping: RowGrouping,
-    bag_gradients: Tensor,
-    position_weights: Optional[Tensor] = None,
-    deferred: bool = False,
-) -> RowGradients:
-    """The summed gradient of each distinct row of ``grouping``.
+def row_segments(
+    grouping: RowGrouping, bag_gradients: Tensor, position_weights: Optional[Tensor] = None
+) -> RowSegments:
+    """What each distinct row of ``grouping`` sums, in grouped order.
 
     Args:
         bag_gradients: ``[M, D]`` gradient of each pooled output row (contiguous).
         position_weights: optional ``[L]`` factor per position (per-sample weight, and
             ``1 / bag length`` under MEAN pooling), as the forward applied it.
-        deferred: leave the sum to whoever reads ``grad`` first, or to the native fused
-            update, which sums inside its pass over the rows.
     """
     weights = position_weights[grouping.order] if position_weights is not None else None
-    segments = RowSegments(grouping, bag_gradients, weights)
-    if deferred:
-        return RowGradients(rows=grouping.rows, counts=grouping.counts, segments=segments)
-    return RowGradients(rows=grouping.rows, counts=grouping.counts, grad=segments.sum())
+    return RowSegments(grouping, bag_gradients, weights)
 
 
 def aggregate_row_gradients(
@@ -196,7 +169,7 @@ def aggregate_row_gradients(
     num_rows: Optional[int] = None,
 ) -> RowGradients:
     """Sums, for every distinct row id, the gradients of the bags that looked it up:
-    :func:`group_rows` then :func:`sum_row_gradients`.
+    :func:`group_rows`, then the segment sum of :func:`row_segments`.
 
     Args:
         row_ids: ``[L]`` int64 row id looked up at each position.
@@ -213,4 +186,5 @@ def aggregate_row_gradients(
         ([2, 5], [1, 2], [1.0, 11.0])
     """
     grouping = group_rows(row_ids, bag_of_position, num_rows)
-    return sum_row_gradients(grouping, bag_gradients, position_weights)
+    segments = row_segments(grouping, bag_gradients, position_weights)
+    return RowGradients(rows=grouping.rows, counts=grouping.counts, grad=segments.sum())

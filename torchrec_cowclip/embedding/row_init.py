@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -173,10 +173,3 @@ def row_initializers(
         'uniform'
     """
     return {t.name: _as_row_init(t.init_fn, seed, t.name) for t in tables}
-
-
-def with_seed(inits: Dict[str, Optional[RowInit]], seed: int) -> Dict[str, Optional[RowInit]]:
-    """The same initialisers under another seed."""
-    return {
-        name: None if init is None else replace(init, seed=seed) for name, init in inits.items()
-    }

@@ -16,7 +16,8 @@ and a Helen step both run:
    (the same on every rank), and does what the mode says:
 
    * ``APPLY`` (a plain ``loss.backward()``): the channel's strategy applies them
-     (:func:`~torchrec_cowclip.embedding.fused_update.apply_fused_update_` per table batch);
+     (one call of each table batch's row kernel, :meth:`RowKernel.update_
+     <torchrec_cowclip.embedding.kernels.RowKernel.update_>`);
    * ``HOLD_ASCENT`` / ``HOLD_DESCENT`` (the two passes of :meth:`RowUpdates.helen_step`):
      they are held; between the passes the held rows are perturbed
      (:mod:`.helen`), after the second the rows are restored and the held descent steps
@@ -28,10 +29,10 @@ Example::
 
     >>> import torch
     >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, Helen
+    >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions, Helen
     >>> ebc = CowClipEmbeddingBagCollection(
     ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
-    ...                         feature_names=["f"])], helen=Helen())
+    ...                         feature_names=["f"])], CowClipOptions(helen=Helen()))
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(
     ...     keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     >>> step = ebc.row_updates.helen_step(lambda: ebc(kjt).values().square().sum())
@@ -52,11 +53,9 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.embedding import helen as helen_pass
-from torchrec_cowclip.embedding.fused_update import apply_fused_update_
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.table_batch import TableBatch
-from torchrec_cowclip.optim.config import Helen
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CowClipOptions, Helen
 
 __all__ = [
     "HelenCost",
@@ -122,7 +121,7 @@ class LocalRows(RowSync):
 
     def apply(self, submissions: List[Submission]) -> None:
         for sub in submissions:
-            apply_fused_update_(sub.batch, sub.row_grads, sub.options)
+            sub.batch.kernel.update_(sub.batch, sub.row_grads, sub.options)
 
 
 class LookupStep:

@@ -22,6 +22,7 @@ from torchrec.modules.embedding_configs import (
     data_type_to_dtype,
 )
 
+from torchrec_cowclip.embedding.kernels import RowKernel
 from torchrec_cowclip.optim.functional import STORAGE_DTYPES, rounding_row_keys
 from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
@@ -77,6 +78,9 @@ class TableBatch(nn.Module):
         optimizer: ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``; decides the state.
         clipped: per table, whether CowClip may clip it.
         device: where the tensors live.
+        kernel: how the batch's touched rows are grouped and updated
+            (:mod:`~torchrec_cowclip.embedding.kernels`), chosen by the owner for
+            ``device``; an owner that moves the batch chooses again.
         global_offsets: per table, the (row, column) of its first element in the whole
             table it is a shard of (default: (0, 0), whole tables); the stochastic
             rounding of float16 / bfloat16 tables is keyed by global rows and columns, so
@@ -90,6 +94,7 @@ class TableBatch(nn.Module):
         step: ``[T]`` int64 step count per table.
         feature_names: the features looked up in this batch, table by table (a
             feature shared by two tables appears twice).
+        kernel: its :class:`~torchrec_cowclip.embedding.kernels.RowKernel`.
     """
 
     def __init__(
@@ -99,9 +104,11 @@ class TableBatch(nn.Module):
         optimizer: str,
         clipped: Sequence[bool],
         device: torch.device,
+        kernel: RowKernel,
         global_offsets: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> None:
         super().__init__()
+        self.kernel = kernel
         self.tables: List[EmbeddingBagConfig] = list(tables)
         self.dim: int = tables[0].embedding_dim
         self.pooling: PoolingType = tables[0].pooling

@@ -48,7 +48,7 @@ from torchrec_cowclip.models.embeddings import (
     linear_table_name,
 )
 from torchrec_cowclip.models.wide_deep import WideAndDeep
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
 
 
 def _field_model(cls: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
@@ -115,15 +115,13 @@ def build_model(
         cross_layers: cross layers of DCN / DCNv2 / DLRM_DCN.
         init_std: tables start as N(0, init_std).
         embedding_backend: ``"cowclip"`` (fused, in backward) or ``"torchrec"`` (stock
-            EBC whose weights a dense optimizer trains; the ``embedding_*`` optimizer
-            arguments and ``cowclip`` are then unused).
+            EBC whose weights a dense optimizer trains; ``embedding_options`` is then
+            unused).
         embedding_options: the in-backward optimizer, its hyperparameters and the clip
             as one :class:`~torchrec_cowclip.optim.options.CowClipOptions` (weight decay
             is ``2 * lambda`` of the reference's ``--l2``; the reference's Criteo clip is
-            ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``). The older
-            spelling, its fields as keywords, is still read: ``embedding_optimizer``,
-            ``embedding_lr``, ``embedding_betas``, ``embedding_eps``,
-            ``embedding_weight_decay``, ``cowclip``, ``embedding_count_lr``.
+            ``CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10)``). None:
+            ``CowClipOptions()``.
         device: where tables and layers live.
         init_seed: seed of the tables' counter-based initial weights (None:
             ``torch.initial_seed()``): the same for every sharding plan and world size.
@@ -147,15 +145,9 @@ def build_model(
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names are {sorted(MODELS)}")
     n_dense = _resolve_num_dense(num_dense, dense_names)
-    training = CowClipOptions.from_keywords(
-        embedding_options,
-        {k: model_options.pop(k) for k in list(model_options) if k in _TRAINING_SPELLING},
-        "build_model()",
-        _TRAINING_SPELLING,
-    )
     embedding = EmbeddingOptions(
         backend=embedding_backend,
-        training=training,
+        training=DEFAULT_OPTIONS if embedding_options is None else embedding_options,
         init_std=init_std,
         init_seed=init_seed,
         table_device=None if table_device is None else str(table_device),
@@ -172,18 +164,6 @@ def build_model(
         device=device,
         **model_options,
     )
-
-
-#: build_model's older keywords for CowClipOptions' fields.
-_TRAINING_SPELLING = {
-    "embedding_optimizer": "optimizer",
-    "embedding_lr": "lr",
-    "embedding_betas": "betas",
-    "embedding_eps": "eps",
-    "embedding_weight_decay": "weight_decay",
-    "cowclip": "cowclip",
-    "embedding_count_lr": "count_lr",
-}
 
 
 def _resolve_num_dense(num_dense: Optional[int], dense_names: Optional[Sequence[str]]) -> int:

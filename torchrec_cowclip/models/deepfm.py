@@ -8,9 +8,10 @@ Example::
 
     >>> import torch
     >>> from torchrec import KeyedJaggedTensor
+    >>> from torchrec_cowclip import CowClipOptions
     >>> from torchrec_cowclip.models import DeepFM, EmbeddingOptions
     >>> model = DeepFM(sparse_names=["C1", "C2"], cardinalities=[100, 50], num_dense=13,
-    ...                embedding=EmbeddingOptions(lr=1e-4))
+    ...                embedding=EmbeddingOptions(training=CowClipOptions(lr=1e-4)))
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
     ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
     ...     lengths=torch.ones(4, dtype=torch.int64))

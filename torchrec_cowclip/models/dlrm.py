@@ -58,9 +58,10 @@ class DLRMModel(CTRModel):
 
     Example::
 
-        >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+        >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions
         >>> ebc = CowClipEmbeddingBagCollection([EmbeddingBagConfig(
-        ...     name="t_C1", embedding_dim=8, num_embeddings=100, feature_names=["C1"])], lr=1e-4)
+        ...     name="t_C1", embedding_dim=8, num_embeddings=100, feature_names=["C1"])],
+        ...     options=CowClipOptions(lr=1e-4))
         >>> model = DLRMModel(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
         ...     dense_arch_layer_sizes=[32, 8], over_arch_layer_sizes=[16, 1]), num_dense=13)
         >>> model.embedding_collection is ebc

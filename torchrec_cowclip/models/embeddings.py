@@ -9,7 +9,7 @@ Example::
 
     >>> from torchrec_cowclip.models.embeddings import EmbeddingOptions, FieldEmbeddings
     >>> fields = FieldEmbeddings(["C1", "C2"], [100, 50], embedding_dim=10,
-    ...                          options=EmbeddingOptions(lr=1e-4))
+    ...                          options=EmbeddingOptions(training=CowClipOptions(lr=1e-4)))
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id per field
     ...     keys=["C1", "C2"], values=torch.tensor([5, 99, 7, 49]),
     ...     lengths=torch.ones(4, dtype=torch.int64))
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
+from typing import List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.compat import is_fx_symbolic_tracing
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
 
 EmbeddingBackend = Literal["cowclip", "torchrec"]
 EMBEDDING_BACKENDS: Tuple[str, ...] = ("cowclip", "torchrec")
@@ -53,7 +53,7 @@ def linear_table_name(feature: str) -> str:
     return f"linear_{feature}"
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class EmbeddingOptions:
     """How the embedding tables are built and trained.
 
@@ -78,60 +78,43 @@ class EmbeddingOptions:
         data_type: how the tables store their weights: ``"fp32"``, or ``"fp16"`` /
             ``"bf16"`` (half the bytes; updated in float32 and rounded back
             stochastically, optimizer state float32; the cowclip backend only).
-        **training_keywords: instead of ``training``, its fields one by one
-            (``optimizer``, ``lr``, ``betas``, ``eps``, ``weight_decay``, ``cowclip``,
-            ``count_lr``), the older spelling.
 
     Example::
 
         >>> from torchrec_cowclip.optim.options import CowClipOptions
         >>> opts = EmbeddingOptions(training=CowClipOptions(lr=1e-4, weight_decay=2e-5))
-        >>> opts == EmbeddingOptions(lr=1e-4, weight_decay=2e-5)
-        True
+        >>> opts.training.lr, opts.backend
+        (0.0001, 'cowclip')
     """
 
-    backend: EmbeddingBackend
-    training: CowClipOptions
-    init_std: float
-    init_seed: Optional[int]
-    table_device: Optional[str]
-    data_type: str
+    backend: EmbeddingBackend = "cowclip"
+    training: CowClipOptions = DEFAULT_OPTIONS
+    init_std: float = 1e-2
+    init_seed: Optional[int] = None
+    table_device: Optional[str] = None
+    data_type: str = "fp32"
 
-    def __init__(
-        self,
-        backend: EmbeddingBackend = "cowclip",
-        training: Optional[CowClipOptions] = None,
-        init_std: float = 1e-2,
-        init_seed: Optional[int] = None,
-        table_device: Optional[str] = None,
-        data_type: str = "fp32",
-        **training_keywords: Any,
-    ) -> None:
-        if backend not in EMBEDDING_BACKENDS:
+    def __post_init__(self) -> None:
+        if self.backend not in EMBEDDING_BACKENDS:
             raise ValueError(
-                f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}"
+                f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {self.backend!r}"
             )
-        if data_type not in EMBEDDING_DTYPES:
+        if self.data_type not in EMBEDDING_DTYPES:
             raise ValueError(
-                f"embedding data_type must be one of {EMBEDDING_DTYPES}, got {data_type!r}"
+                f"embedding data_type must be one of {EMBEDDING_DTYPES}, got {self.data_type!r}"
             )
-        if data_type != "fp32" and backend != "cowclip":
+        if self.data_type != "fp32" and self.backend != "cowclip":
             raise ValueError(
-                f"embedding data_type {data_type} needs the cowclip backend (the stock "
+                f"embedding data_type {self.data_type} needs the cowclip backend (the stock "
                 "EBC's half weights would be trained by a dense optimizer in half)"
             )
-        object.__setattr__(self, "data_type", data_type)
-        if not init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {init_std}")
-        object.__setattr__(self, "backend", backend)
-        object.__setattr__(
-            self,
-            "training",
-            CowClipOptions.from_keywords(training, training_keywords, "EmbeddingOptions()"),
-        )
-        object.__setattr__(self, "init_std", float(init_std))
-        object.__setattr__(self, "init_seed", init_seed)
-        object.__setattr__(self, "table_device", table_device)
+        if not isinstance(self.training, CowClipOptions):
+            raise TypeError(
+                f"training must be a CowClipOptions, got {type(self.training).__name__}"
+            )
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        object.__setattr__(self, "init_std", float(self.init_std))
 
 
 def validate_sparse_features(sparse_names: Sequence[str], cardinalities: Sequence[int]) -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
 from torchrec_cowclip.optim.functional import cowclip_clip, cowclip_row_update_
 from torchrec_cowclip.optim.in_backward import CowClipAdam, CowClipRowWiseAdagrad, CowClipSGD
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CountLR, CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS, UpdateRule, register_update_rule
 
 if TYPE_CHECKING:

@@ -11,16 +11,18 @@ are that section's):
    this project's ``weight_decay`` equals that ``2 * lambda``, applied only to rows the
    batch touched);
 3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - step 5,
-   with an optional per-row learning rate from the row's count (:class:`CountLR`, not in
-   the paper; off by default).
+   with an optional per-row learning rate from the row's count
+   (:func:`count_lr_multiplier`, not in the paper; off by default).
 
 :func:`cowclip_row_update_` composes the three, with the settings of
-:mod:`.config` (:class:`CowClip`, :class:`CountLR`, :class:`Helen`). Helen
-(``docs/algorithm.md``, "Helen") adds one rule before them: :func:`helen_table_statistics`
-and :func:`helen_perturbation` give the frequency-scaled perturbation of the touched rows at
-which the second gradient is taken (:func:`sam_perturbations` for dense parameters). The
-optimizers of step 5 are rules of the registry in :mod:`.rules`; the built-in ones (Adam,
-row-wise Adagrad, SGD) are registered here, next to their math. A row split into column
+:mod:`.options` (``CowClip``, ``CountLR``, ``Helen``, read through the protocols
+:class:`ClipSettings` and :class:`CountScaling`: this module imports nothing of the
+package). Helen (``docs/algorithm.md``, "Helen") adds one rule before them:
+:func:`helen_table_statistics` and :func:`helen_perturbation` give the frequency-scaled
+perturbation of the touched rows at which the second gradient is taken
+(:func:`sam_perturbations` for dense parameters). The optimizers of step 5 are row steps
+(:data:`RowRule`): :func:`adam_step`, :func:`rowwise_adagrad_step` and :func:`sgd_step`,
+which the registry of :mod:`.rules` builds its built-in rules from. A row split into column
 shards (TorchRec column-wise sharding) is handled by the same functions: each shard computes
 its :func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
 supplies the norms of step 3 and row-wise Adagrad's ``mean(g_j**2)``. Tables stored in
@@ -42,27 +44,57 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import (
-    Any,
-    Dict,
-    Optional,
-    Sequence,
-    Tuple,
-    Union,
-)
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.config import CountLR, CowClip
-from torchrec_cowclip.optim.rules import (
-    UpdateRule,
-    register_update_rule,
-    update_rule,
-)
-
 #: Added to the gradient norm in the denominator of Helen's and SAM's perturbation.
 HELEN_NORM_EPS = 1e-12
+
+#: A row step (step 5): ``step(weight, grad, state, *, lr, step, betas, eps, weight_decay,
+#: scale, row_sums, adam_bias)`` updates ``weight`` and ``state`` in place from the clipped,
+#: decayed ``grad`` (the keywords are :func:`cowclip_row_update_`'s; ``scale`` is the clip
+#: factor of step 3). A step takes the keywords it needs and ``**_`` for the rest. The
+#: built-in ones are :func:`adam_step`, :func:`rowwise_adagrad_step` and :func:`sgd_step`;
+#: the registry of :mod:`.rules` names them.
+RowRule = Callable[..., None]
+
+
+class ClipSettings(Protocol):
+    """What step 3 reads of its settings
+    (:class:`~torchrec_cowclip.optim.options.CowClip` is one)."""
+
+    @property
+    def r(self) -> float: ...
+
+    @property
+    def zeta(self) -> float: ...
+
+
+class CountScaling(Protocol):
+    """What the per-id-frequency learning rate reads of its settings
+    (:class:`~torchrec_cowclip.optim.options.CountLR` is one)."""
+
+    @property
+    def power(self) -> float: ...
+
+    @property
+    def cap(self) -> float: ...
+
+
+def count_lr_multiplier(
+    counts: Tensor, power: float, cap: float, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``[U]`` ``min(c_j, cap) ** power`` for the rows' counts ``c_j``: the factor of the
+    per-id-frequency learning rate ``lr_j = lr * min(c_j, cap) ** power``.
+
+    Example::
+
+        >>> count_lr_multiplier(torch.tensor([1, 4, 100]), power=0.5, cap=16).tolist()
+        [1.0, 2.0, 4.0]
+    """
+    return counts.to(dtype).clamp(max=float(cap)).pow(float(power))
 
 
 def helen_table_statistics(
@@ -392,7 +424,7 @@ def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
     weight.sub_(_per_row(lr) * grad)
 
 
-def _adam_step(
+def adam_step(
     weight: Tensor,
     grad: Tensor,
     state: Dict[str, Tensor],
@@ -404,6 +436,7 @@ def _adam_step(
     adam_bias: Optional[Tuple[Tensor, Tensor]],
     **_: Any,
 ) -> None:
+    """Adam as a :data:`RowRule` (state ``exp_avg``, ``exp_avg_sq``): :func:`adam_rows_`."""
     adam_rows_(
         weight,
         grad,
@@ -418,7 +451,7 @@ def _adam_step(
     )
 
 
-def _rowwise_adagrad_step(
+def rowwise_adagrad_step(
     weight: Tensor,
     grad: Tensor,
     state: Dict[str, Tensor],
@@ -430,59 +463,17 @@ def _rowwise_adagrad_step(
     row_sums: Optional[RowSums],
     **_: Any,
 ) -> None:
+    """Row-wise Adagrad as a :data:`RowRule` (state ``sum``): :func:`rowwise_adagrad_rows_`,
+    with a column shard's ``mean(g_j**2)`` over the whole row from ``row_sums``."""
     grad_sq_mean = None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
     rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
 
 
-def _sgd_step(
+def sgd_step(
     weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, **_: Any
 ) -> None:
+    """SGD as a :data:`RowRule` (no state): :func:`sgd_rows_`."""
     sgd_rows_(weight, grad, lr)
-
-
-# FBGEMM's first state is "momentum1" whatever its optimizer; TorchRec names the others
-# after FBGEMM's get_optimizer_state() ("exp_avg_sq").
-register_update_rule(
-    UpdateRule(
-        "adam",
-        _adam_step,
-        (("exp_avg", "D"), ("exp_avg_sq", "D")),
-        "torch.optim.Adam",
-        adam_bias_corrections=True,
-        torchrec_optimizers=("adam", "torch.optim.adam.Adam", "torchrec.optim.optimizers.Adam"),
-        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
-    )
-)
-register_update_rule(
-    UpdateRule(
-        "rowwise_adagrad",
-        _rowwise_adagrad_step,
-        (("sum", "1"),),
-        "torchrec.optim.RowWiseAdagrad",
-        # FBGEMM's ROWWISE_ADAGRAD is the same update, applied without the sort that
-        # makes EXACT_ROWWISE_ADAGRAD deterministic; this one is always exact.
-        torchrec_optimizers=(
-            "exact_row_wise_adagrad",
-            "row_wise_adagrad",
-            "torchrec.optim.rowwise_adagrad.RowWiseAdagrad",
-        ),
-        fbgemm_states=(("sum", "momentum1"),),
-    )
-)
-register_update_rule(
-    UpdateRule(
-        "sgd",
-        _sgd_step,
-        (),
-        "torch.optim.SGD",
-        torchrec_optimizers=(
-            "exact_sgd",
-            "sgd",
-            "torch.optim.sgd.SGD",
-            "torchrec.optim.optimizers.SGD",
-        ),
-    )
-)
 
 
 #: Float types a table may be stored in; the update computes in float32 and rounds back.
@@ -581,7 +572,7 @@ def stochastic_round(
 
 
 def cowclip_row_update_(
-    optimizer: Union[str, UpdateRule],
+    rule: RowRule,
     weight: Tensor,
     grad: Tensor,
     counts: Tensor,
@@ -592,35 +583,37 @@ def cowclip_row_update_(
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    cowclip: Optional[CowClip] = None,
+    cowclip: Optional[ClipSettings] = None,
     clip_enabled: Optional[Tensor] = None,
     row_sums: Optional[RowSums] = None,
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
-    count_lr: Optional[CountLR] = None,
+    count_lr: Optional[CountScaling] = None,
 ) -> Tensor:
     """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
     Args:
-        optimizer: a registered rule (:data:`~.rules.UPDATE_RULES`), or its name:
-            ``"adam"``, ``"rowwise_adagrad"`` or ``"sgd"``, or one added by
-            :func:`~.rules.register_update_rule`.
+        rule: the optimizer's row step (:data:`RowRule`): :func:`adam_step`,
+            :func:`rowwise_adagrad_step`, :func:`sgd_step`, or a registered rule's ``step``
+            (:func:`~.rules.update_rule`).
         weight: ``[U, D]`` rows before the step; updated in place.
         grad: ``[U, D]`` summed gradients of the rows (not modified).
         counts: ``[U]`` occurrences of each row in the batch.
-        state: the rows' optimizer state blocks, named as in :data:`STATE_LAYOUT`
+        state: the rows' optimizer state blocks, named as in :data:`~.rules.STATE_LAYOUT`
             (``exp_avg``/``exp_avg_sq`` ``[U, D]``; ``sum`` ``[U]``); updated in place.
         step: ``[U]`` or scalar step count including this step (Adam only; None when
             ``adam_bias`` is given or the rule is not Adam).
         adam_bias: Adam's bias corrections for ``step``, precomputed
             (:func:`adam_bias_corrections`); ``step`` is then not read.
-        cowclip: the clip parameters, or None for no clipping.
+        cowclip: the clip parameters (:class:`~torchrec_cowclip.optim.options.CowClip`),
+            or None for no clipping.
         clip_enabled: optional ``[U]`` bool mask of rows that may be clipped.
         row_sums: sums over the WHOLE rows when ``weight``/``grad`` are one column shard
             of them (:class:`RowSums`): the clip then uses the whole rows' norms and
             row-wise Adagrad the whole rows' ``mean(g_j**2)``, so every shard takes the
             step the unsplit row would. Default: the rows are whole.
         count_lr: optional per-row learning rate ``lr * min(c_j, cap) ** power``
-            (:class:`CountLR`); default one ``lr`` for every row, as in the paper.
+            (:class:`~torchrec_cowclip.optim.options.CountLR`); default one ``lr`` for every
+            row, as in the paper.
 
     Returns:
         ``[U]`` bool, True for rows whose gradient was clipped.
@@ -628,12 +621,10 @@ def cowclip_row_update_(
     Example::
 
         >>> w = torch.zeros(1, 2); g = torch.ones(1, 2)
-        >>> _ = cowclip_row_update_("sgd", w, g, torch.tensor([1]), {}, torch.tensor(1), lr=0.5)
+        >>> _ = cowclip_row_update_(sgd_step, w, g, torch.tensor([1]), {}, torch.tensor(1), lr=0.5)
         >>> w
         tensor([[-0.5000, -0.5000]])
     """
-    # Looked up before any row changes; the fused paths pass the rule itself.
-    rule = optimizer if isinstance(optimizer, UpdateRule) else update_rule(optimizer)
     norms = None if row_sums is None else row_sums.norms()
     if cowclip is not None:
         scale, was_clipped = cowclip_scale(
@@ -646,8 +637,8 @@ def cowclip_row_update_(
     grad = couple_weight_decay(grad, weight, weight_decay)
     row_lr: LearningRate = lr
     if count_lr is not None and count_lr.power != 0.0:
-        row_lr = lr * count_lr.multiplier(counts, grad.dtype)
-    rule.step(
+        row_lr = lr * count_lr_multiplier(counts, count_lr.power, count_lr.cap, grad.dtype)
+    rule(
         weight,
         grad,
         state,

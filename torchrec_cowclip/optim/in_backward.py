@@ -15,7 +15,7 @@ with ``CowClipEmbeddingBagCollection.from_ebc``.
 Example::
 
     >>> import torch
-    >>> from torchrec_cowclip.optim.functional import CowClip
+    >>> from torchrec_cowclip.optim.options import CowClip
     >>> weight = torch.nn.Parameter(torch.zeros(10, 4))
     >>> opt = CowClipAdam([weight], lr=1e-3, cowclip=CowClip(r=1.0, zeta=1e-5))
     >>> opt.defaults["lr"], opt.rule
@@ -33,8 +33,7 @@ from typing import Any, Callable, ClassVar, Iterable, NoReturn, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
-from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CountLR, CowClip, CowClipOptions, Helen
 
 __all__ = ["CowClipAdam", "CowClipInBackward", "CowClipRowWiseAdagrad", "CowClipSGD"]
 

@@ -1,8 +1,13 @@
-"""How CowClip tables are trained: one options object for every layer.
+"""How CowClip tables are trained: one family of frozen, validated settings.
 
 :class:`CowClipOptions` is what :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`,
-its sharder, the model factory and the trainer accept and pass on, validated once where it
-is built; the fused optimizer's ``param_groups[0]`` is its live, editable form.
+its sharder, the model factory and the trainer accept (``options=``) and pass on, validated
+once where it is built; the fused optimizer's ``param_groups[0]`` is its live, editable
+form. Its parts are the clip (:class:`CowClip`), the optional per-id-frequency learning
+rate (:class:`CountLR`) and Helen's perturbation (:class:`Helen`). The math that uses them
+is :mod:`torchrec_cowclip.optim.functional`'s; ``docs/algorithm.md`` states both. TorchRec's
+own doors (a sharder's ``fused_params``, ``apply_optimizer_in_backward`` marks) are read
+onto the same object by :mod:`torchrec_cowclip.optim.torchrec_config`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,161 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
-from torchrec_cowclip.optim.config import CountLR, CowClip, Helen
+import torch
+from torch import Tensor
+
+from torchrec_cowclip.optim.functional import count_lr_multiplier
 from torchrec_cowclip.optim.rules import OPTIMIZERS, UpdateRule, update_rule
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "CountLR",
+    "CowClip",
+    "CowClipOptions",
+    "Helen",
+    "validate_hyperparameters",
+]
+
+
+@dataclass(frozen=True)
+class CowClip:
+    """Parameters of the CowClip clip: ``tau_j = c_j * max(r * ||W[j]||, zeta)``.
+
+    Args:
+        r: clip ratio against the row's own weight norm (paper default 1.0).
+        zeta: lower bound on the per-occurrence threshold, so rows with a tiny norm can
+            still move. The TF reference's ``--bound`` maps to
+            ``zeta = r**2 * sqrt(D) * bound`` (see :meth:`from_reference`).
+
+    Example::
+
+        >>> CowClip(r=1.0, zeta=1e-5)
+        CowClip(r=1.0, zeta=1e-05)
+        >>> round(CowClip.from_reference(r=1.0, bound=1e-5, embedding_dim=10).zeta, 7)
+        3.16e-05
+    """
+
+    r: float = 1.0
+    zeta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("r", "zeta"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, (int, float))
+                or value != value
+                or value
+                in (
+                    float("inf"),
+                    float("-inf"),
+                )
+            ):
+                raise ValueError(f"CowClip.{name} must be a finite number, got {value!r}")
+        if self.r <= 0:
+            raise ValueError(f"CowClip.r must be > 0, got {self.r}")
+        if self.zeta < 0:
+            raise ValueError(f"CowClip.zeta must be >= 0, got {self.zeta}")
+
+    @classmethod
+    def from_reference(cls, r: float, bound: float, embedding_dim: int) -> "CowClip":
+        """Maps the TF reference's flags to the paper's ``zeta``.
+
+        The reference computes ``clip = r * cnt * max(||w||, r * sqrt(D) * bound)``,
+        i.e. ``cnt * max(r * ||w||, r**2 * sqrt(D) * bound)``.
+        """
+        return cls(r=r, zeta=r * r * (embedding_dim**0.5) * bound)
+
+
+@dataclass(frozen=True)
+class CountLR:
+    """Per-id-frequency embedding learning rate: ``lr_j = lr * min(c_j, cap) ** power``.
+
+    Not in the paper or the TF reference (step 5 uses one ``lr`` for every row); an
+    extension searched in ``docs/scaling.md``, where it did not beat one ``lr`` for every
+    row on average, so no recipe uses it. The reasoning: one step at batch ``s * b``
+    replaces ``s`` steps at batch ``b``. An id seen ``c_j >= s`` times in the large batch
+    would have been updated in about every one of those ``s`` small steps, an id seen once
+    in only one of them; Adam moves a row by about ``lr`` per update whatever its
+    gradient's size, so at a fixed ``lr`` the large batch slows frequent ids down by up to
+    ``s`` and leaves rare ids as they were. ``power = 1`` gives a row back ``min(c_j, s)``
+    updates' worth of movement (for gradients that agree from step to step), ``0.5`` the
+    random-walk ``sqrt`` of it; ``cap = s`` (the batch scale) keeps ``lr_j = lr`` at the
+    base batch and never exceeds ``s`` small steps. ``c_j`` is the same count the clip uses.
+
+    Args:
+        power: the exponent; 0 turns the scaling off, a negative one slows frequent ids.
+        cap: the count above which the rate stops growing, ``>= 1``.
+
+    Example::
+
+        >>> CountLR(power=0.5, cap=16).multiplier(torch.tensor([1, 4, 100])).tolist()
+        [1.0, 2.0, 4.0]
+    """
+
+    power: float = 0.5
+    cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("power", "cap"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"CountLR.{name} must be a finite number, got {value!r}")
+        if self.cap < 1:
+            raise ValueError(
+                f"CountLR.cap must be >= 1 (a row is seen at least once), got {self.cap}"
+            )
+
+    def multiplier(self, counts: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``[U]`` ``min(c_j, cap) ** power`` for the rows' counts ``c_j``
+        (:func:`~torchrec_cowclip.optim.functional.count_lr_multiplier`)."""
+        return count_lr_multiplier(counts, self.power, self.cap, dtype)
+
+
+@dataclass(frozen=True)
+class Helen:
+    """Helen (Zhu et al., WWW 2024): sharpness-aware minimisation whose perturbation of
+    each embedding row grows with the row's frequency in the batch.
+
+    Per step and table, with ``n_j`` the count of row ``j`` in the batch (CowClip's count,
+    over every feature that uses the table), ``G`` the table's gradient on its touched rows
+    and ``g_j`` row ``j``'s: ``e_j = rho * max(n_j / max_k n_k, bound) * g_j / (||G||_F +
+    1e-12)`` (:func:`~torchrec_cowclip.optim.functional.helen_perturbation`); the rows take their step with the gradient at
+    ``W + e``. ``perturb_dense`` also perturbs the dense parameters, plain SAM with their
+    global gradient norm (:func:`~torchrec_cowclip.optim.functional.sam_perturbations`). ``docs/algorithm.md``, "Helen".
+
+    Args:
+        rho: perturbation radius (the reference's default 0.05); 0 makes the second pass
+            evaluate the unperturbed weights.
+        bound: lower bound on a row's frequency share ``n_j / max_k n_k``, in [0, 1]
+            (the reference's default 0.3).
+        perturb_dense: SAM on the dense parameters too (their ``.grad`` then holds the
+            second pass's gradient); default: they keep the first pass's gradient.
+
+    Example::
+
+        >>> Helen()
+        Helen(rho=0.05, bound=0.3, perturb_dense=False)
+        >>> Helen(rho=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Helen.rho must be >= 0 and finite, got -1.0
+    """
+
+    rho: float = 0.05
+    bound: float = 0.3
+    perturb_dense: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("rho", "bound"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"Helen.{name} must be a number, got {value!r}")
+        if not (math.isfinite(self.rho) and self.rho >= 0.0):
+            raise ValueError(f"Helen.rho must be >= 0 and finite, got {self.rho!r}")
+        if not (math.isfinite(self.bound) and 0.0 <= self.bound <= 1.0):
+            raise ValueError(f"Helen.bound must be in [0, 1], got {self.bound!r}")
+        if not isinstance(self.perturb_dense, bool):
+            raise ValueError(f"Helen.perturb_dense must be a bool, got {self.perturb_dense!r}")
 
 
 def validate_hyperparameters(
@@ -81,43 +239,6 @@ class CowClipOptions:
             raise TypeError(f"helen must be a Helen or None, got {type(self.helen).__name__}")
 
     @classmethod
-    def from_keywords(
-        cls,
-        options: Optional["CowClipOptions"],
-        keywords: Mapping[str, Any],
-        where: str,
-        spelling: Optional[Mapping[str, str]] = None,
-    ) -> "CowClipOptions":
-        """The one adapter of the constructors' older spelling: ``options`` itself, or,
-        when None, the options the separate ``keywords`` describe.
-
-        Args:
-            options: the options object, or None.
-            keywords: the older keywords given (``optimizer=``, ``lr=``, ...).
-            where: the constructor, for messages (``CowClipEmbeddingBagCollection()``).
-            spelling: keyword -> field, where a constructor prefixes them
-                (``build_model``'s ``embedding_lr`` -> ``lr``); default: the field names.
-
-        Raises:
-            TypeError: a keyword that names no field.
-            ValueError: both ``options`` and keywords are given.
-        """
-        names = spelling if spelling is not None else {f: f for f in _FIELDS}
-        unknown = sorted(k for k in keywords if k not in names)
-        if unknown:
-            raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
-        fields = {names[k]: v for k, v in keywords.items()}
-        if options is None:
-            return cls(**fields)
-        if not isinstance(options, CowClipOptions):
-            raise TypeError(f"options must be a CowClipOptions, got {type(options).__name__}")
-        if keywords:
-            raise ValueError(
-                f"{where}: give options= or the keyword arguments {sorted(keywords)}, not both"
-            )
-        return options
-
-    @classmethod
     def from_param_group(
         cls, group: Mapping[str, Any], optimizer: str, unclipped_tables: Iterable[str] = ()
     ) -> "CowClipOptions":
@@ -151,7 +272,7 @@ class CowClipOptions:
     def hyperparameters(self) -> Dict[str, Any]:
         """The fused optimizer's param group entries (``lr``, ``betas``, ``eps``,
         ``weight_decay``, ``cowclip``, ``count_lr``), which are also the row step's
-        hyperparameter keywords (:func:`~torchrec_cowclip.optim.row_step.row_step_`)."""
+        hyperparameter keywords (:func:`~torchrec_cowclip.optim.row_step.gather_step_scatter_`)."""
         return {
             "lr": self.lr,
             "betas": self.betas,
@@ -171,8 +292,6 @@ class CowClipOptions:
             )
 
 
-#: Every field at its default: the one place the defaults are stated (the keyword
-#: spellings and the in-backward optimizer classes read theirs from here).
+#: Every field at its default: the one place the defaults are stated (the in-backward
+#: optimizer classes read theirs from here).
 DEFAULT_OPTIONS = CowClipOptions()
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(CowClipOptions))

@@ -10,7 +10,7 @@ sharded update) can be tested against it.
 Example::
 
     >>> import torch
-    >>> from torchrec_cowclip.optim.functional import CowClip
+    >>> from torchrec_cowclip.optim.options import CowClip
     >>> weight = torch.ones(4, 2)
     >>> grad = torch.zeros(4, 2); grad[1] = 10.0
     >>> counts = occurrence_counts(torch.tensor([1, 1, 3]), num_rows=4)
@@ -28,9 +28,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import cowclip_row_update_
-from torchrec_cowclip.optim.rules import STATE_LAYOUT
+from torchrec_cowclip.optim.options import CountLR, CowClip
+from torchrec_cowclip.optim.rules import STATE_LAYOUT, update_rule
 
 
 def occurrence_counts(ids: Tensor, num_rows: int) -> Tensor:
@@ -82,7 +82,7 @@ def reference_cowclip_step_(
     row_weight = weight[rows].clone()
     row_state = {name: state[name][rows].clone() for name, _ in STATE_LAYOUT[optimizer]}
     clipped = cowclip_row_update_(
-        optimizer,
+        update_rule(optimizer).step,
         row_weight,
         dense_grad[rows],
         counts[rows],

@@ -13,22 +13,25 @@ The compiled step is several times faster than the eager one (measured: docs/per
 Row counts are dynamic, the embedding dim is not: a process compiles one graph per
 (optimizer, dim, clip on/off, clip mask or not, column shard or not) it meets.
 
-Which path runs (:func:`compiled_update_mode`):
+:func:`row_step` is the step with the choice made: :class:`CompiledRowStep`, or
+:func:`gather_step_scatter_` itself, fixed when it is chosen. Which one a table batch gets - or
+the native CPU kernels instead - is the row kernel's choice
+(:mod:`torchrec_cowclip.embedding.kernels`), made once when the batch is built or moved,
+from :func:`compiled_update_mode`: the ``TORCHREC_COWCLIP_COMPILE`` environment variable
+(which :func:`set_compiled_update` sets), one of
 
-- ``TORCHREC_COWCLIP_COMPILE=auto`` (default): compiled where it can build. On CPU the
-  table batches' update is the native kernels of :mod:`torchrec_cowclip.embedding.native`
-  (built on first use; a
-  C++ compiler on ``PATH``), and this row step, where it still runs (a registered update
-  rule of one's own, or the native build failed), is Inductor's; on CUDA, Inductor's
-  Triton kernels. Eager otherwise;
-- ``=1``: compiled, and a failure to build is an error;
-- ``=inductor``: this row step compiled by Inductor on every device and no native kernels
+- ``auto`` (default): on CPU the native kernels (built on first use; a C++ compiler on
+  ``PATH``), falling back - with a warning naming the error, once, when the kernel is
+  chosen - to this row step compiled by Inductor, or eager without a compiler; on CUDA,
+  Inductor's Triton kernels;
+- ``1``: compiled (native on CPU, Inductor elsewhere); a failed build is an error;
+- ``inductor``: this row step compiled by Inductor on every device and no native kernels
   (the CPU path before the native kernels, kept for comparison);
-- ``=0``: always eager.
+- ``0``: always eager.
 
-If a compile fails in ``auto`` mode, a warning names the error and that device type
-falls back (native -> Inductor -> eager) from then on; every path computes the same
-update (tests compare them with the functional core and the dense reference).
+A compiled step that fails to compile raises, naming the error and
+``TORCHREC_COWCLIP_COMPILE=0``; it never falls back on its own, so that two processes of
+one job never run different paths (they agree to about 1e-6, not bit for bit).
 """
 
 from __future__ import annotations
@@ -37,66 +40,64 @@ import functools
 import logging
 import os
 import shutil
-import warnings
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
-from torchrec_cowclip.optim.config import CountLR, CowClip
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, stochastic_round
-from torchrec_cowclip.optim.rules import UpdateRule
+from torchrec_cowclip.optim.options import CountLR, CowClip
+from torchrec_cowclip.optim.rules import UpdateRule, update_rule
 
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "TORCHREC_COWCLIP_COMPILE"
-_MODES = ("auto", "1", "0", "inductor")
+MODES = ("auto", "1", "0", "inductor")
 
 # Each (optimizer, clip on/off, mask or not, sharded sums or not, size-1 dims) is its
 # own graph; a run uses a few, a test process many. Raised only around our own calls.
 _RECOMPILE_LIMIT = 64
 
-_override: Optional[str] = None
-_failed_devices: Set[str] = set()
-
 
 def compiled_update_mode() -> str:
-    """``"auto"``, ``"1"`` or ``"0"``: :func:`set_compiled_update`'s value, else the
-    ``TORCHREC_COWCLIP_COMPILE`` environment variable, else ``"auto"``."""
-    mode = _override if _override is not None else os.environ.get(COMPILE_ENV, "auto")
-    mode = mode.strip().lower()
-    if mode not in _MODES:
-        raise ValueError(f"{COMPILE_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
+    """``"auto"``, ``"1"``, ``"inductor"`` or ``"0"``: the ``TORCHREC_COWCLIP_COMPILE``
+    environment variable (:func:`set_compiled_update` sets it), else ``"auto"``. Read when
+    a table batch's row kernel is chosen, never per step."""
+    mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{COMPILE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
-def set_compiled_update(mode: Optional[str]) -> None:
-    """Chooses the update path for this process: ``"auto"``, ``"1"`` (compiled),
-    ``"inductor"`` (Inductor only, no native kernels), ``"0"`` (eager), or None to go back
-    to the environment variable.
+def set_compiled_update(mode: Optional[str]) -> Optional[str]:
+    """Chooses the update path of the table batches built (or moved) from now on:
+    ``"auto"``, ``"1"`` (compiled), ``"inductor"`` (Inductor only, no native kernels),
+    ``"0"`` (eager), or None for the default (``auto``). It sets (or unsets)
+    ``TORCHREC_COWCLIP_COMPILE``, so the processes this one starts - the ranks of a job -
+    choose alike; returns the variable's previous value (None: unset), to restore it.
 
     Example::
 
-        >>> set_compiled_update("0")   # e.g. to compare against the compiled path
+        >>> previous = set_compiled_update("0")   # e.g. to compare against the compiled path
         >>> compiled_update_mode()
         '0'
-        >>> set_compiled_update(None)
+        >>> _ = set_compiled_update(previous)
     """
-    global _override
-    if mode is not None and mode not in _MODES:
-        raise ValueError(f"compiled update mode {mode!r}: expected one of {', '.join(_MODES)}")
-    _override = mode
-    _failed_devices.clear()
-
-
-def _can_compile(device: torch.device) -> bool:
-    return _toolchain_available(device.type)
+    previous = os.environ.get(COMPILE_ENV)
+    if mode is None:
+        os.environ.pop(COMPILE_ENV, None)
+        return previous
+    if mode not in MODES:
+        raise ValueError(f"compiled update mode {mode!r}: expected one of {', '.join(MODES)}")
+    os.environ[COMPILE_ENV] = mode
+    return previous
 
 
 @functools.lru_cache(maxsize=None)
-def _toolchain_available(device_type: str) -> bool:
-    # Cached: asked on every update, and a PATH search per step is wasted work.
+def toolchain_available(device_type: str) -> bool:
+    """Whether Inductor can build kernels for ``device_type`` here: a C++ compiler on
+    ``PATH`` for CPU, Triton for CUDA (looked up once per process)."""
     if device_type == "cpu":
         compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
         return any(name and shutil.which(name) for name in compilers)
@@ -107,16 +108,6 @@ def _toolchain_available(device_type: str) -> bool:
             return False
         return True
     return False
-
-
-def use_compiled_update(device: torch.device) -> bool:
-    """Whether :func:`row_step_` on ``device`` takes the Inductor-compiled path now."""
-    mode = compiled_update_mode()
-    if mode == "0":
-        return False
-    if mode in ("1", "inductor"):
-        return True
-    return device.type not in _failed_devices and _can_compile(device)
 
 
 def gather_step_scatter_(
@@ -150,8 +141,9 @@ def gather_step_scatter_(
     """
     weight = weight_table.index_select(0, rows).to(grad.dtype)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
+    rule = optimizer if isinstance(optimizer, UpdateRule) else update_rule(optimizer)
     clipped = cowclip_row_update_(
-        optimizer,
+        rule.step,
         weight,
         grad,
         counts,
@@ -179,17 +171,15 @@ def gather_step_scatter_(
     return clipped
 
 
-_compiled: Optional[Callable[..., Tensor]] = None
-
-
-def _compiled_fn() -> Callable[..., Tensor]:
-    global _compiled
-    if _compiled is None:
-        # Dynamic: the touched-row count changes every step, tables differ in size, and
-        # lr changes every step of a warm-up; none of them may cost a recompile. The
-        # embedding dim is then marked static per call (_mark_embedding_dim_static).
-        _compiled = torch.compile(gather_step_scatter_, dynamic=True)
-    return _compiled
+@functools.lru_cache(maxsize=None)
+def _compiled_gather_step_scatter() -> Callable[..., Tensor]:
+    """:func:`gather_step_scatter_` through ``torch.compile``, one wrapper per process (its
+    graphs are cached per signature, so every :class:`CompiledRowStep` shares them)."""
+    # Dynamic: the touched-row count changes every step, tables differ in size, and
+    # lr changes every step of a warm-up; none of them may cost a recompile. The
+    # embedding dim is then marked static per call (_mark_embedding_dim_static).
+    compiled: Callable[..., Tensor] = torch.compile(gather_step_scatter_, dynamic=True)
+    return compiled
 
 
 def _mark_embedding_dim_static(args: Tuple[Any, ...]) -> None:
@@ -212,35 +202,44 @@ def _mark_embedding_dim_static(args: Tuple[Any, ...]) -> None:
                 mark_static_dim(tensor, 1)
 
 
-def row_step_(*args: Any, **kwargs: Any) -> Tensor:
-    """:func:`gather_step_scatter_`, compiled where :func:`use_compiled_update` says so.
+class CompiledRowStep:
+    """:func:`gather_step_scatter_` compiled by TorchInductor (``torch.compile``); a
+    failed compile raises, naming the error and ``TORCHREC_COWCLIP_COMPILE=0``."""
+
+    def __repr__(self) -> str:
+        return "CompiledRowStep()"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            with recompile_limit_at_least(_RECOMPILE_LIMIT):
+                _mark_embedding_dim_static((*args, *kwargs.values()))
+                return _compiled_gather_step_scatter()(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - named in one line, never a silent fallback
+            device = args[0].device.type if args and isinstance(args[0], Tensor) else "?"
+            logger.debug("compiled row step failed", exc_info=True)
+            raise RuntimeError(
+                f"torchrec_cowclip: compiling the row step for {device} with TorchInductor "
+                f"failed ({type(error).__name__}: {_first_line(error)}); set "
+                f"{COMPILE_ENV}=0 for the eager update (same math, slower)"
+            ) from error
+
+
+def row_step(compiled: bool) -> Callable[..., Tensor]:
+    """The row step with the choice made: :class:`CompiledRowStep` or, eager,
+    :func:`gather_step_scatter_` itself (no frame in between).
 
     Example::
 
         >>> w = torch.zeros(4, 2); rows = torch.tensor([1, 3])
-        >>> _ = row_step_(w, {}, rows, torch.ones(2, 2), torch.ones(2), optimizer="sgd",
-        ...               lr=0.5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
+        >>> step = row_step(compiled=False)
+        >>> _ = step(w, {}, rows, torch.ones(2, 2), torch.ones(2), optimizer="sgd",
+        ...          lr=0.5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
         >>> w[:, 0].tolist()
         [0.0, -0.5, 0.0, -0.5]
     """
-    weight_table: Tensor = args[0]
-    device = weight_table.device
-    if not use_compiled_update(device):
-        return gather_step_scatter_(*args, **kwargs)
-    try:
-        with recompile_limit_at_least(_RECOMPILE_LIMIT):
-            _mark_embedding_dim_static((*args, *kwargs.values()))
-            return _compiled_fn()(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001 - any build failure falls back in auto mode
-        if compiled_update_mode() == "1":
-            raise
-        _failed_devices.add(device.type)
-        warnings.warn(
-            f"torchrec_cowclip: compiling the fused CowClip update for {device.type} "
-            f"failed ({type(error).__name__}: {error}); updating eagerly from now on "
-            f"(same math, slower). Set {COMPILE_ENV}=0 to skip the attempt.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        logger.debug("compiled update failed", exc_info=True)
-        return gather_step_scatter_(*args, **kwargs)
+    return CompiledRowStep() if compiled else gather_step_scatter_
+
+
+def _first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's message (compilers write pages)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")

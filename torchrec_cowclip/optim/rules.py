@@ -2,14 +2,14 @@
 
 An :class:`UpdateRule` names an optimizer's row step, the state it keeps per row, the
 optimizer class TorchRec's planner sizes that state by, and the names TorchRec and FBGEMM
-give it and its state. The built-in rules (Adam, row-wise Adagrad, SGD) are registered by
-the functional core (:mod:`torchrec_cowclip.optim.functional`), with the math they run;
-a new optimizer is one more :func:`register_update_rule`. :data:`OPTIMIZERS`,
-:data:`STATE_LAYOUT` and ``distributed.options.PLANNER_OPTIMIZER_CLASS`` are live views.
+give it and its state. The built-in rules (Adam, row-wise Adagrad, SGD) are built here, at
+import, from the functional core's row steps (:func:`~.functional.adam_step`, ...): this
+module imports the core, never the reverse, so the registry is complete whatever imports
+it first. A new optimizer is one more :func:`register_update_rule`. :data:`OPTIMIZERS`,
+:data:`STATE_LAYOUT` and ``distributed.sharder.PLANNER_OPTIMIZER_CLASS`` are live views.
 
 Example::
 
-    >>> import torchrec_cowclip.optim.functional  # registers the built-in rules
     >>> tuple(OPTIMIZERS), STATE_LAYOUT["rowwise_adagrad"]
     (('adam', 'rowwise_adagrad', 'sgd'), (('sum', '1'),))
 """
@@ -19,7 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Mapping, Sequence, Tuple, Union, overload
 
+from torchrec_cowclip.optim.functional import RowRule, adam_step, rowwise_adagrad_step, sgd_step
+
 __all__ = [
+    "BUILT_IN_RULES",
     "OPTIMIZERS",
     "STATE_LAYOUT",
     "UPDATE_RULES",
@@ -30,13 +33,6 @@ __all__ = [
     "unregister_update_rule",
     "update_rule",
 ]
-
-
-#: A row step: ``rule(weight, grad, state, *, lr, step, betas, eps, weight_decay, scale,
-#: row_sums, adam_bias)`` updates ``weight`` and ``state`` in place from the clipped,
-#: decayed ``grad`` (the keywords are :func:`cowclip_row_update_`'s; ``scale`` is the
-#: clip factor of step 3). A rule takes the keywords it needs and ``**_`` for the rest.
-RowRule = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -51,7 +47,7 @@ class UpdateRule:
         planner_optimizer: import path of the torch/TorchRec optimizer class whose state
             size TorchRec's planner knows to be the same (``"torch.optim.Adam"``).
         adam_bias_corrections: ``step`` receives Adam's bias corrections
-            (:func:`adam_bias_corrections`) as ``adam_bias``, which the fused update
+            (:func:`~.functional.adam_bias_corrections`) as ``adam_bias``, which the fused update
             computes once per table rather than once per row.
         torchrec_optimizers: how TorchRec names this optimizer: FBGEMM's ``EmbOptimType``
             values (``fused_params["optimizer"]``) and the qualified names of the
@@ -76,8 +72,49 @@ class UpdateRule:
             )
 
 
-#: The registered optimizers, by name, in registration order.
-UPDATE_RULES: Dict[str, UpdateRule] = {}
+#: The built-in rules, with the names TorchRec and FBGEMM give them. FBGEMM's first state
+#: is "momentum1" whatever its optimizer; TorchRec names the others after FBGEMM's
+#: ``get_optimizer_state()`` ("exp_avg_sq").
+BUILT_IN_RULES: Tuple[UpdateRule, ...] = (
+    UpdateRule(
+        "adam",
+        adam_step,
+        (("exp_avg", "D"), ("exp_avg_sq", "D")),
+        "torch.optim.Adam",
+        adam_bias_corrections=True,
+        torchrec_optimizers=("adam", "torch.optim.adam.Adam", "torchrec.optim.optimizers.Adam"),
+        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
+    ),
+    UpdateRule(
+        "rowwise_adagrad",
+        rowwise_adagrad_step,
+        (("sum", "1"),),
+        "torchrec.optim.RowWiseAdagrad",
+        # FBGEMM's ROWWISE_ADAGRAD is the same update, applied without the sort that
+        # makes EXACT_ROWWISE_ADAGRAD deterministic; this one is always exact.
+        torchrec_optimizers=(
+            "exact_row_wise_adagrad",
+            "row_wise_adagrad",
+            "torchrec.optim.rowwise_adagrad.RowWiseAdagrad",
+        ),
+        fbgemm_states=(("sum", "momentum1"),),
+    ),
+    UpdateRule(
+        "sgd",
+        sgd_step,
+        (),
+        "torch.optim.SGD",
+        torchrec_optimizers=(
+            "exact_sgd",
+            "sgd",
+            "torch.optim.sgd.SGD",
+            "torchrec.optim.optimizers.SGD",
+        ),
+    ),
+)
+
+#: The registered optimizers, by name, in registration order: the built-in ones first.
+UPDATE_RULES: Dict[str, UpdateRule] = {rule.name: rule for rule in BUILT_IN_RULES}
 
 
 def register_update_rule(rule: UpdateRule) -> UpdateRule:

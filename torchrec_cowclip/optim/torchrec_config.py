@@ -7,13 +7,13 @@ in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options
   ``ADAM``, ``EXACT_ROWWISE_ADAGRAD`` / ``ROWWISE_ADAGRAD``, ``EXACT_SGD`` / ``SGD``, or its
   string value), ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay`` with
   ``weight_decay_mode=WeightDecayMode.L2`` - plus CowClip's own: ``cowclip`` (a
-  :class:`~torchrec_cowclip.optim.config.CowClip`, or None for no clip),
+  :class:`~torchrec_cowclip.optim.options.CowClip`, or None for no clip),
   ``unclipped_tables``, ``count_lr``, ``helen`` (:func:`fused_params_settings`);
 * ``apply_optimizer_in_backward(optimizer_class, [weight], kwargs)`` on each table's
   weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torchrec.optim.RowWiseAdagrad``,
   ``torch.optim.SGD``, ...) or one of :mod:`.in_backward`'s (``CowClipAdam``, ...), whose
   ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`);
-* ``CowClipOptions`` itself (``options=``, or the constructors' older keywords), and a
+* ``CowClipOptions`` itself (``options=``), and a
   :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`'s own options (:func:`options_settings`).
 
 What cannot be honoured is refused in one line naming the key: another optimizer, a key
@@ -53,9 +53,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from torchrec_cowclip.optim.config import CowClip
 from torchrec_cowclip.optim.in_backward import CowClipInBackward
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CowClip, CowClipOptions
 from torchrec_cowclip.optim.rules import UPDATE_RULES
 
 __all__ = [
@@ -63,7 +62,6 @@ __all__ = [
     "Setting",
     "fused_params_settings",
     "in_backward_settings",
-    "keyword_settings",
     "options_settings",
     "resolve_options",
     "table_marks",
@@ -353,18 +351,6 @@ def options_settings(options: CowClipOptions, where: str) -> Settings:
         f.name: Setting(getattr(options, f.name), f"{where} {f.name}={getattr(options, f.name)!r}")
         for f in dataclasses.fields(options)
     }
-
-
-def keyword_settings(keywords: Mapping[str, Any], where: str) -> Settings:
-    """The fields of the constructors' older keyword spelling that differ from the
-    defaults (a keyword at its default cannot be told from one not given)."""
-    defaults = CowClipOptions()
-    settings: Settings = {}
-    for key, value in keywords.items():
-        normal = frozenset(value) if key == "unclipped_tables" else value
-        if normal != getattr(defaults, key):
-            settings[key] = Setting(normal, f"{where} {key}={value!r}")
-    return settings
 
 
 def resolve_options(sources: Sequence[Settings]) -> CowClipOptions:

@@ -224,11 +224,14 @@ def prepare_native_update(spec: SweepSpec) -> None:
     not wait on one another's build."""
     import torch
 
-    from torchrec_cowclip.embedding.native import use_native_update
+    from torchrec_cowclip.embedding.kernels import select_kernel
+    from torchrec_cowclip.optim.rules import update_rule
 
     devices = {c.config.device for c in spec.cells}
     if any(d == "cpu" or (d == "auto" and not torch.cuda.is_available()) for d in devices):
-        use_native_update(torch.device("cpu"))
+        # What a CPU cell's tables choose (TORCHREC_COWCLIP_COMPILE): the native kernels
+        # are built here, once, if that is them.
+        select_kernel(torch.device("cpu"), update_rule("adam"))
 
 
 def _data_differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[Any]:

@@ -592,6 +592,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
+    from torchrec_cowclip.train.distributed import shutdown_distributed
     from torchrec_cowclip.train.stop import RunStopped
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
     from torchrec_cowclip.train.warm_start import warm_start_defaults
@@ -615,6 +616,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {_one_line(e)}\n")
     except RunStopped as e:
         parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
+    shutdown_distributed()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for a multi-process run
     summary = {

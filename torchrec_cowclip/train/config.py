@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
-from torchrec_cowclip.optim.config import Helen
+from torchrec_cowclip.optim.options import Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS
 
 if TYPE_CHECKING:

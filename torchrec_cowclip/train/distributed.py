@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchrec_cowclip import compat
+
 if TYPE_CHECKING:
     from torchrec.distributed.planner.types import ParameterConstraints
 
@@ -64,6 +66,8 @@ def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        # So that shutdown_distributed ends the group and its threads (compat says why).
+        compat.import_modules_holding_the_default_group()
         backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:
@@ -84,6 +88,15 @@ def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext
                 timeout=timeout,
             )
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown_distributed() -> None:
+    """Destroys the default process group after a run that ended normally (its peers are
+    at the same point; after an error they may not be, and the group is left to the
+    process's exit): no gloo worker thread is left for the interpreter's finalization,
+    which it could abort (:func:`~torchrec_cowclip.compat.import_modules_holding_the_default_group`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_rows_of_epoch(order: np.ndarray, batch_size: int, ctx: DistContext) -> np.ndarray:

@@ -32,8 +32,7 @@ from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
-from torchrec_cowclip.optim.config import CowClip
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CowClip, CowClipOptions
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.distributed import (
     DistContext,

@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Union
 
-from torchrec_cowclip.optim.config import CountLR, Helen
+from torchrec_cowclip.optim.options import CountLR, Helen
 
 #: How a value grows with the batch scale ``s = batch / base``.
 SCALINGS: Dict[str, Any] = {
@@ -59,9 +59,9 @@ class Recipe:
         bound: the reference's ``bound``, ``zeta = r**2 * sqrt(D) * bound``; None takes
             the data profile's (1e-5 Criteo, 1e-4 Avazu).
         count_lr_power: per-id-frequency embedding lr, ``lr * min(c_j, s) ** power`` for
-            a row seen ``c_j`` times in the batch (:class:`~torchrec_cowclip.optim.config.CountLR`,
+            a row seen ``c_j`` times in the batch (:class:`~torchrec_cowclip.optim.options.CountLR`,
             not in the paper); 0 = one lr for every row.
-        helen_rho: train with Helen (:class:`~torchrec_cowclip.optim.config.Helen`)
+        helen_rho: train with Helen (:class:`~torchrec_cowclip.optim.options.Helen`)
             with this radius at the base batch; None: no Helen.
         helen_rho_scaling: how the radius grows with ``s``. A table's perturbation has
             norm up to ``rho`` spread over the rows the batch touches, about ``s`` times

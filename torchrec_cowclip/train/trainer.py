@@ -37,7 +37,7 @@ from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.embeddings import embedding_table_name
-from torchrec_cowclip.optim.config import CowClip
+from torchrec_cowclip.optim.options import CowClip
 from torchrec_cowclip.plots import CURVES_PNG, write_run_curves
 from torchrec_cowclip.train import notices
 from torchrec_cowclip.train.checkpoint import (
