@@ -205,6 +205,9 @@ def test_hard_profile_is_its_own_reproducible_source(tmp_path: Path, hard, synth
 
     assert "synthetic-hard" in source_kinds()
     assert hard.path.name.startswith("synthetic-hard")
+    # Its rows are named by the kind the user gave (progress lines, meta), not "synthetic:".
+    assert [r["path"] for r in hard.meta["file_rows"]] == ["synthetic-hard:50000"]
+    assert [r["path"] for r in synthetic.meta["file_rows"]] == ["synthetic:100000"]
     assert hard.schema.cardinalities == synthetic.schema.cardinalities
     meta = hard.meta["synthetic"]
     assert meta["top1_share"] == 0.35 and meta["latent_dim"] == 8

@@ -528,10 +528,12 @@ def parse_rows(spec: str, text: str) -> int:
 
 
 class _SyntheticRows:
-    """The rows of one config as a row source with one part (the config itself)."""
+    """The rows of one config as a row source with one part (the config itself), named
+    as the user spelled its kind (``synthetic-hard:40000000``)."""
 
-    def __init__(self, config: SyntheticConfig) -> None:
+    def __init__(self, config: SyntheticConfig, kind: str) -> None:
         self.config = config
+        self.kind = kind
         self._model: Optional[PlantedModel] = None
 
     def model(self) -> PlantedModel:
@@ -543,7 +545,7 @@ class _SyntheticRows:
         return list(CRITEO_DENSE_NAMES), list(CRITEO_SPARSE_NAMES)
 
     def part_name(self, part: SyntheticConfig) -> str:
-        return f"synthetic:{part.rows}"
+        return f"{self.kind}:{part.rows}"
 
     def blocks(
         self, part: SyntheticConfig, log: BadRowLog, sparse_check: Optional[SparseCheck] = None
@@ -685,7 +687,7 @@ class SyntheticSource(
         self, args: List[str], test_paths: List[str], opts: SyntheticOptions
     ) -> Conversion:
         config = opts.config(parse_rows(self.name, args[0]))
-        rows = _SyntheticRows(config)
+        rows = _SyntheticRows(config, self.name)
         return Conversion(
             rows,
             [config],
