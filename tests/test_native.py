@@ -842,7 +842,7 @@ def test_a_build_failure_reads_as_one_line():
 
 
 def test_the_library_name_hashes_the_source(monkeypatch, tmp_path):
-    """Two checkouts (or an edited source) never share a cached library."""
+    """Checkouts of the same source share a cached library; an edited source never does."""
     name = native.extension_name()
     copy = tmp_path / "cowclip_cpu.cpp"
     copy.write_bytes(native.SOURCE.read_bytes())
@@ -850,6 +850,28 @@ def test_the_library_name_hashes_the_source(monkeypatch, tmp_path):
     assert native.extension_name() == name
     copy.write_bytes(native.SOURCE.read_bytes() + b"// edited\n")
     assert native.extension_name() != name
+
+
+def test_another_checkout_of_the_same_source_loads_the_library_without_a_rebuild(
+    monkeypatch, tmp_path
+):
+    """The build compiles a copy of the source kept in the library's directory: a second
+    checkout (another path, the same text) finds build.ninja unchanged and the library up to
+    date, instead of rebuilding it in place for its own path."""
+    directory = native.build_directory()
+    library = next(directory.glob("*.so"))
+    ninja = (directory / "build.ninja").read_text()
+    assert str(directory / native.SOURCE.name) in ninja and str(native.SOURCE) not in ninja
+    assert (directory / native.SOURCE.name).read_bytes() == native.SOURCE.read_bytes()
+    built = library.stat().st_mtime_ns
+    checkout = tmp_path / "other-checkout" / "csrc" / native.SOURCE.name
+    checkout.parent.mkdir(parents=True)
+    checkout.write_bytes(native.SOURCE.read_bytes())
+    monkeypatch.setattr(native, "SOURCE", checkout)
+    assert native.build_directory() == directory
+    native._build_and_load()
+    assert (directory / "build.ninja").read_text() == ninja
+    assert library.stat().st_mtime_ns == built
 
 
 def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):

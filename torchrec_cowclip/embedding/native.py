@@ -15,9 +15,10 @@ The kernels are built with torch's own extension tooling (``torch.utils.cpp_exte
 the C++ compiler TorchInductor needs at run time, and ninja) into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), under a name that
 includes a hash of the C++ source, the torch version, the compiler flags and this CPU's
-instruction-set flags (the build uses ``-march=native``): two checkouts, or an edited
-source, never share a library, and every later process on the machine loads the cached one
-in milliseconds. :func:`build` runs once per process, when the first table batch that uses
+instruction-set flags (the build uses ``-march=native``): an edited source never shares
+a library with another, every checkout of the same source shares one (it is compiled from
+a copy in its own directory, so each checkout's build reads as up to date), and every later
+process on the machine loads the cached one in milliseconds. :func:`build` runs once per process, when the first table batch that uses
 the kernels is built (:class:`~torchrec_cowclip.embedding.kernels.NativeCpuKernel`), never
 inside a backward; a build prints one line to stderr before it starts and one when it ends
 (times: docs/performance.md).
@@ -103,6 +104,25 @@ def build_directory() -> Path:
     return Path(root) / extension_name()
 
 
+def _source_copy(directory: Path) -> Path:
+    """The C++ source the build compiles: a copy in the library's own directory.
+
+    torch's loader writes the source's path into the directory's ``build.ninja`` and ninja
+    rebuilds when that text changes; compiled from the package itself, two checkouts of the
+    same source (a clone and a ``git worktree``, a sweep run from another checkout) would
+    rebuild the shared library for each other's path on every alternation, and a process
+    could replace it while another one loads it. The directory's name hashes the source, so
+    the copy is written once, atomically, and never changes afterwards.
+    """
+    copy = directory / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != text:
+        part = copy.with_name(f"{copy.name}.{os.getpid()}.part")
+        part.write_bytes(text)
+        os.replace(part, copy)
+    return copy
+
+
 def _remove_stale_lock(directory: Path) -> None:
     lock = directory / "lock"
     try:
@@ -149,7 +169,7 @@ def _build_and_load() -> None:
     try:
         cpp_extension.load(
             name=extension_name(),
-            sources=[str(SOURCE)],
+            sources=[str(_source_copy(directory))],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
