@@ -7,8 +7,9 @@ many processes, and the per-call overhead of either (a cold Inductor compile cos
 seconds per graph) is wasted on tiny tables. So tests run the eager update unless they
 ask for another path when they build their modules (``monkeypatch.setenv`` or
 ``set_compiled_update`` in-process, ``TORCHREC_COWCLIP_COMPILE`` in the environment of
-spawned ranks): test_native and test_row_step, the collection's reference comparisons and
-a few sharded cases hold the native and compiled paths to the reference; everything else
+spawned ranks): test_native, test_triton_kernels and test_row_step, the collection's
+reference comparisons (on the native, Triton and Inductor paths) and a few sharded cases
+hold the fused and compiled paths to the reference; everything else
 checks behaviour that is the same on every path. An explicit value in the environment
 wins; the native library is built once per checkout into ``TORCH_EXTENSIONS_DIR``.
 """
@@ -18,10 +19,29 @@ import os
 
 os.environ.setdefault("TORCHREC_COWCLIP_COMPILE", "0")
 
+
+def _cuda_visible() -> bool:
+    """Whether a CUDA device is visible, without initialising CUDA in this process."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run on CPU tensors under Triton's interpreter (read when
+# the kernels are first defined): test_triton_kernels and the collection's "triton" path
+# prove them here; with a GPU they compile for real (``pytest -m gpu``).
+if not _cuda_visible():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # A GPU machine may have torch alone (``import torchrec`` needs fbgemm_gpu): there, only the
 # modules that need torch alone are collected, so that ``pytest -m gpu`` still runs the row
 # step's device tests instead of failing on the other modules' imports.
-TORCH_ONLY = {"test_functional.py", "test_lazy_imports.py", "test_row_step.py"}
+TORCH_ONLY = {
+    "test_functional.py",
+    "test_lazy_imports.py",
+    "test_row_step.py",
+    "test_triton_kernels.py",
+}
 
 
 def _installed(name: str) -> bool:

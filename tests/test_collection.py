@@ -22,6 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
+from torchrec_cowclip.embedding import triton_ops
 from torchrec_cowclip.optim.options import CountLR, CowClipOptions
 
 
@@ -81,32 +82,47 @@ needs_compiler = pytest.mark.skipif(
     reason="no C++ compiler for Inductor",
 )
 
-PATH_MODES = {"eager": "0", "compiled": "1", "inductor": "inductor"}
+needs_triton = pytest.mark.skipif(
+    triton_ops.availability(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+    reason="Triton cannot run here (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU)",
+)
+
+PATH_MODES = {"eager": "0", "compiled": "1", "triton": "triton", "inductor": "inductor"}
 
 
-def _on_path(name, monkeypatch):
+def _on_path(name, monkeypatch, device=None):
+    if name == "triton" and device is not None and triton_ops.availability(device) is not None:
+        pytest.skip(triton_ops.availability(device))
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", PATH_MODES[name])  # read when built
     return name
-
-
-@pytest.fixture(params=["eager", pytest.param("compiled", marks=needs_compiler)])
-def update_path(request, monkeypatch):
-    """Runs a test on the eager update and the compiled one (on CPU: the native kernels;
-    on CUDA: Inductor's Triton kernels)."""
-    return _on_path(request.param, monkeypatch)
 
 
 @pytest.fixture(
     params=[
         "eager",
         pytest.param("compiled", marks=needs_compiler),
+        pytest.param("triton", marks=needs_triton),
+    ]
+)
+def update_path(request, monkeypatch):
+    """Runs a test on the eager update, the compiled one (the fused kernels: native on
+    CPU, Triton on CUDA) and the Triton kernels on every device (on CPU tensors under
+    Triton's interpreter)."""
+    return _on_path(request.param, monkeypatch, torch.device("cpu"))
+
+
+@pytest.fixture(
+    params=[
+        "eager",
+        pytest.param("compiled", marks=needs_compiler),
+        pytest.param("triton", marks=needs_triton),
         pytest.param("inductor", marks=needs_compiler),
     ]
 )
-def every_update_path(request, monkeypatch):
+def every_update_path(request, monkeypatch, device):
     """:func:`update_path` and the Inductor-compiled row step on CPU too (the CPU path
-    before the native kernels, ``TORCHREC_COWCLIP_COMPILE=inductor``)."""
-    return _on_path(request.param, monkeypatch)
+    before the fused kernels, ``TORCHREC_COWCLIP_COMPILE=inductor``)."""
+    return _on_path(request.param, monkeypatch, device)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -197,16 +213,16 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     """DeepFM's layout: a dim-6 table and a dim-1 table per feature, same sizes. The two
     table batches look up the same row ids, so forward maps them once and backward sorts
     them once; each batch still gets its own, correct update (pooling and weights per batch)."""
-    from torchrec_cowclip.embedding import lookup as lookup_module
+    from torchrec_cowclip.embedding import batched_lookup
     from torchrec_cowclip.embedding.kernels import TorchKernel
 
     sorts, hot_flags = [], []
-    real_group_rows, real_pooled_lookup = TorchKernel.group_rows, lookup_module.pooled_lookup
+    real_group_rows, real_pooled_lookup = TorchKernel.group_rows, batched_lookup.pooled_lookup
     monkeypatch.setattr(
         TorchKernel, "group_rows", lambda *a, **k: sorts.append(1) or real_group_rows(*a, **k)
     )
     monkeypatch.setattr(
-        lookup_module,
+        batched_lookup,
         "pooled_lookup",
         lambda b, lk: hot_flags.append(lk.single_hot) or real_pooled_lookup(b, lk),
     )
@@ -242,7 +258,7 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     assert hot_flags == [single_hot] * len(hot_flags) and hot_flags
 
 
-def test_row_clip_counts_match_the_reference_row_by_row():
+def test_row_clip_counts_match_the_reference_row_by_row(update_path):
     """With tracking on, each row's (updated, clipped) counts are the number of steps whose
     batch looked it up and of those whose reference step clipped it."""
     gen = torch.Generator().manual_seed(5)

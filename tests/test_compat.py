@@ -366,6 +366,23 @@ def test_mark_static_dim_and_recompile_limit():
         assert config.recompile_limit == before
 
 
+def test_register_ordered_effect():
+    """The lookup op (registered on import of embedding/lookup_op.py) has torch's ordered
+    effect: ``torch.compile`` threads effect tokens through its calls."""
+    from torch._library.effects import EffectType
+
+    from torchrec_cowclip.embedding import lookup_op  # noqa: F401  (registers the ops)
+
+    with private_name(
+        "torch.library._register_effectful_op / torch._higher_order_ops.effects",
+        "register_ordered_effect",
+    ):
+        from torch._higher_order_ops.effects import _get_effect
+
+        assert _get_effect(torch.ops.torchrec_cowclip.lookup.default) == EffectType.ORDERED
+        assert _get_effect(torch.ops.torchrec_cowclip.lookup_backward.default) is None
+
+
 #: The TorchRec attributes compat.py reads for the rest of the package (names our own
 #: classes also use, such as ``_device``, ``_pg`` or ``_embedding_bag_configs``, are told
 #: apart by review, not here).

@@ -14,22 +14,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cowclip_testing import kjt_from_bags, random_kjt
+from fused_update_cases import (
+    BAD_UPDATE_INDICES,
+    check_column_shard_row_sums,
+    check_update_matches_functional,
+    fused,
+    reference,
+    segment_call,
+    segment_sums,
+)
 from tiny import HYPER, bag_config, mixed_tables
 from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import kernels, native
-from torchrec_cowclip.embedding.kernels import NativeCpuKernel, TorchKernel, select_kernel
+from torchrec_cowclip.embedding import kernels, native, triton_ops
+from torchrec_cowclip.embedding.kernels import (
+    NativeCpuKernel,
+    TorchKernel,
+    TritonKernel,
+    select_kernel,
+)
 from torchrec_cowclip.embedding.row_gradients import group_rows
 from torchrec_cowclip.optim.functional import (
-    RowSums,
     adam_bias_corrections,
-    cowclip_row_update_,
-    partial_row_sums,
     rounding_row_keys,
     stochastic_round,
 )
-from torchrec_cowclip.optim.options import CountLR, CowClipOptions
+from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.rules import update_rule
 
 pytestmark = pytest.mark.skipif(
@@ -103,81 +114,11 @@ def test_grouping_table_by_table_equals_the_stable_sort_bit_for_bit():
         native.group_rows(ids, bags, 4081, starts, rows)
 
 
-#: fused_update_'s keywords for a plain call; tests override what they exercise.
-PLAIN = dict(
-    grad=None,
-    bag_gradients=None,
-    segment_offsets=None,
-    sorted_bags=None,
-    sorted_weights=None,
-    clip_enabled=None,
-    adam_bias=None,
-    row_sums=None,
-    rounding=None,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=0.0,
-    clip=None,
-    count_lr=None,
-)
-
-
 def _fused(weight, state, rows, counts, **overrides):
-    return native.fused_update_(weight, state, rows, counts, **{**PLAIN, **overrides})
+    return fused(native, weight, state, rows, counts, **overrides)
 
 
 # --- the row update against the functional core ---------------------------------------------
-
-
-def _problem(optimizer, dim=6, num_rows=60, tables=3, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(num_rows, dim, generator=gen) * 0.05
-    weight[:6] *= 1e-4  # tiny rows: the clip binds on them
-    state = []
-    if optimizer == "adam":
-        state = [
-            torch.randn(num_rows, dim, generator=gen) * 1e-2,
-            torch.rand(num_rows, dim, generator=gen) * 1e-3,
-        ]
-    elif optimizer == "rowwise_adagrad":
-        state = [torch.rand(num_rows, generator=gen)]
-    row_offsets = torch.tensor([0, 20, 45, num_rows])
-    # Positions (with duplicates) over rows of every table.
-    positions = torch.randint(0, num_rows, (90,), generator=gen)
-    positions[:8] = torch.arange(8)  # the tiny rows are touched
-    bag_grads = torch.randn(40, dim, generator=gen) * 0.01
-    bags = torch.randint(0, 40, (90,), generator=gen)
-    return weight, state, row_offsets, positions, bags, bag_grads, gen
-
-
-STATE_NAMES = {"adam": ["exp_avg", "exp_avg_sq"], "rowwise_adagrad": ["sum"], "sgd": []}
-
-
-def _summed(grouping, bag_grads, sorted_weights=None):
-    """ATen's segment sums of each row's bag gradients (the reference's ``g_j``)."""
-    return F.embedding_bag(
-        grouping.sorted_bags,
-        bag_grads,
-        grouping.segment_offsets,
-        mode="sum",
-        per_sample_weights=sorted_weights,
-        include_last_offset=True,
-    )
-
-
-def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step, **kw):
-    """The functional core on the gathered rows (``dtype`` of the inputs), scattered back."""
-    w = weight.clone()
-    st = [s.clone() for s in state]
-    w_rows = w[rows].clone()
-    s_rows = {name: s[rows].clone() for name, s in zip(STATE_NAMES[optimizer], st)}
-    clipped = cowclip_row_update_(
-        update_rule(optimizer).step, w_rows, grad, counts, s_rows, step, **kw
-    )
-    w[rows] = w_rows
-    for name, s in zip(STATE_NAMES[optimizer], st):
-        s[rows] = s_rows[name]
-    return w, st, clipped
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
@@ -185,89 +126,13 @@ def _reference(optimizer, weight, state, rows, grad, counts, table_of_row, step,
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dim", [6, 16, 1])
 def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim):
-    weight, state, row_offsets, positions, bags, bag_grads, gen = _problem(optimizer, dim)
-    position_weights = torch.rand(90, generator=gen) + 0.5 if weighted else None
-    grouping = _eager_group(positions, bags, weight.shape[0])
-    sorted_weights = position_weights[grouping.order] if weighted else None
-    rows, counts = grouping.rows, grouping.counts
-    # One non-finite row: skipped, its weight and state unchanged, counted.
-    bad = int(rows.numel() // 2)
-    bag_grads = bag_grads.clone()
-    bag_grads[grouping.sorted_bags[grouping.segment_offsets[bad]]] = float("nan")
-    finite_grad = _summed(grouping, bag_grads, sorted_weights)
-    finite = torch.isfinite(finite_grad.sum(1))
-    assert not bool(finite.all())
-    table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
-    step = torch.tensor([3, 5, 7])
-    clip_enabled = torch.tensor([True, False, True])
-    betas, lr, eps, wd = (0.8, 0.99), 0.05, 1e-6, 0.01
-    count_lr = CountLR(power=0.5, cap=2.0)
-    bias = adam_bias_corrections(step, *betas)
-    cowclip = CowClip(r=1.0, zeta=1e-3) if clip else None
+    check_update_matches_functional(native, optimizer, clip, weighted, dim)
 
-    keep = finite
-    ref_w, ref_s, ref_clipped = _reference(
-        optimizer,
-        weight,
-        state,
-        rows[keep],
-        finite_grad[keep],
-        counts[keep],
-        table_of_row[keep],
-        None,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=wd,
-        cowclip=cowclip,
-        clip_enabled=clip_enabled[table_of_row[keep]],
-        adam_bias=(bias[0][table_of_row[keep]], bias[1][table_of_row[keep]]),
-        count_lr=count_lr,
-    )
-    for source in ("segments", "grad"):
-        w, st = weight.clone(), [s.clone() for s in state]
-        if source == "grad":
-            given = dict(grad=finite_grad)
-        else:
-            given = dict(
-                bag_gradients=bag_grads,
-                segment_offsets=grouping.segment_offsets,
-                sorted_bags=grouping.sorted_bags,
-                sorted_weights=sorted_weights,
-            )
-        status, per_table = _fused(
-            w,
-            st,
-            rows,
-            counts,
-            **given,
-            row_offsets=row_offsets,
-            clip_enabled=clip_enabled,
-            adam_bias=bias if optimizer == "adam" else None,
-            optimizer=optimizer,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=wd,
-            clip=None if cowclip is None else (cowclip.r, cowclip.zeta),
-            count_lr=(count_lr.power, count_lr.cap),
-        )
-        torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
-        for a, b in zip(st, ref_s):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
-        assert torch.equal(status == native.SKIPPED, ~finite)
-        assert torch.equal(status[keep] == native.CLIPPED, ref_clipped)
-        expected_counts = torch.stack(
-            [
-                torch.bincount(table_of_row[keep], minlength=3),
-                torch.bincount(table_of_row[keep][ref_clipped], minlength=3),
-                torch.bincount(table_of_row[~keep], minlength=3),
-            ]
-        )
-        assert torch.equal(per_table, expected_counts)
-        assert torch.equal(w[rows[bad]], weight[rows[bad]])  # the skipped row
-    if clip:
-        assert 0 < int(ref_clipped.sum()) < int(keep.sum())
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtype):
+    check_update_matches_functional(native, optimizer, True, True, 6, dtype=dtype)
 
 
 def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
@@ -300,63 +165,7 @@ def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 def test_column_shard_row_sums_match_the_functional_core(optimizer):
     """A column shard's update with the whole rows' sums (column-wise sharding)."""
-    weight, state, row_offsets, positions, bags, bag_grads, gen = _problem(optimizer, dim=4)
-    g = _eager_group(positions, bags, weight.shape[0])
-    grad = F.embedding_bag(
-        g.sorted_bags, bag_grads, g.segment_offsets, mode="sum", include_last_offset=True
-    )
-    rows, counts = g.rows, g.counts
-    other = torch.randn(rows.numel(), 4, generator=gen) * 0.01  # the other shard's half
-    other_w = torch.randn(rows.numel(), 4, generator=gen) * 0.05
-    sums = RowSums.from_sums(
-        partial_row_sums(grad, weight[rows]) + partial_row_sums(other, other_w), dim=8
-    )
-    table_of_row = torch.bucketize(rows, row_offsets[1:], right=True)
-    step = torch.tensor([2, 2, 2])
-    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
-    bias = adam_bias_corrections(step, *kw["betas"])
-    ref_w, ref_s, ref_clipped = _reference(
-        optimizer,
-        weight,
-        state,
-        rows,
-        grad,
-        counts,
-        table_of_row,
-        None,
-        cowclip=CowClip(1.0, 1e-3),
-        row_sums=sums,
-        adam_bias=(bias[0][table_of_row], bias[1][table_of_row]),
-        **kw,
-    )
-    packed = torch.stack(
-        [
-            sums.nonfinite,
-            sums.grad_sq,
-            sums.weight_sq,
-            sums.grad_dot_weight,
-            sums.dim.expand(rows.numel()),
-        ],
-        1,
-    )
-    w, st = weight.clone(), [s.clone() for s in state]
-    status, _ = _fused(
-        w,
-        st,
-        rows,
-        counts,
-        grad=grad,
-        row_offsets=row_offsets,
-        adam_bias=bias if optimizer == "adam" else None,
-        row_sums=packed,
-        optimizer=optimizer,
-        clip=(1.0, 1e-3),
-        **kw,
-    )
-    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
-    for a, b in zip(st, ref_s):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
-    assert torch.equal(status == native.CLIPPED, ref_clipped)
+    check_column_shard_row_sums(native, optimizer)
 
 
 def test_bad_rows_are_refused_before_any_change():
@@ -376,39 +185,16 @@ def test_bad_rows_are_refused_before_any_change():
     assert not w.any()
 
 
-def _segment_call(w, **overrides):
-    """A 2-row SGD update from 3 bag gradients, with ``overrides`` for the index inputs."""
-    given = dict(
-        bag_gradients=torch.ones(3, 4),
-        segment_offsets=torch.tensor([0, 1, 3]),
-        sorted_bags=torch.tensor([0, 1, 2]),
-        row_offsets=torch.tensor([0, 4, 10]),
-    )
-    given.update(overrides)
-    return _fused(
-        w, [], torch.tensor([1, 6]), torch.tensor([1, 2]), optimizer="sgd", lr=1.0, **given
-    )
-
-
 @pytest.mark.parametrize(
     "overrides, message",
-    [
-        (dict(row_offsets=torch.tensor([1, 4, 10])), "row_offsets must start at 0, ascend"),
-        (dict(row_offsets=torch.tensor([0, 7, 5, 10])), "row_offsets must start at 0, ascend"),
-        (dict(row_offsets=torch.tensor([0, 4, 9])), "end at the weight's 10 rows"),
-        (dict(segment_offsets=torch.tensor([1, 2, 3])), "segment_offsets must start at 0"),
-        (dict(segment_offsets=torch.tensor([0, 2, 1])), "segment_offsets must start at 0"),
-        (dict(segment_offsets=torch.tensor([0, 1, 2])), "end at the 3 positions"),
-        (dict(sorted_bags=torch.tensor([0, 3, 2])), "sorted_bags must index the 3 rows"),
-        (dict(sorted_bags=torch.tensor([0, -1, 2])), "sorted_bags must index the 3 rows"),
-    ],
+    BAD_UPDATE_INDICES,
     ids=lambda v: v if isinstance(v, str) else "-".join(v),
 )
 def test_bad_indices_of_the_update_are_refused_in_one_line_before_any_change(overrides, message):
     w = torch.zeros(10, 4)
-    _segment_call(w.clone())  # the unchanged inputs are fine
+    segment_call(native, w.clone())  # the unchanged inputs are fine
     with pytest.raises(RuntimeError, match=message) as raised:
-        _segment_call(w, **overrides)
+        segment_call(native, w, **overrides)
     assert "\n" not in str(raised.value).strip()
     assert not w.any()
 
@@ -465,12 +251,13 @@ def test_the_ops_have_fake_kernels_and_compile_in_one_graph():
         pooled = native.pooled_lookup(
             w.to(torch.bfloat16), ids, torch.tensor([0, 2, 5]), None, True
         )
-        status, per_table = native.fused_update_(
+        status, per_table = _fused(
             w,
             [],
             rows,
             counts,
-            **{**PLAIN, "grad": g, "clip": (1.0, 1e-3)},
+            grad=g,
+            clip=(1.0, 1e-3),
             row_offsets=torch.tensor([0, 6]),
             optimizer="sgd",
             lr=0.1,
@@ -528,15 +315,14 @@ def test_many_chunks_on_several_threads_match_the_functional_core(optimizer, dim
     bias = adam_bias_corrections(step, *betas)
     kw = dict(lr=0.05, betas=betas, eps=1e-6, weight_decay=0.01, cowclip=cowclip)
     sorted_weights = position_weights[grouping.order]
-    grad = _summed(grouping, bag_grads, sorted_weights)
-    ref_w, ref_s, ref_clipped = _reference(
+    grad = segment_sums(grouping, bag_grads, sorted_weights)
+    ref_w, ref_s, ref_clipped = reference(
         optimizer,
         weight,
         state,
         grouping.rows,
         grad,
         grouping.counts,
-        table_of_row,
         None,
         clip_enabled=clip_enabled[table_of_row],
         adam_bias=(bias[0][table_of_row], bias[1][table_of_row]),
@@ -667,8 +453,8 @@ def _half_module(tables, optimizer, weights, mode, monkeypatch):
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optimizer, monkeypatch):
     """Half tables keep their type, pool in float32, keep float32 optimizer state; the
-    native and the eager update round alike (same keys), and both stay within a few half
-    ulps of the float32 module."""
+    native, the Triton (under its interpreter, where it can run) and the eager update
+    round alike (same keys), and all stay within a few half ulps of the float32 module."""
     data_type = DataType.FP16 if dtype == torch.float16 else DataType.BF16
     tables = _half_tables(data_type)
     gen = torch.Generator().manual_seed(11)
@@ -689,6 +475,9 @@ def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optim
             monkeypatch,
         ),
     }
+    if triton_ops.availability(torch.device("cpu")) is None:
+        modules["triton"] = _half_module(tables, optimizer, weights, "triton", monkeypatch)
+        assert isinstance(modules["triton"].row_kernel, TritonKernel)
     assert isinstance(modules["native"].row_kernel, NativeCpuKernel)
     assert isinstance(modules["eager"].row_kernel, TorchKernel)
     for _ in range(3):
@@ -707,11 +496,12 @@ def test_half_tables_native_and_eager_paths_agree_and_track_float32(dtype, optim
         assert states["native"][key].dtype == dtype
         # Same float32 step up to the last bits, same rounding keys: equal but for a rare
         # flip of one rounding decision (one ulp).
-        diff = (states["native"][key].float() - states["eager"][key].float()).abs()
-        assert (diff > 0).float().mean() < 0.02
-        torch.testing.assert_close(
-            states["native"][key].float(), states["eager"][key].float(), rtol=ulp, atol=1e-6
-        )
+        for other in [name for name in ("eager", "triton") if name in modules]:
+            diff = (states["native"][key].float() - states[other][key].float()).abs()
+            assert (diff > 0).float().mean() < 0.02, other
+            torch.testing.assert_close(
+                states["native"][key].float(), states[other][key].float(), rtol=ulp, atol=1e-6
+            )
         torch.testing.assert_close(
             states["native"][key].float(), states["fp32"][key], rtol=4 * ulp, atol=4 * ulp * 0.3
         )
@@ -881,10 +671,10 @@ def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):
 
     real = native.fused_update_
 
-    def wrong(weight, *args, **kwargs):
-        result = real(weight, *args, **kwargs)
+    def wrong(weight, state0, state1, rows, *args):
+        result = real(weight, state0, state1, rows, *args)
         with torch.no_grad():
-            weight[args[1][0]] += 1e-3
+            weight[rows[0]] += 1e-3
         return result
 
     monkeypatch.setattr(native, "fused_update_", wrong)

@@ -2,7 +2,8 @@
 
 The sharder extends TorchRec at three overridden methods (:func:`extension_points`) and
 reads a few attributes TorchRec documents nowhere; torch keeps ``ShardedTensor``, the
-process group's timeout and FX's tracing check under private paths; the native kernels
+process group's timeout, FX's tracing check and the effect tokens of custom ops
+(:func:`register_ordered_effect`) under private paths; the native kernels
 use one symbol of FBGEMM that libtorch_cpu carries (:func:`fbgemm_radix_sort_available`);
 and a few torch modules hold the default process group once imported after it exists
 (:func:`import_modules_holding_the_default_group`). Each such name is
@@ -68,6 +69,7 @@ __all__ = [
     "mark_updated_in_backward",
     "process_group_timeout",
     "recompile_limit_at_least",
+    "register_ordered_effect",
     "row_wise_divisor_features",
     "set_planner_optimizer_class",
     "sharded_lookups",
@@ -339,6 +341,16 @@ def recompile_limit_at_least(limit: int) -> Iterator[None]:
     config = torch._dynamo.config
     with config.patch(recompile_limit=max(limit, config.recompile_limit)):
         yield
+
+
+def register_ordered_effect(op: Any) -> None:
+    """Declares that ``op`` (a custom op's overload) has side effects its schema does not
+    show, ordered with every other such op: ``torch.compile`` then neither drops, merges
+    nor reorders its calls (``torch.library._register_effectful_op`` with
+    ``EffectType.ORDERED``, torch's effect tokens; no public equivalent)."""
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op(op, EffectType.ORDERED)
 
 
 def add_fx_tracing_filter(notice: logging.Filter) -> None:

@@ -368,7 +368,7 @@ def _agreed_kernel(device: torch.device, rule: UpdateRule, env: ShardingEnv) -> 
             RuntimeWarning,
             stacklevel=3,
         )
-        return kernel if kernel.kind == common else kernel_of_kind(common)
+        return kernel if kernel.kind == common else kernel_of_kind(common, device)
     i = next(i for i, kind in enumerate(kinds) if kind != kinds[0])
     raise ValueError(
         f"rank {ranks[i]} updates its rows with the {kinds[i]} row kernel "

@@ -31,10 +31,9 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.compat import mark_updated_in_backward
-from torchrec_cowclip.embedding import layout
+from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
-from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates, Submission
@@ -167,28 +166,18 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             )
             for group in group_into_table_batches(tables)
         ]
-        # Table batches with the same features and row layout (DeepFM's dim-D and dim-1
-        # tables) look up the same row ids: they read one slot of the permuted KJT, whose
-        # ids are checked, mapped and (in backward) sorted once for all of them.
-        slot_of_layout: Dict[Tuple[Any, ...], int] = {}
-        self._slot_of_batch: List[int] = [
-            slot_of_layout.setdefault(batch.lookup_layout, len(slot_of_layout))
-            for batch in self._batches
-        ]
-        self._slot_batches: List[TableBatch] = []  # the first batch of each slot
-        for batch, slot in zip(self._batches, self._slot_of_batch):
-            if slot == len(self._slot_batches):
-                self._slot_batches.append(batch)
-        self._slot_feature_starts: List[int] = layout.feature_starts(self._slot_batches)
-        self._batched_feature_order: List[str] = [
-            f for batch in self._slot_batches for f in batch.feature_names
-        ]
-        self._output_columns = layout.output_permutation(self._batches, self._embedding_names)
-        self._output_permutation = layout.as_index(self._output_columns, self._device)
         self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
-        # All of the collection's table batches are one lookup whose rows are local.
+        # All of the collection's table batches are one lookup whose rows are local; the
+        # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
         self._row_updates = RowUpdates([t.name for t in tables], options.helen, self._device)
-        self._channel = self._row_updates.channel(LocalRows())
+        self._lookup = BatchedLookup(
+            self._batches,
+            self._embedding_names,
+            self._row_updates,
+            LocalRows(),
+            self._submission_of,
+            self._device,
+        )
 
         self.embedding_bags = nn.ModuleDict()
         params: Dict[str, nn.Parameter] = {}
@@ -282,34 +271,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 "reset_parameters() first"
             )
         features = self._in_batched_order(features)
-        b = features.stride()
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none() if self._is_weighted else None
-        _check_structure(features, values, offsets, weights, self._is_weighted)
-
-        starts = self._slot_feature_starts
-        bounds = layout.value_bounds(offsets, starts, b, values.numel())
-        slot_lookups = layout.prepare_lookups(
-            self._slot_batches, values, offsets, b, starts, bounds
-        )
-        self._channel.begin_forward()
-        anchor, step = self._channel.current()
-        outs: List[Tensor] = []
-        for index, (batch, s) in enumerate(zip(self._batches, self._slot_of_batch)):
-            batch_weights = None
-            if weights is not None:
-                batch_weights = weights[bounds[s] : bounds[s + 1]].to(batch.compute_dtype)
-            lookup = slot_lookups[s].sharing_ids_with(batch_weights)
-            outs.append(
-                # torch.autograd.Function.apply carries no annotations.
-                RowLookup.apply(  # type: ignore[no-untyped-call]
-                    anchor, lookup.weights, batch, lookup, step, self._submission_of(index)
-                )
-            )
+        _check_structure(features, values, weights, self._is_weighted)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=layout.pooled_in_order(outs, self._output_permutation),
+            values=self._lookup(values, offsets, weights),
         )
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -517,7 +485,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
                 batch.kernel = kernel
         self._device = moved_to
         self._row_updates.to(self._device)
-        self._output_permutation = layout.as_index(self._output_columns, self._device)
+        self._lookup.to(self._device)
         self._bind_views()
         views = {id(p) for p in self.parameters()}
         # The per-table parameters now view the moved batches: leave them as they are.
@@ -557,7 +525,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys = tuple(features.keys())
         if keys not in self._key_permutations:
-            self._key_permutations[keys] = _key_permutation(keys, self._batched_feature_order)
+            self._key_permutations[keys] = _key_permutation(keys, self._lookup.feature_order)
         permutation = self._key_permutations[keys]
         return features if permutation is None else features.permute(permutation)
 
@@ -623,10 +591,11 @@ def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[
 def _check_structure(
     features: KeyedJaggedTensor,
     values: Tensor,
-    offsets: Tensor,
     weights: Optional[Tensor],
     is_weighted: bool,
 ) -> None:
+    """What a KJT's structure must be that its types show (the lookup op checks what only
+    its values show: :func:`~torchrec_cowclip.embedding.batched_lookup.BatchedLookup.forward_impl`)."""
     if features.variable_stride_per_key():
         raise ValueError(
             "variable-batch KeyedJaggedTensors (stride per key) are not supported; "
@@ -634,21 +603,8 @@ def _check_structure(
         )
     if values.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"KeyedJaggedTensor values must be int32 or int64 ids, got {values.dtype}")
-    lengths = features.lengths()
-    if lengths.numel() and bool((lengths < 0).any()):
-        raise ValueError("KeyedJaggedTensor has negative lengths")
-    total = int(offsets[-1]) if offsets.numel() else 0
-    if total != values.numel():
+    if is_weighted and weights is None:
         raise ValueError(
-            f"KeyedJaggedTensor lengths add up to {total} but it has {values.numel()} values"
+            "this collection is weighted (is_weighted=True) but the "
+            "KeyedJaggedTensor has no weights"
         )
-    if is_weighted:
-        if weights is None:
-            raise ValueError(
-                "this collection is weighted (is_weighted=True) but the "
-                "KeyedJaggedTensor has no weights"
-            )
-        if weights.numel() != values.numel():
-            raise ValueError(
-                f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
-            )

@@ -9,12 +9,16 @@ and ``TORCHREC_COWCLIP_COMPILE`` (:func:`~torchrec_cowclip.optim.row_step.compil
   that sums each row's bag gradients, checks finiteness, clips, steps and counts; half
   tables pooled in float32. The library is built (first use on a machine, with its
   progress line) or loaded when the kernel is made, before any training step;
+* :class:`TritonKernel` (kind ``triton``): the same work as Triton kernels
+  (:mod:`.triton_ops`) on CUDA - the pooled lookup in one launch per table batch, the
+  grouping by torch's radix sort, the fused update in one launch - or on CPU tensors under
+  Triton's interpreter (the tests);
 * :class:`TorchKernel` (kinds ``inductor`` and ``eager``): torch ops - a stable sort, a
   segment ``embedding_bag`` - and the row step of :mod:`torchrec_cowclip.optim.row_step`,
   compiled by TorchInductor or eager.
 
 Every kernel computes the same update, the functional core's (the tests hold each to it),
-but the native and the torch paths sum in different orders and agree to about 1e-6, not
+but the fused and the torch paths sum in different orders and agree to about 1e-6, not
 bit for bit: the sharded collection makes all its ranks use one kind
 (``distributed.sharded_collection``), so replicated tables stay identical.
 
@@ -27,14 +31,14 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchrec_cowclip.embedding import native
-from torchrec_cowclip.embedding.native import CLIPPED, SKIPPED
+from torchrec_cowclip.embedding import native, triton_ops
+from torchrec_cowclip.embedding.native import CLIPPED, SKIPPED, UPDATED
 from torchrec_cowclip.embedding.row_gradients import (
     RowGradients,
     RowGrouping,
@@ -54,18 +58,22 @@ from torchrec_cowclip.optim.rules import BUILT_IN_RULES, UpdateRule
 __all__ = [
     "KINDS",
     "BatchTensors",
+    "FusedKernel",
     "NativeCpuKernel",
     "RowKernel",
     "TorchKernel",
+    "TritonKernel",
     "kernel_of_kind",
     "select_kernel",
 ]
 
-#: The kinds of kernel, from the fastest on CPU to the one every machine can run.
-KINDS = ("native_cpu", "inductor", "eager")
+#: The kinds of kernel, from the fused ones (native on CPU, Triton on CUDA) to the one every
+#: machine can run.
+KINDS = ("native_cpu", "triton", "inductor", "eager")
 
-#: The rules the native kernel implements (its ``Optimizer`` codes), as the registry has them.
-_NATIVE_RULES = tuple(rule for rule in BUILT_IN_RULES if rule.name in native.OPTIMIZER_CODES)
+#: The rules the fused kernels implement (the native and Triton ``OPTIMIZER`` codes), as
+#: the registry has them.
+_FUSED_RULES = tuple(rule for rule in BUILT_IN_RULES if rule.name in native.OPTIMIZER_CODES)
 
 #: Float types whose tables pool in float32 (their rows are widened as they are summed).
 _HALF = (torch.float16, torch.bfloat16)
@@ -102,9 +110,13 @@ class RowKernel(abc.ABC):
 
     Attributes:
         kind: one of :data:`KINDS`.
+        sync_free: its lookup, grouping and update read no value back to the host
+            (fixed-size groupings, :func:`~.row_gradients.group_rows_padded`): a step
+            can be captured in a CUDA graph.
     """
 
     kind: str
+    sync_free: bool = False
 
     @abc.abstractmethod
     def group_rows(
@@ -171,11 +183,13 @@ class RowKernel(abc.ABC):
             # Per table, in float64 then float32: no pow per row in the row loop.
             adam_bias = adam_bias_corrections(batch.step, *options.betas)
         status, per_table = self._update_rows_(batch, row_grads, options, adam_bias, row_sums)
-        rows = row_grads.rows
         if batch.row_counters is not None:
-            updated, clipped = rows[status != SKIPPED], rows[status == CLIPPED]
-            batch.row_counters[0].index_add_(0, updated, torch.ones_like(updated))
-            batch.row_counters[1].index_add_(0, clipped, torch.ones_like(clipped))
+            # Increments of 0 or 1 at every row (padding rows, past the weight, add 0 at
+            # its last row): no value read back to the host.
+            rows = row_grads.rows.clamp(max=batch.weight.shape[0] - 1)
+            updated = ((status == UPDATED) | (status == CLIPPED)).to(torch.int64)
+            batch.row_counters[0].index_add_(0, rows, updated)
+            batch.row_counters[1].index_add_(0, rows, (status == CLIPPED).to(torch.int64))
         batch.counters[:3] = per_table
         batch.counters[3:] += per_table
 
@@ -290,13 +304,88 @@ class TorchKernel(RowKernel):
         return status, per_table
 
 
-class NativeCpuKernel(RowKernel):
+class FusedKernel(RowKernel):
+    """Kernels whose update is one fused op over the touched rows (:class:`NativeCpuKernel`,
+    :class:`TritonKernel`): the op sums each row's bag gradients in its own pass over the
+    rows, so the row gradients stay segments until something else reads them. The op's
+    arguments are :func:`.native.update_arguments`'s, for both libraries."""
+
+    #: The module of the op (:mod:`.native` or :mod:`.triton_ops`), looked up per call.
+    library: Any
+
+    def row_gradients(self, segments: RowSegments) -> RowGradients:
+        return RowGradients(
+            rows=segments.grouping.rows, counts=segments.grouping.counts, segments=segments
+        )
+
+    def _update_rows_(
+        self,
+        batch: BatchTensors,
+        row_grads: RowGradients,
+        options: CowClipOptions,
+        adam_bias: Optional[Tuple[Tensor, Tensor]],
+        row_sums: Optional[RowSums],
+    ) -> Tuple[Tensor, Tensor]:
+        rows, counts = row_grads.rows, row_grads.counts
+        packed_sums = None
+        if row_sums is not None:
+            packed_sums = torch.stack(
+                [
+                    row_sums.nonfinite,
+                    row_sums.grad_sq,
+                    row_sums.weight_sq,
+                    row_sums.grad_dot_weight,
+                    row_sums.dim.to(row_sums.grad_sq.dtype).expand(rows.shape[0]),
+                ],
+                dim=1,
+            ).to(torch.float32)
+        segments = row_grads.segments
+        grad = None if segments is not None else row_grads.grad
+        cowclip, count_lr = options.cowclip, options.count_lr
+        arguments = native.update_arguments(
+            batch.weight,
+            list(batch.state.values()),
+            rows,
+            counts.to(torch.int64),
+            grad=None if grad is None else grad.to(torch.float32),
+            bag_gradients=None if segments is None else segments.bag_gradients,
+            segment_offsets=None if segments is None else segments.grouping.segment_offsets,
+            sorted_bags=None if segments is None else segments.grouping.sorted_bags,
+            sorted_weights=None if segments is None else segments.sorted_weights,
+            row_offsets=batch.row_offsets,
+            clip_enabled=None if batch.all_clipped else batch.clip_enabled,
+            adam_bias=adam_bias,
+            row_sums=packed_sums,
+            rounding=batch.rounding_keys() if batch.weight.dtype != torch.float32 else None,
+            optimizer=options.rule.name,
+            lr=options.lr,
+            betas=options.betas,
+            eps=options.eps,
+            weight_decay=options.weight_decay,
+            clip=None if cowclip is None else (cowclip.r, cowclip.zeta),
+            count_lr=None
+            if count_lr is None or count_lr.power == 0.0
+            else (count_lr.power, count_lr.cap),
+        )
+        grouping = None if segments is None else segments.grouping
+        if grouping is not None and grouping.num_valid is not None:
+            padded: Tuple[Tensor, Tensor] = triton_ops.fused_update_padded_(
+                *arguments, num_valid=grouping.num_valid, gate=grouping.consumed
+            )
+            return padded
+        result: Tuple[Tensor, Tensor] = self.library.fused_update_(*arguments)
+        return result
+
+
+class NativeCpuKernel(FusedKernel):
     """The native CPU kernels (:mod:`.native`) for the built-in rules; building it builds
     (first use on the machine) or loads the library.
 
     Raises:
         RuntimeError: the library could not be built or loaded (one line, with why).
     """
+
+    library = native
 
     def __init__(self) -> None:
         built = native.build()
@@ -327,12 +416,6 @@ class NativeCpuKernel(RowKernel):
         )
         return RowGrouping(rows, counts, segment_offsets, order, sorted_bags)
 
-    def row_gradients(self, segments: RowSegments) -> RowGradients:
-        # The update sums each row's bag gradients in its own pass over the rows.
-        return RowGradients(
-            rows=segments.grouping.rows, counts=segments.grouping.counts, segments=segments
-        )
-
     def pool(
         self, weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]
     ) -> Tensor:
@@ -340,63 +423,52 @@ class NativeCpuKernel(RowKernel):
             return native.pooled_lookup(weight, ids, offsets, weights, mode == "mean")
         return super().pool(weight, ids, offsets, mode, weights)
 
-    def _update_rows_(
+
+class TritonKernel(FusedKernel):
+    """The Triton kernels (:mod:`.triton_ops`) for the built-in rules, on CUDA (or on CPU
+    tensors under Triton's interpreter, ``TRITON_INTERPRET=1``): the pooled lookup of a
+    table batch in one launch, the grouping by torch's radix sort (as FBGEMM's backward
+    groups with CUB's), then the fused update in one launch after its index checks. Design
+    notes: ``docs/triton.md``.
+
+    Args:
+        device: where its table batches live (refused in one line where Triton cannot run).
+    """
+
+    library = triton_ops
+    sync_free = True
+
+    def __init__(self, device: torch.device) -> None:
+        reason = triton_ops.availability(device)
+        if reason is not None:
+            raise RuntimeError(f"torchrec_cowclip: the Triton row kernel cannot run: {reason}")
+        self.kind = "triton"
+
+    def __repr__(self) -> str:
+        return "TritonKernel()"
+
+    def group_rows(
         self,
-        batch: BatchTensors,
-        row_grads: RowGradients,
-        options: CowClipOptions,
-        adam_bias: Optional[Tuple[Tensor, Tensor]],
-        row_sums: Optional[RowSums],
-    ) -> Tuple[Tensor, Tensor]:
-        rows, counts = row_grads.rows, row_grads.counts
-        packed_sums = None
-        if row_sums is not None:
-            packed_sums = torch.stack(
-                [
-                    row_sums.nonfinite,
-                    row_sums.grad_sq,
-                    row_sums.weight_sq,
-                    row_sums.grad_dot_weight,
-                    row_sums.dim.to(row_sums.grad_sq.dtype).expand(rows.shape[0]),
-                ],
-                dim=1,
-            ).to(torch.float32)
-        segments = row_grads.segments
-        grad = None if segments is not None else row_grads.grad
-        cowclip, count_lr = options.cowclip, options.count_lr
-        result: Tuple[Tensor, Tensor] = native.fused_update_(
-            batch.weight,
-            list(batch.state.values()),
-            rows,
-            counts.to(torch.int64),
-            grad=None if grad is None else grad.to(torch.float32),
-            bag_gradients=None if segments is None else segments.bag_gradients,
-            segment_offsets=None if segments is None else segments.grouping.segment_offsets,
-            sorted_bags=None if segments is None else segments.grouping.sorted_bags,
-            sorted_weights=None if segments is None else segments.sorted_weights,
-            row_offsets=batch.row_offsets,
-            clip_enabled=None if batch.all_clipped else batch.clip_enabled,
-            adam_bias=adam_bias,
-            row_sums=packed_sums,
-            rounding=batch.rounding_keys() if batch.weight.dtype != torch.float32 else None,
-            optimizer=options.rule.name,
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            weight_decay=options.weight_decay,
-            clip=None if cowclip is None else (cowclip.r, cowclip.zeta),
-            count_lr=None
-            if count_lr is None or count_lr.power == 0.0
-            else (count_lr.power, count_lr.cap),
-        )
-        return result
+        row_ids: Tensor,
+        bag_of_position: Tensor,
+        num_rows: int,
+        feature_layout: Tuple[Tensor, Tensor],
+    ) -> RowGrouping:
+        return group_rows(row_ids, bag_of_position, num_rows)
+
+    def pool(
+        self, weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]
+    ) -> Tensor:
+        return triton_ops.pooled_lookup(weight, ids, offsets, weights, mode == "mean")
 
 
-def kernel_of_kind(kind: str) -> RowKernel:
-    """A kernel of ``kind`` (:data:`KINDS`); ``native_cpu`` builds or loads the library
-    (RuntimeError if it cannot)."""
+def kernel_of_kind(kind: str, device: torch.device) -> RowKernel:
+    """A kernel of ``kind`` (:data:`KINDS`) for ``device``; ``native_cpu`` builds or loads
+    the library, ``triton`` needs Triton where it can run (RuntimeError if either cannot)."""
     if kind == "native_cpu":
         return NativeCpuKernel()
+    if kind == "triton":
+        return TritonKernel(device)
     if kind in ("inductor", "eager"):
         return TorchKernel(compiled=kind == "inductor")
     raise ValueError(f"unknown row kernel kind {kind!r}; expected one of {KINDS}")
@@ -406,10 +478,13 @@ def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
     """The row kernel of a table batch on ``device`` trained by ``rule``, as
     ``TORCHREC_COWCLIP_COMPILE`` says now (read here, once per table batch):
 
-    * ``auto``: on CPU the native kernels for a built-in rule; if they cannot be built, a
-      warning naming the error and the Inductor row step (eager without a C++ compiler);
-      a rule of one's own, or CUDA, Inductor where it can build, else eager;
-    * ``1``: the same, but a failed native build raises;
+    * ``auto``: for a built-in rule, on CPU the native kernels, on CUDA the Triton kernels;
+      if the native ones cannot be built, a warning naming the error and the Inductor row
+      step (eager without a C++ compiler); without Triton on CUDA, the eager row step; a
+      rule of one's own, Inductor where it can build, else eager;
+    * ``1``: the same, but a failed native build or a missing Triton raises;
+    * ``triton``: the Triton kernels on every device - on a CPU only under Triton's
+      interpreter (``TRITON_INTERPRET=1``), else a one-line refusal;
     * ``inductor``: the Inductor row step; ``0``: eager.
 
     A table batch on the meta device gets the eager kernel (it never runs there; the move
@@ -429,7 +504,19 @@ def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
         return TorchKernel(compiled=False)
     if mode == "inductor":
         return TorchKernel(compiled=True)
-    if device.type == "cpu" and rule in _NATIVE_RULES:
+    built_in = rule in _FUSED_RULES
+    if mode == "triton":
+        if not built_in:
+            raise ValueError(
+                f"{COMPILE_ENV}=triton: the Triton kernels implement the built-in rules "
+                f"({', '.join(r.name for r in _FUSED_RULES)}), not {rule.name!r}; use "
+                f"{COMPILE_ENV}=inductor or 0 for it"
+            )
+        reason = triton_ops.availability(device)
+        if reason is not None:
+            raise RuntimeError(f"{COMPILE_ENV}=triton: {reason}")
+        return TritonKernel(device)
+    if device.type == "cpu" and built_in:
         built = native.build()
         if built.ok:
             return NativeCpuKernel()
@@ -447,4 +534,14 @@ def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
             stacklevel=2,
         )
         return TorchKernel(compiled=compiled)
+    if device.type == "cuda" and built_in:
+        reason = triton_ops.availability(device)
+        if reason is None:
+            return TritonKernel(device)
+        if mode == "1":
+            raise RuntimeError(
+                f"torchrec_cowclip: the Triton update is required ({COMPILE_ENV}=1) but "
+                f"cannot run: {reason}"
+            )
+        return TorchKernel(compiled=False)
     return TorchKernel(compiled=mode == "1" or toolchain_available(device.type))

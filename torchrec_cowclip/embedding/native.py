@@ -319,7 +319,15 @@ def group_rows(
     return result
 
 
-def fused_update_(
+def fused_update_(*arguments: Any) -> Tuple[Tensor, Tensor]:
+    """One fused step in place (the op ``torchrec_cowclip::fused_update_``, arguments as
+    :func:`update_arguments` lays them out); returns ``(status [U] int8, per_table [3, T]
+    int64)``: per row updated, clipped or skipped as non-finite, and their counts per table."""
+    result: Tuple[Tensor, Tensor] = _ops().fused_update_(*arguments)
+    return result
+
+
+def update_arguments(
     weight: Tensor,
     state: List[Tensor],
     rows: Tensor,
@@ -342,16 +350,17 @@ def fused_update_(
     weight_decay: float,
     clip: Optional[Tuple[float, float]],
     count_lr: Optional[Tuple[float, float]],
-) -> Tuple[Tensor, Tensor]:
-    """One fused step in place on ``weight`` and ``state``; returns ``(status [U] int8,
-    per_table [3, T] int64)`` (updated, clipped, skipped as non-finite).
+) -> Tuple[Any, ...]:
+    """The arguments of :func:`fused_update_` (the op's schema), which the Triton kernels take
+    too (:func:`.triton_ops.fused_update_`), from one step's inputs by name.
 
     The rows' gradients are ``grad`` (``[U, D]``), or the segment sums of
     ``bag_gradients`` rows ``sorted_bags[segment_offsets[u]:segment_offsets[u + 1]]``
-    (times ``sorted_weights``), in input order; ``row_sums`` is the
-    ``[U, 5]`` whole-row sums of column shards (nonfinite, grad_sq, weight_sq,
-    grad_dot_weight, dim); ``rounding`` the ``[T, 4]`` int64 (seed, step, row base,
-    column base) of each table for float16 / bfloat16 weights."""
+    (times ``sorted_weights``), in input order; ``row_sums`` is the ``[U, 5]`` whole-row
+    sums of column shards (nonfinite, grad_sq, weight_sq, grad_dot_weight, dim);
+    ``rounding`` the ``[T, 4]`` int64 (seed, step, row base, column base) of each table for
+    float16 / bfloat16 weights; ``clip`` ``(r, zeta)`` or None; ``count_lr``
+    ``(power, cap)`` or None."""
     if bag_gradients is not None:
         source = bag_gradients
         seg: Tuple[Optional[Tensor], ...] = (segment_offsets, sorted_bags, sorted_weights)
@@ -363,7 +372,7 @@ def fused_update_(
     bias1, bias2 = adam_bias if adam_bias is not None else (None, None)
     r, zeta = clip if clip is not None else (1.0, 0.0)
     power, cap = count_lr if count_lr is not None else (0.0, 1.0)
-    result: Tuple[Tensor, Tensor] = _ops().fused_update_(
+    return (
         weight,
         state0,
         state1,
@@ -389,7 +398,6 @@ def fused_update_(
         float(power),
         float(cap),
     )
-    return result
 
 
 def pooled_lookup(

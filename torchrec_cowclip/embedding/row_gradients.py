@@ -79,6 +79,12 @@ class RowGrouping:
             ``order[segment_offsets[u]:segment_offsets[u + 1]]``.
         order: ``[L]`` positions, stably sorted by row id.
         sorted_bags: ``[L]`` the bag of each position of ``order``.
+        num_valid: a grouping of fixed size (no value read back to the host: the Triton
+            path, :func:`group_rows_padded`) has ``[L]`` rows and counts and ``[L + 1]``
+            segment offsets, of which the first ``num_valid`` (a one-element device
+            tensor) are real; None for an exact grouping.
+        consumed: with ``num_valid``: one-element int32 device flag, set when the
+            forward these positions belong to has had its backward (the update refuses).
     """
 
     rows: Tensor
@@ -86,6 +92,8 @@ class RowGrouping:
     segment_offsets: Tensor
     order: Tensor
     sorted_bags: Tensor
+    num_valid: Optional[Tensor] = None
+    consumed: Optional[Tensor] = None
 
 
 def group_rows(
@@ -116,6 +124,48 @@ def group_rows(
         segment_offsets=segment_offsets,
         order=order,
         sorted_bags=bag_of_position[order],
+    )
+
+
+def group_rows_padded(
+    row_ids: Tensor, in_lookup: Tensor, num_rows: int, bag_of_position: Tensor
+) -> RowGrouping:
+    """:func:`group_rows` of the positions where ``in_lookup`` is True, with every output of
+    a size known before the values are (``[L]`` rows and counts, ``[L + 1]`` segment
+    offsets, the count of real rows a device tensor): no value is read back to the host,
+    so the grouping can be captured in a CUDA graph. The other positions sort last, under
+    the key ``num_rows``, and form no real row.
+
+    Example::
+
+        >>> g = group_rows_padded(torch.tensor([5, 2, 9, 5]), torch.tensor([True, True, False, True]),
+        ...                       num_rows=8, bag_of_position=torch.tensor([0, 0, 1, 1]))
+        >>> int(g.num_valid), g.rows[:2].tolist(), g.counts[:2].tolist(), g.order.tolist()
+        (2, [2, 5], [1, 2], [1, 0, 3, 2])
+    """
+    n = row_ids.numel()
+    device = row_ids.device
+    keys = torch.where(in_lookup, row_ids, torch.full_like(row_ids, num_rows))
+    if num_rows < torch.iinfo(torch.int32).max:
+        keys = keys.to(torch.int32)  # int32 keys sort faster (see group_rows)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    head = torch.ones(n, dtype=torch.bool, device=device)
+    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    run = torch.cumsum(head, 0) - 1
+    positions = torch.arange(n, device=device)
+    # Each run starts at its smallest position; the entries past the last run stay n.
+    segment_offsets = torch.full((n + 1,), n, dtype=torch.int64, device=device)
+    segment_offsets.scatter_reduce_(0, run, positions, reduce="amin", include_self=True)
+    rows = torch.full((n,), num_rows, dtype=torch.int64, device=device)
+    rows.scatter_(0, run, sorted_keys.to(torch.int64))
+    num_valid = (head & (sorted_keys < num_rows)).sum().view(1)
+    return RowGrouping(
+        rows=rows,
+        counts=segment_offsets[1:] - segment_offsets[:-1],
+        segment_offsets=segment_offsets,
+        order=order,
+        sorted_bags=bag_of_position[order],
+        num_valid=num_valid,
     )
 
 

@@ -180,8 +180,9 @@ class LookupChannel:
     ) -> None:
         self.owner, self.index, self.sync = owner, index, sync
         #: The tensor a backward into the tables only names as ``inputs`` (Helen's
-        #: second pass): every step's node hangs from it.
-        self.leaf = torch.zeros(0, device=device, requires_grad=True)
+        #: second pass): every step's node hangs from it. One element: its gradient is
+        #: what keeps a compiled backward's update op alive (``embedding/lookup_op.py``).
+        self.leaf = torch.zeros(1, device=device, requires_grad=True)
         self._anchor: Tensor = self.leaf
         self._step: Optional[LookupStep] = None
 
@@ -200,7 +201,7 @@ class LookupChannel:
 
     def to(self, device: torch.device) -> None:
         """Moves the channel's leaf (the owning module moved)."""
-        self.leaf = torch.zeros(0, device=device, requires_grad=True)
+        self.leaf = torch.zeros(1, device=device, requires_grad=True)
         self._anchor, self._step = self.leaf, None
 
 

@@ -23,10 +23,12 @@ from :func:`compiled_update_mode`: the ``TORCHREC_COWCLIP_COMPILE`` environment 
 - ``auto`` (default): on CPU the native kernels (built on first use; a C++ compiler on
   ``PATH``), falling back - with a warning naming the error, once, when the kernel is
   chosen - to this row step compiled by Inductor, or eager without a compiler; on CUDA,
-  Inductor's Triton kernels;
-- ``1``: compiled (native on CPU, Inductor elsewhere); a failed build is an error;
-- ``inductor``: this row step compiled by Inductor on every device and no native kernels
-  (the CPU path before the native kernels, kept for comparison);
+  the project's Triton kernels (eager without Triton);
+- ``1``: the fused kernels (native on CPU, Triton on CUDA); a failed build is an error;
+- ``triton``: the Triton kernels on every device (on CPU tensors only under Triton's
+  interpreter, ``TRITON_INTERPRET=1``: the tests' way to run them without a GPU);
+- ``inductor``: this row step compiled by Inductor on every device and no fused kernels
+  (the path before them, kept for comparison and for rules of one's own);
 - ``0``: always eager.
 
 A compiled step that fails to compile raises, naming the error and
@@ -53,7 +55,7 @@ from torchrec_cowclip.optim.rules import UpdateRule, update_rule
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "TORCHREC_COWCLIP_COMPILE"
-MODES = ("auto", "1", "0", "inductor")
+MODES = ("auto", "1", "0", "triton", "inductor")
 
 # Each (optimizer, clip on/off, mask or not, sharded sums or not, size-1 dims) is its
 # own graph; a run uses a few, a test process many. Raised only around our own calls.
@@ -61,7 +63,7 @@ _RECOMPILE_LIMIT = 64
 
 
 def compiled_update_mode() -> str:
-    """``"auto"``, ``"1"``, ``"inductor"`` or ``"0"``: the ``TORCHREC_COWCLIP_COMPILE``
+    """``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``: the ``TORCHREC_COWCLIP_COMPILE``
     environment variable (:func:`set_compiled_update` sets it), else ``"auto"``. Read when
     a table batch's row kernel is chosen, never per step."""
     mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
@@ -72,8 +74,8 @@ def compiled_update_mode() -> str:
 
 def set_compiled_update(mode: Optional[str]) -> Optional[str]:
     """Chooses the update path of the table batches built (or moved) from now on:
-    ``"auto"``, ``"1"`` (compiled), ``"inductor"`` (Inductor only, no native kernels),
-    ``"0"`` (eager), or None for the default (``auto``). It sets (or unsets)
+    ``"auto"``, ``"1"`` (the fused kernels), ``"triton"`` (the Triton kernels everywhere),
+    ``"inductor"`` (Inductor only, no fused kernels), ``"0"`` (eager), or None for the default (``auto``). It sets (or unsets)
     ``TORCHREC_COWCLIP_COMPILE``, so the processes this one starts - the ranks of a job -
     choose alike; returns the variable's previous value (None: unset), to restore it.
 
@@ -103,7 +105,7 @@ def toolchain_available(device_type: str) -> bool:
         return any(name and shutil.which(name) for name in compilers)
     if device_type == "cuda":
         try:
-            import triton  # type: ignore[import-not-found]  # noqa: F401  (absent on CPU-only machines)
+            import triton  # noqa: F401  (absent on CPU-only machines)
         except ImportError:
             return False
         return True
