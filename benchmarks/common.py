@@ -159,12 +159,14 @@ def make_tbe(
     dim: int,
     device: torch.device = CPU,
     initial: Optional[Sequence[Tensor]] = None,
+    optimizer: str = "EXACT_ROWWISE_ADAGRAD",
     **options: Any,
 ) -> Any:
-    """FBGEMM's fused TBE (``SplitTableBatchedEmbeddingBagsCodegen``) with
-    ``EXACT_ROWWISE_ADAGRAD``, lr 1e-2, SUM pooling, on the device (``DEVICE``/``CUDA``)
-    or the host (``HOST``/``CPU``); started from ``initial`` weights if given.
-    ``options`` go to the TBE (e.g. FBGEMM's own CowClip)."""
+    """FBGEMM's fused TBE (``SplitTableBatchedEmbeddingBagsCodegen``) with ``optimizer``
+    (an ``EmbOptimType`` name: ``EXACT_ROWWISE_ADAGRAD`` at lr 1e-2, ``ADAM`` at 1e-3), SUM
+    pooling, on the device (``DEVICE``/``CUDA``) or the host (``HOST``/``CPU``); started
+    from ``initial`` weights if given. ``options`` go to the TBE (e.g. FBGEMM's own
+    CowClip)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -177,8 +179,8 @@ def make_tbe(
     compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(n, dim, location, compute) for n in rows],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=ADAGRAD_LR,
+        optimizer=EmbOptimType[optimizer],
+        learning_rate=ADAM_LR if optimizer == "ADAM" else ADAGRAD_LR,
         eps=EPS,
         pooling_mode=PoolingMode.SUM,
         device=device,

@@ -1,31 +1,45 @@
-"""GPU timings: the embedding step at Criteo Kaggle's table sizes, and DeepFM samples/s.
+"""GPU timings: the Triton kernels alone, the embedding step against FBGEMM's TBE, a
+CUDA-graph-captured DeepFM step, and DeepFM samples/s from batch 16K to 128K.
 
-Meant for a machine with one NVIDIA GPU, torch, Triton, torchrec and fbgemm_gpu;
-``benchmarks/gpu.sh`` runs it after ``pytest -m gpu`` (the correctness of what is timed
-here, on the same device). Both parts also run on CPU at tiny sizes (``--device cpu
---quick``), which is how ``tests/test_benchmark_outputs.py`` keeps it working without a GPU.
+Meant for a machine with one NVIDIA GPU, torch and Triton (and, for every part but the
+first, torchrec and fbgemm_gpu); ``benchmarks/gpu.sh`` runs it after ``pytest -m gpu``
+(the correctness of what is timed here, on the same device). Every part also runs on CPU
+at tiny sizes (``--device cpu --quick``; the Triton kernels under Triton's interpreter,
+``TRITON_INTERPRET=1``), which is how ``tests/test_benchmark_outputs.py`` keeps it working
+without a GPU. The update path of our collections is ``--compile`` (default on CUDA ``1``:
+the Triton kernels).
 
-Parts (``--parts``, default both):
+Parts (``--parts``; default all on CUDA, all but ``cuda_graph`` on CPU):
 
-1. ``embedding``: forward + backward + fused update per step on the 26 tables of Criteo
+1. ``kernels`` (torch and Triton only, ``gpu_kernels.py``): one table batch of Criteo
+   Kaggle's 26 tables, the Triton path's lookup, grouping and fused update per step (Adam
+   and row-wise Adagrad, CowClip on), the same step captured in a CUDA graph, and the path
+   before the Triton kernels (ATen lookup and grouping, the Inductor row step).
+2. ``embedding``: forward + backward + fused update per step on the 26 tables of Criteo
    Kaggle (``CRITEO_KAGGLE_CARDINALITIES``, full size unless ``--max-rows``), dim 16,
-   batches 16K and 128K, single-hot power-law ids: ours Adam + CowClip, ours row-wise
-   Adagrad + CowClip, and FBGEMM's TBE with ``EXACT_ROWWISE_ADAGRAD`` (no clipping) when
-   ``fbgemm_gpu`` has it; plus our row step alone (compiled and eager) on the rows one
-   batch touches. Interleaved rounds (``common.run_interleaved``), CUDA events on CUDA;
-   and the memory-bandwidth floor of ours from a measured device copy.
-2. ``deepfm``: DeepFM (D 10, DNN 400-400-400, Adam + CowClip tables, dense Adam) trained
+   batches 16K and 128K, single-hot power-law ids: ours Adam + CowClip and row-wise
+   Adagrad + CowClip (``--compile``'s kernel), ours Adam + CowClip on the Inductor row
+   step, and FBGEMM's TBE with ``EXACT_ROWWISE_ADAGRAD`` (no clipping), its own COWCLIP
+   mode and ``ADAM`` where this fbgemm_gpu has them; plus our row step alone (compiled and
+   eager) on the rows one batch touches. Interleaved rounds (``common.run_interleaved``),
+   CUDA events on CUDA; and the memory-bandwidth floor of ours from a measured device copy.
+3. ``cuda_graph``: the paper's DeepFM (Criteo Kaggle's cardinalities, capped by
+   ``--max-rows``) trained one step at a time - forward, backward with the fused update,
+   the dense Adam step (``capturable=True``) - eagerly and as one captured CUDA graph
+   replayed on new single-hot batches copied into its static inputs (CUDA only).
+4. ``deepfm``: DeepFM (D 10, DNN 400-400-400, Adam + CowClip tables, dense Adam) trained
    the way the trainer does it (``BatchIterator`` over the memory-mapped binary cache,
    shuffled, ``prefetch=2``, through TorchRec's ``TrainPipelineBase``, ``float(loss)``
-   every step) on ``synthetic:N`` with Criteo Kaggle's full cardinalities. Generating all
-   45.8M rows would not fit the time budget, so it builds an N-row cache (timed), measures
-   steps/s over the timed steps, and EXTRAPOLATES one epoch of 45,840,617 rows at batch
-   131,072; it says so, and whether the goal (< 60 s per epoch on one H200) is met.
+   every step) on ``synthetic:N`` with Criteo Kaggle's full cardinalities, at each batch of
+   ``--deepfm-batches`` (16K to 128K). Generating all 45.8M rows would not fit the time
+   budget, so it builds an N-row cache (timed), measures steps/s over the timed steps, and
+   EXTRAPOLATES one epoch of 45,840,617 rows at batch 131,072; it says so, and whether the
+   goal (< 60 s per epoch on one H200) is met.
 
 Run::
 
     python benchmarks/gpu_timing.py                       # CUDA if available, full sizes
-    python benchmarks/gpu_timing.py --device cpu --quick  # tiny, CPU, seconds
+    TRITON_INTERPRET=1 python benchmarks/gpu_timing.py --device cpu --quick  # tiny, CPU
 
 Results: ``<out>/gpu_timing.json`` (rewritten after each part); the tables are printed
 last. Exit status 0 when every part ran, 2 when one could not (an error, a missing
@@ -51,6 +65,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
 from common import (  # noqa: E402
@@ -62,6 +77,7 @@ from common import (  # noqa: E402
     PowerLawIds,
     copy_bandwidth,
     criteo_table_rows,
+    fbgemm_cowclip_options,
     fbgemm_step,
     floor_bytes,
     format_table,
@@ -74,18 +90,22 @@ from common import (  # noqa: E402
     sync,
     write_json,
 )
+from gpu_kernels import kernel_table, run_kernels  # noqa: E402
 
 from torchrec_cowclip import CowClip, CowClipOptions  # noqa: E402
 from torchrec_cowclip.optim import row_step  # noqa: E402
 from torchrec_cowclip.optim.functional import adam_bias_corrections  # noqa: E402
 
-PARTS = ("embedding", "deepfm")
+PARTS = ("kernels", "embedding", "cuda_graph", "deepfm")
 EPOCH_GOAL_S = 60.0
 GOAL_BATCH = 131_072
 
 ADAM_NAME = "ours adam+cowclip"
 ADAGRAD_NAME = "ours rowwise_adagrad+cowclip"
+INDUCTOR_NAME = "ours adam+cowclip (inductor row step)"
 FBGEMM_NAME = "fbgemm TBE exact_rowwise_adagrad (no clip)"
+FBGEMM_COWCLIP_NAME = "fbgemm TBE exact_rowwise_adagrad, its COWCLIP mode"
+FBGEMM_ADAM_NAME = "fbgemm TBE adam (no clip)"
 ROW_STEP_NAME = "ours adam: row step alone ({path})"
 
 
@@ -195,17 +215,32 @@ def run_embedding(
     with torch.no_grad():
         for t in range(len(rows)):
             adagrad.embedding_bags[f"t{t}"].weight.copy_(initial[t])
+    previous = row_step.set_compiled_update("inductor")
     try:
-        tbe = make_tbe(rows, dim, device, initial)
-    except Exception as error:  # noqa: BLE001 - no fbgemm_gpu, or no kernel for this device
-        tbe = None
-        result["skipped"].append(f"{FBGEMM_NAME}: {type(error).__name__}: {str(error)[:200]}")
+        inductor = make_ours(rows, dim, "adam", device)
+    finally:
+        row_step.set_compiled_update(previous)
+    with torch.no_grad():
+        for t in range(len(rows)):
+            inductor.embedding_bags[f"t{t}"].weight.copy_(initial[t])
+    tbes: Dict[str, Any] = {}
+    for name, options in (
+        (FBGEMM_NAME, {}),
+        (FBGEMM_COWCLIP_NAME, "cowclip"),
+        (FBGEMM_ADAM_NAME, {"optimizer": "ADAM"}),
+    ):
+        try:
+            kwargs = fbgemm_cowclip_options() if options == "cowclip" else dict(options)
+            tbes[name] = make_tbe(rows, dim, device, initial, **kwargs)
+        except Exception as error:  # noqa: BLE001 - no fbgemm_gpu, or no kernel for this device
+            result["skipped"].append(f"{name}: {type(error).__name__}: {str(error)[:200]}")
+    result["our_kernel"] = repr(adam.row_kernel)
     sync(device)
     result["build_s"] = time.perf_counter() - t0
     result["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(
         64 if args.quick else 1024, device=device
     )
-    path = {"1": "compiled", "0": "eager", "auto": "auto"}[args.compile]
+    path = {"1": "compiled", "0": "eager", "auto": "auto", "triton": "compiled"}[args.compile]
     for bs in args.batch_sizes:
         if time.perf_counter() > deadline:
             result["skipped"].append(f"batch {bs}: time budget spent")
@@ -217,9 +252,10 @@ def run_embedding(
         variants: Dict[str, Callable[[Batch], None]] = {
             ADAM_NAME: ours_step(adam, grad),
             ADAGRAD_NAME: ours_step(adagrad, grad),
+            INDUCTOR_NAME: ours_step(inductor, grad),
         }
-        if tbe is not None:
-            variants[FBGEMM_NAME] = fbgemm_step(tbe, grad)
+        for name, tbe in tbes.items():
+            variants[name] = fbgemm_step(tbe, grad)
         variants[ROW_STEP_NAME.format(path=path)] = row_step_variant(
             rows, dim, device, True, batches
         )
@@ -268,19 +304,29 @@ def run_embedding(
 
 
 def embedding_table(result: Dict[str, Any]) -> str:
-    rows = [["batch", "variant", "median ms", "min ms", "vs fbgemm", "samples/s"]]
+    rows = [
+        [
+            "batch",
+            "variant",
+            "median ms",
+            "min ms",
+            "vs fbgemm adagrad",
+            "vs fbgemm adam",
+            "samples/s",
+        ]
+    ]
     for entry in result["per_batch"]:
         v = entry["variants"]
-        ref = v.get(FBGEMM_NAME, {}).get("median_ms")
+        refs = [v.get(name, {}).get("median_ms") for name in (FBGEMM_NAME, FBGEMM_ADAM_NAME)]
         for name, t in v.items():
-            whole = "row step" not in name
+            whole = "row step alone" not in name
             rows.append(
                 [
                     f"{entry['batch_size']:,}",
                     name,
                     f"{t['median_ms']:.2f}",
                     f"{t['min_ms']:.2f}",
-                    f"{t['median_ms'] / ref:.2f}" if ref and whole else "-",
+                    *[f"{t['median_ms'] / ref:.2f}" if ref and whole else "-" for ref in refs],
                     f"{entry['batch_size'] / (t['median_ms'] / 1e3):,.0f}" if whole else "",
                 ]
             )
@@ -292,6 +338,120 @@ def embedding_table(result: Dict[str, Any]) -> str:
                 "",
                 "",
                 "",
+                "",
+            ]
+        )
+    return format_table(rows)
+
+
+# --- a CUDA-graph-captured DeepFM step -------------------------------------------------
+
+
+def run_cuda_graph(
+    device: torch.device, args: argparse.Namespace, deadline: float
+) -> Dict[str, Any]:
+    """The paper's DeepFM trained one step at a time, eagerly and as one captured CUDA
+    graph (forward, backward with the fused update, the dense Adam step) replayed on new
+    batches copied into its static inputs; ms per step of both."""
+    from torchrec import KeyedJaggedTensor
+
+    from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES
+    from torchrec_cowclip.models import build_model
+
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    cardinalities = [
+        k if args.max_rows is None else min(k, args.max_rows) for k in CRITEO_KAGGLE_CARDINALITIES
+    ]
+    names = [f"C{i + 1}" for i in range(len(cardinalities))]
+    bs = args.graph_batch
+    result: Dict[str, Any] = {"batch_size": bs, "tables": len(names)}
+    options = CowClipOptions(lr=1e-4, cowclip=CowClip.from_reference(1.0, 1e-5, 10))
+
+    def model_and_optimizer() -> Any:
+        model = build_model(
+            "deepfm",
+            sparse_names=names,
+            cardinalities=cardinalities,
+            num_dense=13,
+            embedding_dim=10,
+            hidden=(400, 400, 400),
+            embedding_options=options,
+            device=device,
+            init_seed=0,
+        )
+        return model, torch.optim.Adam(model.dense_parameters(), lr=1e-3, capturable=True)
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    limits = torch.tensor(cardinalities, device=device).repeat_interleave(bs)
+
+    def batch() -> List[Tensor]:
+        values = (torch.rand(len(names) * bs, device=device, generator=gen) * limits).long()
+        dense = torch.rand(bs, 13, device=device, generator=gen)
+        labels = (torch.rand(bs, device=device, generator=gen) < 0.25).float()
+        return [values, dense, labels]
+
+    lengths = torch.ones(len(names) * bs, dtype=torch.int64, device=device)
+    # Single-hot: the offsets are known, computed here by torch (TorchRec computes them
+    # with fbgemm_gpu's CUDA cumsum, absent from a CPU build of fbgemm_gpu).
+    offsets = torch.arange(len(names) * bs + 1, device=device)
+
+    def train_step(model: Any, optimizer: Any, inputs: List[Tensor]) -> Tensor:
+        values, dense, labels = inputs
+        kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, offsets=offsets)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    batches = [batch() for _ in range(3)]
+    eager_model, eager_opt = model_and_optimizer()
+    graph_model, graph_opt = model_and_optimizer()
+    static = [t.clone() for t in batches[0]]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up outside the graph: caches, optimizer state
+            train_step(graph_model, graph_opt, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(graph):
+        static_loss = train_step(graph_model, graph_opt, static)
+    result["capture_s"] = time.perf_counter() - t0
+
+    def replay(inputs: List[Tensor]) -> None:
+        for dst, src in zip(static, inputs):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+
+    variants: Dict[str, Callable[[Any], None]] = {
+        "eager step": lambda inputs: train_step(eager_model, eager_opt, inputs),
+        "CUDA graph replay": replay,
+    }
+    limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
+    timings = run_interleaved(variants, batches, args.steps, args.warmup, limit, device)
+    result["variants"] = {n: t.summary() for n, t in timings.items() if t.samples}
+    result["last_graph_loss"] = float(static_loss)
+    result["table_steps"] = {
+        name: s.steps for name, s in graph_model.embedding_collection.clip_stats().items()
+    }
+    return result
+
+
+def cuda_graph_table(r: Dict[str, Any]) -> str:
+    v = r["variants"]
+    eager = v.get("eager step", {}).get("median_ms")
+    rows = [["variant", "median ms", "min ms", "samples/s", "vs eager"]]
+    for name, t in v.items():
+        rows.append(
+            [
+                name,
+                f"{t['median_ms']:.2f}",
+                f"{t['min_ms']:.2f}",
+                f"{r['batch_size'] / (t['median_ms'] / 1e3):,.0f}",
+                f"{t['median_ms'] / eager:.2f}" if eager else "-",
             ]
         )
     return format_table(rows)
@@ -309,13 +469,13 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     from torchrec_cowclip.train.task import CTRTrainTask
 
     max_card = args.max_rows if args.max_rows is not None else max(CRITEO_KAGGLE_CARDINALITIES)
-    bs = args.deepfm_batch
-    rows = max(args.deepfm_rows, 2 * bs)
+    rows = max(args.deepfm_rows, 2 * max(args.deepfm_batches))
     result: Dict[str, Any] = {
         "rows_generated": rows,
-        "batch_size": bs,
         "max_cardinality": max_card,
         "epoch_rows": CRITEO_KAGGLE_ROWS,
+        "per_batch": [],
+        "skipped": [],
     }
     print(
         f"deepfm: synthetic:{rows:,} (cardinalities capped at {max_card:,}) into {args.cache_dir} ...",
@@ -331,68 +491,82 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     result["cache_s_extrapolated_to_epoch"] = (
         None if result["cache_reused"] else result["cache_s"] * CRITEO_KAGGLE_ROWS / rows
     )
+    for bs in args.deepfm_batches:
+        if time.perf_counter() > deadline:
+            result["skipped"].append(f"batch {bs}: time budget spent")
+            continue
+        # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
+        # do not change the cost of a step, only keep the run a realistic one.
+        scale = bs / 1024
+        training = CowClipOptions(
+            lr=1e-4, weight_decay=2 * 1e-5 * scale, cowclip=CowClip.from_reference(1.0, 1e-5, 10)
+        )
+        model = paper_deepfm(ds.schema, embedding_options=training, device=device)
+        optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
+        task = CTRTrainTask(model)
+        task.train()
+        pipeline = TrainPipelineBase(task, optimizer, device)
 
-    # The recipe at this batch (the trainer's scaling rule from batch 1024): the values
-    # do not change the cost of a step, only keep the run a realistic one.
-    scale = bs / 1024
-    training = CowClipOptions(
-        lr=1e-4, weight_decay=2 * 1e-5 * scale, cowclip=CowClip.from_reference(1.0, 1e-5, 10)
-    )
-    model = paper_deepfm(ds.schema, embedding_options=training, device=device)
-    optimizer = torch.optim.Adam(model.dense_parameters(), lr=8e-4 * math.sqrt(scale))
-    task = CTRTrainTask(model)
-    task.train()
-    pipeline = TrainPipelineBase(task, optimizer, device)
+        def epochs(bs: int = bs) -> Iterator[Any]:
+            for epoch in itertools.count():  # the timed steps may need more than one pass
+                yield from BatchIterator(
+                    ds, None, bs, shuffle=True, seed=0, epoch=epoch, drop_last=True, prefetch=2
+                )
 
-    def epochs() -> Iterator[Any]:
-        for epoch in itertools.count():  # the timed steps may need more than one pass
-            yield from BatchIterator(
-                ds, None, bs, shuffle=True, seed=0, epoch=epoch, drop_last=True, prefetch=2
-            )
-
-    batches = epochs()
-    t0 = time.perf_counter()
-    for _ in range(args.deepfm_warmup):  # includes the compile of the row step
-        loss, _, _ = pipeline.progress(batches)
-        float(loss)
-    sync(device)
-    result["warmup_s"] = time.perf_counter() - t0
-    limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
-    losses: List[float] = []
-    t0 = time.perf_counter()
-    for _ in range(args.deepfm_steps):
-        loss, _, _ = pipeline.progress(batches)
-        losses.append(float(loss))  # the trainer reads the loss every step
-        if time.perf_counter() - t0 > limit:
-            break
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    steps = len(losses)
-    result.update(
-        {
-            "timed_steps": steps,
-            "timed_s": elapsed,
-            "steps_per_s": steps / elapsed,
-            "samples_per_s": steps * bs / elapsed,
-            "first_loss": losses[0],
-            "last_loss": losses[-1],
-            "losses_finite": all(math.isfinite(x) for x in losses),
-        }
-    )
-
-    # Data loading alone: the same iterator, batches copied to the device, no model.
-    loader = BatchIterator(ds, None, bs, shuffle=True, seed=0, epoch=99, drop_last=True, prefetch=2)
-    n_load = min(len(loader), max(steps, 2))
-    t0 = time.perf_counter()
-    for _, b in zip(range(n_load), loader):
-        b.to(device, non_blocking=True)
-    sync(device)
-    result["loading_only_batches_per_s"] = n_load / (time.perf_counter() - t0)
-
-    result["steps_per_epoch"] = math.ceil(CRITEO_KAGGLE_ROWS / bs)
-    result["epoch_s_extrapolated"] = result["steps_per_epoch"] / result["steps_per_s"]
+        batches = epochs()
+        entry: Dict[str, Any] = {"batch_size": bs}
+        t0 = time.perf_counter()
+        for _ in range(args.deepfm_warmup):
+            loss, _, _ = pipeline.progress(batches)
+            float(loss)
+        sync(device)
+        entry["warmup_s"] = time.perf_counter() - t0
+        limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
+        losses: List[float] = []
+        t0 = time.perf_counter()
+        for _ in range(args.deepfm_steps):
+            loss, _, _ = pipeline.progress(batches)
+            losses.append(float(loss))  # the trainer reads the loss every step
+            if time.perf_counter() - t0 > limit:
+                break
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        steps = len(losses)
+        entry.update(
+            {
+                "timed_steps": steps,
+                "timed_s": elapsed,
+                "steps_per_s": steps / elapsed,
+                "samples_per_s": steps * bs / elapsed,
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                "losses_finite": all(math.isfinite(x) for x in losses),
+                "steps_per_epoch": math.ceil(CRITEO_KAGGLE_ROWS / bs),
+            }
+        )
+        entry["epoch_s_extrapolated"] = entry["steps_per_epoch"] / entry["steps_per_s"]
+        # Data loading alone: the same iterator, batches copied to the device, no model.
+        loader = BatchIterator(
+            ds, None, bs, shuffle=True, seed=0, epoch=99, drop_last=True, prefetch=2
+        )
+        n_load = min(len(loader), max(steps, 2))
+        t0 = time.perf_counter()
+        for _, b in zip(range(n_load), loader):
+            b.to(device, non_blocking=True)
+        sync(device)
+        entry["loading_only_batches_per_s"] = n_load / (time.perf_counter() - t0)
+        result["per_batch"].append(entry)
+        del model, optimizer, task, pipeline, batches
+        free_memory(device)
+    if not result["per_batch"]:
+        raise RuntimeError("no batch size ran: " + "; ".join(result["skipped"]))
+    # The goal's batch, else the largest that ran: the epoch figure and the goal.
+    ran = {e["batch_size"]: e for e in result["per_batch"]}
+    result.update(ran.get(GOAL_BATCH, result["per_batch"][-1]))
     result["goal_applies"] = (
-        device.type == "cuda" and bs == GOAL_BATCH and max_card >= max(CRITEO_KAGGLE_CARDINALITIES)
+        device.type == "cuda"
+        and result["batch_size"] == GOAL_BATCH
+        and max_card >= max(CRITEO_KAGGLE_CARDINALITIES)
     )
     result["goal_met"] = result["epoch_s_extrapolated"] < EPOCH_GOAL_S
     if device.type == "cuda":
@@ -402,10 +576,32 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
 
 def deepfm_lines(r: Dict[str, Any]) -> List[str]:
     reused = r["cache_s_extrapolated_to_epoch"] is None
+    per_batch = format_table(
+        [
+            [
+                "batch",
+                "timed steps",
+                "samples/s",
+                "loader batches/s",
+                "epoch s (EXTRAPOLATED)",
+                "loss",
+            ]
+        ]
+        + [
+            [
+                f"{e['batch_size']:,}",
+                f"{e['timed_steps']}",
+                f"{e['samples_per_s']:,.0f}",
+                f"{e['loading_only_batches_per_s']:.1f}",
+                f"{e['epoch_s_extrapolated']:.1f}",
+                f"{e['first_loss']:.4f} -> {e['last_loss']:.4f}",
+            ]
+            for e in r["per_batch"]
+        ]
+    )
     table = format_table(
         [
             ["what", "value"],
-            ["batch", f"{r['batch_size']:,}"],
             ["cache rows generated", f"{r['rows_generated']:,}"],
             [
                 "cache build s (this run)",
@@ -415,12 +611,10 @@ def deepfm_lines(r: Dict[str, Any]) -> List[str]:
                 "cache build s, linear extrapolation to the epoch's rows",
                 "n/a (reused)" if reused else f"{r['cache_s_extrapolated_to_epoch']:.0f}",
             ],
-            ["timed steps", f"{r['timed_steps']}"],
-            ["samples/s (loading + training, measured)", f"{r['samples_per_s']:,.0f}"],
-            ["data loading alone, batches/s", f"{r['loading_only_batches_per_s']:.1f}"],
-            [f"steps per epoch of {r['epoch_rows']:,} rows", f"{r['steps_per_epoch']}"],
-            ["epoch s (EXTRAPOLATED from the timed steps)", f"{r['epoch_s_extrapolated']:.1f}"],
-            ["loss first -> last timed step", f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"],
+            [
+                f"steps per epoch of {r['epoch_rows']:,} rows at {r['batch_size']:,}",
+                f"{r['steps_per_epoch']}",
+            ],
         ]
     )
     verdict = "MET" if r["goal_met"] else "NOT MET"
@@ -437,7 +631,7 @@ def deepfm_lines(r: Dict[str, Any]) -> List[str]:
             f"over a {r['rows_generated']:,}-row cache; data loading from the cache included, cache "
             f"building not)"
         )
-    return [table, goal]
+    return [per_batch, table, goal]
 
 
 # --- main --------------------------------------------------------------------------
@@ -447,13 +641,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes: seconds on CPU")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument(
+        "--parts",
+        default=None,
+        help=f"comma list of {', '.join(PARTS)} (default all; on CPU all but cuda_graph)",
+    )
     p.add_argument("--out", default=str(RESULTS / "gpu"), help="folder for gpu_timing.json")
     p.add_argument(
         "--compile",
-        choices=("auto", "1", "0"),
+        choices=("auto", "1", "0", "triton"),
         default=None,
-        help="update path: 1 compiled (default on CUDA), 0 eager (default on CPU), auto",
+        help="update path: 1 the fused kernels (Triton on CUDA; default there), 0 eager "
+        "(default on CPU), triton, auto",
     )
     p.add_argument(
         "--max-rows",
@@ -487,7 +686,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="synthetic rows cached (default 4194304; --quick 4096)",
     )
     p.add_argument(
-        "--deepfm-batch", type=int, default=None, help=f"default {GOAL_BATCH}; --quick 512"
+        "--deepfm-batches",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help=f"DeepFM batch sizes (default 16384,32768,65536,{GOAL_BATCH}; --quick 512)",
+    )
+    p.add_argument(
+        "--graph-batch",
+        type=int,
+        default=None,
+        help="batch of the CUDA-graph-captured DeepFM step (default 16384; --quick 256)",
     )
     p.add_argument(
         "--deepfm-steps", type=int, default=None, help="timed steps (default 30; --quick 3)"
@@ -517,13 +725,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "steps": 3 if q else 20,
         "warmup": 1 if q else 3,
         "deepfm_rows": 4096 if q else 4_194_304,
-        "deepfm_batch": 512 if q else GOAL_BATCH,
+        "deepfm_batches": [512] if q else [16_384, 32_768, 65_536, GOAL_BATCH],
+        "graph_batch": 256 if q else 16_384,
         "deepfm_steps": 3 if q else 30,
         "deepfm_warmup": 1 if q else 3,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.parts is None:
+        args.parts = ",".join(p for p in PARTS if on_cuda or p != "cuda_graph")
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     unknown = set(args.parts) - set(PARTS)
     if unknown:
@@ -539,6 +750,16 @@ def print_report(report: Dict[str, Any]) -> None:
         + ", ".join(f"{k} {v}" for k, v in env.items())
         + f"; update mode {report['compile']}"
     )
+    k = report.get("kernels")
+    if k and k["per_batch"]:
+        print(
+            f"\nTriton kernels alone (one table batch of {k['tables']} tables, {k['rows']:,} rows, "
+            f"dim {k['dim']}): ms per step (lookup + grouping + fused update), median of "
+            "interleaved rounds:"
+        )
+        print(kernel_table(k, format_table))
+    for s in (k or {}).get("skipped", []):
+        print(f"  kernels skipped: {s}")
     e = report.get("embedding")
     if e and e["per_batch"]:
         print(
@@ -548,6 +769,13 @@ def print_report(report: Dict[str, Any]) -> None:
         print(embedding_table(e))
     for s in (e or {}).get("skipped", []):
         print(f"  embedding skipped: {s}")
+    g = report.get("cuda_graph")
+    if g:
+        print(
+            f"\nDeepFM step, eager and as one captured CUDA graph (batch {g['batch_size']:,}, "
+            f"capture {g['capture_s']:.1f} s):"
+        )
+        print(cuda_graph_table(g))
     d = report.get("deepfm")
     if d:
         print(
@@ -585,7 +813,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    run = run_embedding if part == "embedding" else run_deepfm
+                    run = {
+                        "kernels": run_kernels,
+                        "embedding": run_embedding,
+                        "cuda_graph": run_cuda_graph,
+                        "deepfm": run_deepfm,
+                    }[part]
                     report[part] = run(device, args, deadline)
                     report[part]["seconds"] = time.perf_counter() - t0
                 except Exception as error:  # noqa: BLE001 - report and go on to the next part
@@ -596,7 +829,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 write_json(out, report)
     finally:
         row_step.set_compiled_update(previous)
-    incomplete = bool(report["part_errors"]) or bool(report.get("embedding", {}).get("skipped"))
+    incomplete = bool(report["part_errors"]) or any(
+        report.get(part, {}).get("skipped") for part in ("kernels", "embedding", "deepfm")
+    )
     write_json(out, report)
     print_report(report)
     print(f"results: {out}")

@@ -140,35 +140,48 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
     assert (out / "embedding_step.png").exists() == HAVE_MATPLOTLIB
 
 
-def test_gpu_timing_runs_both_parts_on_cpu(bench, tmp_path, capsys):
-    """benchmarks/gpu_timing.py at --quick sizes on CPU (the GPU run is benchmarks/gpu.sh)."""
+def test_gpu_timing_runs_every_cpu_part(bench, tmp_path, capsys):
+    """benchmarks/gpu_timing.py at --quick sizes on CPU (the GPU run is benchmarks/gpu.sh):
+    the Triton kernels alone (under Triton's interpreter), the embedding step of ours and
+    FBGEMM's CPU TBE (its Adam is CUDA-only: skipped, and said), DeepFM; the CUDA-graph part
+    needs CUDA and is not among the CPU's default parts."""
+    import gpu_kernels
     import gpu_timing
 
     out = tmp_path / "out"
-    assert (
-        gpu_timing.main(
-            [
-                "--device",
-                "cpu",
-                "--quick",
-                "--steps",
-                "2",
-                "--threads",
-                "1",
-                "--out",
-                str(out),
-                "--cache-dir",
-                str(tmp_path / "cache"),
-            ]
-        )
-        == 0
+    status = gpu_timing.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--steps",
+            "2",
+            "--batch-sizes",
+            "64",  # the interpreter runs a Triton step in about a second at this size
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
     )
     report = json.loads((out / "gpu_timing.json").read_text())
+    assert report["args"]["parts"] == ["kernels", "embedding", "deepfm"]
+    (kernels,) = report["kernels"]["per_batch"]
+    assert list(kernels["variants"]) == [
+        gpu_kernels.TRITON_ADAM,
+        gpu_kernels.TRITON_ADAGRAD,
+        gpu_kernels.INDUCTOR_ADAM,
+    ]
+    assert all(v["steps"] == 2 and v["median_ms"] > 0 for v in kernels["variants"].values())
     (timing,) = report["embedding"]["per_batch"]
     names = [
         gpu_timing.ADAM_NAME,
         gpu_timing.ADAGRAD_NAME,
+        gpu_timing.INDUCTOR_NAME,
         gpu_timing.FBGEMM_NAME,
+        gpu_timing.FBGEMM_COWCLIP_NAME,
         gpu_timing.ROW_STEP_NAME.format(path="eager"),
     ]
     assert list(timing["variants"]) == names
@@ -176,13 +189,18 @@ def test_gpu_timing_runs_both_parts_on_cpu(bench, tmp_path, capsys):
         timing["variants"][n]["steps"] == 2 and timing["variants"][n]["median_ms"] > 0
         for n in names
     )
+    # FBGEMM's CPU TBE has no Adam: the one skip, said, and the exit status says so.
+    (skipped,) = report["embedding"]["skipped"]
+    assert skipped.startswith(gpu_timing.FBGEMM_ADAM_NAME) and status == 2
     assert timing["floor_ms_adam"] > 0
     assert report["embedding"]["rows"] == sum(min(k, 2000) for k in CRITEO_KAGGLE_CARDINALITIES)
     deepfm = report["deepfm"]
+    assert [e["batch_size"] for e in deepfm["per_batch"]] == [512]
     assert deepfm["timed_steps"] == 3 and deepfm["losses_finite"]
     assert deepfm["epoch_s_extrapolated"] > 0 and not deepfm["goal_applies"]
     printed = capsys.readouterr().out
     assert "EXTRAPOLATED" in printed and "memory-bandwidth floor" in printed
+    assert "Triton kernels alone" in printed
 
 
 def test_method_step_time_writes_paired_ratios(bench, tmp_path):

@@ -41,6 +41,24 @@ def test_readme_usage_snippet_runs():
     assert stats["t0"].rows_updated == 3 and stats["t0"].steps == 1  # rows 1, 2, 3 of f0
 
 
+def test_readme_compile_snippet_runs():
+    """The README's model compiled whole: its step updates the tables (after the usage
+    snippet, whose imports it reads)."""
+    import textwrap
+
+    import torch
+
+    blocks = _blocks(README.read_text(), "python")
+    usage = next(b for b in blocks if "kt = ebc(kjt)" in b)
+    compiled = textwrap.dedent(next(b for b in blocks if "torch.compile(" in b))
+    namespace: dict = {}
+    exec(compile(usage, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    torch._dynamo.reset()
+    exec(compile(compiled, str(README), "exec"), namespace)  # noqa: S102
+    stats = namespace["model"].embedding_collection.clip_stats()
+    assert all(s.steps == 1 for s in stats.values()) and stats["emb_f0"].rows_updated == 2
+
+
 def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_scores(
     tmp_path, monkeypatch, capsys
 ):

@@ -37,6 +37,12 @@ WITHOUT_TORCHREC = textwrap.dedent("""
     assert clipped.tolist() == [True, True], clipped
     assert torch.allclose(weight[1], torch.tensor([0.9, 0.9])), weight
     assert torch.equal(weight[0], torch.ones(2)) and callable(reference.reference_cowclip_step_)
+    # The Triton kernels' host side, the data schemas and the GPU benchmark's torch-only part.
+    from torchrec_cowclip.embedding import triton_ops
+    from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES
+    sys.path.insert(0, "benchmarks")
+    import gpu_kernels
+    assert callable(triton_ops.fused_update_) and len(CRITEO_KAGGLE_CARDINALITIES) == 26
     assert not any(m.split(".")[0] in ("torchrec", "fbgemm_gpu") for m in sys.modules)
     try:
         from torchrec_cowclip import CowClipEmbeddingBagCollection  # noqa: F401
@@ -63,9 +69,9 @@ def test_core_imports_and_steps_without_torchrec_or_fbgemm():
 
 def test_every_public_name_resolves():
     pytest.importorskip("torchrec", reason="the lazy names are built on torchrec")
-    from torchrec_cowclip import embedding, optim
+    from torchrec_cowclip import data, embedding, optim
 
-    for package in (torchrec_cowclip, embedding, optim):
+    for package in (torchrec_cowclip, embedding, optim, data):
         for name in package.__all__:
             assert getattr(package, name) is not None, (package.__name__, name)
             assert name in dir(package)

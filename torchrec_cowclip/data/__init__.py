@@ -15,8 +15,15 @@ Example::
     ...     pass
     >>> batch.sparse_features.keys()[:3], len(ds)
     (['C1', 'C2', 'C3'], 200)
+
+The names built on TorchRec's batch types (the batches and the dataset that yields them)
+load on first use, so that the rest - the schemas and Criteo Kaggle's cardinalities that
+the GPU benchmark's torch-only part reads - imports without torchrec.
 """
 
+from typing import TYPE_CHECKING
+
+from torchrec_cowclip._lazy import lazy_exports
 from torchrec_cowclip.data.errors import (
     BAD_DENSE,
     BAD_HEX,
@@ -35,14 +42,7 @@ from torchrec_cowclip.data.parsing.dense import (
     DenseTransformSpec,
 )
 from torchrec_cowclip.data.parsing.vocab import MISSING_ID, OOV_ID
-from torchrec_cowclip.data.pipeline.batches import (
-    ArrayDataset,
-    BatchIterator,
-    epoch_order,
-    make_batch,
-)
 from torchrec_cowclip.data.pipeline.cache import CacheCorrupt
-from torchrec_cowclip.data.pipeline.dataset import SPEC_KINDS, CTRDataset, open_dataset, parse_spec
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, register_source, source_kinds
 from torchrec_cowclip.data.schema import (
@@ -57,6 +57,33 @@ from torchrec_cowclip.data.sources.synthetic import (
     rank_auc,
     synthetic_arrays,
 )
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.data.pipeline.batches import (
+        ArrayDataset,
+        BatchIterator,
+        epoch_order,
+        make_batch,
+    )
+    from torchrec_cowclip.data.pipeline.dataset import (
+        SPEC_KINDS,
+        CTRDataset,
+        open_dataset,
+        parse_spec,
+    )
+
+_LAZY = {
+    **dict.fromkeys(
+        ("ArrayDataset", "BatchIterator", "epoch_order", "make_batch"),
+        "torchrec_cowclip.data.pipeline.batches",
+    ),
+    **dict.fromkeys(
+        ("SPEC_KINDS", "CTRDataset", "open_dataset", "parse_spec"),
+        "torchrec_cowclip.data.pipeline.dataset",
+    ),
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "ArrayDataset",

@@ -67,34 +67,34 @@ def prepare(
     num_bags,
     num_ids,
     batch_size,
-    BLOCK_P: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
-    # One program per bag of a KJT (feature-major): its ids checked against its feature's
-    # rows and written as rows of the feature's table batch. Flags: 0 a bag whose offsets
-    # do not ascend or span the ids; 1 the first id outside its feature (num_ids: none).
-    bag = tl.program_id(0)
-    feature = bag // batch_size
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-    bad_bag = (start < 0) | (end < start) | (end > num_ids)
-    if bag == 0:
-        bad_bag = bad_bag | (start != 0)
-    if bag == num_bags - 1:
-        bad_bag = bad_bag | (end != num_ids)
-    tl.atomic_max(flags_ptr, bad_bag.to(tl.int64))
+    # BLOCK_B bags of a KJT (feature-major) per program, their positions walked together:
+    # each id checked against its feature's rows and written as a row of the feature's
+    # table batch. Flags: 0 a bag whose offsets do not ascend or span the ids; 1 the first
+    # position whose id is outside its feature (num_ids: none).
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    in_range = bags < num_bags
+    start = tl.load(offsets_ptr + bags, mask=in_range, other=0)
+    end = tl.load(offsets_ptr + bags + 1, mask=in_range, other=0)
+    bad_bag = in_range & ((start < 0) | (end < start) | (end > num_ids))
+    bad_bag = bad_bag | ((bags == 0) & (start != 0))
+    bad_bag = bad_bag | ((bags == num_bags - 1) & (end != num_ids))
+    tl.atomic_max(flags_ptr, tl.max(bad_bag.to(tl.int64)))
     end = tl.where(bad_bag, start, end)
-    first_row = tl.load(feature_rows_ptr + 2 * feature)
-    num_rows = tl.load(feature_rows_ptr + 2 * feature + 1)
-    p = start
-    while p < end:
-        positions = p + tl.arange(0, BLOCK_P)
-        in_bag = positions < end
-        ids = tl.load(values_ptr + positions, mask=in_bag, other=0).to(tl.int64)
-        outside = in_bag & ((ids < 0) | (ids >= num_rows))
-        first = tl.min(tl.where(outside, positions, num_ids))
-        tl.atomic_min(flags_ptr + 1, first.to(tl.int64))
-        tl.store(row_ids_ptr + positions, ids + first_row, mask=in_bag)
-        p += BLOCK_P
+    feature = bags // batch_size
+    first_row = tl.load(feature_rows_ptr + 2 * feature, mask=in_range, other=0)
+    num_rows = tl.load(feature_rows_ptr + 2 * feature + 1, mask=in_range, other=0)
+    longest = tl.max(end - start)
+    j = 0
+    while j < longest:
+        positions = start + j
+        at = positions < end
+        ids = tl.load(values_ptr + positions, mask=at, other=0).to(tl.int64)
+        outside = at & ((ids < 0) | (ids >= num_rows))
+        tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
+        tl.store(row_ids_ptr + positions, ids + first_row, mask=at)
+        j += 1
 
 
 @triton.jit
@@ -113,53 +113,57 @@ def pool(
     HAS_PSW: tl.constexpr,
     MEAN: tl.constexpr,
     WHOLE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
 ):
-    # One program per (bag, column block): the bag's rows read BLOCK_P at a time. WHOLE:
-    # the offsets span all the ids (checked); else they are a slice of a KJT's (absolute
-    # positions). batch_size > 0: the output is batch-major, bag f * B + b at row b * F + f.
-    bag = tl.program_id(0)
+    # BLOCK_B bags x BLOCK_D columns per program, each bag's positions summed in order (a
+    # single-hot lookup is one step). WHOLE: the offsets span all the ids (checked); else
+    # they are a slice of a KJT's (absolute positions). batch_size > 0: the output is
+    # batch-major, bag f * B + b at row b * F + f.
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    in_range = bags < num_bags
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-    bad_bag = (start < 0) | (end < start) | (end > num_ids)
+    start = tl.load(offsets_ptr + bags, mask=in_range, other=0)
+    end = tl.load(offsets_ptr + bags + 1, mask=in_range, other=0)
+    bad_bag = in_range & ((start < 0) | (end < start) | (end > num_ids))
     if WHOLE:
-        if bag == 0:
-            bad_bag = bad_bag | (start != 0)
-        if bag == num_bags - 1:
-            bad_bag = bad_bag | (end != num_ids)
-    tl.atomic_max(flags_ptr, bad_bag.to(tl.int64))
+        bad_bag = bad_bag | ((bags == 0) & (start != 0))
+        bad_bag = bad_bag | ((bags == num_bags - 1) & (end != num_ids))
+    tl.atomic_max(flags_ptr, tl.max(bad_bag.to(tl.int64)))
     end = tl.where(bad_bag, start, end)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    p = start
-    while p < end:
-        positions = p + tl.arange(0, BLOCK_P)
-        in_bag = positions < end
-        ids = tl.load(ids_ptr + positions, mask=in_bag, other=0)
-        outside = in_bag & ((ids < 0) | (ids >= num_rows))
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    longest = tl.max(end - start)
+    j = 0
+    while j < longest:
+        positions = start + j
+        at = positions < end
+        ids = tl.load(ids_ptr + positions, mask=at, other=0).to(tl.int64)
+        outside = at & ((ids < 0) | (ids >= num_rows))
         # The first outside position, for the error (num_ids: none).
-        first = tl.min(tl.where(outside, positions, num_ids))
-        tl.atomic_min(flags_ptr + 1, first.to(tl.int64))
-        ok = in_bag & ~outside
+        tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
+        ok = at & ~outside
         rows = tl.load(
-            weight_ptr + ids[:, None].to(tl.int64) * dim + cols[None, :],
+            weight_ptr + ids[:, None] * dim + cols[None, :],
             mask=ok[:, None] & col_ok[None, :],
             other=0.0,
         ).to(tl.float32)
         if HAS_PSW:
             w = tl.load(psw_ptr + positions, mask=ok, other=0.0).to(tl.float32)
-            rows = rows * w[:, None]
-        acc += tl.sum(rows, axis=0)
-        p += BLOCK_P
+            rows = w[:, None] * rows
+        acc += rows
+        j += 1
     if MEAN:
-        n = end - start
-        acc = tl.where(n > 0, acc * (1.0 / tl.maximum(n, 1).to(tl.float32)), acc)
-    out_row = bag.to(tl.int64)
+        n = (end - start).to(tl.float32)
+        acc = tl.where(n[:, None] > 0, acc * (1.0 / tl.maximum(n, 1.0))[:, None], acc)
+    out_row = bags.to(tl.int64)
     if batch_size > 0:
-        out_row = (bag % batch_size) * (num_bags // batch_size) + bag // batch_size
-    tl.store(out_ptr + out_row.to(tl.int64) * dim + cols, acc, mask=col_ok)
+        out_row = (bags % batch_size) * (num_bags // batch_size) + bags // batch_size
+    tl.store(
+        out_ptr + out_row[:, None] * dim + cols[None, :],
+        acc,
+        mask=in_range[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit

@@ -64,8 +64,11 @@ MAX_DIM = 4096
 #: Elements of one update block (rows x padded dim): several short rows per program.
 _UPDATE_BLOCK = 2048
 
-#: Positions a lookup program reads at once.
-_POSITIONS_PER_STEP = 16
+#: Elements of one lookup block (bags x column block): several bags per program.
+_POOL_BLOCK = 1024
+
+#: Bags of one program of the ids' check and mapping.
+_PREPARE_BAGS = 256
 
 #: The value of a per-row status that is padding (a grouping of fixed size), after
 #: native's UPDATED, CLIPPED, SKIPPED.
@@ -158,7 +161,8 @@ def pool_into(
     flags[0] = 0
     if bags > 0:
         block_d = min(_pow2(dim), 128)
-        _kernels().pool[(bags, math.ceil(dim / block_d))](
+        block_b = max(1, _POOL_BLOCK // block_d)
+        _kernels().pool[(math.ceil(bags / block_b), math.ceil(dim / block_d))](
             weight,
             ids,
             offsets,
@@ -173,8 +177,8 @@ def pool_into(
             HAS_PSW=psw is not None,
             MEAN=mean,
             WHOLE=whole,
+            BLOCK_B=block_b,
             BLOCK_D=block_d,
-            BLOCK_P=_POSITIONS_PER_STEP,
         )
     return flags
 
@@ -208,7 +212,7 @@ def prepare_rows(
     flags[0] = 0
     bags = offsets.numel() - 1
     if bags > 0 and batch_size > 0:
-        _kernels().prepare[(bags,)](
+        _kernels().prepare[(math.ceil(bags / _PREPARE_BAGS),)](
             values.contiguous(),
             offsets.contiguous(),
             feature_rows,
@@ -217,7 +221,7 @@ def prepare_rows(
             bags,
             num_ids,
             batch_size,
-            BLOCK_P=_POSITIONS_PER_STEP,
+            BLOCK_B=_PREPARE_BAGS,
         )
     return row_ids, flags
 
