@@ -7,11 +7,14 @@
 #      the exact set; torch, triton and nvidia-* wheels in it are left out so the
 #      machine's CUDA build of torch stays);
 #   3. runs the device tests, `pytest -m gpu` (at most GPU_SH_TEST_BUDGET s, default 240):
-#      the compiled row step and the collection on the GPU against float64 CPU
-#      references; without torchrec only the row step's (tests/conftest.py);
-#   4. runs benchmarks/gpu_timing.py with what is left: the embedding-step table (ours vs
-#      FBGEMM's CUDA TBE) and DeepFM samples/s with the extrapolated epoch time on
-#      Criteo-Kaggle-sized synthetic data (needs torchrec).
+#      the Triton kernels compiled for real and the Inductor row step against the
+#      functional core, the collection on every update path against float64 CPU
+#      references; without torchrec only the torch-only ones (tests/conftest.py);
+#   4. runs benchmarks/gpu_timing.py with what is left: the Triton kernels alone (torch
+#      only), the embedding step (ours on Triton and on Inductor vs FBGEMM's CUDA TBE in
+#      three modes), a CUDA-graph-captured DeepFM step, and DeepFM samples/s at 16K-128K
+#      with the extrapolated epoch time on Criteo-Kaggle-sized synthetic data; without
+#      torchrec the first part only.
 #
 # Usage (from anywhere; extra arguments go to gpu_timing.py):
 #   WHEELS=/path/to/wheels bash benchmarks/gpu.sh
@@ -30,6 +33,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 start=$SECONDS
+# Triton compiles for the GPU here; its CPU interpreter is for machines without one.
+unset TRITON_INTERPRET
 budget=${GPU_SH_BUDGET:-470}
 PY=${PYTHON:-python3}
 RESULTS=${RESULTS:-benchmarks/results/gpu}
@@ -105,16 +110,20 @@ fi
 
 # Leave 20 s for the shell's own exit; the timings stop 30 s before their budget.
 timing_s=$(($(left) - 20))
+parts=()
 if ! timeout 120 "$PY" -c "import torchrec" >/dev/null 2>&1; then
-  echo "gpu.sh: torchrec is not importable: gpu_timing.py not run"
+  echo "gpu.sh: torchrec is not importable: gpu_timing.py runs its torch-only part (kernels)"
+  parts=(--parts kernels)
   [ "$status" -eq 0 ] && status=2
-elif [ "$timing_s" -lt 60 ]; then
+fi
+if [ "$timing_s" -lt 60 ]; then
   echo "gpu.sh: only ${timing_s}s left: gpu_timing.py not run" >&2
   [ "$status" -eq 0 ] && status=124
 else
   echo "== gpu_timing.py (at most ${timing_s}s; results in $RESULTS)"
   timeout --kill-after=10 "$timing_s" env PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_timing.py \
-    --out "$RESULTS" --time-budget $((timing_s - 30)) "$@" 2>&1 | tee "$RESULTS/gpu_timing.log"
+    --out "$RESULTS" --time-budget $((timing_s - 30)) "${parts[@]+"${parts[@]}"}" "$@" 2>&1 \
+    | tee "$RESULTS/gpu_timing.log"
   timing=${PIPESTATUS[0]}
   if [ "$timing" -ne 0 ] && [ "$status" -eq 0 ]; then status=$timing; fi
 fi

@@ -671,3 +671,51 @@ def test_table_batch_tensors_are_module_buffers_outside_the_state_dict():
     for a, b in zip(ebc._batches, copy_of._batches):
         assert a.weight.data_ptr() != b.weight.data_ptr()
         torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
+
+
+def test_an_empty_batch_and_empty_bags_update_nothing(update_path):
+    """A batch of no samples (as the last partial batch of a split can be) and one of empty
+    bags look up zeros, and their backward is a step that touches no row, on every path."""
+    ebc = CowClipEmbeddingBagCollection(
+        [bag_config("t", 4, 10, ["f"])], options=CowClipOptions(lr=0.1, cowclip=default_cowclip())
+    )
+    before = ebc.state_dict()["embedding_bags.t.weight"].clone()
+    for lengths, shape in (([0, 0], (2, 4)), ([], (0, 4))):
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"],
+            values=torch.tensor([], dtype=torch.int64),
+            lengths=torch.tensor(lengths, dtype=torch.int64),
+        )
+        out = ebc(kjt).values()
+        assert out.shape == shape and not out.any()
+        out.sum().backward()
+    stats = ebc.clip_stats()["t"]
+    assert stats.steps == 2 and stats.total_rows_updated == 0
+    assert torch.equal(ebc.state_dict()["embedding_bags.t.weight"], before)
+
+
+def test_int32_ids_and_lengths_train_as_int64_ones(update_path):
+    """A KJT of int32 values and lengths (TorchRec's data pipelines make them) gives the
+    int64 KJT's outputs and updates, on every path."""
+    gen = torch.Generator().manual_seed(2)
+    tables = mixed_tables()
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        ebc = CowClipEmbeddingBagCollection(
+            [replace(t) for t in tables], init_seed=5, options=CowClipOptions(lr=0.1)
+        )
+        kjt = random_kjt(tables, batch_size=5, generator=torch.Generator().manual_seed(9))
+        lengths = kjt.lengths()
+        offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
+        kjt = KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=kjt.values().to(dtype),
+            lengths=lengths.to(dtype),
+            offsets=offsets.to(dtype),
+        )
+        out = ebc(kjt).values()
+        (out * torch.arange(out.shape[1])).sum().backward()
+        results.append((out.detach(), ebc.state_dict()))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for key, value in results[0][1].items():
+        torch.testing.assert_close(results[1][1][key], value)

@@ -238,15 +238,12 @@ def test_sharded_helen_steps_equal_unsharded_on_the_global_batch(results, name):
     assert steps and all(int(v) == 3 for v in steps.values())
 
 
-@pytest.fixture(scope="module")
-def compiled_results(tmp_path_factory):
-    """The mixed-sharding Adam scenario again, with the Inductor-compiled update in
-    every rank (column shards take the whole-row-sums variant of it)."""
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        pytest.skip("no C++ compiler for Inductor")
-    out = str(tmp_path_factory.mktemp("dist_compiled") / "results.pt")
+def _adam_scenario_on_path(tmp_path_factory, mode):
+    """The mixed-sharding Adam scenario with ``TORCHREC_COWCLIP_COMPILE=mode`` in every
+    rank (inherited by the spawned ranks)."""
+    out = str(tmp_path_factory.mktemp(f"dist_{mode}") / "results.pt")
     previous = os.environ.get("TORCHREC_COWCLIP_COMPILE")
-    os.environ["TORCHREC_COWCLIP_COMPILE"] = "1"  # inherited by the spawned ranks
+    os.environ["TORCHREC_COWCLIP_COMPILE"] = mode
     try:
         run_ranks(cases.run_scenarios, 2, {"adam": SCENARIOS["adam"]}, out, timeout_s=240)
     finally:
@@ -257,8 +254,32 @@ def compiled_results(tmp_path_factory):
     return _load(out)
 
 
-def test_compiled_sharded_update_equals_unsharded_and_eager(results, compiled_results):
-    r = compiled_results["adam"]
+@pytest.fixture(scope="module")
+def compiled_results(tmp_path_factory):
+    """The mixed-sharding Adam scenario again, with the native update in every rank
+    (column shards take the whole-row-sums variant of it)."""
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler for the native update")
+    return _adam_scenario_on_path(tmp_path_factory, "1")
+
+
+@pytest.fixture(scope="module")
+def triton_results(tmp_path_factory):
+    """The mixed-sharding Adam scenario on the Triton kernels in every rank (under
+    Triton's interpreter without a GPU, TRITON_INTERPRET=1 from tests/conftest.py)."""
+    from torchrec_cowclip.embedding import triton_ops
+
+    reason = triton_ops.availability(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    return _adam_scenario_on_path(tmp_path_factory, "triton")
+
+
+@pytest.mark.parametrize("path", ["compiled_results", "triton_results"])
+def test_fused_sharded_update_equals_unsharded_and_eager(results, path, request):
+    """Every sharding type (column shards with the whole rows' sums, replicas, row-wise) on
+    the native and the Triton kernels, the ranks agreeing on the kind."""
+    r = request.getfixturevalue(path)["adam"]
     _assert_states_equal(r["sharded"], r["unsharded"])
     _assert_states_equal(r["sharded"], results["adam"]["sharded"])
     assert r["sharded_clips"] == results["adam"]["sharded_clips"]

@@ -143,9 +143,14 @@ class BatchedLookup:
         lookups = []
         for s in range(len(self.slot_batches)):
             lo, hi = bounds[s], bounds[s + 1]
-            bag_offsets = offsets[starts[s] * batch_size : starts[s + 1] * batch_size + 1] - lo
             lookups.append(
-                BatchLookup(row_ids[lo:hi], bag_offsets, None, batch_size, single_hot[s])
+                BatchLookup(
+                    row_ids[lo:hi],
+                    layout.bag_offsets(offsets, starts, s, batch_size, lo),
+                    None,
+                    batch_size,
+                    single_hot[s],
+                )
             )
         return lookups, bounds
 
@@ -168,7 +173,14 @@ class BatchedLookup:
             return self._forward_on_device(values, offsets, weights, keep_rows)
         _check_lengths(values, offsets, weights)
         slot_lookups, bounds = self._slot_lookups(values, offsets, None, ())
-        row_ids = torch.cat([lk.row_ids for lk in slot_lookups]) if slot_lookups else values
+        # One slot (every table batch of one layout: the common case) needs no copy.
+        row_ids = (
+            slot_lookups[0].row_ids
+            if len(slot_lookups) == 1
+            else torch.cat([lk.row_ids for lk in slot_lookups])
+        )
+        if row_ids.untyped_storage().data_ptr() == values.untyped_storage().data_ptr():
+            row_ids = row_ids.clone()  # an op's output may not alias its input (no ids)
         outs: List[Tensor] = []
         looked_up: List[Tensor] = []
         for batch, s in zip(self.batches, self.slot_of_batch):

@@ -67,12 +67,23 @@ def prepare_lookups(
             prepare_lookup(
                 batch,
                 values[lo:hi],
-                offsets[starts[i] * b : starts[i + 1] * b + 1] - lo,
+                bag_offsets(offsets, starts, i, b, lo),
                 None if weights is None else weights[lo:hi].to(batch.compute_dtype),
                 b,
             )
         )
     return lookups
+
+
+def bag_offsets(
+    offsets: Tensor, starts: Sequence[int], batch: int, batch_size: int, first_value: int
+) -> Tensor:
+    """Table batch ``batch``'s slice of a KJT's ``offsets`` (its features' bags), rebased
+    to its first value ``first_value``, as int64: a view where nothing changes (one table
+    batch, the common case; no copy of ``F * B`` offsets per step)."""
+    sliced = offsets[starts[batch] * batch_size : starts[batch + 1] * batch_size + 1]
+    sliced = sliced.to(torch.int64)
+    return sliced - first_value if first_value else sliced
 
 
 def output_permutation(

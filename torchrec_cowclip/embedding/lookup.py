@@ -112,7 +112,9 @@ def pooled_lookup(batch: TableBatch, lookup: BatchLookup) -> Tensor:
         # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
         mode, weights = "sum", _position_weights(lookup, batch.pooling)
     pooled = batch.kernel.pool(batch.weight, lookup.row_ids, lookup.bag_offsets, mode, weights)
-    return pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, -1)
+    return (
+        pooled.view(num_features, b, batch.dim).transpose(0, 1).reshape(b, num_features * batch.dim)
+    )
 
 
 def bag_of_positions(batch: TableBatch, lookup: BatchLookup) -> Tensor:

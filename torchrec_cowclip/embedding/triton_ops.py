@@ -34,6 +34,7 @@ import functools
 import importlib.util
 import math
 import os
+import sys
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -83,6 +84,13 @@ def availability(device: torch.device) -> Optional[str]:
         return None
     if device.type == "cpu":
         if _interpreting():
+            language = sys.modules.get("triton.language")
+            if language is not None and type(language.max).__name__ != "InterpretedFunction":
+                return (
+                    f"Triton was imported before {INTERPRET_ENV}=1 was set, so it compiles "
+                    f"for a GPU: set {INTERPRET_ENV}=1 before anything imports triton (at "
+                    "the start of the process)"
+                )
             return None
         return (
             f"Triton kernels run on CUDA devices, and on CPU tensors only under Triton's "
