@@ -8,6 +8,7 @@ core's update; these checks are written once and run on both.
 
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +87,39 @@ def segment_call(library, weight, **overrides):
         optimizer="sgd",
         lr=1.0,
         **given,
+    )
+
+
+def check_bad_indices_refused(library, overrides, message, device=None):
+    """The :func:`segment_call` with ``overrides`` (one of :data:`BAD_UPDATE_INDICES`)
+    raises ``message`` in one line and changes nothing; the unchanged call is fine."""
+    w = torch.zeros(10, 4, device=device)
+    segment_call(library, w.clone())
+    with pytest.raises(RuntimeError, match=message) as raised:
+        segment_call(library, w, **overrides)
+    assert "\n" not in str(raised.value).strip()
+    assert not w.any()
+
+
+def check_rounding_matches_functional(library, dtype, device=None):
+    """``library``'s stochastic rounding and row keys equal the functional core's bit for
+    bit (NaN, infinities, beyond the largest float16, -0.0, tiny values included)."""
+    device = device or torch.device("cpu")
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(300, 16, generator=gen) * 10.0 ** torch.randint(
+        -9, 5, (300, 1), generator=gen
+    )
+    values[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 7e4, -0.0, 1e-8])
+    keys = torch.randint(0, 2**32, (300,), generator=gen)
+    columns = torch.randint(0, 1000, (300,), generator=gen)
+    expected = stochastic_round(values, dtype, keys, columns)
+    got = library.stochastic_round(values.to(device), dtype, keys.to(device), columns.to(device))
+    assert torch.equal(got.cpu().view(torch.int16), expected.view(torch.int16))
+    seeds, steps = torch.randint(0, 2**32, (50,), generator=gen), torch.randint(0, 10**7, (50,))
+    rows = torch.randint(0, 2**40, (50,), generator=gen)
+    assert torch.equal(
+        library.rounding_row_keys(seeds.to(device), steps.to(device), rows.to(device)).cpu(),
+        rounding_row_keys(seeds, steps, rows),
     )
 
 

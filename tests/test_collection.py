@@ -697,7 +697,6 @@ def test_an_empty_batch_and_empty_bags_update_nothing(update_path):
 def test_int32_ids_and_lengths_train_as_int64_ones(update_path):
     """A KJT of int32 values and lengths (TorchRec's data pipelines make them) gives the
     int64 KJT's outputs and updates, on every path."""
-    gen = torch.Generator().manual_seed(2)
     tables = mixed_tables()
     results = []
     for dtype in (torch.int64, torch.int32):

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from fused_update_cases import (
     BAD_UPDATE_INDICES,
+    check_bad_indices_refused,
     check_column_shard_row_sums,
+    check_rounding_matches_functional,
     check_update_matches_functional,
-    segment_call,
 )
 
 from torchrec_cowclip.embedding import triton_ops
-from torchrec_cowclip.optim.functional import rounding_row_keys, stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy casts, interpreter
 
@@ -94,12 +94,7 @@ def test_bad_indices_of_the_update_are_refused_in_one_line_before_any_change(
 ):
     """The check kernel's flags gate the update kernel: nothing is written, then the
     native kernels' one-line error."""
-    w = torch.zeros(10, 4, device=device)
-    segment_call(triton_ops, w.clone())  # the unchanged inputs are fine
-    with pytest.raises(RuntimeError, match=message) as raised:
-        segment_call(triton_ops, w, **overrides)
-    assert "\n" not in str(raised.value).strip()
-    assert not w.any()
+    check_bad_indices_refused(triton_ops, overrides, message, device=device)
 
 
 def test_rows_outside_the_weight_are_refused_before_any_change(device):
@@ -189,22 +184,7 @@ def test_bad_offsets_and_ids_of_the_lookup_are_refused_in_one_line(device):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_stochastic_rounding_equals_the_functional_core_bit_for_bit(dtype, device):
-    gen = torch.Generator().manual_seed(5)
-    values = torch.randn(200, 16, generator=gen) * 10.0 ** torch.randint(
-        -9, 5, (200, 1), generator=gen
-    )
-    values[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 7e4, -0.0, 1e-8])
-    keys = torch.randint(0, 2**32, (200,), generator=gen)
-    columns = torch.randint(0, 1000, (200,), generator=gen)
-    expected = stochastic_round(values, dtype, keys, columns)
-    got = triton_ops.stochastic_round(values.to(device), dtype, keys.to(device), columns.to(device))
-    assert torch.equal(got.cpu().view(torch.int16), expected.view(torch.int16))
-    seeds, steps = torch.randint(0, 2**32, (50,), generator=gen), torch.randint(0, 10**7, (50,))
-    rows = torch.randint(0, 2**40, (50,), generator=gen)
-    assert torch.equal(
-        triton_ops.rounding_row_keys(seeds.to(device), steps.to(device), rows.to(device)).cpu(),
-        rounding_row_keys(seeds, steps, rows),
-    )
+    check_rounding_matches_functional(triton_ops, dtype, device=device)
 
 
 def test_triton_needs_a_gpu_or_its_interpreter(monkeypatch):

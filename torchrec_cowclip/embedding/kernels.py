@@ -118,7 +118,6 @@ class RowKernel(abc.ABC):
     kind: str
     sync_free: bool = False
 
-    @abc.abstractmethod
     def group_rows(
         self,
         row_ids: Tensor,
@@ -126,8 +125,10 @@ class RowKernel(abc.ABC):
         num_rows: int,
         feature_layout: Tuple[Tensor, Tensor],
     ) -> RowGrouping:
-        """:func:`~.row_gradients.group_rows` of one lookup's row ids; ``feature_layout``
-        (each feature's first position and row range) lets a kernel sort table by table."""
+        """:func:`~.row_gradients.group_rows` of one lookup's row ids (torch's stable radix
+        sort: CUB's on CUDA); ``feature_layout`` (each feature's first position and row
+        range) lets a kernel sort table by table."""
+        return group_rows(row_ids, bag_of_position, num_rows)
 
     @abc.abstractmethod
     def row_gradients(self, segments: RowSegments) -> RowGradients:
@@ -225,15 +226,6 @@ class TorchKernel(RowKernel):
 
     def __repr__(self) -> str:
         return f"TorchKernel(compiled={self.compiled})"
-
-    def group_rows(
-        self,
-        row_ids: Tensor,
-        bag_of_position: Tensor,
-        num_rows: int,
-        feature_layout: Tuple[Tensor, Tensor],
-    ) -> RowGrouping:
-        return group_rows(row_ids, bag_of_position, num_rows)
 
     def row_gradients(self, segments: RowSegments) -> RowGradients:
         g = segments.grouping
@@ -446,15 +438,6 @@ class TritonKernel(FusedKernel):
 
     def __repr__(self) -> str:
         return "TritonKernel()"
-
-    def group_rows(
-        self,
-        row_ids: Tensor,
-        bag_of_position: Tensor,
-        num_rows: int,
-        feature_layout: Tuple[Tensor, Tensor],
-    ) -> RowGrouping:
-        return group_rows(row_ids, bag_of_position, num_rows)
 
     def pool(
         self, weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]

@@ -58,6 +58,31 @@ def round_to(x, key, columns, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def bag_bounds(offsets_ptr, bags, in_range, num_bags, num_ids, flags_ptr, WHOLE: tl.constexpr):
+    # Each bag's [start, end) of the ids, checked: a bag whose offsets do not ascend inside
+    # the ids (WHOLE: or do not start at 0 and end at the last id) sets flag 0 and is read
+    # as empty.
+    start = tl.load(offsets_ptr + bags, mask=in_range, other=0)
+    end = tl.load(offsets_ptr + bags + 1, mask=in_range, other=0)
+    bad_bag = in_range & ((start < 0) | (end < start) | (end > num_ids))
+    if WHOLE:
+        bad_bag = bad_bag | ((bags == 0) & (start != 0))
+        bad_bag = bad_bag | ((bags == num_bags - 1) & (end != num_ids))
+    tl.atomic_max(flags_ptr, tl.max(bad_bag.to(tl.int64)))
+    return start, tl.where(bad_bag, start, end)
+
+
+@triton.jit
+def checked_ids(ids_ptr, positions, at, num_rows, num_ids, flags_ptr):
+    # The ids at ``positions`` (where ``at``) as int64, and which lie outside [0, num_rows);
+    # the first such position goes to flag 1 (num_ids: none).
+    ids = tl.load(ids_ptr + positions, mask=at, other=0).to(tl.int64)
+    outside = at & ((ids < 0) | (ids >= num_rows))
+    tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
+    return ids, outside
+
+
+@triton.jit
 def prepare(
     values_ptr,
     offsets_ptr,
@@ -75,13 +100,7 @@ def prepare(
     # position whose id is outside its feature (num_ids: none).
     bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     in_range = bags < num_bags
-    start = tl.load(offsets_ptr + bags, mask=in_range, other=0)
-    end = tl.load(offsets_ptr + bags + 1, mask=in_range, other=0)
-    bad_bag = in_range & ((start < 0) | (end < start) | (end > num_ids))
-    bad_bag = bad_bag | ((bags == 0) & (start != 0))
-    bad_bag = bad_bag | ((bags == num_bags - 1) & (end != num_ids))
-    tl.atomic_max(flags_ptr, tl.max(bad_bag.to(tl.int64)))
-    end = tl.where(bad_bag, start, end)
+    start, end = bag_bounds(offsets_ptr, bags, in_range, num_bags, num_ids, flags_ptr, True)
     feature = bags // batch_size
     first_row = tl.load(feature_rows_ptr + 2 * feature, mask=in_range, other=0)
     num_rows = tl.load(feature_rows_ptr + 2 * feature + 1, mask=in_range, other=0)
@@ -90,9 +109,7 @@ def prepare(
     while j < longest:
         positions = start + j
         at = positions < end
-        ids = tl.load(values_ptr + positions, mask=at, other=0).to(tl.int64)
-        outside = at & ((ids < 0) | (ids >= num_rows))
-        tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
+        ids, outside = checked_ids(values_ptr, positions, at, num_rows, num_ids, flags_ptr)
         tl.store(row_ids_ptr + positions, ids + first_row, mask=at)
         j += 1
 
@@ -124,24 +141,14 @@ def pool(
     in_range = bags < num_bags
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
-    start = tl.load(offsets_ptr + bags, mask=in_range, other=0)
-    end = tl.load(offsets_ptr + bags + 1, mask=in_range, other=0)
-    bad_bag = in_range & ((start < 0) | (end < start) | (end > num_ids))
-    if WHOLE:
-        bad_bag = bad_bag | ((bags == 0) & (start != 0))
-        bad_bag = bad_bag | ((bags == num_bags - 1) & (end != num_ids))
-    tl.atomic_max(flags_ptr, tl.max(bad_bag.to(tl.int64)))
-    end = tl.where(bad_bag, start, end)
+    start, end = bag_bounds(offsets_ptr, bags, in_range, num_bags, num_ids, flags_ptr, WHOLE)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     longest = tl.max(end - start)
     j = 0
     while j < longest:
         positions = start + j
         at = positions < end
-        ids = tl.load(ids_ptr + positions, mask=at, other=0).to(tl.int64)
-        outside = at & ((ids < 0) | (ids >= num_rows))
-        # The first outside position, for the error (num_ids: none).
-        tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
+        ids, outside = checked_ids(ids_ptr, positions, at, num_rows, num_ids, flags_ptr)
         ok = at & ~outside
         rows = tl.load(
             weight_ptr + ids[:, None] * dim + cols[None, :],
