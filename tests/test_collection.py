@@ -718,3 +718,17 @@ def test_int32_ids_and_lengths_train_as_int64_ones(update_path):
     torch.testing.assert_close(results[1][0], results[0][0])
     for key, value in results[0][1].items():
         torch.testing.assert_close(results[1][1][key], value)
+
+
+def test_a_negative_length_is_refused_in_one_line_before_any_change(update_path):
+    ebc = CowClipEmbeddingBagCollection([bag_config("t", 2, 5)])
+    before = ebc.state_dict()["embedding_bags.t.weight"].clone()
+    broken = KeyedJaggedTensor(
+        keys=["f"],
+        values=torch.tensor([1, 2]),
+        lengths=torch.tensor([2, -1, 1]),
+        offsets=torch.tensor([0, 2, 1, 2]),
+    )
+    with pytest.raises(ValueError, match="^KeyedJaggedTensor has negative lengths$"):
+        ebc(broken)
+    assert torch.equal(ebc.state_dict()["embedding_bags.t.weight"], before)

@@ -171,7 +171,8 @@ class BatchedLookup:
         """
         if self.sync_free():
             return self._forward_on_device(values, offsets, weights, keep_rows)
-        _check_lengths(values, offsets, weights)
+        # The lengths' signs are checked with each slot's bags (layout.prepare_lookup).
+        _check_lengths(values, offsets, weights, signs=False)
         slot_lookups, bounds = self._slot_lookups(values, offsets, None, ())
         # One slot (every table batch of one layout: the common case) needs no copy.
         row_ids = (
@@ -392,9 +393,12 @@ def _mark_consumed(token: Tensor) -> None:
     ).fill_(_CONSUMED)
 
 
-def _check_lengths(values: Tensor, offsets: Tensor, weights: Optional[Tensor]) -> None:
-    """What a KJT's structure must be that only its values show."""
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+def _check_lengths(
+    values: Tensor, offsets: Tensor, weights: Optional[Tensor], signs: bool = True
+) -> None:
+    """What a KJT's structure must be that only its values show (``signs``: the lengths'
+    too, a pass over the offsets)."""
+    if signs and offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError("KeyedJaggedTensor has negative lengths")
     total = int(offsets[-1]) if offsets.numel() else 0
     if total != values.numel():

@@ -134,18 +134,28 @@ def prepare_lookup(
         batch_size: ``B``.
 
     Raises:
+        ValueError: a bag's length is negative (its offsets do not ascend).
         IndexError: an id is outside ``[0, num_embeddings)`` of its table, naming the
             feature, table, id and sample (raised in forward, before any update).
     """
     ids = ids.to(torch.int64)
     bag_offsets = bag_offsets.to(torch.int64)
-    if not batch_size or ids.numel() == 0:
+    if not batch_size:
+        return BatchLookup(ids, bag_offsets, weights, batch_size)
+    # One device sync for the bags' shortest and longest length and each feature's first
+    # position, one for the ids' check.
+    shortest, longest = torch.aminmax(torch.diff(bag_offsets))
+    synced: List[int] = torch.cat(
+        [torch.stack([shortest, longest]), bag_offsets[::batch_size]]
+    ).tolist()
+    if synced[0] < 0:
+        raise ValueError("KeyedJaggedTensor has negative lengths")
+    if ids.numel() == 0:
         return BatchLookup(ids, bag_offsets, weights, batch_size)
     # Feature by feature on contiguous slices of the ids: one min/max pass and one add
     # per id, instead of materialising a per-position feature index and gathering
-    # bounds and offsets through it (docs/performance.md). One device sync for the
-    # slice bounds, one for the check.
-    starts: List[int] = bag_offsets[::batch_size].tolist()
+    # bounds and offsets through it (docs/performance.md).
+    starts = synced[2:]
     row_ids = torch.empty_like(ids)
     lows: List[Tensor] = []
     highs: List[Tensor] = []
@@ -160,18 +170,11 @@ def prepare_lookup(
         highs.append(high)
         limits.append(batch.feature_num_rows_list[f])
         torch.add(segment, batch.feature_row_offset_list[f], out=row_ids[lo:hi])
-    single_hot = False
+    # One id per bag: every bag's length is 1.
+    single_hot = synced[0] == 1 and synced[1] == 1
     if lows:
         limit = torch.tensor(limits, dtype=torch.int64, device=ids.device)
-        checks = torch.stack(
-            [
-                ((torch.stack(lows) < 0) | (torch.stack(highs) >= limit)).any(),
-                # One id per bag; then ids.numel() == bags and no bag is longer than 1.
-                torch.diff(bag_offsets).max() == 1,
-            ]
-        ).tolist()
-        single_hot = checks[1] and ids.numel() == bag_offsets.numel() - 1
-        if checks[0]:
+        if bool(((torch.stack(lows) < 0) | (torch.stack(highs) >= limit)).any()):
             feature_of_position = torch.repeat_interleave(
                 torch.arange(batch.num_features, device=ids.device),
                 torch.diff(bag_offsets[::batch_size]),

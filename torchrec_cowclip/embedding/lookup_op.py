@@ -21,7 +21,9 @@ first output is the gradient of the lookup channel's leaf (one element: a zero-s
 result could be elided), which autograd accumulates, so every compiled backward - compiled
 autograd's too, which cannot trace effect tokens - calls it.
 
-The same ops run eagerly: there is one lookup path, compiled or not.
+Run eagerly, the same two implementations are called by an ``autograd.Function`` without
+the dispatcher (:class:`_EagerLookup`: a custom op's round trips cost about 0.2 ms a step):
+one lookup path, compiled or not, with the op as the compiler's boundary.
 """
 
 from __future__ import annotations
@@ -167,13 +169,22 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Any, ...]) -
     ctx.save_for_backward(*saved)
 
 
-def _backward(
-    ctx: Any, grad: Tensor, *_: Any
-) -> Tuple[Optional[Tensor], None, None, Optional[Tensor], None, None]:
+def _saved(
+    ctx: Any,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, List[Tensor], Optional[Tensor]]:
+    """What :func:`_setup_context` saved: leaf, values, offsets, row ids, token, the
+    looked-up rows and the weights."""
     saved = list(ctx.saved_tensors)
     leaf, values, offsets, row_ids, token = saved[:5]
     looked_up = saved[5 : 5 + ctx.num_kept]
     weights = saved[5 + ctx.num_kept] if ctx.weighted else None
+    return leaf, values, offsets, row_ids, token, looked_up, weights
+
+
+def _backward(
+    ctx: Any, grad: Tensor, *_: Any
+) -> Tuple[Optional[Tensor], None, None, Optional[Tensor], None, None]:
+    leaf, values, offsets, row_ids, token, looked_up, weights = _saved(ctx)
     weights_need_grad = bool(ctx.weighted and ctx.needs_input_grad[3])
     leaf_grad, weights_grad = _lookup_backward_op(
         grad.contiguous(),
@@ -194,17 +205,54 @@ _lookup_op.register_autograd(_backward, setup_context=_setup_context)
 register_ordered_effect(torch.ops.torchrec_cowclip.lookup.default)
 
 
+class _EagerLookup(torch.autograd.Function):
+    """The ops' eager twin: the same :meth:`LookupImpl.forward_impl` and
+    :meth:`LookupImpl.backward_impl`, called without the dispatcher's round trips (a custom
+    op's Python dispatch and argument flattening cost about 0.2 ms a step, measured in
+    docs/performance.md); the ops serve ``torch.compile``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        leaf: Tensor,
+        values: Tensor,
+        offsets: Tensor,
+        weights: Optional[Tensor],
+        handle: int,
+        keep_rows: bool,
+    ) -> Tensor:
+        output = _impl(handle).forward_impl(values, offsets, weights, keep_rows)
+        _setup_context(ctx, (leaf, values, offsets, weights, handle, keep_rows), output)
+        return output[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None, None, Optional[Tensor], None, None]:
+        _, values, offsets, row_ids, token, looked_up, weights = _saved(ctx)
+        weights_need_grad = bool(ctx.weighted and ctx.needs_input_grad[3])
+        weights_grad = _impl(ctx.handle).backward_impl(
+            grad.contiguous(), values, offsets, weights, row_ids, token, looked_up,
+            weights_need_grad,
+        )  # fmt: skip
+        return None, None, None, weights_grad, None, None
+
+
 def lookup(
     handle: int, leaf: Tensor, values: Tensor, offsets: Tensor, weights: Optional[Tensor]
 ) -> Tensor:
     """The pooled embeddings ``[B, sum of dims]`` of one forward of the lookup ``handle``
     (:func:`register`), ``values`` / ``offsets`` / ``weights`` those of a KJT in its table
-    batches' feature order. ``leaf`` (a zero-size tensor that requires grad: the lookup
+    batches' feature order. ``leaf`` (a one-element tensor that requires grad: the lookup
     channel's) makes the lookup an autograd node even when no input requires grad; its
-    backward is the fused update. Per-sample weights that require grad get their gradient."""
+    backward is the fused update. Per-sample weights that require grad get their gradient.
+    Traced by ``torch.compile``, the lookup is the op ``torchrec_cowclip::lookup``; run
+    eagerly, the same implementation without the dispatcher (:class:`_EagerLookup`)."""
     keep_rows = weights is not None and weights.requires_grad
-    pooled, _, _, _ = torch.ops.torchrec_cowclip.lookup(
-        leaf, values, offsets, weights, handle, keep_rows
-    )
-    result: Tensor = pooled
-    return result
+    if torch.compiler.is_compiling():
+        pooled, _, _, _ = torch.ops.torchrec_cowclip.lookup(
+            leaf, values, offsets, weights, handle, keep_rows
+        )
+        result: Tensor = pooled
+        return result
+    # torch.autograd.Function.apply carries no annotations.
+    eager: Tensor = _EagerLookup.apply(leaf, values, offsets, weights, handle, keep_rows)  # type: ignore[no-untyped-call]
+    return eager
