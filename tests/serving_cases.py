@@ -67,6 +67,20 @@ def train_table(
     return json.loads((out / "metrics.json").read_text())
 
 
+def reseal_run_folder(model_dir: Path) -> None:
+    """Re-records every file's size and digest in the run folder's manifest (a forger who
+    rewrites the manifest after editing the folder's files)."""
+    from torchrec_cowclip.data.pipeline.cache import SHA256, file_record
+
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["files"] = {
+        str(p.relative_to(model_dir)): file_record(p, SHA256)
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != "manifest.json"
+    }
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
 def cli_json(capsys: Any, *argv: Any) -> Dict[str, Any]:
     """Runs a command that succeeds and returns the JSON summary it printed."""
     capsys.readouterr()
