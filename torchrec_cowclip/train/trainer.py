@@ -588,7 +588,8 @@ class Trainer:
             val = self._evaluate(self.val_idx, log, "validation")
             p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
-            if val["auc"] > p.best_val_auc:
+            # An undefined AUC (a one-class validation split) is no improvement.
+            if val["auc"] is not None and val["auc"] > p.best_val_auc:
                 p.best_val_auc, p.best_epoch = val["auc"], p.epoch
                 p.epochs_without_improvement = 0
                 if cfg.early_stop_patience:
