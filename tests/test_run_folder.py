@@ -7,11 +7,10 @@ import json
 import os
 import pickle
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_cases import cli_refusal, reseal_run_folder, split_sample, train_table
+from serving_cases import cli_refusal, copy_run, reseal_run_folder, trained_sample
 from tiny import tiny_config
 
 import torchrec_cowclip
@@ -23,15 +22,10 @@ from torchrec_cowclip.train.safe_load import UnsafeFileError
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("run_folder")
-    files = split_sample(root / "data")
-    metrics = train_table(root / "run", files["train"], files["test"], root / "cache")
-    return {"root": root, "run": root / "run", "metrics": metrics, **files}
+    return trained_sample(tmp_path_factory.mktemp("run_folder"))
 
 
-def _copy(trained: dict, tmp_path: Path) -> Path:
-    """A copy of the trained run to damage."""
-    return Path(shutil.copytree(trained["run"], tmp_path / "run"))
+_copy = copy_run  # a copy of the trained run to damage
 
 
 def test_the_run_folder_holds_what_scoring_needs(trained):

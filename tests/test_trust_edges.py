@@ -24,10 +24,11 @@ import torch
 from serving_cases import (
     cli_json,
     cli_refusal,
+    copy_run,
     read_rows,
     reseal_run_folder,
-    split_sample,
     train_table,
+    trained_sample,
     write_rows,
 )
 
@@ -46,14 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("edges")
-    files = split_sample(root / "data")
-    metrics = train_table(root / "run", files["train"], files["test"], root / "cache")
-    return {"root": root, "run": root / "run", "metrics": metrics, **files}
+    return trained_sample(tmp_path_factory.mktemp("edges"))
 
 
-def _copy(trained: dict, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(trained["run"], tmp_path / "run", symlinks=True))
+_copy = copy_run
 
 
 def _edit(run: Path, name: str, change) -> None:
@@ -233,7 +230,9 @@ def test_checkpoint_metadata_cannot_claim_more_than_its_files_hold(trained, tmp_
     tensor.chunks[0].sizes = tensor.size
     metadata_path.write_bytes(pickle.dumps(metadata))
     reseal_run_folder(run / "model")
-    with pytest.raises(UnsafeFileError, match=r"metadata stores '.*emb_C1.weight' \(160000000000 bytes"):
+    with pytest.raises(
+        UnsafeFileError, match=r"metadata stores '.*emb_C1.weight' \(160000000000 bytes"
+    ):
         torchrec_cowclip.load_model(run)
     # A chunk stored outside the checkpoint's directory.
     run = _copy(trained, tmp_path / "path")
@@ -357,7 +356,7 @@ def test_ctrl_c_during_predict_is_one_line_exit_130_and_leaves_nothing(
     real = Predictor.scores
 
     def interrupted(self, *args, **kwargs):
-        for i, part in enumerate(real(self, *args, **kwargs)):
+        for part in real(self, *args, **kwargs):
             yield part
             raise KeyboardInterrupt  # Ctrl-C once the first batch is written
 
