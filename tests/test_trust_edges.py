@@ -642,8 +642,11 @@ def test_auc_is_null_with_a_reason_on_one_class(trained, tmp_path, capsys):
     assert metrics["auc_note"] == "AUC is undefined: all 50 labels are 1 (it needs both classes)"
     assert metrics["logloss"] > 0
     # Training reports the same on a one-class test file (not 0.0).
+    capsys.readouterr()
     run = train_table(tmp_path / "run", trained["train"], positives, tmp_path / "cache")
     assert run["auc"] is None and run["epoch_auc"] == [None, None]
+    assert run["auc_note"] == "AUC is undefined: the test split's labels hold one class"
+    assert "epoch 2/2: test_auc undefined (one class), test_logloss" in capsys.readouterr().err
     assert (
         json.loads((tmp_path / "run" / "model" / "model.json").read_text())["metrics"]["auc"]
         is None

@@ -684,6 +684,11 @@ class Trainer:
         counts = clip_counts(self.runtime.embedding_module())
         metrics: Dict[str, Any] = {
             "auc": auc,
+            **(
+                {"auc_note": "AUC is undefined: the test split's labels hold one class"}
+                if auc is None
+                else {}
+            ),
             "logloss": logloss,
             "epoch_auc": p.epoch_auc,
             "epoch_logloss": p.epoch_logloss,
