@@ -67,6 +67,35 @@ def train_table(
     return json.loads((out / "metrics.json").read_text())
 
 
+def reseal_run_folder(model_dir: Path) -> None:
+    """Re-records every file's size and digest in the run folder's manifest (a forger who
+    rewrites the manifest after editing the folder's files)."""
+    from torchrec_cowclip.data.pipeline.cache import SHA256, file_record
+
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["files"] = {
+        str(p.relative_to(model_dir)): file_record(p, SHA256)
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != "manifest.json"
+    }
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def trained_sample(root: Path, **flags: Any) -> Dict[str, Any]:
+    """The sample split (:func:`split_sample`) and trained as a table (:func:`train_table`):
+    ``{"root", "run", "metrics", "train", "test", "unlabeled"}``."""
+    files = split_sample(root / "data")
+    metrics = train_table(root / "run", files["train"], files["test"], root / "cache", **flags)
+    return {"root": root, "run": root / "run", "metrics": metrics, **files}
+
+
+def copy_run(trained: Dict[str, Any], directory: Path) -> Path:
+    """A copy of a trained run to damage, ``directory/run`` (links copied as links)."""
+    import shutil
+
+    return Path(shutil.copytree(trained["run"], directory / "run", symlinks=True))
+
+
 def cli_json(capsys: Any, *argv: Any) -> Dict[str, Any]:
     """Runs a command that succeeds and returns the JSON summary it printed."""
     capsys.readouterr()

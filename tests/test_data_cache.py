@@ -199,3 +199,61 @@ def test_criteo_npy_bad_rows(tmp_path: Path) -> None:
         open_dataset(f"criteo-npy:{d}", tmp_path / "cache", on_bad_row="skip")
     with pytest.raises(FileNotFoundError, match="no <prefix>_dense.npy"):
         open_dataset(f"criteo-npy:{tmp_path / 'cache'}", tmp_path / "cache2")
+
+
+def _same_size_edit(path: Path) -> None:
+    """Flips the first row's label (same size) and puts the mtime back, as ``touch -r``
+    or ``rsync --times`` would."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[0] = ord("1") if data[0] == ord("0") else ord("0")
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_same_size_edit_with_its_mtime_put_back_is_never_read_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrec_cowclip.data.pipeline import cache
+
+    src = tmp_path / "train.tsv"
+    src.write_bytes(CRITEO_TSV.read_bytes())
+    before = open_dataset(f"criteo:{src}", tmp_path / "c")
+    label = float(before.labels[0])
+    _same_size_edit(src)
+    after = open_dataset(f"criteo:{src}", tmp_path / "c")
+    assert after.path != before.path and float(after.labels[0]) == 1.0 - label
+    meta = json.loads((after.path / "meta.json").read_text())
+    assert meta["payload"]["sources"][0]["sha256"] == cache.sha256_of(src)[1]
+    # A new process reuses the digest while the file's stat (ctime included) is unchanged,
+    # and reads the file again once it changes.
+    reads = []
+    real = cache.sha256_of
+    monkeypatch.setattr(cache, "sha256_of", lambda p, o=0: reads.append(p) or real(p, o))
+    cache._SOURCE_DIGESTS.clear()
+    assert open_dataset(f"criteo:{src}", tmp_path / "c").path == after.path and reads == []
+    _same_size_edit(src)
+    cache._SOURCE_DIGESTS.clear()
+    assert open_dataset(f"criteo:{src}", tmp_path / "c").path == before.path
+    assert [Path(p).name for p in reads] == ["train.tsv"]
+
+
+def test_resume_auto_refuses_data_edited_behind_its_mtime(tmp_path: Path, capsys) -> None:
+    from tiny import TINY_FILE_RUN, tiny_cli
+
+    from torchrec_cowclip.train.cli import main
+
+    src = tmp_path / "train.tsv"
+    src.write_bytes(CRITEO_TSV.read_bytes())
+    argv = tiny_cli(
+        TINY_FILE_RUN, data=f"criteo:{src}", batch_size=32, checkpoint_every=2,
+        out=tmp_path / "run", cache_dir=tmp_path / "c",
+    ) + ["--resume", "auto"]  # fmt: skip
+    assert main(argv + ["--max-steps", "2"]) == 0
+    _same_size_edit(src)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(argv + ["--max-steps", "4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert refused.value.code == 2 and "--resume refused" in err and "--data content" in err

@@ -69,8 +69,8 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_last_on
     assert status == 4
     checkpoints = out / "checkpoints"
     assert line == (
-        f"torchrec-cowclip: error: cannot write checkpoint {checkpoints}/latest-e0-s4: rank 0: "
-        "No space left on device; removed the unfinished directory; the last good checkpoint "
+        f"torchrec-cowclip: error: no space left on device: {checkpoints}/latest-e0-s4; removed "
+        "the unfinished directory; the last good checkpoint "
         f"is {checkpoints}/latest-e0-s2 (step 2; --resume continues from it)"
     )
     store = CheckpointStore(checkpoints)
@@ -92,9 +92,7 @@ def test_a_full_disk_when_writing_metrics_is_one_line_naming_the_file(
         capsys,
     )
     assert status == 4
-    assert (
-        line == f"torchrec-cowclip: error: cannot write {out}/metrics.json: No space left on device"
-    )
+    assert line == f"torchrec-cowclip: error: no space left on device: {out}/metrics.json"
     assert not (out / "metrics.json.tmp").exists() and not (out / LOCK_NAME).exists()
 
 

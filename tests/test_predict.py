@@ -16,8 +16,7 @@ from serving_cases import (
     cli_json,
     cli_refusal,
     read_rows,
-    split_sample,
-    train_table,
+    trained_sample,
     write_rows,
 )
 from tiny import cli_args
@@ -29,11 +28,8 @@ from torchrec_cowclip.train.cli import main
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("predict")
-    files = split_sample(root / "data")
-    metrics = train_table(root / "run", files["train"], files["test"], root / "cache")
-    model = torchrec_cowclip.load_model(root / "run")
-    return {"root": root, "run": root / "run", "metrics": metrics, "model": model, **files}
+    trained = trained_sample(tmp_path_factory.mktemp("predict"))
+    return {**trained, "model": torchrec_cowclip.load_model(trained["run"])}
 
 
 def _scores(path: Path) -> np.ndarray:

@@ -7,15 +7,13 @@ import json
 import os
 import pickle
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_cases import cli_refusal, split_sample, train_table
+from serving_cases import cli_refusal, copy_run, reseal_run_folder, trained_sample
 from tiny import tiny_config
 
 import torchrec_cowclip
-from torchrec_cowclip.data.pipeline.cache import file_record
 from torchrec_cowclip.train import TrainResult, train
 from torchrec_cowclip.train.run_dir import RunDirError
 from torchrec_cowclip.train.run_folder import MANIFEST, RunFolder, RunFolderError
@@ -24,26 +22,10 @@ from torchrec_cowclip.train.safe_load import UnsafeFileError
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("run_folder")
-    files = split_sample(root / "data")
-    metrics = train_table(root / "run", files["train"], files["test"], root / "cache")
-    return {"root": root, "run": root / "run", "metrics": metrics, **files}
+    return trained_sample(tmp_path_factory.mktemp("run_folder"))
 
 
-def _copy(trained: dict, tmp_path: Path) -> Path:
-    """A copy of the trained run to damage."""
-    return Path(shutil.copytree(trained["run"], tmp_path / "run"))
-
-
-def _rewrite_manifest(model_dir: Path) -> None:
-    """Re-records every file's size and checksum (a forger who rewrites the manifest)."""
-    manifest = json.loads((model_dir / MANIFEST).read_text())
-    manifest["files"] = {
-        str(p.relative_to(model_dir)): file_record(p)
-        for p in sorted(model_dir.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    (model_dir / MANIFEST).write_text(json.dumps(manifest))
+_copy = copy_run  # a copy of the trained run to damage
 
 
 def test_the_run_folder_holds_what_scoring_needs(trained):
@@ -100,7 +82,7 @@ def test_a_newer_or_foreign_format_is_refused(trained, tmp_path):
     manifest_path = run / "model" / MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "version": 99}))
-    with pytest.raises(RunFolderError, match="format version 99.*reads version 1"):
+    with pytest.raises(RunFolderError, match="format version 99.*reads versions up to 2"):
         RunFolder.open(run)
     manifest_path.write_text(json.dumps({**manifest, "format": "something else"}))
     with pytest.raises(RunFolderError, match="not a torchrec_cowclip run folder"):
@@ -123,7 +105,7 @@ def test_a_crafted_pickle_is_refused_even_with_a_matching_manifest(trained, tmp_
 
     with open(run / "model" / "weights" / "final" / ".metadata", "wb") as f:
         pickle.dump(Payload(), f)
-    _rewrite_manifest(run / "model")
+    reseal_run_folder(run / "model")
     with pytest.raises(UnsafeFileError, match="refused to load"):
         torchrec_cowclip.load_model(run)
 

@@ -343,3 +343,59 @@ def test_a_diverged_cell_is_a_kept_result():
     assert runner._outcome(0, finished=True) == "finished"
     assert runner._outcome(4, finished=False) == "failed"
     assert os.name != "posix" or runner._outcome(-signal.SIGTERM, finished=False) == "stopped"
+
+
+def test_a_damaged_cell_record_is_refused_before_any_cell_runs(swept, tmp_path, capsys):
+    argv, out = swept
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    record_path = copy / "cells" / "b512-fixed-l2-s0" / "cell.json"
+    record = json.loads(record_path.read_text())
+    record["attempts"][-1]["threads"] = "two"
+    record_path.write_text(json.dumps(record))
+    before = {p: p.read_bytes() for p in (copy / "cells").glob("*/cell.json")}
+    argv = [a for a in argv if not a.startswith("--out=")] + [f"--out={copy}"]
+    assert _sweep(*argv) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line == (
+        f"torchrec-cowclip sweep: error: {record_path}: the last attempt's threads is 'two', "
+        "not a whole number >= 1 (a damaged or hand-edited file): restore it, or move the "
+        "cell's folder away"
+    )
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_a_full_disk_writing_cell_records_is_one_line(swept, tmp_path, capsys, monkeypatch):
+    import pathlib
+
+    argv, out = swept
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    argv = [a for a in argv if not a.startswith("--out=")] + [f"--out={copy}"]
+    real_write = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "cell.json.tmp":
+            with open("/dev/full", "w") as f:
+                f.write("x" * 65536)
+                f.flush()
+        return real_write(self, *args, **kwargs)
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this machine")
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    assert _sweep(*argv) == 4
+    line = _error_line(capsys.readouterr().err)
+    first = copy / "cells" / CELLS[0] / "cell.json"
+    assert line == f"torchrec-cowclip sweep: error: no space left on device: {first}"
+    assert not list(copy.rglob("cell.json.tmp"))
+    monkeypatch.undo()
+    assert _sweep(*argv) == 0  # space again: the same command works
+
+
+def test_an_undefined_auc_never_wins_the_best_epoch(tmp_path):
+    from torchrec_cowclip.sweep import report
+
+    metrics = {"epoch_auc": [None, 0.7, 0.6], "epoch_val_auc": [None, 0.6, 0.65]}
+    assert report._best_epoch(metrics) == (2, "val")
+    assert report._best_epoch({"epoch_auc": [0.7, None]}) == (0, "test")

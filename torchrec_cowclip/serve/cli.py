@@ -124,12 +124,13 @@ def _predictor(args: argparse.Namespace) -> Any:
 
 
 def _predict(args: argparse.Namespace) -> Dict[str, Any]:
-    from torchrec_cowclip.serve.outputs import ScoreWriter, check_output
+    from torchrec_cowclip.serve.outputs import ScoreWriter, check_not_inputs, check_output
 
     output = check_output(args.output, args.overwrite)
     predictor = _predictor(args)
     source = predictor.open(args.data, delimiter=args.delimiter, keep=args.id_column)
-    with ScoreWriter(output, keep_name=args.id_column) as writer:
+    check_not_inputs("--output", output, getattr(source, "paths", []), predictor.run.model_dir)
+    with ScoreWriter(output, keep_name=args.id_column, overwrite=args.overwrite) as writer:
         for scores, keep in predictor.scores(source, progress=args.progress):
             writer.write(scores, keep)
     return {

@@ -63,8 +63,10 @@ from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DensePlan
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.models.base import CTRModel
+from torchrec_cowclip.serve.outputs import check_not_inputs, claim_output, publish
 from torchrec_cowclip.serve.predictor import Predictor
 from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.no_space import space_checked
 from torchrec_cowclip.train.run_folder import RunFolder
 
 #: The dense transforms the program computes itself (all of ``data.parsing.dense``'s).
@@ -265,15 +267,33 @@ def reference_scores(predictor: Predictor, raw: Tensor, ids: Tensor) -> Tensor:
         return torch.sigmoid(predictor.model(batch.dense_features, batch.sparse_features))
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    # The suffix stays last: torch.export.save wants a name ending in .pt2.
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
+class _Staged:
+    """The files of one export, each written to a temporary beside its place and put in
+    place together once all are written (a failure or a signal leaves none of them
+    half-written, and no new program beside an old contract)."""
+
+    def __init__(self, overwrite: bool) -> None:
+        self.overwrite = overwrite
+        self.files: Dict[Path, Path] = {}
+
+    @staticmethod
+    def temporary(path: Path) -> Path:
+        # The suffix stays last: torch.export.save wants a name ending in .pt2.
+        return path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+
+    def write(self, path: Path, write: Callable[[Path], None]) -> None:
+        tmp = self.temporary(path)
+        self.files[path] = tmp
         write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    def discard(self) -> None:
+        for tmp in self.files.values():
+            tmp.unlink(missing_ok=True)
+
+    def publish(self) -> None:
+        """Puts every file in place, the contract (written last) last."""
+        for path, tmp in self.files.items():
+            publish(tmp, path, self.overwrite)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -348,13 +368,13 @@ def contract(
     }
 
 
-def _write_vocabulary(run: RunFolder, out: Path) -> Optional[Dict[str, str]]:
-    kept = run.data_info["encoder"].get("vocabulary")
-    if not kept:
+def _write_vocabulary(run: RunFolder, out: Path, staged: _Staged) -> Optional[Dict[str, str]]:
+    kept = run.vocabulary_file()
+    if kept is None:
         return None
-    vocab = IdVocabulary.load(run.model_dir / kept)
+    vocab = IdVocabulary.load(kept)
     npz = out.with_name(out.stem + ".vocab.npz")
-    _atomic(npz, lambda tmp: vocab.save(tmp))
+    staged.write(npz, lambda tmp: vocab.save(tmp))
     files = {"npz": npz.name}
     if sum(len(k) for k in vocab.keys) <= JSON_VOCABULARY_LIMIT:
         table = {
@@ -362,9 +382,20 @@ def _write_vocabulary(run: RunFolder, out: Path) -> Optional[Dict[str, str]]:
             for name, keys in zip(vocab.names, vocab.keys)
         }
         path = out.with_name(out.stem + ".vocab.json")
-        _atomic(path, lambda tmp: _write_text(tmp, json.dumps(table)))
+        staged.write(path, lambda tmp: _write_text(tmp, json.dumps(table)))
         files["json"] = path.name
     return files
+
+
+def export_files(out: Path) -> List[Path]:
+    """Every file an export to ``out`` may write: the program, its contract and the
+    vocabulary's two forms."""
+    return [
+        out,
+        out.with_name(out.stem + ".serving.json"),
+        out.with_name(out.stem + ".vocab.npz"),
+        out.with_name(out.stem + ".vocab.json"),
+    ]
 
 
 def export_run(
@@ -394,9 +425,15 @@ def export_run(
     wanted = ".pt2" if fmt == "export" else ".pt"
     if out.suffix != wanted:
         raise ExportError(f"--out {out}: a {fmt} program is written as {wanted}")
-    if out.exists() and not overwrite:
-        raise ExportError(f"--out {out} exists: add --overwrite to replace it")
+    names = export_files(out)
+    present = [p for p in names if p.exists()]
+    if present and not overwrite:
+        raise ExportError(
+            f"--out {out}: {present[0]} exists: add --overwrite to replace it (an export "
+            f"writes {', '.join(p.name for p in names)})"
+        )
     run = RunFolder.open(run_dir)
+    check_not_inputs("--out", out, [], run.model_dir)
     predictor = Predictor(run, weights=weights)
     module = serving_model(run, predictor.weights, table_dtype, raw_dense)
     raw, ids = _parity_rows(run, PARITY_ROWS)
@@ -426,11 +463,24 @@ def export_run(
         if fmt == "export"
         else (lambda tmp: program.save(str(tmp)))
     )
-    out.parent.mkdir(parents=True, exist_ok=True)  # as train's --out, made when written
-    _atomic(out, save)
-    vocabulary = _write_vocabulary(run, out)
-    terms = contract(run, out.name, fmt, table_dtype, raw_dense, vocabulary, difference)
-    contract_path = out.with_name(out.stem + ".serving.json")
-    _atomic(contract_path, lambda tmp: _write_text(tmp, json.dumps(terms, indent=1)))
-    files = [out, contract_path] + [out.with_name(v) for v in (vocabulary or {}).values()]
+    with space_checked(out):
+        out.parent.mkdir(parents=True, exist_ok=True)  # as train's --out, made when written
+    lock = claim_output("--out", out, [f".{p.name}.tmp-*" for p in names])
+    staged = _Staged(overwrite)
+    try:
+        with space_checked(out, staged.discard):
+            staged.write(out, save)
+            vocabulary = _write_vocabulary(run, out, staged)
+            terms = contract(run, out.name, fmt, table_dtype, raw_dense, vocabulary, difference)
+            contract_path = names[1]
+            staged.write(contract_path, lambda tmp: _write_text(tmp, json.dumps(terms, indent=1)))
+            staged.publish()
+        for stale in set(names) - set(staged.files):
+            # --overwrite: an earlier export's vocabulary that this one does not write
+            # would not describe the new program.
+            stale.unlink(missing_ok=True)
+    finally:
+        staged.discard()
+        lock.release()
+    files = list(staged.files)
     return {"files": files, "max_abs_difference": difference, "rows_checked": len(ids)}

@@ -383,14 +383,18 @@ def _to_bytes(values: Any) -> np.ndarray:
 
 
 def _to_numbers(values: Any, name: str) -> np.ndarray:
-    """Dense values as float64 (None / NaN / empty: missing)."""
+    """Dense values as float64 (None / NaN / empty: missing), by the rule of the files'
+    reader (``data.parsing.fields``): an infinity, like text that is not a decimal
+    number, is refused."""
     arr = np.asarray(values)
     if arr.dtype.kind in "iufb":
-        return arr.astype(np.float64)
-    parsed, bad = parse_numeric(_to_bytes(arr))
+        parsed = arr.astype(np.float64)
+        bad = np.isinf(parsed)
+    else:
+        parsed, bad = parse_numeric(_to_bytes(arr))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        raise DataError(f"column {name!r}, row {row}: {arr[row]!r} is not a number")
+        raise DataError(f"column {name!r}, row {row}: {arr[row]!r} is not a finite number")
     return parsed
 
 

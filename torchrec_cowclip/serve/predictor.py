@@ -43,6 +43,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
+from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.serve.inputs import EncodedBlock, Input, open_input
@@ -164,17 +165,31 @@ class Predictor:
 
     def evaluate(self, data: Any, *, progress: bool = False, **options: Any) -> Dict[str, Any]:
         """AUC, log-loss, calibration and row counts of the model on ``data`` (which
-        needs its label column), as training evaluates its test set."""
+        needs its label column), as training evaluates its test set. The AUC is None
+        (``auc_note`` says why) where the labels hold one class.
+
+        Raises:
+            DataError: no label column, a bad row, or no rows at all.
+        """
         source = data if isinstance(data, Input) else self.open(data, labels=True, **options)
         bar = _progress_bar(f"evaluating {source.name}", progress)
+        seen = 0
 
         def batches() -> Iterator[Batch]:
+            nonlocal seen
             for batch, _ in self._batches(source.blocks()):
+                seen += int(batch.labels.numel())
                 bar.update(int(batch.labels.numel()))
                 yield batch
 
         try:
             metrics = evaluate_batches(CTRTrainTask(self.model), batches(), self.device)
+        except ValueError:
+            if seen:
+                raise
+            raise DataError(
+                f"{source.name}: no rows to evaluate (a header alone, or an empty file)"
+            ) from None
         finally:
             bar.close()
         return {

@@ -222,12 +222,16 @@ def run_command(
     cell failed, 2 for a refused command, 75 when stopped by a signal."""
     from torchrec_cowclip.data.errors import DataError
     from torchrec_cowclip.train.config import ConfigError
+    from torchrec_cowclip.train.no_space import one_line
 
     try:
         return _run(args, add_train_arguments, config_from_args)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"torchrec-cowclip sweep: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the environment (a full disk writing cell.json): one line, 4
+        print(f"torchrec-cowclip sweep: error: {one_line(e)}", file=sys.stderr)
+        return 4
 
 
 def _refuse_per_cell_flags(args: argparse.Namespace) -> None:

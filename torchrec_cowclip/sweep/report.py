@@ -76,13 +76,25 @@ CSV_COLUMNS = (
 NAN = math.nan
 
 
+def _auc_value(value: Any) -> float:
+    """An epoch's AUC as a number: NaN where it was undefined (None: one class)."""
+    return NAN if value is None else float(value)
+
+
 def _best_epoch(metrics: Dict[str, Any]) -> Tuple[int, str]:
-    """Index of the best epoch and what chose it (``val`` or ``test``)."""
-    test = list(metrics.get("epoch_auc") or [])
-    val = list(metrics.get("epoch_val_auc") or [])
+    """Index of the best epoch and what chose it (``val`` or ``test``); an undefined
+    AUC never wins."""
+    test = [_auc_value(v) for v in metrics.get("epoch_auc") or []]
+    val = [_auc_value(v) for v in metrics.get("epoch_val_auc") or []]
+
+    def best(values: List[float]) -> int:
+        return max(
+            range(len(values)), key=lambda i: -math.inf if math.isnan(values[i]) else values[i]
+        )
+
     if val and len(val) == len(test):
-        return max(range(len(val)), key=val.__getitem__), "val"
-    return max(range(len(test)), key=test.__getitem__), "test"
+        return best(val), "val"
+    return best(test), "test"
 
 
 def _wall_s(record: Dict[str, Any]) -> float:
@@ -122,9 +134,9 @@ def cell_row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[st
         train_samples=metrics["train_samples"],
         best_epoch=best + 1,
         best_by=best_by,
-        best_auc=metrics["epoch_auc"][best],
+        best_auc=_auc_value(metrics["epoch_auc"][best]),
         best_logloss=metrics["epoch_logloss"][best],
-        last_auc=metrics["epoch_auc"][-1],
+        last_auc=_auc_value(metrics["epoch_auc"][-1]),
         last_logloss=metrics["epoch_logloss"][-1],
         train_s=train_s,
         train_s_per_epoch=train_s / max(metrics["epochs"], 1),

@@ -276,6 +276,7 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                     f"cell {cell.name} in {spec.out} was run with other settings "
                     f"({describe_differences(diffs)}): give the sweep's settings, or another --out"
                 )
+            _threads_for(spec, cell, record)  # a damaged record, refused before any cell runs
         records[cell.name] = record or {}
     if not (spec.out / SETTINGS_FILE).exists():
         write_json(spec.out / SETTINGS_FILE, spec.settings())
@@ -346,7 +347,15 @@ def _threads_for(spec: SweepSpec, cell: Cell, record: Dict[str, Any]) -> int:
     attempts = record.get("attempts") or []
     if attempts and has_checkpoint(cell_dir(spec.out, cell.name)):
         # The last attempt wrote the checkpoint, or continued one with the same threads.
-        return int(attempts[-1].get("threads", spec.threads))
+        last = attempts[-1] if isinstance(attempts[-1], dict) else {}
+        threads = last.get("threads", spec.threads)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise SweepError(
+                f"{cell_dir(spec.out, cell.name) / CELL_RECORD}: the last attempt's threads "
+                f"is {threads!r}, not a whole number >= 1 (a damaged or hand-edited file): "
+                "restore it, or move the cell's folder away"
+            )
+        return threads
     return spec.threads
 
 

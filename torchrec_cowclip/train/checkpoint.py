@@ -62,6 +62,7 @@ from torchrec_cowclip.compat import ShardedTensor
 from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.train.no_space import no_space
 from torchrec_cowclip.train.notices import single_process_checkpoint
 from torchrec_cowclip.train.safe_load import (
     METADATA_FILE,
@@ -469,15 +470,24 @@ class CheckpointStore:
             _barrier(f"checkpoint completion of {target}")
         except CollectiveError:
             raise
-        except (OSError, CheckpointException) as e:
+        except (OSError, RuntimeError, CheckpointException) as e:
+            # Before the removal, which frees what the write took (no_space reads the
+            # free space for an error without an errno: torch's "unexpected pos").
+            full = no_space(e, target)
+            if isinstance(e, RuntimeError) and full is None:
+                raise  # not the environment: a bug, shown whole
             if _is_main() and target.exists() and _read_manifest(target) is None:
                 try:
                     _remove_checkpoint_dir(target)
                 except OSError:
                     pass  # the next start removes it (it carries the marker)
+            why = (
+                f"{full}"
+                if full is not None
+                else f"cannot write checkpoint {target}: {os_reason(e)}"
+            )
             raise CheckpointWriteError(
-                f"cannot write checkpoint {target}: {_os_reason(e)}; removed the unfinished "
-                f"directory; {self.describe(name)}"
+                f"{why}; removed the unfinished directory; {self.describe(name)}"
             ) from None
         return Checkpoint(target, _read_manifest(target) or {})
 
@@ -596,13 +606,13 @@ def _remove_checkpoint_dir(path: Path) -> None:
     path.rmdir()
 
 
-def _os_reason(error: BaseException) -> str:
+def os_reason(error: BaseException) -> str:
     """The first OS-level reason in ``error`` (a DCP ``CheckpointException`` wraps each
     rank's), as ``strerror`` plus the file where known."""
     failures = getattr(error, "failures", None)
     if failures:
         rank, (inner, _trace) = next(iter(sorted(failures.items())))
-        return f"rank {rank}: {_os_reason(inner)}"
+        return f"rank {rank}: {os_reason(inner)}"
     if isinstance(error, OSError) and error.strerror:
         where = f" ({error.filename})" if error.filename else ""
         return f"{error.strerror}{where}"

@@ -525,15 +525,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 #: wrong; the training diverged; the environment failed (a full or read-only disk, a
 #: dead or hung peer); a signal stopped the run after its checkpoint (``RunStopped``, 75).
 EXIT_USAGE, EXIT_DIVERGED, EXIT_ENVIRONMENT = 2, 3, 4
-
-
-def _one_line(error: BaseException) -> str:
-    """An OS error as ``reason: path``; others as their message's first line."""
-    if isinstance(error, OSError) and error.strerror:
-        where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    text = str(error)
-    return text.splitlines()[0] if text else type(error).__name__
+#: Ctrl-C (SIGINT) where no step is in flight: 128 + SIGINT, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 
 class _Stderr(logging.StreamHandler):
@@ -593,13 +586,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
     from torchrec_cowclip.train.distributed import shutdown_distributed
-    from torchrec_cowclip.train.stop import RunStopped
+    from torchrec_cowclip.train.no_space import one_line
+    from torchrec_cowclip.train.stop import RunStopped, raising_on_sigterm
     from torchrec_cowclip.train.trainer import NonFiniteLossError, train
     from torchrec_cowclip.train.warm_start import warm_start_defaults
 
     try:
         if args.command in SERVING_COMMANDS:
-            print(json.dumps(run_command(args), indent=2, default=str))
+            with raising_on_sigterm(f"{args.command}: nothing was written; run it again"):
+                summary = run_command(args)
+            print(json.dumps(summary, indent=2, default=str))
             return 0
         if args.init_from:
             # A warm start: the flags not given take RUN's values (its model, its data).
@@ -613,9 +609,18 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except (NonFiniteLossError, NonFiniteStateError) as e:
         parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
     except (CheckpointWriteError, CollectiveError, OSError) as e:
-        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {_one_line(e)}\n")
+        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {one_line(e)}\n")
     except RunStopped as e:
         parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
+    except KeyboardInterrupt:
+        # Ctrl-C outside a training loop (which stops after its step instead): every
+        # writer has removed its temporaries on the way out.
+        where = (
+            f"{args.command}: nothing was written"
+            if args.command in SERVING_COMMANDS
+            else args.command
+        )
+        parser.exit(EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({where})\n")
     shutdown_distributed()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for a multi-process run

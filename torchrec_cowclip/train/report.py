@@ -113,11 +113,12 @@ def run_eta(
 
 
 def epoch_line(row: Mapping[str, Any]) -> str:
-    """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``)."""
+    """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``); an
+    AUC of None (its split's labels hold one class) reads ``undefined (one class)``."""
     metrics = ", ".join(
-        f"{k} {row[k]:.5f}"
+        f"{k} {row[k]:.5f}" if isinstance(row[k], float) else f"{k} undefined (one class)"
         for k in ("test_auc", "test_logloss", "val_auc", "val_logloss", "train_loss")
-        if isinstance(row.get(k), float)
+        if isinstance(row.get(k), float) or (k.endswith("_auc") and k in row and row[k] is None)
     )
     parts = [f"epoch {row['epoch']}/{row['epochs']}: {metrics}"]
     if "epoch_s" in row:

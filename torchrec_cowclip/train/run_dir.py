@@ -108,6 +108,16 @@ class RunDirLock:
         """Takes the lock of ``out`` (which must exist) at once or raises
         :class:`RunDirError` naming the holder's pid."""
         path = out / LOCK_NAME
+        return cls.acquire_file(
+            path,
+            lambda holder: f"--out {out} is in use by another run (pid {holder}, holding "
+            f"{path}): wait for it, stop it, or choose another --out",
+        )
+
+    @classmethod
+    def acquire_file(cls, path: Path, busy: Callable[[str], str]) -> "RunDirLock":
+        """Takes the lock file ``path`` (created if absent) at once, or raises
+        :class:`RunDirError` with ``busy(holder's pid)``."""
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -115,10 +125,7 @@ class RunDirLock:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise RunDirError(
-                    f"--out {out} is in use by another run (pid {holder}, holding {path}): "
-                    "wait for it, stop it, or choose another --out"
-                ) from None
+                raise RunDirError(busy(holder)) from None
             inode = os.fstat(fd).st_ino
             try:
                 current = os.stat(path).st_ino

@@ -24,12 +24,17 @@ from typing import Any, Dict, Optional, TextIO
 from tensorboardX import SummaryWriter
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
+from torchrec_cowclip.train.no_space import no_space
+
 
 class RunOutputError(OSError):
     """Writing a run file failed (disk full, read-only, quota); the message names it."""
 
 
-def _output_error(path: Path, error: OSError) -> RunOutputError:
+def _output_error(path: Path, error: OSError) -> OSError:
+    full = no_space(error, path)
+    if full is not None:
+        return full
     return RunOutputError(error.errno, f"cannot write {path}: {error.strerror or error}")
 
 
@@ -38,7 +43,8 @@ def write_text_atomically(path: Path, text: str) -> None:
     full disk leaves the old file or the new one, never a part.
 
     Raises:
-        RunOutputError: naming ``path`` (the temporary file is removed).
+        RunOutputError: naming ``path`` (the temporary file is removed);
+            :class:`~.no_space.NoSpaceError` for a full disk.
     """
     tmp = path.with_name(path.name + ".tmp")
     try:

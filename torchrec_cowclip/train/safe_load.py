@@ -14,6 +14,14 @@ A checkpoint holds three kinds of file, each read by a loader that cannot run co
   non-tensor items it would ``torch.load`` with ``weights_only=False`` go through
   :class:`SafeLoadPlanner`, which loads them with ``weights_only=True``.
 
+The metadata is checked before anything is read through it (:func:`check_storage`):
+every tensor's chunks must cover it exactly, and every chunk must lie within a plain
+file of the checkpoint's own directory (a bare file name: no path, no ``..``, no link),
+in as many bytes as its elements need, with no storage transform (DCP's compression,
+which this project never writes). So a crafted ``.metadata`` can neither point a read
+outside its directory, nor at a device or a FIFO, nor make a loader allocate more than
+the files hold, and a truncated data file is refused by name, not half-read.
+
 A refused file raises :class:`UnsafeFileError`, one line naming the file and the name
 it tried to reach.
 
@@ -36,8 +44,11 @@ from __future__ import annotations
 
 import builtins
 import io
+import math
+import os
 import pathlib
 import pickle
+import stat
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Tuple, Union
@@ -113,14 +124,105 @@ class RestrictedUnpickler(pickle.Unpickler):
         return found
 
 
-def read_dcp_metadata(path: Union[str, Path]) -> dcp_metadata.Metadata:
-    """The ``Metadata`` pickled in DCP's ``.metadata`` file at ``path``, unpickled by
-    :class:`RestrictedUnpickler`.
+def regular_file(path: Union[str, Path]) -> os.stat_result:
+    """The ``lstat`` of ``path`` if it is a plain file (not a link, a directory, a device
+    or a FIFO, which could point elsewhere or block a read forever).
 
     Raises:
-        UnsafeFileError: the file names anything but metadata classes, or is not a
-            metadata pickle at all.
+        UnsafeFileError: it is something else.
+        FileNotFoundError: it does not exist.
     """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeFileError(f"{path}: refused to load: a symbolic link, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFileError(
+            f"{path}: refused to load: not a regular file (a directory, device, FIFO or socket)"
+        )
+    return st
+
+
+def check_storage(directory: Union[str, Path], metadata: dcp_metadata.Metadata) -> None:
+    """Refuses DCP ``metadata`` that reads outside ``directory`` or more than its files
+    hold (see the module docstring), before anything is read through it.
+
+    Raises:
+        UnsafeFileError: naming the tensor and the file.
+    """
+    root = Path(directory)
+    sizes: Dict[str, int] = {}
+    chunks: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, dcp_metadata.TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=meta.properties.dtype).element_size()
+        total = 0
+        for chunk in meta.chunks:
+            ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes)]
+            if len(ends) != len(meta.size) or any(
+                o < 0 or e > n for o, e, n in zip(chunk.offsets, ends, meta.size)
+            ):
+                raise UnsafeFileError(
+                    f"{root / METADATA_FILE}: refused to load: a chunk of '{fqn}' lies outside "
+                    f"its size {list(meta.size)}"
+                )
+            numel = math.prod(chunk.sizes)
+            chunks[(fqn, tuple(chunk.offsets))] = numel * itemsize
+            total += numel
+        if total != math.prod(meta.size):
+            raise UnsafeFileError(
+                f"{root / METADATA_FILE}: refused to load: the chunks of '{fqn}' hold {total} "
+                f"elements, its size {list(meta.size)} {math.prod(meta.size)}"
+            )
+    for index, info in metadata.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+        ):
+            raise UnsafeFileError(
+                f"{root / METADATA_FILE}: refused to load: '{index.fqn}' is stored in "
+                f"{name!r}, not a file of this checkpoint's directory"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeFileError(
+                f"{root / METADATA_FILE}: refused to load: '{index.fqn}' is stored through "
+                f"transforms {list(info.transform_descriptors)}, which this project never writes"
+            )
+        if name not in sizes:
+            try:
+                sizes[name] = regular_file(root / name).st_size
+            except FileNotFoundError:
+                raise UnsafeFileError(
+                    f"{root / name}: refused to load: missing (its metadata stores "
+                    f"'{index.fqn}' there)"
+                ) from None
+        start, length = int(info.offset), int(info.length)
+        needed = chunks.get((index.fqn, tuple(index.offset or ())), 0)
+        if start < 0 or length < needed or start + length > sizes[name]:
+            raise UnsafeFileError(
+                f"{root / name}: refused to load: it has {sizes[name]} bytes, and its "
+                f"metadata stores '{index.fqn}' ({needed} bytes of elements) at bytes "
+                f"{start}..{start + length} (a truncated or foreign file); nothing was loaded"
+            )
+
+
+def read_dcp_metadata(path: Union[str, Path]) -> dcp_metadata.Metadata:
+    """The ``Metadata`` pickled in DCP's ``.metadata`` file at ``path``, unpickled by
+    :class:`RestrictedUnpickler`, and its storage checked (:func:`check_storage`).
+
+    Raises:
+        UnsafeFileError: the file names anything but metadata classes, is not a
+            metadata pickle at all, is not a plain file, or reads outside its directory
+            or past its files' ends.
+    """
+    try:
+        regular_file(path)
+    except FileNotFoundError:
+        raise UnsafeFileError(f"{path}: refused to load: missing") from None
     with open(path, "rb") as f:
         try:
             loaded = RestrictedUnpickler(f, path).load()
@@ -135,6 +237,7 @@ def read_dcp_metadata(path: Union[str, Path]) -> dcp_metadata.Metadata:
         raise UnsafeFileError(
             f"{path}: refused to load: it holds a {type(loaded).__name__}, not DCP metadata"
         )
+    check_storage(Path(path).parent, loaded)
     return loaded
 
 

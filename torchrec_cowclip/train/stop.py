@@ -43,6 +43,38 @@ class RunStopped(Exception):
     exit_status = EXIT_STOPPED
 
 
+@contextlib.contextmanager
+def raising_on_sigterm(what: str) -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`RunStopped` (``stopped by SIGTERM:
+    what``) where the program is, so that every writer's clean-up runs (a temporary is
+    removed, nothing half-written stays) and the command exits 75 in one line, as a
+    stopped training run does. For commands without a step to finish (predict,
+    evaluate, export); the main thread only (elsewhere the block runs unchanged).
+
+    Example::
+
+        >>> import os, signal
+        >>> with raising_on_sigterm("nothing was written"):
+        ...     try:
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ...     except RunStopped as e:
+        ...         print(e)
+        stopped by SIGTERM: nothing was written
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Optional[FrameType]) -> None:
+        raise RunStopped(f"stopped by SIGTERM: {what}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

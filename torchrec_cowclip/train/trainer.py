@@ -588,7 +588,8 @@ class Trainer:
             val = self._evaluate(self.val_idx, log, "validation")
             p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
-            if val["auc"] > p.best_val_auc:
+            # An undefined AUC (a one-class validation split) is no improvement.
+            if val["auc"] is not None and val["auc"] > p.best_val_auc:
                 p.best_val_auc, p.best_epoch = val["auc"], p.epoch
                 p.epochs_without_improvement = 0
                 if cfg.early_stop_patience:
@@ -683,6 +684,11 @@ class Trainer:
         counts = clip_counts(self.runtime.embedding_module())
         metrics: Dict[str, Any] = {
             "auc": auc,
+            **(
+                {"auc_note": "AUC is undefined: the test split's labels hold one class"}
+                if auc is None
+                else {}
+            ),
             "logloss": logloss,
             "epoch_auc": p.epoch_auc,
             "epoch_logloss": p.epoch_logloss,

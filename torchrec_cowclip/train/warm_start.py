@@ -146,12 +146,8 @@ class RunEncoders:
 
     def __init__(self, run: RunFolder, min_count: int) -> None:
         self.run, self.min_count = run, int(min_count)
-        info = run.data_info["encoder"]
-        self.vocabulary: Optional[IdVocabulary] = (
-            IdVocabulary.load(run.model_dir / info["vocabulary"])
-            if info.get("vocabulary")
-            else None
-        )
+        kept = run.vocabulary_file()
+        self.vocabulary: Optional[IdVocabulary] = None if kept is None else IdVocabulary.load(kept)
 
     def key(self) -> Dict[str, Any]:
         files = self.run.manifest["files"]

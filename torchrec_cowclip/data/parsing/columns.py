@@ -29,7 +29,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError, DataOptionError
-from torchrec_cowclip.data.parsing.delimited import damaged_gzip_as_data_error, open_binary
+from torchrec_cowclip.data.parsing.delimited import (
+    damaged_gzip_as_data_error,
+    open_binary,
+    read_line,
+)
 from torchrec_cowclip.data.parsing.fields import parse_numeric
 
 #: Delimiters tried when a first line suggests another one, in order of preference.
@@ -135,7 +139,7 @@ def split_line(line: str, delimiter: str) -> List[str]:
 def first_line(path: Union[str, Path]) -> str:
     """The first line of a text file (gzip and a byte-order mark handled), decoded."""
     with open_binary(path) as f, damaged_gzip_as_data_error(path):
-        line = f.readline()
+        line = read_line(f, path, 1)
     if not line:
         raise DataError(f"data file is empty: {path}", path=path)
     return line.rstrip(b"\r\n").decode("utf-8", "replace")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import gzip
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,11 @@ _BOM = b"\xef\xbb\xbf"
 # Guard against a pathological field turning one block into a huge fixed-width array.
 _MAX_COLUMN_BYTES = 512 << 20
 _GATHER_PAD = 64
+_LINE_END = re.compile(rb"\r+\n")
+#: The longest line a reader takes (bytes, its newline included): a line longer than
+#: this is refused as soon as it is seen, so a file without newlines (the wrong file,
+#: a binary) costs a bounded read and bounded memory, not the whole file.
+MAX_LINE_BYTES = 1 << 20
 
 
 def infer_delimiter(path: Union[str, Path]) -> Optional[bytes]:
@@ -79,6 +85,29 @@ def open_binary(path: Union[str, Path]) -> BinaryIO:
     if f.read(len(_BOM)) != _BOM:
         f.seek(0)
     return f
+
+
+def long_line(path: Union[str, Path], line: int) -> DataError:
+    """The refusal of a line longer than :data:`MAX_LINE_BYTES`."""
+    return DataError(
+        f"{path}:{line}: a line longer than {MAX_LINE_BYTES >> 20} MiB: not delimited text "
+        "with one row per line (a binary file, or one without newlines?)",
+        path=path,
+        line=line,
+    )
+
+
+def read_line(f: BinaryIO, path: Union[str, Path], line: int) -> bytes:
+    """The next line of ``f`` (its newline included), read no further than
+    :data:`MAX_LINE_BYTES`.
+
+    Raises:
+        DataError: the line is longer (:func:`long_line`).
+    """
+    text = f.readline(MAX_LINE_BYTES + 1)
+    if len(text) > MAX_LINE_BYTES:
+        raise long_line(path, line)
+    return text
 
 
 @contextlib.contextmanager
@@ -149,7 +178,7 @@ class DelimitedFile:
         self.delimiter: bytes = delimiter
         self.block_bytes = int(block_bytes)
         with open_binary(self.path) as f, damaged_gzip_as_data_error(self.path):
-            first = f.readline()
+            first = read_line(f, self.path, 1)
         if not first:
             raise DataError(f"data file is empty: {self.path}", path=self.path)
         first_fields = self._split_line(first.rstrip(b"\r\n"))
@@ -186,7 +215,7 @@ class DelimitedFile:
             size = None if isinstance(f, gzip.GzipFile) else self.path.stat().st_size
             line_no = 1
             if self.has_header:
-                f.readline()
+                read_line(f, self.path, 1)
                 line_no = 2
             rest = b""
             while True:
@@ -198,9 +227,13 @@ class DelimitedFile:
                 data = rest + data if rest else data
                 cut = data.rfind(b"\n")
                 if cut < 0:
+                    if len(data) > MAX_LINE_BYTES:
+                        raise long_line(self.path, line_no)
                     rest = data
                     continue
                 rest = data[cut + 1 :]
+                if len(rest) > MAX_LINE_BYTES:
+                    raise long_line(self.path, line_no + data.count(b"\n", 0, cut + 1))
                 block = data[: cut + 1]
                 done = (f.tell() - len(rest)) / size if size else None
                 yield self._parse(block, line_no, wanted, done)
@@ -215,7 +248,8 @@ class DelimitedFile:
 
     def _parse_block(self, block: bytes, first_line: int, wanted: List[int]) -> RawBlock:
         if b"\r" in block:
-            block = block.replace(b"\r\n", b"\n")
+            # CRLF, and a file converted to CRLF twice (CR CR LF): no CR stays in a field.
+            block = _LINE_END.sub(b"\n", block)
         if self.delimiter == b"," and b'"' in block:
             return self._parse_quoted(block, first_line, wanted)
         # The zero padding lets _gather read a fixed-width window past the last field.
@@ -224,6 +258,7 @@ class DelimitedFile:
         is_nl = buf == 10
         newlines = np.flatnonzero(is_nl)
         n_lines = len(newlines)
+        _check_line_lengths(newlines, first_line, self.path)
         line_start = np.empty(n_lines, dtype=np.int64)
         line_start[0] = 0
         line_start[1:] = newlines[:-1] + 1
@@ -253,6 +288,8 @@ class DelimitedFile:
         return RawBlock(columns=columns, lines=lines, bad_lines=bad_lines)
 
     def _parse_quoted(self, block: bytes, first_line: int, wanted: List[int]) -> RawBlock:
+        buf = np.frombuffer(block, dtype=np.uint8)
+        _check_line_lengths(np.flatnonzero(buf == 10), first_line, self.path)
         text_lines = block.decode("utf-8", "replace").split("\n")[:-1]
         rows: List[List[str]] = []
         lines: List[int] = []
@@ -276,6 +313,14 @@ class DelimitedFile:
         return RawBlock(
             columns=columns, lines=np.asarray(lines, dtype=np.int64), bad_lines=bad_lines
         )
+
+
+def _check_line_lengths(newlines: np.ndarray, first_line: int, path: Path) -> None:
+    """Refuses a block's line longer than :data:`MAX_LINE_BYTES` (``newlines``: the
+    positions of its newlines), naming it."""
+    lengths = np.diff(newlines, prepend=-1)
+    if len(lengths) and int(lengths.max()) > MAX_LINE_BYTES:
+        raise long_line(path, first_line + int(np.argmax(lengths > MAX_LINE_BYTES)))
 
 
 def _gather(padded: np.ndarray, starts: np.ndarray, ends: np.ndarray, path: Path) -> np.ndarray:
@@ -310,4 +355,12 @@ def read_header(path: Union[str, Path], delimiter: Union[bytes, str, None] = Non
     return DelimitedFile(path, delimiter=delimiter, header=True).header or []
 
 
-__all__ = ["DelimitedFile", "RawBlock", "infer_delimiter", "open_binary", "read_header"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "DelimitedFile",
+    "RawBlock",
+    "infer_delimiter",
+    "open_binary",
+    "read_header",
+    "read_line",
+]

@@ -5,21 +5,32 @@ empty field). Criteo's dense columns are small integers, so the common case is
 decoded with integer arithmetic on the bytes; anything else (``"260.0"``,
 ``"1e3"``) falls back to Python's ``float`` on the distinct values only.
 
+A number is decimal text, the one rule of every reader (files and in-memory columns):
+an optional sign, digits with an optional fraction (or a fraction alone), an optional
+exponent, surrounding spaces allowed. Python's ``float`` also takes ``1_000``,
+``infinity`` and ``nan``; those are refused here, as ``0x10`` is (pandas reads none of
+them as a number either).
+
 Example::
 
     >>> import numpy as np
     >>> values, bad = parse_numeric(np.array([b"12", b"", b"-3", b"2.5", b"x"]))
     >>> values[[0, 2, 3]].tolist(), bool(np.isnan(values[1])), bad.tolist()
     ([12.0, -3.0, 2.5], True, [False, False, False, False, True])
+    >>> parse_numeric(np.array([b" 1e3", b"1_000", b"0x10", b"inf"]))[1].tolist()
+    [False, True, True, True]
 """
 
 from __future__ import annotations
 
+import re
 from typing import Tuple, cast
 
 import numpy as np
 
 _MAX_INT_DIGITS = 18  # 10**18 < 2**63: the integer fast path cannot overflow int64
+# Decimal text (see the module docstring); float() decides the value.
+_DECIMAL = re.compile(rb"[ \t]*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*")
 
 
 def byte_matrix(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -95,10 +106,7 @@ def parse_numeric(col: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         uniq, inverse = np.unique(col[idx], return_inverse=True)
         parsed = np.empty(len(uniq))
         for k, raw in enumerate(uniq.tolist()):
-            try:
-                parsed[k] = float(raw)
-            except ValueError:
-                parsed[k] = np.nan
+            parsed[k] = float(raw) if _DECIMAL.fullmatch(raw) else np.nan
         vals = parsed[inverse.reshape(-1)]
         values[idx] = vals
         bad[idx] = ~np.isfinite(vals)

@@ -31,11 +31,13 @@ Example::
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
+from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.parsing.fields import byte_matrix
 
 OOV_ID = 0
@@ -233,7 +235,26 @@ def load_key_columns(
     path: Union[str, Path],
 ) -> Tuple[List[str], List[np.ndarray], List[np.ndarray]]:
     """``(names, keys, counts)`` of what :func:`save_key_columns` wrote
-    (``allow_pickle=False``)."""
+    (``allow_pickle=False``; its arrays stored, not compressed, so what they hold is
+    bounded by the file's size).
+
+    Raises:
+        DataError: a compressed member (which could expand beyond any bound) or a file
+            that is not such an archive.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            packed = [
+                i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED
+            ]
+    except zipfile.BadZipFile as e:
+        raise DataError(f"{path}: not a vocabulary archive ({e})", path=path) from None
+    if packed:
+        raise DataError(
+            f"{path}: {packed[0]} is compressed; a vocabulary stores its arrays as they are "
+            "(np.savez), so their size is bounded by the file's",
+            path=path,
+        )
     with np.load(path, allow_pickle=False) as z:
         names = [str(x) for x in z["names"]]
         keys = [z[f"keys_{c}"] for c in range(len(names))]

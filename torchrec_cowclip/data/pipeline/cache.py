@@ -11,7 +11,9 @@ A cache entry is a directory ``<cache_dir>/<kind>-<key>/`` holding
   and a checksum computed while the array was written).
 
 ``key`` is a hash of everything that determines the arrays: the source files'
-absolute paths, sizes and modification times, and every option. A touched file or a
+absolute paths, sizes and contents (their SHA-256, :func:`source_digest`: computed once
+and read again whenever a file's size, mtime or ctime changes, so an edit that keeps the
+size and puts the mtime back is caught too), and every option. An edited file or a
 changed option therefore lands in a new directory and nothing stale is ever read. An
 entry is built in a temporary directory next to its final place and renamed into
 place, so a crash leaves no half-written entry; a lock file makes concurrent
@@ -48,10 +50,12 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 import zlib
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import (
     Any,
@@ -83,6 +87,7 @@ CACHE_VERSION = 4
 # entry format rebuilds old entries in place instead of leaving them behind.
 _KEY_VERSION = 1
 META_FILE = "meta.json"
+SHA256 = "sha256"
 _READ_BYTES = 8 << 20
 # Entries whose checksums this process has verified, with the (name, size, mtime)
 # of their files at the time: a file changed since is checked again.
@@ -93,8 +98,90 @@ class CacheCorrupt(DataError):
     """A cache entry's file does not match what its ``meta.json`` recorded."""
 
 
+#: The source-digest memo of a cache directory (see :func:`source_digest`).
+DIGEST_MEMO = ".source-digests.json"
+_MEMO_DIR: ContextVar[Optional[Path]] = ContextVar("source_digest_memo", default=None)
+# (path, size, mtime_ns, ctime_ns, inode, device) -> SHA-256, for this process.
+_SOURCE_DIGESTS: Dict[Tuple[str, int, int, int, int, int], str] = {}
+
+
+@contextmanager
+def source_digest_memo(cache_dir: Union[str, Path]) -> Iterator[None]:
+    """Inside the block, :func:`source_digest` keeps the digests it computes in
+    ``cache_dir/source-digests.json`` and reuses them in later processes."""
+    token = _MEMO_DIR.set(Path(cache_dir).expanduser())
+    try:
+        yield
+    finally:
+        _MEMO_DIR.reset(token)
+
+
+def _stat_key(path: Path, st: os.stat_result) -> Tuple[str, int, int, int, int, int]:
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def _read_memo(memo: Path) -> Dict[str, Any]:
+    try:
+        entries = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or damaged: the digests are computed again
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_memo(memo: Path, path: str, record: Dict[str, Any]) -> None:
+    """Adds ``record`` to the memo (a lost race loses an entry, which costs a re-read)."""
+    entries = _read_memo(memo)
+    entries[path] = record
+    tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries, indent=0))
+        os.replace(tmp, memo)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only or full cache: only the reuse is lost
+
+
+def source_digest(path: Path) -> str:
+    """The SHA-256 of a source file's content.
+
+    Computed by reading the whole file (:func:`sha256_of`), then reused while the file's
+    size, mtime, ctime, inode and device stay those it was computed at: in this process,
+    and in later ones through the memo of :func:`source_digest_memo`. The kernel sets a
+    file's ctime on every write, and a ``touch -r`` or ``os.utime`` that puts the mtime
+    back sets it too (only a change of the system clock can set it back), so an edited
+    file is always read again, whatever its size and mtime say.
+
+    Raises:
+        DataError: the file changed while it was read.
+    """
+    path = Path(path)
+    before = path.stat()
+    key = _stat_key(path, before)
+    if key in _SOURCE_DIGESTS:
+        return _SOURCE_DIGESTS[key]
+    memo_dir = _MEMO_DIR.get()
+    memo = None if memo_dir is None else memo_dir / DIGEST_MEMO
+    stamp = list(key[1:])
+    if memo is not None:
+        known = _read_memo(memo).get(str(path))
+        if isinstance(known, dict) and known.get("stat") == stamp and known.get(SHA256):
+            _SOURCE_DIGESTS[key] = str(known[SHA256])
+            return _SOURCE_DIGESTS[key]
+    _, digest = sha256_of(path)
+    if _stat_key(path, path.stat()) != key:
+        raise DataError(
+            f"{path} changed while it was read: run again once it is written", path=path
+        )
+    _SOURCE_DIGESTS[key] = digest
+    if memo is not None:
+        _write_memo(memo, str(path), {"stat": stamp, SHA256: digest})
+    return digest
+
+
 def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
-    """``{path, size, mtime_ns}`` of each file, in order.
+    """``{path, size, sha256}`` of each file, in order: what a cache key depends on, so
+    an edited file lands in a new entry whatever its size and mtime (:func:`source_digest`;
+    a touched file whose content is the same keeps its entry).
 
     A directory is fingerprinted by its files (non-recursive), so adding a day file
     to a ``criteo-npy`` directory also changes the key.
@@ -111,8 +198,7 @@ def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
             files = sorted(x for x in path.iterdir() if x.is_file())
             out.append({"path": str(path), "files": fingerprint(files)})
             continue
-        st = path.stat()
-        out.append({"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        out.append({"path": str(path), "size": path.stat().st_size, SHA256: source_digest(path)})
     return out
 
 
@@ -139,10 +225,31 @@ def _crc(path: Path, offset: int = 0) -> Tuple[int, str]:
     return size, f"{crc:08x}"
 
 
-def file_record(path: Path) -> Dict[str, Any]:
-    """Size and checksum of a file written without a checksum of its own (e.g. ``.npz``)."""
-    size, crc = _crc(path)
-    return {"bytes": size, CHECKSUM: crc}
+def sha256_of(path: Union[str, Path], offset: int = 0) -> Tuple[int, str]:
+    """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on, streamed in
+    8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers). Its cost:
+    docs/performance.md, "Source digests"."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while chunk := f.read(_READ_BYTES):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _digest(kind: str, path: Path, offset: int = 0) -> Tuple[int, str]:
+    """``(bytes read, digest)``: a record's digest is CRC-32 (the cache's and the
+    checkpoints' own files, against accidents) or SHA-256 (files that travel: run
+    folders; the sources a cache key names)."""
+    return sha256_of(path, offset) if kind == SHA256 else _crc(path, offset)
+
+
+def file_record(path: Path, digest: str = CHECKSUM) -> Dict[str, Any]:
+    """Size and digest (``"crc32"`` or ``"sha256"``) of a file written without a
+    checksum of its own (e.g. ``.npz``)."""
+    size, value = _digest(digest, path)
+    return {"bytes": size, digest: value}
 
 
 def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> Optional[str]:
@@ -150,12 +257,15 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
 
     The size (and for an ``.npy`` record the header's shape and dtype: a 128-byte
     read) is always compared; ``checksum=True`` also reads the bytes and compares
-    their checksum.
+    their digest (the record's SHA-256 if it has one, else its CRC-32).
     """
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         return "missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"  # a device or FIFO would never end a read
+    size = st.st_size
     if size != record["bytes"]:
         return f"size {size} bytes, expected {record['bytes']}"
     if "shape" in record:
@@ -169,8 +279,10 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
             return (
                 f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
             )
-    if checksum and _crc(path, record.get("data_offset", 0))[1] != record[CHECKSUM]:
-        return "checksum mismatch"
+    if checksum:
+        digest = SHA256 if SHA256 in record else CHECKSUM
+        if _digest(digest, path, record.get("data_offset", 0))[1] != record[digest]:
+            return "checksum mismatch"
     return None
 
 

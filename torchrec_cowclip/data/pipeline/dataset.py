@@ -47,7 +47,12 @@ from torchrec_cowclip.data.parsing.dense import (
     plan_needs_statistics,
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
-from torchrec_cowclip.data.pipeline.cache import build_entry, read_meta, verify_entry
+from torchrec_cowclip.data.pipeline.cache import (
+    build_entry,
+    read_meta,
+    source_digest_memo,
+    verify_entry,
+)
 from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
@@ -339,14 +344,16 @@ def open_dataset(
     tests = [str(p) for p in (test_paths or [])]
     kind.check_test_paths(tests)
     kind.check_sources(args, tests, opts)
-    payload = kind.payload(args, tests, opts)
+    root = Path(cache_dir).expanduser()
+    with source_digest_memo(root):
+        payload = kind.payload(args, tests, opts)
     if encoders is not None:
         payload = {**payload, "encoders": encoders.key()}
     source = spec + (f" (test: {','.join(tests)})" if tests else "")
-    root = Path(cache_dir).expanduser()
 
     def build(tmp: Path) -> Dict[str, Any]:
-        conversion = kind.conversion(args, tests, opts)
+        with source_digest_memo(root):
+            conversion = kind.conversion(args, tests, opts)
         if encoders is not None:
             conversion = encoders.apply(conversion)
         meta = convert(conversion, tmp, stats_cache=root)
