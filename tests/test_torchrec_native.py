@@ -20,8 +20,8 @@ from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from tiny import TINY_PROCESSES, bag_config, tiny_config
 from torchrec import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions, Helen
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
