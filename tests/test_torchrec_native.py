@@ -18,7 +18,7 @@ from distributed_harness import run_ranks
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from tiny import TINY_PROCESSES, bag_config, tiny_config
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -487,3 +487,56 @@ def test_fbgemm_cowclip_counts_the_steps_a_row_appears_in(halflife, counter):
     assert momentum1.flatten()[1].item() == pytest.approx(27.0)
     assert prev_iter.flatten()[1].item() == 3.0
     assert row_counter.flatten()[1].item() == pytest.approx(counter, rel=1e-6)
+
+
+# --- TorchRec's quantization ---------------------------------------------------------
+
+
+def _quantization_case():
+    tables = [bag_config("t0", 8, 20, ["f0"]), bag_config("t1", 4, 10, ["f1"])]
+    ours = CowClipEmbeddingBagCollection(tables)
+    stock = EmbeddingBagCollection(tables=tables)
+    stock.load_state_dict(ours.state_dict())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 1, 1, 1])
+    )
+    return ours, stock, kjt
+
+
+def test_torchrecs_quantize_embeddings_refuses_to_leave_the_collection_in_float32():
+    from torchrec.inference.modules import quantize_embeddings
+
+    ours, _, _ = _quantization_case()
+    model = torch.nn.Sequential(torch.nn.Identity(), ours)
+    with pytest.raises(TypeError, match=r"^quantize_embeddings would leave "
+                       r"CowClipEmbeddingBagCollection '1' in float32"):  # fmt: skip
+        quantize_embeddings(model, dtype=torch.qint8, inplace=True)
+    assert model[1] is ours and not hasattr(ours, "qconfig")
+    # A quantization that does not touch embedding collections goes on as before.
+    torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, inplace=True)
+
+
+@pytest.mark.parametrize("how", ["torchrec_cowclip", "torchrec_mapping"])
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.half])
+def test_the_collection_quantizes_like_a_stock_ebc(how, dtype):
+    from torchrec.inference.modules import quantize_embeddings
+
+    import torchrec_cowclip
+
+    ours, stock, kjt = _quantization_case()
+    if how == "torchrec_cowclip":
+        quantized = torchrec_cowclip.quantize_embeddings(torch.nn.Sequential(ours), dtype)
+    else:
+        mapping = torchrec_cowclip.quantization_mapping()
+        quantized = quantize_embeddings(
+            torch.nn.Sequential(ours),
+            dtype=dtype,
+            inplace=True,
+            additional_qconfig_spec_keys=list(mapping),
+            additional_mapping=mapping,
+        )
+    reference = quantize_embeddings(torch.nn.Sequential(stock), dtype=dtype, inplace=True)
+    assert type(quantized[0]) is type(reference[0])
+    torch.testing.assert_close(
+        quantized[0](kjt).values(), reference[0](kjt).values(), rtol=0, atol=0
+    )
