@@ -204,3 +204,58 @@ def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     negative = int((x < 0).sum())
     assert logged["dataset"]["dense_negative_under_log"] == {"x": negative} and negative > 4000
     assert logged["auc"] < ceiling - 0.01  # what silently clamping cost (0.017 here)
+
+
+def _timestamps(path: Path, n: int, seed: int) -> np.ndarray:
+    """A click log whose label follows a Unix timestamp (seconds, 30 days from 1.7e9)."""
+    rng = np.random.default_rng(seed)
+    ts = 1.7e9 + rng.integers(0, 30 * 86400, n)
+    p = 1 / (1 + np.exp(-4 * (ts - ts.mean()) / (30 * 86400)))
+    click = (rng.random(n) < p).astype(int)
+    site = rng.choice(["a", "b", "c"], n)
+    lines = ["click,ts,site"] + [f"{c},{t:.0f},{s}" for c, t, s in zip(click, ts, site)]
+    path.write_text("\n".join(lines) + "\n")
+    return ts
+
+
+def test_a_unix_timestamp_column_keeps_its_information(tmp_path, caplog):
+    """The issue's case: every timestamp was clipped to 1e9, a constant column. Now it is
+    stored as it is (float32), standardized with float64 statistics, and drives the AUC;
+    under the default signed-log (21.25 +- 0.0004) the run says it is nearly constant."""
+    ts = _timestamps(tmp_path / "log.csv", 6000, seed=0)
+    out = tmp_path / "run"
+    argv = cli_args(
+        data=f"table:{tmp_path / 'log.csv'}",
+        label="click",
+        dense="ts",
+        sparse="site",
+        dense_transform="ts=standardize",
+        batch_size=256,
+        epochs=2,
+        hidden=8,
+        embedding_dim=4,
+        lr="1e-2",
+        threads=1,
+        no_progress=True,
+        out=out,
+        cache_dir=tmp_path / "c",
+    )
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["dataset"]["dense_clipped"] == {}
+    column = metrics["dataset"]["dense_plan"]["columns"][0]
+    # The training split's mean and std (float64), not 1e9 and 1.
+    assert abs(column["shift"] - ts.mean()) < 0.05 * ts.std()
+    assert column["scale"] == pytest.approx(ts.std(), rel=0.05)
+    assert metrics["auc"] >= 0.75, metrics["auc"]
+    ds = open_dataset(
+        f"table:{tmp_path / 'log.csv'}",
+        tmp_path / "c",
+        label="click",
+        dense=["ts"],
+        sparse=["site"],
+    )
+    assert any(
+        "dense column 'ts' varies by" in n and "--dense-transform ts=standardize" in n
+        for n in ds.data_notes()
+    ), ds.data_notes()

@@ -44,6 +44,7 @@ from torchrec_cowclip.data.parsing.dense import (
     DENSE_CLIP,
     DensePlan,
     DenseStats,
+    constant_columns,
     plan_needs_statistics,
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
@@ -167,7 +168,8 @@ class CTRDataset:
 
     def data_notes(self) -> List[str]:
         """What the conversion changed or dropped, one line each (empty if nothing):
-        skipped rows, clipped values, negative values a ``log`` column set to 0."""
+        skipped rows, clipped values, negative values a ``log`` column set to 0, and the
+        dense columns that are (nearly) constant after their transform."""
         notes = []
         if self.bad_rows:
             notes.append(str(self.meta.get("bad_row_summary")))
@@ -185,6 +187,9 @@ class CTRDataset:
                 f"--dense-transform {next(iter(negative))}=signed-log (or standardize, minmax, "
                 "none) keeps them"
             )
+        if self.meta.get("dense_stats"):
+            stats = DenseStats.from_json(self.meta["dense_stats"])
+            notes += constant_columns(stats, self.dense_transforms, self.schema.dense_names)
         return notes
 
     @property
