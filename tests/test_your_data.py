@@ -259,3 +259,54 @@ def test_a_unix_timestamp_column_keeps_its_information(tmp_path, caplog):
         "dense column 'ts' varies by" in n and "--dense-transform ts=standardize" in n
         for n in ds.data_notes()
     ), ds.data_notes()
+
+
+def test_na_values_read_as_missing_in_training_and_scoring(tmp_path, capsys):
+    """``N/A`` in a dense column and ``-`` in a categorical one: refused at file:line
+    without --na-values; with it, missing values in training, predict and a DataFrame."""
+    rng = np.random.default_rng(0)
+    lines = ["click,price,site"]
+    for i in range(600):
+        price = "N/A" if i % 7 == 0 else f"{rng.normal():.3f}"
+        site = "-" if i % 5 == 0 else str(rng.choice(["a", "b"]))
+        lines.append(f"{int(rng.random() < 0.4)},{price},{site}")
+    data = _write(tmp_path / "log.csv", lines)
+    flags = ["--data", f"table:{data}", "--label", "click", "--dense", "price", "--sparse", "site"]
+    with pytest.raises(SystemExit) as refused:
+        main(["train", *flags, "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1, err
+    assert "log.csv:2" in err and "N/A" in err, err
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        *flags,
+        "--na-values",
+        "N/A, -",
+        "--missing-indicator",
+        "--batch-size",
+        "128",
+        "--hidden",
+        "8",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    plan = metrics["dataset"]["dense_plan"]["columns"][0]
+    assert plan["missing_indicator"] and metrics["hyperparameters"]["na_values"] == ["N/A", "-"]
+    import torchrec_cowclip
+
+    model = torchrec_cowclip.load_model(out)
+    from_file = model.predict(str(data))
+    rows = [line.split(",") for line in lines[1:]]
+    columns = {"price": [r[1] for r in rows], "site": [r[2] for r in rows]}
+    explicit = {
+        "price": [None if r[1] == "N/A" else float(r[1]) for r in rows],
+        "site": ["" if r[2] == "-" else r[2] for r in rows],
+    }
+    np.testing.assert_array_equal(from_file, model.predict(columns))
+    np.testing.assert_array_equal(from_file, model.predict(explicit))

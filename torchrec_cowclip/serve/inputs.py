@@ -59,7 +59,12 @@ from torchrec_cowclip.data.parsing.columns import (
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
-from torchrec_cowclip.data.parsing.rows import RowBlock, TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.rows import (
+    RowBlock,
+    TextLayout,
+    TextRowSource,
+    missing_as_empty,
+)
 from torchrec_cowclip.data.registry import source_kinds
 from torchrec_cowclip.data.sources.table import ParquetRowSource, is_parquet
 from torchrec_cowclip.train.run_folder import RunFolder
@@ -200,6 +205,7 @@ class FileInput(Input):
                 label=reader["label"],
                 dense=tuple(reader["dense"]),
                 sparse=tuple(reader["sparse"]),
+                na_values=run.na_values(),
             )
         if layout is not None:
             return self._text_part(layout, path, labels)
@@ -312,7 +318,10 @@ class FileInput(Input):
                 path=path,
             )
         source = ParquetRowSource(
-            str(label) if labels else None, [str(c) for c in dense], [str(c) for c in sparse]
+            str(label) if labels else None,
+            [str(c) for c in dense],
+            [str(c) for c in sparse],
+            self.run.na_values(),
         )
         keep = None
         if self.keep_column is not None:
@@ -382,12 +391,12 @@ def _to_bytes(values: Any) -> np.ndarray:
     return np.array(out, dtype=np.bytes_) if out else np.zeros(0, "S1")
 
 
-def _to_numbers(values: Any, name: str) -> np.ndarray:
-    """Dense values as float64 (None / NaN / empty: missing)."""
+def _to_numbers(values: Any, name: str, na_values: Sequence[str] = ()) -> np.ndarray:
+    """Dense values as float64 (None / NaN / empty / one of ``na_values``: missing)."""
     arr = np.asarray(values)
     if arr.dtype.kind in "iufb":
         return arr.astype(np.float64)
-    parsed, bad = parse_numeric(_to_bytes(arr))
+    parsed, bad = parse_numeric(missing_as_empty(_to_bytes(arr), na_values))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise DataError(f"column {name!r}, row {row}: {arr[row]!r} is not a number")
@@ -436,12 +445,13 @@ class ColumnsInput(Input):
 
     def blocks(self) -> Iterator[EncodedBlock]:
         schema, columns = self.run.schema, self.columns
+        na = self.run.na_values()
         dense = (
-            np.stack([_to_numbers(columns[c], c) for c in schema.dense_names], axis=1)
+            np.stack([_to_numbers(columns[c], c, na) for c in schema.dense_names], axis=1)
             if schema.n_dense
             else None
         )
-        sparse: Any = [_to_bytes(columns[c]) for c in schema.sparse_names]
+        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in schema.sparse_names]
         n = len(sparse[0])
         if dense is None:
             dense = np.zeros((n, 0))

@@ -147,6 +147,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "as pandas' names=); default: none",
     )
     g.add_argument(
+        "--na-values",
+        type=_csv_list,
+        default=[],
+        metavar="A,B,...",
+        help="table: texts that mean a missing value in the dense and categorical columns "
+        "besides an empty field, as pandas' na_values= (e.g. N/A,NA,-): a dense one becomes "
+        "0 after the transform (with --missing-indicator, flagged), a categorical one the "
+        "missing id; default: none",
+    )
+    g.add_argument(
         "--dense-transform",
         default=None,
         metavar="SPEC",

@@ -189,6 +189,7 @@ def _reader(kind: SourceKind, config: TrainConfig, opts: SourceOptions) -> Dict[
             "label": source.label,
             "dense": list(source.dense),
             "sparse": list(source.sparse),
+            "na_values": list(source.na_values),
         }
     return {"format": kind.name}
 
@@ -444,6 +445,13 @@ class RunFolder:
         if reader["format"] != "text":
             return None
         return TextLayout(**{k: _tuples(v) for k, v in reader["layout"].items()})
+
+    def na_values(self) -> Tuple[str, ...]:
+        """The texts the run read as missing values (``--na-values``), for new rows."""
+        layout = self.text_layout()
+        if layout is not None:
+            return layout.na_values
+        return tuple(self.reader.get("na_values") or ())
 
     def dense_plan(self) -> DensePlan:
         """The run's dense plan: raw dense values -> the model's dense inputs, as trained."""

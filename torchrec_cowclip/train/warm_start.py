@@ -80,7 +80,9 @@ ARCHITECTURE = (
     "embedding_dtype",
 )
 #: Data options that describe the files, not the model: a warm start may change them.
-FILE_OPTIONS = frozenset({"on_bad_row", "min_count", "delimiter", "seed", "header", "columns"})
+FILE_OPTIONS = frozenset(
+    {"on_bad_row", "min_count", "delimiter", "seed", "header", "columns", "na_values"}
+)
 #: Data options whose TrainConfig field is not their flag's name, and how a value of the
 #: option reads there (``TrainConfig.data_options`` the other way round).
 _OPTION_FIELDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
