@@ -118,6 +118,9 @@ def test_start_summary_epoch_lines_and_per_epoch_rows(tmp_path, capsys):
     err = capsys.readouterr().err
     assert re.search(r"tables: 52 \(26 of dim 4, 26 of dim 1\), [\d,]+ rows, largest emb_C\d+", err)
     assert re.search(r"parameters: [\d,]+ in tables \+ [\d,]+ dense = [\d,]+", err)
+    rates = json.loads((out / "metrics.json").read_text())["dataset"]["positive_rate"]
+    assert f"positive labels: {rates['train']:.2%} of train, {rates['test']:.2%} of test" in err
+    assert 0.05 < rates["train"] < 0.95 and rates["validation"] is None
     assert "processes: 1 (the whole model in this process)" in err
     assert "dense inputs: log (I1, ..., I13: 13 columns); statistics of the 2,700 rows" in err
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]

@@ -310,3 +310,18 @@ def test_na_values_read_as_missing_in_training_and_scoring(tmp_path, capsys):
     }
     np.testing.assert_array_equal(from_file, model.predict(columns))
     np.testing.assert_array_equal(from_file, model.predict(explicit))
+
+
+def test_a_one_class_label_is_refused_in_one_line(tmp_path, capsys):
+    """The issue's case trained and reported test_auc 0.00000."""
+    lines = [HEADER] + [f"0,{i % 7 - 3},{20 + i % 30},{'abc'[i % 3]}" for i in range(300)]
+    data = _write(tmp_path / "log.csv", lines)
+    with pytest.raises(SystemExit) as refused:
+        main(
+            ["train", "--data", f"table:{data}", "--label", "click", "--dense", "price,age"]
+            + ["--sparse", "site", "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")]
+        )
+    err = capsys.readouterr().err.splitlines()[-1]  # after the conversion's progress lines
+    assert refused.value.code == 2 and err.startswith("torchrec-cowclip: error: every one of ")
+    assert "the 270 training labels of table:" in err and "is 0 (the --label column" in err, err
+    assert not (tmp_path / "o" / "metrics.json").exists()

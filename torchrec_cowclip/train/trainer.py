@@ -153,6 +153,34 @@ def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
+def positive_rates(labels: Any, splits: Dict[str, np.ndarray]) -> Dict[str, Optional[float]]:
+    """The share of positive labels in each split (None for an empty one).
+
+    Example::
+
+        >>> positive_rates(np.array([1, 0, 0, 1.0]), {"train": np.array([0, 1, 2]),
+        ...                                            "test": np.array([], dtype=np.int64)})
+        {'train': 0.3333333333333333, 'test': None}
+    """
+    rates: Dict[str, Optional[float]] = {}
+    for name, rows in splits.items():
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        rates[name] = (
+            float(np.asarray(labels[rows], dtype=np.float64).mean()) if len(rows) else None
+        )
+    return rates
+
+
+def check_training_labels(config: TrainConfig, rate: Optional[float], rows: int) -> None:
+    """Refuses a training split whose labels are all 0 or all 1: the model would learn a
+    constant and every AUC would be undefined."""
+    if rate is not None and rate in (0.0, 1.0):
+        raise ConfigError(
+            f"every one of the {rows:,} training labels of {config.data} is {int(rate)} (the "
+            f"--label column has one class): a CTR model needs clicks and non-clicks"
+        )
+
+
 def check_split_sizes(
     config: TrainConfig, n_train: int, n_val: int, n_test: int, world_size: int
 ) -> None:
@@ -236,6 +264,11 @@ class Trainer:
             config.test_fraction, config.val_fraction, config.seed
         )
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.positive_rates = positive_rates(
+            self.dataset.labels,
+            {"train": self.train_idx, "validation": self.val_idx, "test": self.test_idx},
+        )
+        check_training_labels(config, self.positive_rates["train"], len(self.train_idx))
         check_split_sizes(
             config, len(self.train_idx), len(self.val_idx), len(self.test_idx), world_size
         )
@@ -721,6 +754,7 @@ class Trainer:
                 "train": len(self.train_idx),
                 "val": len(self.val_idx),
                 "test": len(self.test_idx),
+                "positive_rate": self.positive_rates,
                 "bad_rows_skipped": self.dataset.bad_rows,
                 "dense_clipped": self.dataset.dense_clipped,
                 "dense_negative_under_log": self.dataset.dense_negative_under_log,
@@ -818,6 +852,13 @@ class Trainer:
             ),
             f"dense inputs: {plan.summary()}; statistics of {plan.fitted_on}"
             + (f" (read in {self._plan_seconds:.1f} s)" if self._plan_seconds >= 1 else ""),
+            "positive labels: "
+            + ", ".join(
+                f"{rate:.2%} of {name}"
+                + (" (one class: its AUC is undefined)" if rate in (0.0, 1.0) else "")
+                for name, rate in self.positive_rates.items()
+                if rate is not None
+            ),
         ]
 
 
