@@ -132,18 +132,29 @@ def _predict(args: argparse.Namespace) -> Dict[str, Any]:
     with ScoreWriter(output, keep_name=args.id_column) as writer:
         for scores, keep in predictor.scores(source, progress=args.progress):
             writer.write(scores, keep)
+    _say_unseen(predictor)
     return {
         "output": str(output),
         "rows": writer.rows,
         "weights": predictor.weights,
         "out_of_range_ids": predictor.out_of_range,
+        "unseen_values": predictor.unseen,
     }
+
+
+def _say_unseen(predictor: Any) -> None:
+    import sys
+
+    line = predictor.unseen_summary()
+    if line is not None:
+        print(f"torchrec-cowclip: {line}", file=sys.stderr)
 
 
 def _evaluate(args: argparse.Namespace) -> Dict[str, Any]:
     predictor = _predictor(args)
     source = predictor.open(args.data, labels=True, delimiter=args.delimiter)
     metrics: Dict[str, Any] = predictor.evaluate(source, progress=args.progress)
+    _say_unseen(predictor)
     return metrics
 
 
