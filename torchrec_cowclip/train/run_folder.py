@@ -4,8 +4,8 @@ When a run finishes, the trainer writes ``<out>/model/`` (through ``model.tmp`` 
 rename, so a run killed while writing it leaves none, and the next start removes the
 temporary):
 
-* ``weights/final/`` (the weights at the end) and, with early stopping,
-  ``weights/best/`` (the best validation epoch's): DCP checkpoints of the model's
+* ``weights/final/`` (the weights at the end) and, with a validation split,
+  ``weights/best/`` (the best validation epoch's; the reported ones under early stopping): DCP checkpoints of the model's
   tensors alone, each rank writing its shards, global layout (they load on one process);
 * ``encoders/``: the vocabulary (``id_vocab.npz``: per column the kept values in id order,
   ``data.pipeline.run_encoders``), where the run has one; hashing keeps no state (its
@@ -473,7 +473,7 @@ class RunFolder:
         if name not in self.weights:
             raise RunFolderError(
                 f"{self.path}: no '{name}' weights; it has {', '.join(sorted(self.weights))}"
-                + (" (best weights are kept with --early-stop-patience)" if name == "best" else "")
+                + (" (best weights are kept with --val-fraction)" if name == "best" else "")
             )
         return self.model_dir / self.weights[name]
 

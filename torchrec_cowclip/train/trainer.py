@@ -358,7 +358,8 @@ class Trainer:
         self._saved_step = p.global_step
 
     def _save_best(self) -> None:
-        """Early stopping's best weights, as their own checkpoint (not kept in memory)."""
+        """The best validation epoch's weights, as their own checkpoint (not kept in
+        memory): the run folder's ``weights/best`` (the reported ones under early stopping)."""
         saved = self.checkpoints.save(
             "best",
             f"e{self.progress.epoch}",
@@ -417,6 +418,13 @@ class Trainer:
         self._saved_step = self.progress.global_step
         self._resumed_from = checkpoint.path
         return True
+
+    def _load_latest_model(self) -> None:
+        """Puts the newest "latest" checkpoint's model weights (the last step's: a run
+        checkpoints before it finishes) back into the model."""
+        tensors = self.runtime.model_tensors()
+        self.checkpoints.load("latest", tensors)
+        self.runtime.train_module.load_state_dict(tensors["model"])
 
     def _load_best(self) -> None:
         tensors = self.runtime.model_tensors()
@@ -624,8 +632,7 @@ class Trainer:
             if val["auc"] > p.best_val_auc:
                 p.best_val_auc, p.best_epoch = val["auc"], p.epoch
                 p.epochs_without_improvement = 0
-                if cfg.early_stop_patience:
-                    self._save_best()
+                self._save_best()
             else:
                 p.epochs_without_improvement += 1
                 if (
@@ -660,6 +667,13 @@ class Trainer:
         log.info(
             epoch_line({**row, "epochs": cfg.epochs, "eta_s": self._eta(step_s) if more else None})
         )
+        if p.stopped_early and p.epoch < cfg.epochs:
+            log.info(
+                f"early stopping after epoch {p.epoch} of {cfg.epochs}: no better validation "
+                f"AUC for {p.epochs_without_improvement} epoch(s) (--early-stop-patience "
+                f"{cfg.early_stop_patience}); the best was epoch {p.best_epoch + 1} "
+                f"({p.best_val_auc:.5f}), whose weights the run keeps and reports"
+            )
 
     def _evaluate(
         self, indices: np.ndarray, log: Optional[RunLog] = None, name: str = "test"
@@ -696,11 +710,15 @@ class Trainer:
         folder = RunFolderWriter(self.out, main=self.runtime.is_main)
         folder.save_weights("final", self.runtime.model_tensors()["model"], prefix="model.")
         reported = "final"
-        if cfg.early_stop_patience and self._best_checkpoint is not None:
-            # Early stopping: the final model is the best validation epoch's.
+        if self._best_checkpoint is not None:
+            # A validation split: the best epoch's weights too. Under early stopping they
+            # are the run's model; otherwise the last step's are, and stay in the model.
             self._load_best()
             folder.save_weights("best", self.runtime.model_tensors()["model"], prefix="model.")
-            reported = "best"
+            if cfg.early_stop_patience:
+                reported = "best"
+            else:
+                self._load_latest_model()
         final_epoch = (
             p.best_epoch
             if (cfg.early_stop_patience and p.best_epoch >= 0)
@@ -765,6 +783,11 @@ class Trainer:
             "model_size": self.runtime.model_size.as_dict(),
             "peak_rss_mb": peak_rss_mb(),
         }
+        metrics["weights"] = {
+            "default": reported,
+            "kept": list(folder.weights),
+            "best_epoch": best_epoch if "best" in folder.weights else None,
+        }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
         if self.runtime.is_main:
@@ -778,8 +801,29 @@ class Trainer:
                 cfg, self.dataset, encoder_writer(self.dataset)(encoders)
             ),
         )
+        if self.runtime.is_main:
+            _say(self._weights_line(reported, folder.weights, best_epoch, len(p.epoch_auc)))
         self.model.eval()
         return TrainResult(metrics, self.out if self.runtime.is_main else None, self.model)
+
+    def _weights_line(
+        self, reported: str, kept: List[str], best_epoch: Optional[int], epochs: int
+    ) -> str:
+        """Which weights the run folder keeps, and which predict and evaluate use."""
+        where = self.out / "model" / "weights"
+        if "best" not in kept:
+            return f"weights: {where}/final (the last step's); predict and evaluate use them"
+        best = f"best (epoch {best_epoch}, the best validation AUC)"
+        final = f"final (the last step's, epoch {epochs})"
+        if reported == "best":
+            return (
+                f"weights: {where}/{best}, which predict and evaluate use by default, and "
+                f"{final}: --weights final"
+            )
+        return (
+            f"weights: {where}/{final}, which predict and evaluate use by default, and "
+            f"{best}: --weights best"
+        )
 
     def _plot(self) -> None:
         """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
