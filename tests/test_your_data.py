@@ -325,3 +325,9 @@ def test_a_one_class_label_is_refused_in_one_line(tmp_path, capsys):
     assert refused.value.code == 2 and err.startswith("torchrec-cowclip: error: every one of ")
     assert "the 270 training labels of table:" in err and "is 0 (the --label column" in err, err
     assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_a_file_without_a_kind_is_pointed_to_table(tmp_path, capsys, csv_file):
+    err = _refused(tmp_path, capsys, "--data", str(csv_file), "--label", "click")
+    assert f"--data {csv_file}: no data kind; a click log of your own (CSV, TSV, parquet) is " \
+        f"table:{csv_file} with --label, --dense and --sparse" in err, err  # fmt: skip

@@ -31,7 +31,7 @@ _DATA_HELP = (
     "parquet, with --label/--dense/--sparse), criteo:PATH[,PATH...] (raw Criteo: Kaggle "
     "train.txt or 1TB day_N), criteo-npy:DIR (TorchRec's preprocessed "
     "day_N_{dense,sparse,labels}.npy), avazu:PATH, synthetic:ROWS (built-in Criteo-like "
-    "data), synthetic-hard:ROWS (the same, harder). Converted once into --cache-dir"
+    "data), synthetic-hard:ROWS (the same, harder). Converted once into --cache-dir; required"
 )
 
 #: What each --model is (the names are the factory registry's; a model registered there

@@ -246,6 +246,19 @@ class CTRDataset:
         return BatchIterator(self, indices, batch_size, **kwargs)
 
 
+#: File name endings that say a ``--data`` value without a kind is a file of one's own.
+_TABLE_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet", ".pq", ".gz", ".bz2", ".xz", ".zst")
+
+
+def _looks_like_files(spec: str) -> bool:
+    """Whether ``spec`` names files (an existing path, or a table's extension) rather
+    than a kind."""
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    return bool(paths) and all(
+        Path(p).expanduser().exists() or p.lower().endswith(_TABLE_SUFFIXES) for p in paths
+    )
+
+
 def parse_spec(spec: str) -> Tuple[str, List[str]]:
     """``"criteo:a,b"`` -> ``("criteo", ["a", "b"])``; the kind checks its arguments.
 
@@ -257,6 +270,12 @@ def parse_spec(spec: str) -> Tuple[str, List[str]]:
     kind = kind.strip().lower()
     kinds = source_kinds()
     args = [p.strip() for p in rest.split(",") if p.strip()]
+    if (not sep or kind not in kinds) and _looks_like_files(spec):
+        raise DataOptionError(
+            f"--data {spec}: no data kind; a click log of your own (CSV, TSV, parquet) is "
+            f"table:{spec} with --label, --dense and --sparse naming its columns (other "
+            f"kinds: {', '.join(k + ':' for k in kinds if k != 'table')})"
+        )
     if not sep or kind not in kinds or not args:
         raise DataOptionError(
             f"bad dataset spec {spec!r}: expected KIND:ARG with KIND one of {', '.join(kinds)} "
