@@ -794,7 +794,7 @@ class Trainer:
             write_text_atomically(
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
-            self._plot()
+            self._plot(best_epoch, p.stopped_early)
         folder.complete(
             describe_model(cfg, self.dataset, metrics, folder.weights, reported),
             lambda encoders: describe_data(
@@ -825,7 +825,7 @@ class Trainer:
             f"{best}: --weights best"
         )
 
-    def _plot(self) -> None:
+    def _plot(self, best_epoch: Optional[int] = None, stopped_early: bool = False) -> None:
         """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
         warning, not the finished run (its metrics and checkpoints are written)."""
         hp = self.hp
@@ -834,7 +834,7 @@ class Trainer:
             f"(x{hp.scale:g}), recipe {hp.recipe}, seed {self.config.seed}"
         )
         try:
-            write_run_curves(self.out, title)
+            write_run_curves(self.out, title, best_epoch, stopped_early)
         except Exception as e:  # noqa: BLE001 - any plotting failure, reported in one line
             _say(f"warning: no {CURVES_PNG} in {self.out}: {type(e).__name__}: {e}")
 
