@@ -39,7 +39,12 @@ def _batch_axis(ax: Any, batches: Sequence[int]) -> None:
 
 
 def _recipes(summary: Sequence[Dict[str, Any]]) -> List[str]:
-    return list(dict.fromkeys(s["recipe"] for s in summary))
+    """The series of the figures: each recipe with its grid learning rates."""
+    return list(dict.fromkeys(_variant(s) for s in summary))
+
+
+def _variant(row: Dict[str, Any]) -> str:
+    return str(row.get("variant") or row["recipe"])
 
 
 def _errorbars(ax: Any, rows: Sequence[Dict[str, Any]], key: str, label: str) -> None:
@@ -68,7 +73,7 @@ def plot_auc(report: Dict[str, Any], path: Path) -> Path:
     fig, axes = new_figure(1, len(panels))
     for ax, (key, label) in zip(axes[0], panels):
         for recipe in _recipes(summary):
-            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+            _errorbars(ax, [s for s in summary if _variant(s) == recipe], key, recipe)
         if key.endswith("change"):
             ax.axhline(0.0, color="grey", lw=0.8)
             ax.axhspan(-0.1, 0.1, color="tab:green", alpha=0.08, lw=0)  # within 0.1 point
@@ -99,7 +104,7 @@ def curves_figure(report: Dict[str, Any], out: Path) -> Any:
     styles = ["-", "--", ":", "-."]
     seeds = sorted({c["seed"] for c in cells})
     for (auc_ax, loss_ax), recipe in zip(axes, recipes):
-        for c in (c for c in cells if c["recipe"] == recipe):
+        for c in (c for c in cells if _variant(c) == recipe):
             run = Path(out) / c["run"]
             steps, epochs = read_csv(run / "steps.csv"), read_csv(run / "epochs.csv")
             colour = colours(batches.index(c["batch_size"]) / max(len(batches) - 1, 1))
@@ -149,7 +154,7 @@ def time_figure(report: Dict[str, Any]) -> Any:
         ),
     ):
         for recipe in _recipes(summary):
-            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+            _errorbars(ax, [s for s in summary if _variant(s) == recipe], key, recipe)
         _batch_axis(ax, batches)
         ax.set_yscale("log")
         plain_log_ticks(ax.yaxis)
