@@ -161,6 +161,29 @@ def _signed_log(path: Path, n: int, seed: int) -> np.ndarray:
     return x
 
 
+def _train_log(tmp_path: Path, dense: str, name: str, *flags: str) -> dict:
+    """Trains on ``tmp_path/log.csv`` (label click, one dense column, site) and returns the
+    run's metrics."""
+    out = tmp_path / name
+    argv = cli_args(
+        data=f"table:{tmp_path / 'log.csv'}",
+        label="click",
+        dense=dense,
+        sparse="site",
+        batch_size=256,
+        epochs=2,
+        hidden=8,
+        embedding_dim=4,
+        lr="1e-2",
+        threads=1,
+        no_progress=True,
+        out=out,
+        cache_dir=tmp_path / "c",
+    )
+    assert main([*argv, *flags]) == 0
+    return json.loads((out / "metrics.json").read_text())
+
+
 def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     """The issue's case: a normal(0, 2) column under log lost half its values to 0 (test
     AUC 0.912 where the raw feature allows 0.949). Now a table's default, signed-log, and
@@ -174,24 +197,7 @@ def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     ceiling = rank_auc(np.asarray(ds.labels)[test], x[test])
 
     def auc(*flags: str) -> dict:
-        out = tmp_path / f"run{len(flags)}{flags[-1] if flags else ''}"
-        argv = cli_args(
-            data=f"table:{tmp_path / 'log.csv'}",
-            label="click",
-            dense="x",
-            sparse="site",
-            batch_size=256,
-            epochs=2,
-            hidden=8,
-            embedding_dim=4,
-            lr="1e-2",
-            threads=1,
-            no_progress=True,
-            out=out,
-            cache_dir=tmp_path / "c",
-        )
-        assert main([*argv, *flags]) == 0
-        return json.loads((out / "metrics.json").read_text())
+        return _train_log(tmp_path, "x", f"run{len(flags)}{flags[-1] if flags else ''}", *flags)
 
     default, standardized, logged = (
         auc(),
@@ -223,25 +229,7 @@ def test_a_unix_timestamp_column_keeps_its_information(tmp_path, caplog):
     stored as it is (float32), standardized with float64 statistics, and drives the AUC;
     under the default signed-log (21.25 +- 0.0004) the run says it is nearly constant."""
     ts = _timestamps(tmp_path / "log.csv", 6000, seed=0)
-    out = tmp_path / "run"
-    argv = cli_args(
-        data=f"table:{tmp_path / 'log.csv'}",
-        label="click",
-        dense="ts",
-        sparse="site",
-        dense_transform="ts=standardize",
-        batch_size=256,
-        epochs=2,
-        hidden=8,
-        embedding_dim=4,
-        lr="1e-2",
-        threads=1,
-        no_progress=True,
-        out=out,
-        cache_dir=tmp_path / "c",
-    )
-    assert main(argv) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = _train_log(tmp_path, "ts", "run", "--dense-transform", "ts=standardize")
     assert metrics["dataset"]["dense_clipped"] == {}
     column = metrics["dataset"]["dense_plan"]["columns"][0]
     # The training split's mean and std (float64), not 1e9 and 1.
