@@ -239,7 +239,7 @@ def constant_columns(
         >>> for line in constant_columns(s, ("none", "signed-log", "log"), s.names):
         ...     print(line)
         dense column 'a' is constant after its transform none (every training value 1): it carries nothing into the model
-        dense column 'ts' varies by 0.0002 around 21.25 after signed-log: nearly constant to the model; --dense-transform ts=standardize centres and scales it
+        dense column 'ts' varies by 0.0002 around 21.2502 after signed-log: nearly constant to the model; --dense-transform ts=standardize centres and scales it
     """
     lines = []
     for j, (name, transform) in enumerate(zip(names, transforms)):
