@@ -500,3 +500,28 @@ def test_libtorch_cpu_carries_fbgemms_radix_sort():
     ):
         assert compat.fbgemm_radix_sort_available()
     assert "-DCOWCLIP_FBGEMM_RADIX_SORT=1" in native.build_flags()
+
+
+def test_qconfig_propagation_reads_torchs_qconfig_spec_and_module_name():
+    """torch.ao.quantization's propagation is where compat.qconfig_propagation looks: the
+    function and its locals exist, and a module asked for its qconfig there sees them."""
+    import importlib
+    import inspect
+
+    function, module = compat.QCONFIG_PROPAGATION
+    helper = getattr(importlib.import_module(module), function)
+    assert helper.__module__ == module
+    assert {"qconfig_dict", "prefix"} <= set(inspect.signature(helper).parameters)
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __getattr__(self, name):
+            if name == "qconfig":
+                seen.append(compat.qconfig_propagation())
+            return super().__getattr__(name)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Probe())
+    torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, inplace=True)
+    spec, name = seen[0]
+    assert torch.nn.Linear in spec and name == "1"
+    assert compat.qconfig_propagation() is None

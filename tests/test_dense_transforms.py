@@ -19,7 +19,7 @@ from torchrec_cowclip.data import (
     DenseTransformSpec,
     open_dataset,
 )
-from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, stored_values
+from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, constant_columns, stored_values
 from torchrec_cowclip.train import train
 
 
@@ -88,11 +88,43 @@ def test_stored_values_keep_signs_count_what_log_cannot_take_and_clip():
     v = stored_values(raw, ("log", "signed-log", "none"), clipped, negative)
     assert v.dtype == np.float32
     np.testing.assert_allclose(v[:, 0], np.log1p([0.0, 2.0, 0.0]), rtol=1e-6)  # -3 -> 0
+    # The clip comes after the transform: signed-log keeps -2e300 as -log1p(2e300).
     np.testing.assert_allclose(
-        v[:, 1], [-np.log1p(3.0), np.log1p(2.0), -np.log1p(DENSE_CLIP)], rtol=1e-6
+        v[:, 1], [-np.log1p(3.0), np.log1p(2.0), -np.log1p(2e300)], rtol=1e-6
     )
     assert np.isnan(v[0, 2]) and v[1, 2] == np.float32(DENSE_CLIP) and v[2, 2] == -1.0
-    assert negative.tolist() == [1, 0, 0] and clipped.tolist() == [0, 1, 1]
+    assert negative.tolist() == [1, 0, 0] and clipped.tolist() == [0, 0, 1]
+
+
+def test_large_values_are_stored_as_they_are_and_legacy_plans_clip_as_they_trained():
+    """Unix timestamps (1.7e9 s, 1.7e18 ns) were clipped to 1e9, a constant column."""
+    raw = np.array([[1.7e9, 1.7e18], [1.7e9 + 86400, 1.7e18 + 1e12]])
+    clipped = np.zeros(2, np.int64)
+    v = stored_values(raw, ("standardize", "none"), clipped)
+    np.testing.assert_allclose(v, raw.astype(np.float32), rtol=0)
+    assert clipped.tolist() == [0, 0] and v[1, 0] - v[0, 0] == 86400.0
+    stats = DenseStats(["ts", "ns"])
+    stats.update(v)
+    plan = DensePlan.fit(stats, ("standardize", "none"))
+    np.testing.assert_allclose(plan.apply(v)[:, 0], [-1.0, 1.0])
+    # A run folder written before this change clipped raw values at 1e9 first.
+    legacy = plan.to_json()
+    del legacy["clip_after_transform"]
+    legacy["clip"] = 1e9
+    old = DensePlan.from_json(legacy)
+    assert old.clip_before == 1e9 and DensePlan.from_json(plan.to_json()).clip_before is None
+    assert old.transform(raw)[0, 1] == np.float32(1e9)
+    np.testing.assert_allclose(plan.transform(raw), plan.apply(v))
+
+
+def test_a_constant_column_after_its_transform_is_named():
+    stats = DenseStats(["flat", "ok"])
+    stats.update(np.array([[3.0, 1.0], [3.0, 2.0], [np.nan, 3.0]]))
+    lines = constant_columns(stats, ("standardize", "standardize"), stats.names)
+    assert lines == [
+        "dense column 'flat' is constant after its transform standardize (every training "
+        "value 3): it carries nothing into the model"
+    ]
 
 
 def test_statistics_of_blocks_equal_those_of_the_whole_and_survive_json():

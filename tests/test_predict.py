@@ -22,6 +22,7 @@ from serving_cases import (
 from tiny import cli_args
 
 import torchrec_cowclip
+import torchrec_cowclip.serve.inputs
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.train.cli import main
 
@@ -95,14 +96,11 @@ def test_in_memory_columns_score_as_the_file_does(trained):
     }
     np.testing.assert_allclose(model.predict(pa.table(typed)), expected, rtol=1e-6)
 
-    class Frame:  # what predict reads of a pandas DataFrame
-        def __init__(self, data):
-            self.data, self.columns = data, list(data)
+    # pandas (a pinned dependency): read_csv as a user would, categoricals as text.
+    import pandas as pd
 
-        def __getitem__(self, name):
-            return type("Series", (), {"to_numpy": lambda s: np.asarray(self.data[name], object)})()
-
-    np.testing.assert_allclose(model.predict(Frame(typed)), expected, rtol=1e-6)
+    frame = pd.read_csv(trained["test"], dtype={f"C{i}": str for i in range(1, 27)})
+    np.testing.assert_allclose(model.predict(frame), expected, rtol=1e-6)
     with pytest.raises(DataError, match=r"no columns 'C25', 'C26' of the run's schema"):
         model.predict({k: v for k, v in columns.items() if k not in ("C25", "C26")})
 
@@ -179,3 +177,42 @@ def test_torchrec_quantized_tables_change_the_auc_little(trained, capsys):
         assert metrics["tables"] == dtype and abs(metrics["auc"] - exact["auc"]) < 0.02
     scores = torchrec_cowclip.load_model(trained["run"], quantize="int8").predict(trained["test"])
     np.testing.assert_allclose(scores, trained["model"].predict(trained["test"]), atol=0.02)
+
+
+def test_unseen_values_are_counted_per_column_on_the_console_and_in_json(trained, capsys):
+    """The issue's case: wrong input scored silently with out_of_range_ids 0."""
+    header, *body = read_rows(trained["test"])
+    c3 = header.index("C3")
+    unseen = [[*r[:c3], f"never-seen-{i}", *r[c3 + 1 :]] for i, r in enumerate(body)]
+    path = write_rows(trained["root"] / "unseen-counted.csv", [header, *unseen])
+    out = trained["root"] / "unseen-scores.csv"
+    summary = cli_json(capsys, "predict", "--run", trained["run"], "--data", path, "--output", out)
+    assert summary["unseen_values"]["C3"] == 50 and set(summary["unseen_values"]) >= {"C1", "C26"}
+    metrics = cli_json(capsys, "evaluate", "--run", trained["run"], "--data", path)
+    assert metrics["unseen_values"] == summary["unseen_values"]
+    model = trained["model"]
+    model.predict(path)
+    assert model.unseen == summary["unseen_values"] and model.rows == 50
+    assert "C3 50 (100.0%)" in model.unseen_summary()
+
+
+def test_a_text_column_handed_over_as_numbers_is_named(tmp_path, capsys):
+    """Zip codes '00501' read by pandas as 501 fall to the unseen row: a warning names
+    the column and dtype=str."""
+    rng = np.random.default_rng(0)
+    zips = np.array(["00501", "00544", "01001", "90210"])
+    rows = [["click", "zip"]] + [[str(int(rng.random() < 0.3)), z] for z in rng.choice(zips, 400)]
+    data = write_rows(tmp_path / "zips.csv", rows)
+    argv = cli_args(data=f"table:{data}", label="click", sparse="zip", batch_size=64, hidden=8,
+                    embedding_dim=4, no_progress=True, out=tmp_path / "run",
+                    cache_dir=tmp_path / "c")  # fmt: skip
+    assert main(argv) == 0
+    model = torchrec_cowclip.load_model(tmp_path / "run")
+    as_text = model.predict({"zip": [r[1] for r in rows[1:]]})
+    assert model.unseen == {"zip": 0}
+    with pytest.warns(torchrec_cowclip.serve.inputs.UnseenValuesWarning,
+                      match=r"'zip' arrived as numbers \(int64\) .* such as '00501' .* "
+                      r"dtype=\{'zip': str\}"):  # fmt: skip
+        as_numbers = model.predict({"zip": np.array([int(r[1]) for r in rows[1:]])})
+    leading_zero = sum(r[1].startswith("0") for r in rows[1:])
+    assert model.unseen == {"zip": leading_zero} and not np.array_equal(as_text, as_numbers)

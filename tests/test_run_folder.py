@@ -15,6 +15,7 @@ from tiny import tiny_config
 
 import torchrec_cowclip
 from torchrec_cowclip.train import TrainResult, train
+from torchrec_cowclip.train.checkpoint import CheckpointStore
 from torchrec_cowclip.train.run_dir import RunDirError
 from torchrec_cowclip.train.run_folder import MANIFEST, RunFolder, RunFolderError
 from torchrec_cowclip.train.safe_load import UnsafeFileError
@@ -137,3 +138,61 @@ def test_train_returns_the_metrics_with_the_run_dir_and_model(tmp_path):
     for key, value in result.model.state_dict().items():
         np.testing.assert_array_equal(loaded[key].numpy(), value.numpy(), err_msg=key)
     assert torchrec_cowclip.load_model(result.run_dir, weights="final").weights == "final"
+
+
+def _worsening_validation(monkeypatch):
+    """Validation AUC 0.7, 0.69, 0.68, ...: the first epoch is the best."""
+    from torchrec_cowclip.train.trainer import Trainer
+
+    real = Trainer._evaluate
+
+    def evaluate(self, indices, log=None, name="test"):
+        result = real(self, indices, log, name)
+        if name == "validation":
+            result = {**result, "auc": 0.7 - 0.01 * self.progress.epoch}
+        return result
+
+    monkeypatch.setattr(Trainer, "_evaluate", evaluate)
+
+
+def test_a_validation_split_keeps_the_best_epochs_weights_without_early_stopping(
+    tmp_path, monkeypatch, capsys
+):
+    """The issue's case: best_epoch 2 was reported but only the last epoch was kept."""
+    _worsening_validation(monkeypatch)
+    result = train(tiny_config(tmp_path, val_fraction=0.1, epochs=3, lr_embed=1e-2))
+    assert result["best_epoch"] == 1 and result["epochs"] == 3
+    assert result["weights"] == {"default": "final", "kept": ["final", "best"], "best_epoch": 1}
+    run = RunFolder.open(result.run_dir)
+    assert sorted(run.weights) == ["best", "final"] and run.reported == "final"
+    err = capsys.readouterr().err
+    assert "weights/final (the last step's, epoch 3), which predict and evaluate use by " in err
+    assert "best (epoch 1, the best validation AUC): --weights best" in err
+    final = torchrec_cowclip.load_model(result.run_dir)
+    best = torchrec_cowclip.load_model(result.run_dir, weights="best")
+    assert final.weights == "final" and best.weights == "best"
+    live = result.model.state_dict()  # the model train returns is the last step's
+    for key, value in final.model.state_dict().items():
+        np.testing.assert_array_equal(live[key].numpy(), value.numpy(), err_msg=key)
+    store = CheckpointStore(result.run_dir / "checkpoints")
+    tensors = {"model": {f"model.{k}": v.clone() for k, v in best.model.state_dict().items()}}
+    saved = {k: v.clone() for k, v in tensors["model"].items()}
+    store.load(next(iter(store.complete("best"))), tensors)  # epoch 1's checkpoint
+    for key, value in saved.items():
+        np.testing.assert_array_equal(tensors["model"][key].numpy(), value.numpy(), err_msg=key)
+    assert any(not np.array_equal(live[k[6:]].numpy(), v.numpy()) for k, v in saved.items())
+
+
+def test_early_stopping_is_announced_on_the_console(tmp_path, monkeypatch, capsys):
+    _worsening_validation(monkeypatch)
+    result = train(
+        tiny_config(tmp_path, val_fraction=0.1, epochs=4, early_stop_patience=1, lr_embed=1e-2)
+    )
+    assert result["stopped_early"] and result["epochs"] == 2
+    err = capsys.readouterr().err
+    assert (
+        "early stopping after epoch 2 of 4: no better validation AUC for 1 epoch(s) "
+        "(--early-stop-patience 1); the best was epoch 1 (0.70000), whose weights the run "
+        "keeps and reports"
+    ) in err
+    assert "weights/best (epoch 1, the best validation AUC), which predict and evaluate" in err

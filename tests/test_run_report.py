@@ -54,11 +54,20 @@ def _train_flag_helps() -> dict:
     return _flag_helps(parser)
 
 
-@pytest.mark.parametrize("command", ["train", "sweep"])
+def _subcommands() -> list:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+def test_the_help_test_covers_every_subcommand():
+    assert _subcommands() == ["evaluate", "export", "predict", "sweep", "train"]
+
+
+@pytest.mark.parametrize("command", _subcommands())
 def test_every_flag_has_help_and_shows_its_default_once(command):
     parser = _command(command)
     helps = _flag_helps(parser)
-    assert len(helps) > 40
+    assert len(helps) > (40 if command in ("train", "sweep") else 4)
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -67,7 +76,9 @@ def test_every_flag_has_help_and_shows_its_default_once(command):
         flag = action.option_strings[-1]
         assert action.help and len(action.help) > 10, f"{command} {flag} has no help"
         shown = helps[flag]
-        if flag != "--data":  # required: it has no default
+        if action.required:  # it has no default: its help says it is required
+            assert "required" in shown and "default" not in shown, f"{command} {flag}: {shown}"
+        elif flag != "--data":
             assert shown.count("default") >= 1 or "required" in shown, (
                 f"{command} {flag} shows no default: {shown}"
             )
@@ -118,6 +129,9 @@ def test_start_summary_epoch_lines_and_per_epoch_rows(tmp_path, capsys):
     err = capsys.readouterr().err
     assert re.search(r"tables: 52 \(26 of dim 4, 26 of dim 1\), [\d,]+ rows, largest emb_C\d+", err)
     assert re.search(r"parameters: [\d,]+ in tables \+ [\d,]+ dense = [\d,]+", err)
+    rates = json.loads((out / "metrics.json").read_text())["dataset"]["positive_rate"]
+    assert f"positive labels: {rates['train']:.2%} of train, {rates['test']:.2%} of test" in err
+    assert 0.05 < rates["train"] < 0.95 and rates["validation"] is None
     assert "processes: 1 (the whole model in this process)" in err
     assert "dense inputs: log (I1, ..., I13: 13 columns); statistics of the 2,700 rows" in err
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]

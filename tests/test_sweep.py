@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrec_cowclip.sweep import runner
+from torchrec_cowclip.sweep import report, runner
 from torchrec_cowclip.sweep.cli import train_argv, train_parser
 from torchrec_cowclip.train import cli
 from torchrec_cowclip.train.config import TrainConfig
@@ -272,6 +272,14 @@ def test_a_killed_sweep_continues_where_it_stopped(swept, tmp_path, capsys):
             "cell b128-none-s0: --clip-r 2 has no effect with --recipe none (no clip)",
         ),
         (
+            ["--batch-sizes=128", "--lr-embed=1e-3,x"],
+            "--lr-embed: expected comma-separated positive rates such as 1e-4,1e-3, got '1e-3,x'",
+        ),
+        (
+            ["--batch-sizes=128", "--lr=1e-3,1e-3"],
+            "--lr: 0.001 given twice in '1e-3,1e-3'",
+        ),
+        (
             ["--batch-sizes=128,100000"],
             "cell b100000-paper-s0: --batch-size 100000 is larger than the 1,620 training rows",
         ),
@@ -399,3 +407,69 @@ def test_an_undefined_auc_never_wins_the_best_epoch(tmp_path):
     metrics = {"epoch_auc": [None, 0.7, 0.6], "epoch_val_auc": [None, 0.6, 0.65]}
     assert report._best_epoch(metrics) == (2, "val")
     assert report._best_epoch({"epoch_auc": [0.7, None]}) == (0, "test")
+
+
+# --------------------------------------------------------------------------- lr search
+
+
+def test_lists_of_learning_rates_make_one_cell_each():
+    from torchrec_cowclip.sweep.grid import plan_cells
+
+    base = TrainConfig(data="synthetic:100000", epochs=1, lr_embed=None)
+    cells = plan_cells(base, [1024], ["paper"], [0],
+                       rates={"lr_embed": [1e-4, 1e-3], "lr": [5e-4]})  # fmt: skip
+    assert [c.name for c in cells] == ["b1024-paper-le0.0001-s0", "b1024-paper-le0.001-s0"]
+    assert [c.config.lr_embed for c in cells] == [1e-4, 1e-3]
+    assert {c.config.lr for c in cells} == {5e-4} and cells[0].variant == "paper --lr-embed 0.0001"
+    both = plan_cells(base, [1024], ["paper"], [0],
+                      rates={"lr_embed": [1e-4, 1e-3], "lr": [1e-4, 1e-3]})  # fmt: skip
+    assert len(both) == 4 and both[1].name == "b1024-paper-le0.0001-lr0.001-s0"
+    # One value each: the names (and so a sweep's folders) of a sweep without a search.
+    one = plan_cells(base, [1024], ["paper"], [0], rates={"lr_embed": [1e-3], "lr": [None]})
+    assert [c.name for c in one] == ["b1024-paper-s0"] and one[0].config.lr_embed == 1e-3
+
+
+def test_a_learning_rate_search_draws_the_same_table_and_plots(tmp_path):
+    """Cells that differ in --lr-embed are rows of their own in the table, compared
+    with their own base batch, and series of their own in the figures."""
+    from torchrec_cowclip.sweep.grid import plan_cells
+    from torchrec_cowclip.sweep.plots import write_plots
+
+    base = TrainConfig(data="synthetic:100000", epochs=1, base_batch_size=1024)
+    grid = {"lr_embed": [1e-4, 1e-3]}
+    cells = plan_cells(base, [1024, 4096], ["paper"], [0], rates=grid)
+    (tmp_path / report.SETTINGS_FILE).write_text(
+        json.dumps({"settings": {"base_batch_size": 1024}})
+    )
+    for i, cell in enumerate(cells):
+        run = tmp_path / "cells" / cell.name
+        run.mkdir(parents=True)
+        record = {"cell": cell.name, "batch_size": cell.batch_size, "recipe": cell.recipe,
+                  "seed": cell.seed, "rates": cell.rates, "variant": cell.variant}  # fmt: skip
+        (run / "cell.json").write_text(json.dumps(record))
+        auc = 0.70 + 0.01 * i
+        metrics = {"epoch_auc": [auc], "epoch_logloss": [0.5], "epochs": 1, "steps": 10,
+                   "train_samples": 10_000, "train_samples_per_s": 1e4,
+                   "rows_updated": 100, "rows_clipped": 0,
+                   "hyperparameters": {"embedding_lr": cell.config.lr_embed}}  # fmt: skip
+        (run / "metrics.json").write_text(json.dumps(metrics))
+        (run / "epochs.csv").write_text(
+            f"epoch,step,train_samples,test_auc,train_loss\n1,10,10000,{auc},0.5\n"
+        )
+    built = report.build_report(tmp_path)
+    assert [(s["variant"], s["batch_size"]) for s in built["summary"]] == [
+        ("paper --lr-embed 0.0001", 1024),
+        ("paper --lr-embed 0.0001", 4096),
+        ("paper --lr-embed 0.001", 1024),
+        ("paper --lr-embed 0.001", 4096),
+    ]
+    # b1024 le1e-4: 0.70, b1024 le1e-3: 0.71, b4096 le1e-4: 0.72, b4096 le1e-3: 0.73
+    changes = {
+        (r["variant"], r["batch_size"]): round(r["best_auc_change"], 6) for r in built["cells"]
+    }
+    assert changes[("paper --lr-embed 0.001", 4096)] == 2.0
+    table = report.format_table(built["summary"], 1024)
+    assert "paper --lr-embed 0.001" in table
+    assert sum("base" in line for line in table.splitlines()[1:]) == 2  # one base row each
+    paths = write_plots(built, tmp_path)
+    assert all(p.read_bytes()[:8] == PNG for p in paths.values())

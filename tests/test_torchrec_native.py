@@ -18,9 +18,10 @@ from distributed_harness import run_ranks
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from tiny import TINY_PROCESSES, bag_config, tiny_config
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions, Helen
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
@@ -115,7 +116,7 @@ REFUSED = [
             "weight_decay_mode": WeightDecayMode.COWCLIP,
         },
         r"\['weight_decay_mode'\]=COWCLIP is refused: FBGEMM's WeightDecayMode.COWCLIP clips "
-        r"against a running, half-life-decayed count",
+        r"against the number of steps each row has appeared in",
     ),
     (
         {
@@ -225,8 +226,16 @@ def test_apply_optimizer_in_backward_marks_are_honoured():
             ),
             r"\['momentum'\] is not honoured",
         ),
+        (
+            lambda ebc: [
+                apply_optimizer_in_backward(cls, [p], {"lr": 0.1})
+                for p, cls in zip(ebc.parameters(), (CowClipAdam, torch.optim.Adam))
+            ],
+            r"^apply_optimizer_in_backward marks table 'lin' with torch.optim.Adam and table "
+            r"'t0' with CowClipAdam: one fused update trains every table of a collection alike",
+        ),
     ],
-    ids=["full_adagrad", "some_tables", "two_lrs", "sgd_momentum"],
+    ids=["full_adagrad", "some_tables", "two_lrs", "sgd_momentum", "two_classes"],
 )
 def test_apply_optimizer_in_backward_marks_that_cannot_be_honoured_are_refused(mark, message):
     ebc = _ebc()
@@ -288,6 +297,46 @@ def test_state_converts_to_fbgemm_names_and_back_sharing_storage():
         broken = {"state": {k: dict(v) for k, v in stock["state"].items()}}
         del broken["state"]["embedding_bags.t0.weight"]["t0.exp_avg_sq"]
         cowclip_state_dict(broken, like=ours)
+
+
+def test_a_combined_optimizers_state_converts_with_its_dense_keys_passed_through():
+    """TorchRec's CombinedOptimizer holds the tables' fused optimizer beside a dense one:
+    the dense parameters' state (Adam's, like the tables') passes through both ways."""
+    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer="adam"))
+    top = torch.nn.Linear(3, 1)
+    module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
+    top(torch.ones(2, 3)).sum().backward()
+    dense = KeyedOptimizerWrapper(dict(top.named_parameters(prefix="top")), torch.optim.Adam)
+    dense.step()
+    combined = CombinedOptimizer([("sparse", module.fused_optimizer), ("dense", dense)])
+    ours = combined.state_dict()
+    stock = fbgemm_state_dict(ours)
+    assert stock["state"]["dense.top.bias"] is ours["state"]["dense.top.bias"]
+    assert sorted(stock["state"]["dense.top.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert sorted(stock["state"]["sparse.embedding_bags.t0.weight"]) == [
+        "t0.exp_avg_sq",
+        "t0.momentum1",
+    ]
+    back = cowclip_state_dict(stock, like=ours)
+    torch.testing.assert_close(back["state"], ours["state"], rtol=0, atol=0)
+
+
+def test_fbgemm_cowclip_counters_are_named_when_dropped():
+    module = CowClipEmbeddingBagCollection(
+        _tables(), options=CowClipOptions(optimizer="rowwise_adagrad")
+    )
+    module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
+    ours = module.fused_optimizer.state_dict()
+    stock = fbgemm_state_dict(ours)
+    for key, entries in stock["state"].items():
+        table = key.split(".")[-2]
+        rows = next(iter(entries.values())).shape[0]
+        entries[f"{table}.prev_iter"] = torch.zeros(rows)
+        entries[f"{table}.row_counter"] = torch.zeros(rows)
+    with pytest.warns(UserWarning, match=r"\['lin.prev_iter', 'lin.row_counter', "
+                      r"'t0.prev_iter', 't0.row_counter'\] dropped"):  # fmt: skip
+        back = cowclip_state_dict(stock, like=ours)
+    torch.testing.assert_close(back, ours, rtol=0, atol=0)
 
 
 # --- on 2 ranks ----------------------------------------------------------------------
@@ -406,3 +455,88 @@ def test_the_pipelines_refuse_a_model_without_helen():
 
     with pytest.raises(ValueError, match="exactly one embedding collection built with helen"):
         helen_module(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("halflife, counter", [(-1, 3.0), (4, 1 + 2**-0.25 * (1 + 2**-0.25))])
+def test_fbgemm_cowclip_counts_the_steps_a_row_appears_in(halflife, counter):
+    """docs/torchrec.md, "FBGEMM's COWCLIP": row 1 occurs 3 times in each of 3 batches; its
+    row_counter counts 3 steps (cumulative under the default half-life -1, decayed with
+    one > 0), and momentum1 holds the unclipped mean g^2 (3^2 per step)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+    from fbgemm_gpu.tbe.config.optimizer_config import CounterWeightDecayMode, CowClipDefinition
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.1,
+        weight_decay_mode=WeightDecayMode.COWCLIP,
+        cowclip_regularization=CowClipDefinition(
+            counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE,
+            counter_halflife=halflife,
+            weight_norm_coefficient=1.0,
+            lower_bound=1e-5,
+        ),
+    )
+    for _ in range(3):
+        tbe(torch.tensor([1, 1, 1, 2]), torch.tensor([0, 2, 4])).sum().backward()
+    momentum1, prev_iter, row_counter = tbe.split_optimizer_states()[0]
+    assert momentum1.flatten()[1].item() == pytest.approx(27.0)
+    assert prev_iter.flatten()[1].item() == 3.0
+    assert row_counter.flatten()[1].item() == pytest.approx(counter, rel=1e-6)
+
+
+# --- TorchRec's quantization ---------------------------------------------------------
+
+
+def _quantization_case():
+    tables = [bag_config("t0", 8, 20, ["f0"]), bag_config("t1", 4, 10, ["f1"])]
+    ours = CowClipEmbeddingBagCollection(tables)
+    stock = EmbeddingBagCollection(tables=tables)
+    stock.load_state_dict(ours.state_dict())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 1, 1, 1])
+    )
+    return ours, stock, kjt
+
+
+def test_torchrecs_quantize_embeddings_refuses_to_leave_the_collection_in_float32():
+    from torchrec.inference.modules import quantize_embeddings
+
+    ours, _, _ = _quantization_case()
+    model = torch.nn.Sequential(torch.nn.Identity(), ours)
+    with pytest.raises(TypeError, match=r"^quantize_embeddings would leave "
+                       r"CowClipEmbeddingBagCollection '1' in float32"):  # fmt: skip
+        quantize_embeddings(model, dtype=torch.qint8, inplace=True)
+    assert model[1] is ours and not hasattr(ours, "qconfig")
+    # A quantization that does not touch embedding collections goes on as before.
+    torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, inplace=True)
+
+
+@pytest.mark.parametrize("how", ["torchrec_cowclip", "torchrec_mapping"])
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.half])
+def test_the_collection_quantizes_like_a_stock_ebc(how, dtype):
+    from torchrec.inference.modules import quantize_embeddings
+
+    import torchrec_cowclip
+
+    ours, stock, kjt = _quantization_case()
+    if how == "torchrec_cowclip":
+        quantized = torchrec_cowclip.quantize_embeddings(torch.nn.Sequential(ours), dtype)
+    else:
+        mapping = torchrec_cowclip.quantization_mapping()
+        quantized = quantize_embeddings(
+            torch.nn.Sequential(ours),
+            dtype=dtype,
+            inplace=True,
+            additional_qconfig_spec_keys=list(mapping),
+            additional_mapping=mapping,
+        )
+    reference = quantize_embeddings(torch.nn.Sequential(stock), dtype=dtype, inplace=True)
+    assert type(quantized[0]) is type(reference[0])
+    torch.testing.assert_close(
+        quantized[0](kjt).values(), reference[0](kjt).values(), rtol=0, atol=0
+    )

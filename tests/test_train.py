@@ -122,7 +122,7 @@ def test_run_draws_its_loss_and_auc_curves(learned):
 def test_a_failed_plot_warns_and_keeps_the_run(tmp_path, monkeypatch, capsys):
     import torchrec_cowclip.train.trainer as trainer
 
-    def broken(out, title):
+    def broken(out, title, *marks):
         raise ValueError("no axes today")
 
     monkeypatch.setattr(trainer, "write_run_curves", broken)

@@ -140,13 +140,19 @@ def test_the_cli_takes_runs_settings_for_flags_not_given(days, tmp_path, capsys)
     out = tmp_path / "day2"
     argv = cli_args(
         data=f"table:{days['day2']}", test_data=f"table:{days['test']}", out=out,
-        cache_dir=days["cache"], init_from=days["root"] / "day1", batch_size=512,
-        no_progress=True,
+        cache_dir=days["cache"], init_from=days["root"] / "day1", no_progress=True,
+        seed=5,
     )  # fmt: skip
     assert main(argv) == 0
     config = json.loads((out / "model" / "model.json").read_text())["config"]
     assert config["hidden"] == [32] and config["embedding_dim"] == 8 and config["label"] == "label"
-    assert "initialised from" in capsys.readouterr().err
+    # The case: without --batch-size it trained at 1024, not RUN's batch.
+    assert config["batch_size"] == 512 and config["lr_embed"] == 1e-2 and config["seed"] == 5
+    err = capsys.readouterr().err
+    assert "initialised from" in err
+    line = next(x for x in err.splitlines() if x.startswith("from --init-from"))
+    assert "(flags not given): " in line and "--batch-size 512" in line, line
+    assert "--lr-embed 0.01" in line and "--hidden 32" in line and "--seed" not in line, line
 
 
 def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(

@@ -161,6 +161,29 @@ def _signed_log(path: Path, n: int, seed: int) -> np.ndarray:
     return x
 
 
+def _train_log(tmp_path: Path, dense: str, name: str, *flags: str) -> dict:
+    """Trains on ``tmp_path/log.csv`` (label click, one dense column, site) and returns the
+    run's metrics."""
+    out = tmp_path / name
+    argv = cli_args(
+        data=f"table:{tmp_path / 'log.csv'}",
+        label="click",
+        dense=dense,
+        sparse="site",
+        batch_size=256,
+        epochs=2,
+        hidden=8,
+        embedding_dim=4,
+        lr="1e-2",
+        threads=1,
+        no_progress=True,
+        out=out,
+        cache_dir=tmp_path / "c",
+    )
+    assert main([*argv, *flags]) == 0
+    return json.loads((out / "metrics.json").read_text())
+
+
 def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     """The issue's case: a normal(0, 2) column under log lost half its values to 0 (test
     AUC 0.912 where the raw feature allows 0.949). Now a table's default, signed-log, and
@@ -174,24 +197,7 @@ def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     ceiling = rank_auc(np.asarray(ds.labels)[test], x[test])
 
     def auc(*flags: str) -> dict:
-        out = tmp_path / f"run{len(flags)}{flags[-1] if flags else ''}"
-        argv = cli_args(
-            data=f"table:{tmp_path / 'log.csv'}",
-            label="click",
-            dense="x",
-            sparse="site",
-            batch_size=256,
-            epochs=2,
-            hidden=8,
-            embedding_dim=4,
-            lr="1e-2",
-            threads=1,
-            no_progress=True,
-            out=out,
-            cache_dir=tmp_path / "c",
-        )
-        assert main([*argv, *flags]) == 0
-        return json.loads((out / "metrics.json").read_text())
+        return _train_log(tmp_path, "x", f"run{len(flags)}{flags[-1] if flags else ''}", *flags)
 
     default, standardized, logged = (
         auc(),
@@ -204,3 +210,112 @@ def test_a_signed_column_reaches_the_raw_features_auc(tmp_path):
     negative = int((x < 0).sum())
     assert logged["dataset"]["dense_negative_under_log"] == {"x": negative} and negative > 4000
     assert logged["auc"] < ceiling - 0.01  # what silently clamping cost (0.017 here)
+
+
+def _timestamps(path: Path, n: int, seed: int) -> np.ndarray:
+    """A click log whose label follows a Unix timestamp (seconds, 30 days from 1.7e9)."""
+    rng = np.random.default_rng(seed)
+    ts = 1.7e9 + rng.integers(0, 30 * 86400, n)
+    p = 1 / (1 + np.exp(-4 * (ts - ts.mean()) / (30 * 86400)))
+    click = (rng.random(n) < p).astype(int)
+    site = rng.choice(["a", "b", "c"], n)
+    lines = ["click,ts,site"] + [f"{c},{t:.0f},{s}" for c, t, s in zip(click, ts, site)]
+    path.write_text("\n".join(lines) + "\n")
+    return ts
+
+
+def test_a_unix_timestamp_column_keeps_its_information(tmp_path, caplog):
+    """The issue's case: every timestamp was clipped to 1e9, a constant column. Now it is
+    stored as it is (float32), standardized with float64 statistics, and drives the AUC;
+    under the default signed-log (21.25 +- 0.0004) the run says it is nearly constant."""
+    ts = _timestamps(tmp_path / "log.csv", 6000, seed=0)
+    metrics = _train_log(tmp_path, "ts", "run", "--dense-transform", "ts=standardize")
+    assert metrics["dataset"]["dense_clipped"] == {}
+    column = metrics["dataset"]["dense_plan"]["columns"][0]
+    # The training split's mean and std (float64), not 1e9 and 1.
+    assert abs(column["shift"] - ts.mean()) < 0.05 * ts.std()
+    assert column["scale"] == pytest.approx(ts.std(), rel=0.05)
+    assert metrics["auc"] >= 0.75, metrics["auc"]
+    ds = open_dataset(
+        f"table:{tmp_path / 'log.csv'}",
+        tmp_path / "c",
+        label="click",
+        dense=["ts"],
+        sparse=["site"],
+    )
+    assert any(
+        "dense column 'ts' varies by" in n and "--dense-transform ts=standardize" in n
+        for n in ds.data_notes()
+    ), ds.data_notes()
+
+
+def test_na_values_read_as_missing_in_training_and_scoring(tmp_path, capsys):
+    """``N/A`` in a dense column and ``-`` in a categorical one: refused at file:line
+    without --na-values; with it, missing values in training, predict and a DataFrame."""
+    rng = np.random.default_rng(0)
+    lines = ["click,price,site"]
+    for i in range(600):
+        price = "N/A" if i % 7 == 0 else f"{rng.normal():.3f}"
+        site = "-" if i % 5 == 0 else str(rng.choice(["a", "b"]))
+        lines.append(f"{int(rng.random() < 0.4)},{price},{site}")
+    data = _write(tmp_path / "log.csv", lines)
+    flags = ["--data", f"table:{data}", "--label", "click", "--dense", "price", "--sparse", "site"]
+    with pytest.raises(SystemExit) as refused:
+        main(["train", *flags, "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1, err
+    assert "log.csv:2" in err and "N/A" in err, err
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        *flags,
+        "--na-values",
+        "N/A, -",
+        "--missing-indicator",
+        "--batch-size",
+        "128",
+        "--hidden",
+        "8",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    plan = metrics["dataset"]["dense_plan"]["columns"][0]
+    assert plan["missing_indicator"] and metrics["hyperparameters"]["na_values"] == ["N/A", "-"]
+    import torchrec_cowclip
+
+    model = torchrec_cowclip.load_model(out)
+    from_file = model.predict(str(data))
+    rows = [line.split(",") for line in lines[1:]]
+    columns = {"price": [r[1] for r in rows], "site": [r[2] for r in rows]}
+    explicit = {
+        "price": [None if r[1] == "N/A" else float(r[1]) for r in rows],
+        "site": ["" if r[2] == "-" else r[2] for r in rows],
+    }
+    np.testing.assert_array_equal(from_file, model.predict(columns))
+    np.testing.assert_array_equal(from_file, model.predict(explicit))
+
+
+def test_a_one_class_label_is_refused_in_one_line(tmp_path, capsys):
+    """The issue's case trained and reported test_auc 0.00000."""
+    lines = [HEADER] + [f"0,{i % 7 - 3},{20 + i % 30},{'abc'[i % 3]}" for i in range(300)]
+    data = _write(tmp_path / "log.csv", lines)
+    with pytest.raises(SystemExit) as refused:
+        main(
+            ["train", "--data", f"table:{data}", "--label", "click", "--dense", "price,age"]
+            + ["--sparse", "site", "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")]
+        )
+    err = capsys.readouterr().err.splitlines()[-1]  # after the conversion's progress lines
+    assert refused.value.code == 2 and err.startswith("torchrec-cowclip: error: every one of ")
+    assert "the 270 training labels of table:" in err and "is 0 (the --label column" in err, err
+    assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_a_file_without_a_kind_is_pointed_to_table(tmp_path, capsys, csv_file):
+    err = _refused(tmp_path, capsys, "--data", str(csv_file), "--label", "click")
+    assert f"--data {csv_file}: no data kind; a click log of your own (CSV, TSV, parquet) is " \
+        f"table:{csv_file} with --label, --dense and --sparse" in err, err  # fmt: skip

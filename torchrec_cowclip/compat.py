@@ -24,8 +24,9 @@ import functools
 import importlib
 import logging
 import os
+import sys
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,7 @@ __all__ = [
     "mark_static_dim",
     "mark_updated_in_backward",
     "process_group_timeout",
+    "qconfig_propagation",
     "recompile_limit_at_least",
     "register_ordered_effect",
     "row_wise_divisor_features",
@@ -151,6 +153,35 @@ def pipelined_forward_target(forward: Any) -> Tuple[Any, Optional[Any], torch.de
     distribution runs on (``_module``, ``_stream``, ``_device``): what a forward that
     reuses a waited input distribution needs."""
     return forward._module, forward._stream, forward._device
+
+
+# --- torch.ao.quantization --------------------------------------------------------------
+
+#: Where torch's eager-mode quantization gives each module its qconfig: the function,
+#: its module, and the locals it holds the qconfig spec and the module's name in.
+QCONFIG_PROPAGATION = ("_propagate_qconfig_helper", "torch.ao.quantization.quantize")
+
+
+def qconfig_propagation() -> Optional[Tuple[Mapping[Any, Any], str]]:
+    """``(qconfig spec, module name)`` of the ``torch.ao.quantization`` qconfig propagation
+    on the call stack (``quantize_dynamic``'s, which TorchRec's ``quantize_embeddings``
+    calls), or None outside one.
+
+    Why it is needed: ``quantize_embeddings`` quantizes the modules whose exact type its
+    spec names (``torchrec.EmbeddingBagCollection``), so another collection is left in
+    float32 without a word; reading the spec when torch asks a module for its ``qconfig``
+    is the one moment a collection can tell and refuse (``_propagate_qconfig_helper``'s
+    ``qconfig_dict`` and ``prefix`` locals)."""
+    name, module = QCONFIG_PROPAGATION
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == name and frame.f_globals.get("__name__") == module:
+            spec = frame.f_locals.get("qconfig_dict")
+            if isinstance(spec, Mapping):
+                return spec, str(frame.f_locals.get("prefix", ""))
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 # --- ShardedEmbeddingBagCollection ----------------------------------------------------

@@ -82,10 +82,43 @@ def epoch_ends(epochs: Sequence[Dict[str, str]], steps: Sequence[Dict[str, str]]
     return [(i + 1) * per_epoch for i in range(len(epochs))]
 
 
-def write_run_curves(out: Path, title: str = "") -> Path:
-    """Draws ``out/curves.png`` from the run's ``steps.csv`` and ``epochs.csv``: the
-    training loss against the step (each logged step's loss, and its running mean), and
-    the test and validation AUC at each epoch's end. Returns the path."""
+def plain_log_ticks(axis: Any) -> None:
+    """Tick labels of a log-scaled ``axis`` as plain numbers (``7``, ``20``, ``1.5K``),
+    not matplotlib's ``7x10^0``."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: short_number(v)))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def short_number(value: float) -> str:
+    """``1234567`` -> ``'1.2M'``, ``20000`` -> ``'20K'``, ``7.0`` -> ``'7'``, ``0.5`` -> ``'0.5'``.
+
+    Example::
+
+        >>> [short_number(v) for v in (7.0, 0.5, 1500, 20000, 1234567, 3e9)]
+        ['7', '0.5', '1.5K', '20K', '1.2M', '3G']
+    """
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2g}{suffix}"
+    return f"{value:.3g}"
+
+
+def sparse_ticks(axis: Any, count: int = 4) -> None:
+    """At most ``count`` major ticks on ``axis``, labelled by :func:`short_number`, so
+    that the labels of a narrow panel do not run into each other."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(nbins=count, min_n_ticks=2))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: short_number(v)))
+
+
+def run_curves_figure(
+    out: Path, title: str = "", best_epoch: Optional[int] = None, stopped_early: bool = False
+) -> Any:
+    """The figure of :func:`write_run_curves`."""
     out = Path(out)
     steps, epochs = read_csv(out / "steps.csv"), read_csv(out / "epochs.csv")
     fig, axes = new_figure(1, 2)
@@ -95,17 +128,42 @@ def write_run_curves(out: Path, title: str = "") -> Path:
         loss_ax.plot(x, column(steps, "loss"), color="tab:blue", alpha=0.3, lw=0.8, label="loss")
         if "running_loss" in steps[0]:
             loss_ax.plot(x, column(steps, "running_loss"), color="tab:blue", label="running mean")
-        loss_ax.legend(fontsize=8)
-    loss_ax.set(xlabel="step", ylabel="training logloss", title="training loss")
     ends = epoch_ends(epochs, steps)
+    for key, label, colour in (
+        ("train_loss", "training, epoch mean", "tab:blue"),
+        ("val_logloss", "validation", "tab:orange"),
+    ):
+        if epochs and key in epochs[0]:
+            loss_ax.plot(ends, column(epochs, key), marker="o", color=colour, label=label)
     for key, label in (("test_auc", "test"), ("val_auc", "validation")):
         if epochs and key in epochs[0]:
             auc_ax.plot(ends, column(epochs, key), marker="o", label=label)
-    if epochs:
-        auc_ax.legend(fontsize=8)
+    if best_epoch is not None and 0 < best_epoch <= len(ends):
+        what = "early stop: best epoch" if stopped_early else "best epoch"
+        for ax in (loss_ax, auc_ax):
+            ax.axvline(ends[best_epoch - 1], color="tab:red", ls="--", lw=1, label=what)
+    if stopped_early and ends:
+        for ax in (loss_ax, auc_ax):
+            ax.axvline(ends[-1], color="grey", ls=":", lw=1, label="stopped")
+    loss_ax.set(xlabel="step", ylabel="logloss", title="training and validation loss")
     auc_ax.set(xlabel="step (end of epoch)", ylabel="AUC", title="AUC after each epoch")
     for ax in axes[0]:
         ax.grid(True, alpha=0.3)
+        sparse_ticks(ax.xaxis)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
-    return save_png(fig, out / CURVES_PNG)
+    return fig
+
+
+def write_run_curves(
+    out: Path, title: str = "", best_epoch: Optional[int] = None, stopped_early: bool = False
+) -> Path:
+    """Draws ``out/curves.png`` from the run's ``steps.csv`` and ``epochs.csv``: the
+    training loss against the step (each logged step's loss, and its running mean) with
+    each epoch's mean training loss and validation loss, and the test and validation AUC
+    at each epoch's end; the best epoch (1-based) is marked, and an early stop. Returns
+    the path."""
+    fig = run_curves_figure(out, title, best_epoch, stopped_early)
+    return save_png(fig, Path(out) / CURVES_PNG)

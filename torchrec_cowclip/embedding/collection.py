@@ -30,7 +30,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import mark_updated_in_backward
+from torchrec_cowclip.compat import mark_updated_in_backward, qconfig_propagation
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
@@ -52,6 +52,8 @@ from torchrec_cowclip.optim.torchrec_config import (
     resolve_options,
     table_marks,
 )
+
+_MISSING = object()
 
 
 class TableWeight(nn.Module):
@@ -473,6 +475,42 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             for batch in self._batches:
                 batch.reset_state()
 
+    # --- TorchRec's quantization ---------------------------------------------------------
+
+    @property
+    def qconfig(self) -> Any:
+        """The qconfig torch's quantization gave this collection, while it has one.
+
+        TorchRec's ``torchrec.inference.modules.quantize_embeddings`` swaps the modules
+        whose exact type its mapping names; without :func:`quantization_mapping` among its
+        ``additional_mapping`` this collection would stay float32 without a word, so it
+        refuses then, in one line (see :func:`quantize_embeddings`).
+        """
+        if "_qconfig" in self.__dict__:
+            return self.__dict__["_qconfig"]
+        running = qconfig_propagation()
+        if running is not None:
+            spec, name = running
+            if type(self) not in spec and EmbeddingBagCollection in spec:
+                raise TypeError(
+                    f"quantize_embeddings would leave {type(self).__name__} "
+                    f"'{name or 'the model'}' in float32 (TorchRec quantizes the types its "
+                    "mapping names): call torchrec_cowclip.quantize_embeddings(model, dtype, "
+                    "inplace=True), or pass additional_qconfig_spec_keys="
+                    "[CowClipEmbeddingBagCollection] and additional_mapping="
+                    "torchrec_cowclip.quantization_mapping()"
+                )
+        raise AttributeError("qconfig")
+
+    @qconfig.setter
+    def qconfig(self, value: Any) -> None:
+        self.__dict__["_qconfig"] = value
+
+    @qconfig.deleter
+    def qconfig(self) -> None:
+        if self.__dict__.pop("_qconfig", _MISSING) is _MISSING:
+            raise AttributeError("qconfig")
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # Device and dtype moves must move the table batches and re-point the per-table
         # views; moving the views alone would silently detach them from the batches.
@@ -608,3 +646,51 @@ def _check_structure(
             "this collection is weighted (is_weighted=True) but the "
             "KeyedJaggedTensor has no weights"
         )
+
+
+def quantization_mapping() -> Dict[type, type]:
+    """TorchRec's quantization mapping for this collection: its quantized
+    ``torchrec.quant.EmbeddingBagCollection``, which ``from_float`` builds from the
+    collection's table configs and ``state_dict`` as from a stock EBC's (the same keys).
+    Pass it as ``additional_mapping`` (and its keys as ``additional_qconfig_spec_keys``) of
+    ``torchrec.inference.modules.quantize_embeddings``."""
+    from torchrec.quant.embedding_modules import (
+        EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    )
+
+    return {CowClipEmbeddingBagCollection: QuantEmbeddingBagCollection}
+
+
+def quantize_embeddings(
+    module: nn.Module,
+    dtype: torch.dtype,
+    inplace: bool = True,
+    **options: Any,
+) -> nn.Module:
+    """``torchrec.inference.modules.quantize_embeddings`` with this package's collection
+    quantized as a stock ``EmbeddingBagCollection`` is (``options``: TorchRec's
+    ``output_dtype``, ``per_table_weight_dtype``, ``additional_qconfig_spec_keys``,
+    ``additional_mapping``).
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagConfig
+        >>> ebc = CowClipEmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        ...     name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])])
+        >>> model = quantize_embeddings(nn.Sequential(ebc), torch.qint8)
+        >>> type(model[0]).__module__, model[0].embedding_bag_configs()[0].data_type.name
+        ('torchrec.quant.embedding_modules', 'INT8')
+    """
+    from torchrec.inference.modules import quantize_embeddings as torchrec_quantize
+
+    mapping = {**quantization_mapping(), **options.pop("additional_mapping", {})}
+    keys = [*options.pop("additional_qconfig_spec_keys", []), *quantization_mapping()]
+    quantized: nn.Module = torchrec_quantize(
+        module,
+        dtype=dtype,
+        inplace=inplace,
+        additional_qconfig_spec_keys=keys,
+        additional_mapping=mapping,
+        **options,
+    )
+    return quantized

@@ -13,11 +13,19 @@ tensors (views of the live state), so that
 resumes a stock TorchRec checkpoint in place, and ``dcp.save`` of it writes one that stock
 TorchRec loads; :func:`cowclip_state_dict` is the inverse for a state dict held in memory.
 
+A ``CombinedOptimizer``'s state dict holds other optimizers' parameters beside the
+tables (``dense.top.bias``): every key that is not a table weight's
+(``...embedding_bags.<table>.weight``) passes through both ways unchanged.
+
 What does not convert: FBGEMM keeps no per-table step (Adam's bias correction counts in
 the TBE's own ``iter``), so ``step`` is left out one way and kept from ``like`` the other;
-and under column-wise sharding FBGEMM keeps row-wise Adagrad's accumulator per column shard
+under column-wise sharding FBGEMM keeps row-wise Adagrad's accumulator per column shard
 (``k x rows`` entries, each over its shard's columns), where CowClip keeps one per whole
-row: loading one into the other fails on the size.
+row: loading one into the other fails on the size; and the counters of FBGEMM's
+``WeightDecayMode.COWCLIP`` (``prev_iter``, ``row_counter``: the last step a row appeared
+in and how many steps it appeared in) have no counterpart, since CowClip counts a row's
+occurrences in each batch anew: :func:`cowclip_state_dict` warns naming each one it
+drops (docs/torchrec.md, "FBGEMM's COWCLIP").
 
 Example::
 
@@ -37,11 +45,25 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Mapping
 
 from torchrec_cowclip.optim.rules import UPDATE_RULES, UpdateRule
 
-__all__ = ["cowclip_state_dict", "fbgemm_state_dict", "table_of_key"]
+__all__ = ["cowclip_state_dict", "fbgemm_state_dict", "is_table_key", "table_of_key"]
+
+
+def is_table_key(key: str) -> bool:
+    """Whether ``key`` is a table weight's (``<...>embedding_bags.<table>.weight``), not
+    another optimizer's parameter in a ``CombinedOptimizer`` (``dense.top.bias``).
+
+    Example::
+
+        >>> is_table_key("sparse.ebc.embedding_bags.t0.weight"), is_table_key("dense.top.weight")
+        (True, False)
+    """
+    parts = key.split(".")
+    return len(parts) >= 3 and parts[-1] == "weight" and parts[-3] == "embedding_bags"
 
 
 def table_of_key(key: str) -> str:
@@ -66,7 +88,8 @@ def _rule_of(key: str, state_names: Any) -> UpdateRule:
 def fbgemm_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """``state_dict`` (a CowClip fused optimizer's, or a ``CombinedOptimizer``'s holding
     one) with every table's state under TorchRec/FBGEMM's names; the tensors are the same
-    objects (``step`` is left out: FBGEMM keeps none per table).
+    objects (``step`` is left out: FBGEMM keeps none per table). The state of keys that
+    are not tables' (:func:`is_table_key`: the dense optimizer's) is passed through.
 
     Raises:
         ValueError: a table's state is not one of the update rules', or a rule's state
@@ -74,6 +97,9 @@ def fbgemm_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """
     state: Dict[str, Dict[str, Any]] = {}
     for key, table_state in state_dict["state"].items():
+        if not is_table_key(key):
+            state[key] = table_state
+            continue
         rule = _rule_of(key, table_state)
         table = table_of_key(key)
         renamed = dict(rule.fbgemm_states)
@@ -89,6 +115,10 @@ def cowclip_state_dict(fbgemm_state: Mapping[str, Any], like: Mapping[str, Any])
     state dict under this project's names, for the tables of ``like`` (the state dict of
     the optimizer it is for, which supplies each table's rule and its ``step``).
 
+    Keys that are not tables' pass through from ``fbgemm_state``. State FBGEMM keeps that
+    CowClip has no use for (``WeightDecayMode.COWCLIP``'s ``prev_iter`` and
+    ``row_counter``) is dropped with a warning naming it.
+
     Raises:
         ValueError: the two hold different tables, or a table's FBGEMM state lacks a
             tensor (named), before anything is built.
@@ -99,7 +129,11 @@ def cowclip_state_dict(fbgemm_state: Mapping[str, Any], like: Mapping[str, Any])
             f"the FBGEMM state holds tables {sorted(stock)}, this optimizer {sorted(ours)}"
         )
     state: Dict[str, Dict[str, Any]] = {}
+    dropped = []
     for key, table_state in ours.items():
+        if not is_table_key(key):
+            state[key] = stock[key]
+            continue
         rule = _rule_of(key, table_state)
         table = table_of_key(key)
         converted = {}
@@ -108,7 +142,16 @@ def cowclip_state_dict(fbgemm_state: Mapping[str, Any], like: Mapping[str, Any])
             if entry not in stock[key]:
                 raise ValueError(f"{key}: the FBGEMM state has no {entry!r} ({sorted(stock[key])})")
             converted[name] = stock[key][entry]
+        used = {f"{table}.{fbgemm_name}" for _, fbgemm_name in rule.fbgemm_states}
+        dropped += [entry for entry in stock[key] if entry not in used]
         if "step" in table_state:
             converted["step"] = table_state["step"]
         state[key] = converted
+    if dropped:
+        warnings.warn(
+            f"cowclip_state_dict: FBGEMM state {sorted(dropped)} dropped: CowClip keeps no "
+            "such state (FBGEMM's WeightDecayMode.COWCLIP counts the steps a row appeared "
+            "in across steps; CowClip counts its occurrences in each batch anew)",
+            stacklevel=2,
+        )
     return {**{k: v for k, v in like.items() if k != "state"}, "state": state}

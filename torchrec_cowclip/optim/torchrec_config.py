@@ -19,8 +19,9 @@ in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options
 What cannot be honoured is refused in one line naming the key: another optimizer, a key
 this update has no use for, a decoupled or counter-based ``weight_decay_mode``, and
 FBGEMM's ``WeightDecayMode.COWCLIP``, which is not the paper's algorithm (it clips
-against a running, half-life-decayed count of each row across steps, not the row's count
-in this batch, and scales the Adagrad step rather than the gradient; it has no Adam).
+against the number of steps a row has appeared in, cumulative unless a half-life > 0
+decays it, not the row's count in this batch, and scales the Adagrad step rather than the
+gradient; it has no Adam).
 :func:`resolve_options` merges the sources: a field two of them set must agree, or the
 merge is refused naming both spellings. TorchRec's doors set what they do not say to
 FBGEMM's defaults (``learning_rate`` 0.01, as TorchRec would train); those give way to a
@@ -225,8 +226,8 @@ def _weight_decay_settings(params: Mapping[str, Any], where: str, spelled: Any) 
     if mode == "COWCLIP":
         raise ValueError(
             f"{where}['weight_decay_mode']=COWCLIP is refused: FBGEMM's WeightDecayMode.COWCLIP "
-            "clips against a running, half-life-decayed count of each row across steps and "
-            "scales the row-wise Adagrad step, where CowClip (the paper) clips each row's "
+            "clips against the number of steps each row has appeared in (cumulative unless "
+            "a half-life > 0 decays it) and scales the row-wise Adagrad step, where CowClip (the paper) clips each row's "
             "gradient against its count in this batch; give 'cowclip': CowClip(r, zeta)"
         )
     if mode in ("DECOUPLE", "DECOUPLE_GLOBAL", "COUNTER"):
@@ -273,6 +274,15 @@ def in_backward_settings(
         raise ValueError(
             f"apply_optimizer_in_backward marks tables {sorted(marked)} but not {unmarked}: "
             "one fused update trains every table of a collection; mark them all"
+        )
+    classes = {name: _class_name(cls) for name, (cls, _) in marked.items()}
+    if len(set(classes.values())) > 1:
+        first = sorted(marked)[0]
+        other = next(n for n in sorted(marked) if classes[n] != classes[first])
+        raise ValueError(
+            f"apply_optimizer_in_backward marks table '{first}' with {classes[first]} and "
+            f"table '{other}' with {classes[other]}: one fused update trains every table "
+            "of a collection alike; mark them all with one optimizer class"
         )
     per_table = {name: _table_settings(name, cls, kwargs) for name, (cls, kwargs) in marked.items()}
     clipped = {name: s for name, s in per_table.items() if _clip_of(s) is not None}
@@ -402,3 +412,13 @@ def table_marks(
         name.split(".")[0]: in_backward_optimizer(weight)
         for name, weight in bags.named_parameters()
     }
+
+
+def _class_name(cls: Any) -> str:
+    """An optimizer class as a user wrote it: ``torch.optim.Adam``, ``CowClipAdam``."""
+    module = str(getattr(cls, "__module__", ""))
+    name = str(getattr(cls, "__qualname__", cls))
+    if module.startswith("torchrec_cowclip."):
+        return name
+    public = module.split(".")[:2] if module.startswith(("torch.", "torchrec.")) else [module]
+    return ".".join([*public, name]) if module else name

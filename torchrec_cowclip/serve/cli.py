@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Dict
 
+from torchrec_cowclip.cli_help import HelpFormatter
+
 COMMANDS = ("predict", "evaluate", "export")
 
-_DATA_HELP = (
-    "the rows: a path, or KIND:PATH[,PATH...] of the run's data kind (read as its "
-    "training files were; a file without the label column is scored as well)"
-)
+_DATA_HELP = {
+    "predict": "the rows: a path, or KIND:PATH[,PATH...] of the run's data kind (read as its "
+    "training files were; a file without the label column is scored as well)",
+    "evaluate": "labelled rows: a path, or KIND:PATH[,PATH...] of the run's data kind (read "
+    "as its training files were; the label column is needed)",
+}
 
 
 def _positive(text: str) -> int:
@@ -33,15 +37,17 @@ def _positive(text: str) -> int:
     return value
 
 
-def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
-    p.add_argument("--run", required=True, help="the run's --out (or its model/ folder)")
-    if data:
-        p.add_argument("--data", required=True, help=_DATA_HELP)
+def _common(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument("--run", required=True, help="the run's --out (or its model/ folder); required")
+    if command in _DATA_HELP:
+        p.add_argument("--data", required=True, help=_DATA_HELP[command] + "; required")
     p.add_argument(
         "--weights",
         choices=("final", "best"),
         default=None,
-        help="which weights (default: those the run reported: best under early stopping)",
+        help="which weights: final (the last step's) or best (the best validation "
+        "epoch's, kept with --val-fraction); default: those the run reported, best under "
+        "--early-stop-patience, else final",
     )
 
 
@@ -57,32 +63,39 @@ def _reading(p: argparse.ArgumentParser) -> None:
         default=None,
         help="rows per forward (default: the run's --eval-batch-size)",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="where to score: cpu or cuda[:N]")
     p.add_argument(
         "--quantize",
         choices=("int8", "fp16"),
         default=None,
         help="score with TorchRec's quantized inference tables (torchrec.inference): int8 "
-        "rowwise (fp16 where a row is too narrow) or fp16",
+        "rowwise (fp16 where a row is too narrow) or fp16; default: the tables as trained",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (default: one on stderr after a second)",
+    )
 
 
 def add_commands(sub: Any) -> None:
     """Adds the ``predict``, ``evaluate`` and ``export`` sub-commands to ``sub``."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = sub.add_parser(
         "predict", help="score rows with a finished run's model", formatter_class=fmt
     )
-    _common(p)
+    _common(p, "predict")
     p.add_argument(
-        "--output", required=True, help="scores.csv, .tsv or .parquet (one row per input row)"
+        "--output",
+        required=True,
+        help="scores.csv, .tsv or .parquet (one row per input row); required",
     )
     p.add_argument(
         "--id-column",
         default=None,
         help="an input column carried into the output before the probability (a header "
-        "name, or a 0-based column number for a file without header)",
+        "name, or a 0-based column number for a file without header); default: none",
     )
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     _reading(p)
@@ -92,16 +105,31 @@ def add_commands(sub: Any) -> None:
         help="AUC, log-loss, calibration of a run's model on labelled rows",
         formatter_class=fmt,
     )
-    _common(e)
+    _common(e, "evaluate")
     _reading(e)
 
     x = sub.add_parser(
         "export", help="write the model as a torch.export program for serving", formatter_class=fmt
     )
-    _common(x, data=False)
-    x.add_argument("--out", required=True, help="the program: model.pt2 (torchscript: model.pt)")
-    x.add_argument("--format", dest="fmt", choices=("export", "torchscript"), default="export")
-    x.add_argument("--table-dtype", choices=("fp32", "fp16"), default="fp32")
+    _common(x, "export")
+    x.add_argument(
+        "--out", required=True, help="the program: model.pt2 (torchscript: model.pt); required"
+    )
+    x.add_argument(
+        "--format",
+        dest="fmt",
+        choices=("export", "torchscript"),
+        default="export",
+        help="export: a torch.export program (torch.export.load, no import of this package); "
+        "torchscript: a TorchScript module (torch.jit.load)",
+    )
+    x.add_argument(
+        "--table-dtype",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="the embedding tables' storage in the program: fp16 halves their bytes "
+        "(pooled in float32)",
+    )
     x.add_argument(
         "--dense-input",
         choices=("raw", "transformed"),
@@ -133,18 +161,29 @@ def _predict(args: argparse.Namespace) -> Dict[str, Any]:
     with ScoreWriter(output, keep_name=args.id_column, overwrite=args.overwrite) as writer:
         for scores, keep in predictor.scores(source, progress=args.progress):
             writer.write(scores, keep)
+    _say_unseen(predictor)
     return {
         "output": str(output),
         "rows": writer.rows,
         "weights": predictor.weights,
         "out_of_range_ids": predictor.out_of_range,
+        "unseen_values": predictor.unseen,
     }
+
+
+def _say_unseen(predictor: Any) -> None:
+    import sys
+
+    line = predictor.unseen_summary()
+    if line is not None:
+        print(f"torchrec-cowclip: {line}", file=sys.stderr)
 
 
 def _evaluate(args: argparse.Namespace) -> Dict[str, Any]:
     predictor = _predictor(args)
     source = predictor.open(args.data, labels=True, delimiter=args.delimiter)
     metrics: Dict[str, Any] = predictor.evaluate(source, progress=args.progress)
+    _say_unseen(predictor)
     return metrics
 
 

@@ -8,7 +8,7 @@
 
   - ``dense``: float32 ``[B, n_dense]``, the raw values (NaN for missing) in the
     schema's order; the run's dense plan runs in the program (:class:`DensePlanModule`:
-    clip at +-``DENSE_CLIP``, each column's transform with the training split's
+    each column's pointwise function and a clip at +-``DENSE_CLIP``, its transform with the training split's
     statistics, missing -> 0, the missing-value indicators), or, with
     ``--dense-input transformed``, the caller feeds the plan's outputs;
   - ``ids``: int64 ``[B, n_sparse]``, one id per categorical column in the schema's
@@ -141,9 +141,10 @@ class PlainEmbeddings(nn.Module):
 class DensePlanModule(nn.Module):
     """The run's dense plan (``data.parsing.dense.DensePlan.transform``) in torch: raw
     values (NaN for missing) -> the model's dense inputs, with the same float64 stages
-    as ``predict``: clip at +-``DENSE_CLIP``, each column's pointwise function (log with
-    its negatives at 0, signed-log), float32 storage, ``(v - shift) / scale``, missing
-    -> 0, then the missing-value indicators."""
+    as ``predict``: each column's pointwise function (log with its negatives at 0,
+    signed-log), a clip at +-``DENSE_CLIP`` (before the function for a legacy plan's
+    ``clip_before``), float32 storage, ``(v - shift) / scale``, missing -> 0, then the
+    missing-value indicators."""
 
     shift: Tensor
     scale: Tensor
@@ -162,6 +163,7 @@ class DensePlanModule(nn.Module):
         transforms = np.asarray(plan.transforms)
         # No columns: nothing to do (and torch.export.save cannot write empty buffers).
         self.columns = len(plan.names)
+        self.clip_before = plan.clip_before
         self.indicated = len(plan.indicators)
         if self.columns:
             self.register_buffer("shift", torch.tensor(plan.shift, dtype=torch.float64))
@@ -175,10 +177,14 @@ class DensePlanModule(nn.Module):
     def forward(self, dense: Tensor) -> Tensor:
         if not self.columns:
             return dense.float()
-        v = dense.double().clamp(-DENSE_CLIP, DENSE_CLIP)
+        v = dense.double()
+        if self.clip_before is not None:
+            v = v.clamp(-self.clip_before, self.clip_before)
         v = torch.where(self.log & (v < 0), torch.zeros_like(v), v)
         v = torch.where(self.log, torch.log1p(v), v)
         v = torch.where(self.signed, torch.sign(v) * torch.log1p(v.abs()), v)
+        if self.clip_before is None:
+            v = v.clamp(-DENSE_CLIP, DENSE_CLIP)
         stored = v.float().double()  # the cache stores float32
         missing = torch.isnan(stored)
         out = torch.where(missing, torch.zeros_like(stored), (stored - self.shift) / self.scale)

@@ -18,8 +18,11 @@ vocabulary or hashing, labels where there are some), in input order:
 Dense values go through the run's dense plan (each column's transform, with the
 statistics of the training split, and its missing-value indicators). Values never
 seen in training become the out-of-vocabulary id 0 (as they did in
-training's explicit test files); an id outside its table (a stored id larger than any
-training saw) is mapped to row 0 too and counted.
+training's explicit test files) and are counted per column (``EncodedBlock.unseen``);
+an id outside its table (a stored id larger than any training saw) is mapped to row 0
+too and counted. A categorical column handed over as numbers while the run's vocabulary
+holds text that numbers cannot spell (zip code ``'00501'`` read by pandas as ``501``) is
+named in a warning: read it as text (``dtype=str``).
 
 Example::
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
@@ -59,13 +63,24 @@ from torchrec_cowclip.data.parsing.columns import (
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
-from torchrec_cowclip.data.parsing.rows import RowBlock, TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.rows import (
+    RowBlock,
+    TextLayout,
+    TextRowSource,
+    missing_as_empty,
+)
+from torchrec_cowclip.data.parsing.vocab import OOV_ID
+from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.registry import source_kinds
 from torchrec_cowclip.data.sources.table import ParquetRowSource, is_parquet
 from torchrec_cowclip.train.run_folder import RunFolder
 
 #: The row id an id outside its table is scored with (every encoding's OOV or missing row).
 FALLBACK_ID = 0
+
+
+class UnseenValuesWarning(UserWarning):
+    """Categorical values arrive in a form the run's vocabulary cannot match."""
 
 
 @dataclass
@@ -78,6 +93,8 @@ class EncodedBlock:
         labels: float32 ``[n]``; NaN where the input had no label.
         keep: the passthrough column's values (``--id-column``), or None.
         out_of_range: how many ids were outside their table (scored as row 0).
+        unseen: per categorical column, the values (not missing) its vocabulary lacks,
+            scored with the out-of-vocabulary row; None for hashed ids (no vocabulary).
     """
 
     dense: torch.Tensor
@@ -85,6 +102,7 @@ class EncodedBlock:
     labels: torch.Tensor
     keep: Optional[np.ndarray] = None
     out_of_range: int = 0
+    unseen: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -99,6 +117,9 @@ class RunEncoder:
         self.plan = run.dense_plan()
         self.cardinalities = np.asarray(run.schema.cardinalities, dtype=np.int64)
         self.text_ids = run.reader["format"] in ("text", "parquet")
+        table = getattr(self.encoding, "table", None)
+        #: The run's vocabulary (None for hashed or stored ids).
+        self.vocabulary: Optional[IdVocabulary] = table if isinstance(table, IdVocabulary) else None
 
     def check(self) -> Any:
         """The encoding's check of raw categoricals (hex under hashing), or None."""
@@ -106,6 +127,10 @@ class RunEncoder:
 
     def encode(self, block: RowBlock, keep: Optional[np.ndarray] = None) -> EncodedBlock:
         ids = np.asarray(self.encoding.encode(block.sparse), dtype=np.int64)
+        unseen = None
+        if self.vocabulary is not None:
+            present = np.stack([np.asarray(c) != b"" for c in block.sparse], axis=1)
+            unseen = ((ids == OOV_ID) & present).sum(axis=0).astype(np.int64)
         outside = (ids < 0) | (ids >= self.cardinalities[None, :])
         n_outside = int(outside.sum())
         if n_outside:
@@ -117,6 +142,25 @@ class RunEncoder:
             labels=torch.from_numpy(np.asarray(block.labels, dtype=np.float32)),
             keep=keep,
             out_of_range=n_outside,
+            unseen=unseen,
+        )
+
+    def numbers_for_text(self, column: int, values: np.ndarray) -> Optional[str]:
+        """A warning when categorical ``column`` arrives as numbers (``values``' dtype)
+        while the vocabulary holds text that numbers cannot spell (``'00501'``, ``'a7'``),
+        else None."""
+        if self.vocabulary is None or values.dtype.kind not in "iuf":
+            return None
+        keys = self.vocabulary.keys[column][:1000]
+        odd = next((k for k in keys.tolist() if not _spelled_by_a_number(k)), None)
+        if odd is None:
+            return None
+        name = self.vocabulary.names[column]
+        return (
+            f"categorical column {name!r} arrived as numbers ({values.dtype}) but the run's "
+            f"vocabulary holds text such as {odd.decode(errors='replace')!r} that numbers "
+            f"cannot spell, so those values score as unseen: read it as text (pandas: "
+            f"dtype={{{name!r}: str}})"
         )
 
 
@@ -200,6 +244,7 @@ class FileInput(Input):
                 label=reader["label"],
                 dense=tuple(reader["dense"]),
                 sparse=tuple(reader["sparse"]),
+                na_values=run.na_values(),
             )
         if layout is not None:
             return self._text_part(layout, path, labels)
@@ -312,7 +357,10 @@ class FileInput(Input):
                 path=path,
             )
         source = ParquetRowSource(
-            str(label) if labels else None, [str(c) for c in dense], [str(c) for c in sparse]
+            str(label) if labels else None,
+            [str(c) for c in dense],
+            [str(c) for c in sparse],
+            self.run.na_values(),
         )
         keep = None
         if self.keep_column is not None:
@@ -359,6 +407,14 @@ class _Aligned:
 # --- in-memory columns ------------------------------------------------------------------
 
 
+def _spelled_by_a_number(key: bytes) -> bool:
+    """Whether a number's decimal digits give ``key`` (``b"501"``, not ``b"00501"``)."""
+    try:
+        return str(int(key)).encode() == key
+    except ValueError:
+        return False
+
+
 def _to_bytes(values: Any) -> np.ndarray:
     """Categorical values as an ``S`` array of their text (missing: ``b""``): strings as
     UTF-8, integers (and integral floats) as decimal digits, as a file would hold them."""
@@ -382,16 +438,16 @@ def _to_bytes(values: Any) -> np.ndarray:
     return np.array(out, dtype=np.bytes_) if out else np.zeros(0, "S1")
 
 
-def _to_numbers(values: Any, name: str) -> np.ndarray:
-    """Dense values as float64 (None / NaN / empty: missing), by the rule of the files'
-    reader (``data.parsing.fields``): an infinity, like text that is not a decimal
-    number, is refused."""
+def _to_numbers(values: Any, name: str, na_values: Sequence[str] = ()) -> np.ndarray:
+    """Dense values as float64 (None / NaN / empty / one of ``na_values``: missing), by the
+    rule of the files' reader (``data.parsing.fields``): an infinity, like text that is not
+    a decimal number, is refused."""
     arr = np.asarray(values)
     if arr.dtype.kind in "iufb":
         parsed = arr.astype(np.float64)
         bad = np.isinf(parsed)
     else:
-        parsed, bad = parse_numeric(_to_bytes(arr))
+        parsed, bad = parse_numeric(missing_as_empty(_to_bytes(arr), na_values))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise DataError(f"column {name!r}, row {row}: {arr[row]!r} is not a finite number")
@@ -440,12 +496,13 @@ class ColumnsInput(Input):
 
     def blocks(self) -> Iterator[EncodedBlock]:
         schema, columns = self.run.schema, self.columns
+        na = self.run.na_values()
         dense = (
-            np.stack([_to_numbers(columns[c], c) for c in schema.dense_names], axis=1)
+            np.stack([_to_numbers(columns[c], c, na) for c in schema.dense_names], axis=1)
             if schema.n_dense
             else None
         )
-        sparse: Any = [_to_bytes(columns[c]) for c in schema.sparse_names]
+        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in schema.sparse_names]
         n = len(sparse[0])
         if dense is None:
             dense = np.zeros((n, 0))
@@ -463,6 +520,10 @@ class ColumnsInput(Input):
         block = RowBlock(
             path=self.name, lines=np.arange(1, n + 1), labels=labels, dense=dense, sparse=sparse
         )
+        for c, name in enumerate(schema.sparse_names):
+            warning = self.encoder.numbers_for_text(c, np.asarray(columns[name]))
+            if warning is not None:
+                warnings.warn(warning, UnseenValuesWarning, stacklevel=4)
         check = self.encoder.check()
         problem = check(block.sparse) if check is not None and n else None
         if problem is not None:

@@ -93,6 +93,11 @@ class Predictor:
         self.keys: List[str] = list(run.schema.sparse_names)
         #: Ids outside their table in the last pass (scored as row 0).
         self.out_of_range = 0
+        #: Per categorical column, the values of the last pass its vocabulary lacks
+        #: (scored with the out-of-vocabulary row); None where ids are hashed.
+        self.unseen: Optional[Dict[str, int]] = None
+        #: Rows of the last pass.
+        self.rows = 0
 
     def __repr__(self) -> str:
         return (
@@ -110,7 +115,7 @@ class Predictor:
         """Fixed-size batches (the last one shorter) cut from a stream of blocks."""
         pending: List[EncodedBlock] = []
         size = 0
-        self.out_of_range = 0
+        self.out_of_range, self.rows, self.unseen = 0, 0, None
 
         def cut(n: int) -> Tuple[Batch, Optional[np.ndarray]]:
             nonlocal pending, size
@@ -126,6 +131,12 @@ class Predictor:
 
         for block in blocks:
             self.out_of_range += block.out_of_range
+            self.rows += len(block)
+            if block.unseen is not None:
+                counts = self.unseen or dict.fromkeys(self.keys, 0)
+                for name, n in zip(self.keys, block.unseen.tolist()):
+                    counts[name] += int(n)
+                self.unseen = counts
             pending.append(block)
             size += len(block)
             while size >= self.batch_size:
@@ -195,9 +206,23 @@ class Predictor:
         return {
             **metrics,
             "out_of_range_ids": self.out_of_range,
+            "unseen_values": self.unseen,
             "weights": self.weights,
             "tables": self.quantize or "as trained",
         }
+
+    def unseen_summary(self) -> Optional[str]:
+        """One line naming the columns of the last pass with values the vocabulary lacks
+        (None when there were none)."""
+        seen = {k: n for k, n in (self.unseen or {}).items() if n}
+        if not seen:
+            return None
+        rows = max(self.rows, 1)
+        shown = ", ".join(f"{k} {n:,} ({n / rows:.1%})" for k, n in seen.items())
+        return (
+            f"categorical values never seen in training, scored with the out-of-vocabulary "
+            f"row, of {self.rows:,} rows: {shown}"
+        )
 
 
 def _progress_bar(desc: str, enabled: bool) -> tqdm:

@@ -33,8 +33,9 @@ _PER_CELL: Dict[str, str] = {
 }
 
 DESCRIPTION = """\
-Train one cell per batch size x recipe x seed on the same data, each an ordinary `train`
-run in OUT/cells/<cell>/, and report them: sweep.csv / sweep.json (one row per cell),
+Train one cell per batch size x recipe x seed (x --lr-embed x --lr where they list several
+values: a learning-rate search) on the same data, each an ordinary `train` run in
+OUT/cells/<cell>/, and report them: sweep.csv / sweep.json (one row per cell),
 sweep.md and the console (AUC change against the base batch per recipe, mean and spread
 over seeds), sweep_auc.png (AUC against the batch size), sweep_curves.png (AUC and loss
 per cell against the samples seen) and sweep_time.png. The data is converted once into
@@ -89,6 +90,20 @@ def add_sweep_parser(
         help="train's --recipe names, the no-clip baselines sqrt, linear and none included",
     )
     g.add_argument("--seeds", default="0", metavar="S1,S2,...", help="train's --seed values")
+    g.add_argument(
+        "--lr-embed",
+        default=None,
+        metavar="LR1,LR2,...",
+        help="the embedding lr, or several: one cell per value, a learning-rate search drawn "
+        "in the same table and plots (e.g. 1e-4,1e-3,1e-2); default: the recipe's",
+    )
+    g.add_argument(
+        "--lr",
+        default=None,
+        metavar="LR1,LR2,...",
+        help="the dense lr, or several: one cell per value (with several --lr-embed values, "
+        "every pair); default: the recipe's",
+    )
     g.add_argument(
         "--equal",
         choices=("epochs", "steps"),
@@ -271,6 +286,7 @@ def _run(
     from torchrec_cowclip.sweep.grid import (
         SweepError,
         parse_batch_sizes,
+        parse_rates,
         parse_recipes,
         parse_seeds,
         plan_cells,
@@ -301,6 +317,12 @@ def _run(
     parser = train_parser(add_train_arguments)
     values = {a.dest: a.default for a in parser._actions if a.option_strings}
     values.update({k: v for k, v in vars(args).items() if k in values})
+    # The learning rates may be lists (a grid dimension): the grid sets them per cell.
+    rates = {
+        "lr_embed": parse_rates(args.lr_embed, "--lr-embed"),
+        "lr": parse_rates(args.lr, "--lr"),
+    }
+    values.update({k: v[0] if len(v) == 1 else None for k, v in rates.items()})
     base = config_from_args(argparse.Namespace(**values))
     spec = SweepSpec(
         out=out,
@@ -321,6 +343,7 @@ def _run(
         spec.seeds,
         spec.equal,
         has_run=lambda name: holds_run(out, name),
+        rates=rates,
     )
     for cell in spec.cells:  # every cell's command is checked before anything is written
         train_argv(parser, config_from_args, cell.config)

@@ -23,9 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec_cowclip.train.config import ConfigError, TrainConfig
 from torchrec_cowclip.train.resume_guard import setting_flag, shown_setting
@@ -36,8 +37,11 @@ from torchrec_cowclip.train.scaling import RECIPES
 #: number of steps (batch ``b`` trains ``epochs * b / base`` epochs).
 EQUAL_MODES = ("epochs", "steps")
 
-#: The config fields the grid sets per cell.
+#: The config fields the grid sets per cell (and the learning rates where ``--lr-embed`` /
+#: ``--lr`` list more than one value: the shared settings hold None for those).
 GRID_FIELDS = ("batch_size", "recipe", "seed")
+#: The learning-rate flags a sweep takes lists for: config field -> (flag, cell-name tag).
+LR_GRID = {"lr_embed": ("--lr-embed", "le"), "lr": ("--lr", "lr")}
 
 #: Settings in which runs of one sweep may differ, because they change how a cell runs,
 #: not what it computes (``--threads`` moves at most the last bits of float sums; the
@@ -94,6 +98,34 @@ def parse_seeds(text: str) -> List[int]:
     return values
 
 
+def parse_rates(text: Optional[str], flag: str) -> List[Optional[float]]:
+    """``--lr-embed 1e-4,1e-3``: distinct positive learning rates in the order given;
+    ``[None]`` (the recipe's) when the flag is not given.
+
+    Example::
+
+        >>> parse_rates("1e-4, 1e-3", "--lr-embed"), parse_rates(None, "--lr")
+        ([0.0001, 0.001], [None])
+    """
+    if text is None:
+        return [None]
+    items = [item.strip() for item in str(text).split(",")]
+    try:
+        values = [float(item) for item in items]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise SweepError(
+            f"{flag}: expected comma-separated positive rates such as 1e-4,1e-3, got {text!r}"
+        )
+    duplicates = sorted({v for v in values if values.count(v) > 1})
+    if duplicates:
+        raise SweepError(
+            f"{flag}: {', '.join(f'{v:g}' for v in duplicates)} given twice in {text!r}"
+        )
+    return list[Optional[float]](values)
+
+
 def parse_recipes(text: str) -> List[str]:
     """``--recipes paper,fixed-l2-count,none``: names of the trainer's recipes
     (:data:`~torchrec_cowclip.train.scaling.RECIPES`, the no-clip baselines included)."""
@@ -110,8 +142,17 @@ def parse_recipes(text: str) -> List[str]:
     return names
 
 
-def cell_name(batch_size: int, recipe: str, seed: int) -> str:
-    return f"b{batch_size}-{recipe}-s{seed}"
+def cell_name(
+    batch_size: int, recipe: str, seed: int, rates: Optional[Dict[str, float]] = None
+) -> str:
+    """``b1024-paper-s0``; with a learning-rate grid ``b1024-paper-le0.001-s0``."""
+    tags = "".join(f"-{LR_GRID[k][1]}{v:g}" for k, v in (rates or {}).items())
+    return f"b{batch_size}-{recipe}{tags}-s{seed}"
+
+
+def variant_label(recipe: str, rates: Optional[Dict[str, float]] = None) -> str:
+    """How the report names a recipe with its grid rates: ``paper --lr-embed 0.001``."""
+    return " ".join([recipe, *(f"{LR_GRID[k][0]} {v:g}" for k, v in (rates or {}).items())])
 
 
 @dataclass
@@ -129,10 +170,16 @@ class Cell:
     seed: int
     config: TrainConfig
     shares: Optional[str] = None
+    #: The learning rates of a grid over ``--lr-embed`` / ``--lr`` (field -> value).
+    rates: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return cell_name(self.batch_size, self.recipe, self.seed)
+        return cell_name(self.batch_size, self.recipe, self.seed, self.rates)
+
+    @property
+    def variant(self) -> str:
+        return variant_label(self.recipe, self.rates)
 
 
 def cell_epochs(epochs: int, batch_size: int, base_batch_size: int, equal: str) -> int:
@@ -217,13 +264,16 @@ def plan_cells(
     seeds: Sequence[int],
     equal: str = "epochs",
     has_run: Callable[[str], bool] = lambda name: False,
+    rates: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
 ) -> List[Cell]:
-    """The grid's cells, seed by seed, batch by batch, recipe by recipe (so the figure of
-    the first seed is complete first), each config validated.
+    """The grid's cells, seed by seed, batch by batch, recipe by recipe, rate by rate (so
+    the figure of the first seed is complete first), each config validated.
 
     Args:
         base: the settings every cell shares (its batch size, recipe and seed are replaced).
         equal: an :data:`EQUAL_MODES` name.
+        rates: per :data:`LR_GRID` field, the values of the grid (a field with one value
+            is set on every cell and not named in the cells' names).
         has_run: whether a cell's folder already holds a run: of cells that are the same
             run, one that has a run is the one that trains (or has trained); otherwise the
             first.
@@ -231,19 +281,33 @@ def plan_cells(
     Raises:
         SweepError: a cell's config is refused (naming the cell and the option).
     """
+    grid = {k: list(v) for k, v in (rates or {}).items() if k in LR_GRID}
+    fixed: Dict[str, Any] = {k: v[0] for k, v in grid.items() if len(v) == 1 and v[0] is not None}
+    base = replace(base, **fixed)
+    searched = [k for k, v in grid.items() if len(v) > 1]
+    combos: List[Dict[str, float]] = [{}]
+    for k in searched:
+        combos = [{**c, k: float(v)} for c in combos for v in grid[k] if v is not None]
     cells = []
     for seed in seeds:
         for batch_size in batch_sizes:
             epochs = cell_epochs(base.epochs, batch_size, base.base_batch_size, equal)
             for recipe in recipes:
-                config = replace(
-                    base, batch_size=batch_size, recipe=recipe, seed=seed, epochs=epochs
-                )
-                try:
-                    config.validate()
-                except ConfigError as e:
-                    raise SweepError(f"cell {cell_name(batch_size, recipe, seed)}: {e}") from None
-                cells.append(Cell(batch_size, recipe, seed, config))
+                for combo in combos:
+                    config = replace(
+                        base,
+                        batch_size=batch_size,
+                        recipe=recipe,
+                        seed=seed,
+                        epochs=epochs,
+                        **dict[str, Any](combo),
+                    )
+                    try:
+                        config.validate()
+                    except ConfigError as e:
+                        name = cell_name(batch_size, recipe, seed, combo)
+                        raise SweepError(f"cell {name}: {e}") from None
+                    cells.append(Cell(batch_size, recipe, seed, config, rates=combo))
     runs: Dict[str, List[Cell]] = {}
     for cell in cells:
         runs.setdefault(_same_run_key(cell.config), []).append(cell)

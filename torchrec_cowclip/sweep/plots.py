@@ -15,7 +15,15 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from torchrec_cowclip.plots import column, epoch_ends, new_figure, read_csv, save_png
+from torchrec_cowclip.plots import (
+    column,
+    epoch_ends,
+    new_figure,
+    plain_log_ticks,
+    read_csv,
+    save_png,
+    sparse_ticks,
+)
 from torchrec_cowclip.sweep.report import title
 
 AUC_PNG, CURVES_PNG, TIME_PNG = "sweep_auc.png", "sweep_curves.png", "sweep_time.png"
@@ -31,7 +39,12 @@ def _batch_axis(ax: Any, batches: Sequence[int]) -> None:
 
 
 def _recipes(summary: Sequence[Dict[str, Any]]) -> List[str]:
-    return list(dict.fromkeys(s["recipe"] for s in summary))
+    """The series of the figures: each recipe with its grid learning rates."""
+    return list(dict.fromkeys(_variant(s) for s in summary))
+
+
+def _variant(row: Dict[str, Any]) -> str:
+    return str(row.get("variant") or row["recipe"])
 
 
 def _errorbars(ax: Any, rows: Sequence[Dict[str, Any]], key: str, label: str) -> None:
@@ -60,7 +73,7 @@ def plot_auc(report: Dict[str, Any], path: Path) -> Path:
     fig, axes = new_figure(1, len(panels))
     for ax, (key, label) in zip(axes[0], panels):
         for recipe in _recipes(summary):
-            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+            _errorbars(ax, [s for s in summary if _variant(s) == recipe], key, recipe)
         if key.endswith("change"):
             ax.axhline(0.0, color="grey", lw=0.8)
             ax.axhspan(-0.1, 0.1, color="tab:green", alpha=0.08, lw=0)  # within 0.1 point
@@ -74,7 +87,13 @@ def plot_auc(report: Dict[str, Any], path: Path) -> Path:
 
 def plot_curves(report: Dict[str, Any], out: Path, path: Path) -> Path:
     """``sweep_curves.png``: one row per recipe, every cell's test AUC per epoch and
-    training loss (running mean) against the training samples seen."""
+    training loss (running mean, and each epoch's mean as points) against the training
+    samples seen."""
+    return save_png(curves_figure(report, out), path)
+
+
+def curves_figure(report: Dict[str, Any], out: Path) -> Any:
+    """The figure of :func:`plot_curves`."""
     cells = [c for c in report["cells"] if c["status"] in ("finished", "shared", "unfinished")]
     recipes = _recipes(report["summary"]) or ["(no cell)"]
     batches = sorted({c["batch_size"] for c in cells})
@@ -85,7 +104,7 @@ def plot_curves(report: Dict[str, Any], out: Path, path: Path) -> Path:
     styles = ["-", "--", ":", "-."]
     seeds = sorted({c["seed"] for c in cells})
     for (auc_ax, loss_ax), recipe in zip(axes, recipes):
-        for c in (c for c in cells if c["recipe"] == recipe):
+        for c in (c for c in cells if _variant(c) == recipe):
             run = Path(out) / c["run"]
             steps, epochs = read_csv(run / "steps.csv"), read_csv(run / "epochs.csv")
             colour = colours(batches.index(c["batch_size"]) / max(len(batches) - 1, 1))
@@ -96,22 +115,34 @@ def plot_curves(report: Dict[str, Any], out: Path, path: Path) -> Path:
                 samples = [e * c["batch_size"] for e in epoch_ends(epochs, steps)]
             auc_ax.plot(samples, column(epochs, "test_auc"), style, marker="o", ms=3,
                         color=colour, label=label)  # fmt: skip
-            loss = "running_loss" if steps and "running_loss" in steps[0] else "loss"
-            loss_ax.plot([s * c["batch_size"] for s in column(steps, "step")],
-                         column(steps, loss), style, lw=0.9, color=colour, label=label)  # fmt: skip
+            if steps:
+                loss = "running_loss" if "running_loss" in steps[0] else "loss"
+                loss_ax.plot([s * c["batch_size"] for s in column(steps, "step")],
+                             column(steps, loss), style, lw=0.9, color=colour, label=label)  # fmt: skip
+            # Each epoch's mean loss as points: a cell with fewer steps than --log-every
+            # has no steps.csv row, and still a loss.
+            if epochs and "train_loss" in epochs[0]:
+                loss_ax.plot(samples, column(epochs, "train_loss"), "o", ms=3, color=colour,
+                             label=None if steps else label)  # fmt: skip
         auc_ax.set(xlabel="training samples", ylabel="test AUC", title=f"{recipe}: AUC per epoch")
         loss_ax.set(xlabel="training samples", ylabel="training logloss", title=f"{recipe}: loss")
         for ax in (auc_ax, loss_ax):
             ax.grid(True, alpha=0.3)
+            sparse_ticks(ax.xaxis)
         if auc_ax.get_legend_handles_labels()[0]:
             auc_ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title(report), fontsize=9)
-    return save_png(fig, path)
+    return fig
 
 
 def plot_time(report: Dict[str, Any], path: Path) -> Path:
     """``sweep_time.png``: training seconds per epoch and samples per second against the
     batch size per recipe (mean over seeds, bars min..max)."""
+    return save_png(time_figure(report), path)
+
+
+def time_figure(report: Dict[str, Any]) -> Any:
+    """The figure of :func:`plot_time`."""
     summary = report["summary"]
     batches = sorted({s["batch_size"] for s in summary})
     fig, axes = new_figure(1, 2)
@@ -123,14 +154,15 @@ def plot_time(report: Dict[str, Any], path: Path) -> Path:
         ),
     ):
         for recipe in _recipes(summary):
-            _errorbars(ax, [s for s in summary if s["recipe"] == recipe], key, recipe)
+            _errorbars(ax, [s for s in summary if _variant(s) == recipe], key, recipe)
         _batch_axis(ax, batches)
         ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
         ax.set_ylabel(label, fontsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(title(report), fontsize=9)
-    return save_png(fig, path)
+    return fig
 
 
 def write_plots(report: Dict[str, Any], out: Path) -> Dict[str, Path]:

@@ -45,6 +45,7 @@ CSV_COLUMNS = (
     "batch_size",
     "scale",
     "recipe",
+    "variant",
     "seed",
     "status",
     "epochs",
@@ -113,6 +114,8 @@ def cell_row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[st
         batch_size=record["batch_size"],
         scale=record["batch_size"] / base_batch_size,
         recipe=record["recipe"],
+        variant=record.get("variant") or record["recipe"],
+        rates=record.get("rates") or {},
         seed=record["seed"],
         status=cell_status(out, run_name),
         run=f"{CELLS_DIR}/{run_name}",
@@ -159,12 +162,18 @@ def base_batch(rows: Sequence[Dict[str, Any]], base_batch_size: int) -> int:
     return base_batch_size if base_batch_size in batches or not batches else batches[0]
 
 
+def _variant(row: Dict[str, Any]) -> str:
+    """The recipe with the cell's grid learning rates (``paper --lr-embed 0.001``)."""
+    return str(row.get("variant") or row["recipe"])
+
+
 def add_changes(rows: List[Dict[str, Any]], base_batch: int) -> None:
     """Sets ``best_auc_change`` / ``last_auc_change`` (AUC points, x100) of every row
-    against the same recipe and seed at ``base_batch`` (NaN without that cell's AUC)."""
-    base = {(r["recipe"], r["seed"]): r for r in rows if r["batch_size"] == base_batch}
+    against the same recipe (and grid learning rates) and seed at ``base_batch`` (NaN
+    without that cell's AUC)."""
+    base = {(_variant(r), r["seed"]): r for r in rows if r["batch_size"] == base_batch}
     for r in rows:
-        b = base.get((r["recipe"], r["seed"]))
+        b = base.get((_variant(r), r["seed"]))
         for key in ("best_auc", "last_auc"):
             ref = b[key] if b is not None else NAN
             r[f"{key}_change"] = 100.0 * (r[key] - ref)
@@ -192,17 +201,31 @@ def recipe_rank(recipe: str) -> Tuple[int, str]:
     return (names.index(recipe) if recipe in names else len(names), recipe)
 
 
+def _variant_rank(row: Dict[str, Any]) -> Tuple[Tuple[int, str], float, float]:
+    """Recipes in :func:`recipe_rank`'s order, then the grid rates ascending."""
+    rates = row.get("rates") or {}
+    return (
+        recipe_rank(row["recipe"]),
+        float(rates.get("lr_embed", 0.0)),
+        float(rates.get("lr", 0.0)),
+    )
+
+
 def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One record per (recipe, batch size): seeds finished of seeds planned, and mean / sd /
-    min / max over the finished seeds of the AUCs, their changes, the clip rate and the
-    time; recipes in :func:`recipe_rank`'s order, batch sizes ascending."""
+    """One record per (recipe with its grid learning rates, batch size): seeds finished
+    of seeds planned, and mean / sd / min / max over the finished seeds of the AUCs,
+    their changes, the clip rate and the time; recipes in :func:`recipe_rank`'s order
+    (rates ascending), batch sizes ascending."""
     out = []
-    for recipe in sorted({r["recipe"] for r in rows}, key=recipe_rank):
-        for batch in sorted({r["batch_size"] for r in rows if r["recipe"] == recipe}):
-            group = [r for r in rows if r["recipe"] == recipe and r["batch_size"] == batch]
+    variants = list(dict.fromkeys(_variant(r) for r in sorted(rows, key=_variant_rank)))
+    for variant in variants:
+        of_variant = [r for r in rows if _variant(r) == variant]
+        for batch in sorted({r["batch_size"] for r in of_variant}):
+            group = [r for r in of_variant if r["batch_size"] == batch]
             done = [r for r in group if math.isfinite(r["best_auc"])]
             record: Dict[str, Any] = {
-                "recipe": recipe,
+                "recipe": group[0]["recipe"],
+                "variant": variant,
                 "batch_size": batch,
                 "scale": group[0]["scale"],
                 "seeds": len(group),
@@ -271,7 +294,7 @@ def table_rows(summary: Sequence[Dict[str, Any]], base: int) -> List[List[str]]:
         clipped = s["clipped_fraction_mean"]
         rows.append(
             [
-                s["recipe"],
+                str(s.get("variant") or s["recipe"]),
                 f"{s['batch_size']}",
                 f"{s['scale']:g}",
                 _seeds(s),
@@ -360,7 +383,7 @@ def build_report(out: Path) -> Dict[str, Any]:
     for r in rows:
         r["scale"] = r["batch_size"] / base_batch_size
     add_changes(rows, base)
-    rows.sort(key=lambda r: (r["seed"], r["batch_size"], recipe_rank(r["recipe"])))
+    rows.sort(key=lambda r: (r["seed"], r["batch_size"], _variant_rank(r)))
     return {
         "sweep": {
             "out": str(out),

@@ -291,6 +291,8 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                 "batch_size": cell.batch_size,
                 "recipe": cell.recipe,
                 "seed": cell.seed,
+                "rates": cell.rates,
+                "variant": cell.variant,
                 "shares": cell.shares,
                 "settings": cell_settings(cell.config),
                 "data": data[cell.name],

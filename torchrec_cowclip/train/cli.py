@@ -31,7 +31,7 @@ _DATA_HELP = (
     "parquet, with --label/--dense/--sparse), criteo:PATH[,PATH...] (raw Criteo: Kaggle "
     "train.txt or 1TB day_N), criteo-npy:DIR (TorchRec's preprocessed "
     "day_N_{dense,sparse,labels}.npy), avazu:PATH, synthetic:ROWS (built-in Criteo-like "
-    "data), synthetic-hard:ROWS (the same, harder). Converted once into --cache-dir"
+    "data), synthetic-hard:ROWS (the same, harder). Converted once into --cache-dir; required"
 )
 
 #: What each --model is (the names are the factory registry's; a model registered there
@@ -145,6 +145,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,...",
         help="table: the columns of header-less files, in order (implies --no-header, "
         "as pandas' names=); default: none",
+    )
+    g.add_argument(
+        "--na-values",
+        type=_csv_list,
+        default=[],
+        metavar="A,B,...",
+        help="table: texts that mean a missing value in the dense and categorical columns "
+        "besides an empty field, as pandas' na_values= (e.g. N/A,NA,-): a dense one becomes "
+        "0 after the transform (with --missing-indicator, flagged), a categorical one the "
+        "missing id; default: none",
     )
     g.add_argument(
         "--dense-transform",
@@ -505,6 +515,34 @@ def train_flags(parser: argparse.ArgumentParser) -> List[str]:
     ]
 
 
+def _given_flags(command: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> set:
+    """The ``train`` options ``argv`` gives (their dests), told apart from defaults by
+    parsing once with every default set to a marker."""
+    marker = object()
+    # argparse lists a parser's arguments only in this attribute.
+    saved = {a.dest: a.default for a in command._actions if a.option_strings}
+    command.set_defaults(**dict.fromkeys(saved, marker))
+    try:
+        parsed = vars(build_parser_for_given(command, argv))
+    finally:
+        command.set_defaults(**saved)
+    return {dest for dest, value in parsed.items() if dest in saved and value is not marker}
+
+
+def build_parser_for_given(
+    command: argparse.ArgumentParser, argv: Optional[Sequence[str]]
+) -> argparse.Namespace:
+    """``argv`` (``train ...``) parsed by the ``train`` command's own parser."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return command.parse_args(args[1:] if args and args[0] == "train" else args)
+
+
+def _differs(value: Any, default: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return list(value) != list(default)
+    return bool(value != default)
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed :func:`add_train_arguments` flags; arguments of
     the command's own (a sweep's) are left out.
@@ -588,8 +626,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from torchrec_cowclip.train.distributed import shutdown_distributed
     from torchrec_cowclip.train.no_space import one_line
     from torchrec_cowclip.train.stop import RunStopped, raising_on_sigterm
-    from torchrec_cowclip.train.trainer import NonFiniteLossError, train
-    from torchrec_cowclip.train.warm_start import warm_start_defaults
+    from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
+    from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
 
     try:
         if args.command in SERVING_COMMANDS:
@@ -597,13 +635,27 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                 summary = run_command(args)
             print(json.dumps(summary, indent=2, default=str))
             return 0
+        said = None
         if args.init_from:
             # A warm start: the flags not given take RUN's values (its model, its data).
-            _command_parser(parser, "train").set_defaults(**warm_start_defaults(args.init_from))
+            command = _command_parser(parser, "train")
+            given = _given_flags(command, argv)
+            defaults = warm_start_defaults(args.init_from)
+            stock = {a.dest: a.default for a in command._actions}
+            inherited = {
+                k: v
+                for k, v in defaults.items()
+                if k not in given and k in stock and _differs(v, stock[k])
+            }
+            command.set_defaults(**defaults)
             args = parser.parse_args(argv)
+            said = inherited_line(args.init_from, inherited)
         config = config_from_args(args)
         config.validate()
-        metrics = train(config)
+        trainer = Trainer(config)  # RUN verified and the command checked against it
+        if args.init_from and said is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(said, file=sys.stderr, flush=True)
+        metrics = trainer.run()
     except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
         parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
     except (NonFiniteLossError, NonFiniteStateError) as e:

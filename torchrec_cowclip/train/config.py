@@ -86,6 +86,7 @@ class TrainConfig:
     delimiter: Optional[str] = None
     no_header: bool = False
     columns: List[str] = field(default_factory=list)
+    na_values: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
     synthetic_seed: Optional[int] = None
@@ -438,6 +439,7 @@ class TrainConfig:
             "delimiter": self.delimiter,
             "header": False if self.no_header else None,
             "columns": self.columns or None,
+            "na_values": self.na_values or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,

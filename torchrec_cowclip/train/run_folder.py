@@ -4,8 +4,8 @@ When a run finishes, the trainer writes ``<out>/model/`` (through ``model.tmp`` 
 rename, so a run killed while writing it leaves none, and the next start removes the
 temporary):
 
-* ``weights/final/`` (the weights at the end) and, with early stopping,
-  ``weights/best/`` (the best validation epoch's): DCP checkpoints of the model's
+* ``weights/final/`` (the weights at the end) and, with a validation split,
+  ``weights/best/`` (the best validation epoch's; the reported ones under early stopping): DCP checkpoints of the model's
   tensors alone, each rank writing its shards, global layout (they load on one process);
 * ``encoders/``: the vocabulary (``id_vocab.npz``: per column the kept values in id order,
   ``data.pipeline.run_encoders``), where the run has one; hashing keeps no state (its
@@ -324,6 +324,7 @@ def _reader(kind: SourceKind, config: TrainConfig, opts: SourceOptions) -> Dict[
             "label": source.label,
             "dense": list(source.dense),
             "sparse": list(source.sparse),
+            "na_values": list(source.na_values),
         }
     return {"format": kind.name}
 
@@ -925,6 +926,13 @@ class RunFolder:
             return None
         return TextLayout(**{k: _tuples(v) for k, v in reader["layout"].items()})
 
+    def na_values(self) -> Tuple[str, ...]:
+        """The texts the run read as missing values (``--na-values``), for new rows."""
+        layout = self.text_layout()
+        if layout is not None:
+            return layout.na_values
+        return tuple(self.reader.get("na_values") or ())
+
     def dense_plan(self) -> DensePlan:
         """The run's dense plan: raw dense values -> the model's dense inputs, as trained."""
         return DensePlan.from_json(self.data_info["dense_plan"])
@@ -960,7 +968,7 @@ class RunFolder:
         if name not in self.weights:
             raise RunFolderError(
                 f"{self.path}: no '{name}' weights; it has {', '.join(sorted(self.weights))}"
-                + (" (best weights are kept with --early-stop-patience)" if name == "best" else "")
+                + (" (best weights are kept with --val-fraction)" if name == "best" else "")
             )
         return self.model_dir / self.weights[name]
 

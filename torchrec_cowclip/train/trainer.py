@@ -153,6 +153,34 @@ def clip_counts(embedding_collection: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
+def positive_rates(labels: Any, splits: Dict[str, np.ndarray]) -> Dict[str, Optional[float]]:
+    """The share of positive labels in each split (None for an empty one).
+
+    Example::
+
+        >>> positive_rates(np.array([1, 0, 0, 1.0]), {"train": np.array([0, 1, 2]),
+        ...                                            "test": np.array([], dtype=np.int64)})
+        {'train': 0.3333333333333333, 'test': None}
+    """
+    rates: Dict[str, Optional[float]] = {}
+    for name, rows in splits.items():
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        rates[name] = (
+            float(np.asarray(labels[rows], dtype=np.float64).mean()) if len(rows) else None
+        )
+    return rates
+
+
+def check_training_labels(config: TrainConfig, rate: Optional[float], rows: int) -> None:
+    """Refuses a training split whose labels are all 0 or all 1: the model would learn a
+    constant and every AUC would be undefined."""
+    if rate is not None and rate in (0.0, 1.0):
+        raise ConfigError(
+            f"every one of the {rows:,} training labels of {config.data} is {int(rate)} (the "
+            f"--label column has one class): a CTR model needs clicks and non-clicks"
+        )
+
+
 def check_split_sizes(
     config: TrainConfig, n_train: int, n_val: int, n_test: int, world_size: int
 ) -> None:
@@ -236,6 +264,11 @@ class Trainer:
             config.test_fraction, config.val_fraction, config.seed
         )
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.positive_rates = positive_rates(
+            self.dataset.labels,
+            {"train": self.train_idx, "validation": self.val_idx, "test": self.test_idx},
+        )
+        check_training_labels(config, self.positive_rates["train"], len(self.train_idx))
         check_split_sizes(
             config, len(self.train_idx), len(self.val_idx), len(self.test_idx), world_size
         )
@@ -325,7 +358,8 @@ class Trainer:
         self._saved_step = p.global_step
 
     def _save_best(self) -> None:
-        """Early stopping's best weights, as their own checkpoint (not kept in memory)."""
+        """The best validation epoch's weights, as their own checkpoint (not kept in
+        memory): the run folder's ``weights/best`` (the reported ones under early stopping)."""
         saved = self.checkpoints.save(
             "best",
             f"e{self.progress.epoch}",
@@ -384,6 +418,13 @@ class Trainer:
         self._saved_step = self.progress.global_step
         self._resumed_from = checkpoint.path
         return True
+
+    def _load_latest_model(self) -> None:
+        """Puts the newest "latest" checkpoint's model weights (the last step's: a run
+        checkpoints before it finishes) back into the model."""
+        tensors = self.runtime.model_tensors()
+        self.checkpoints.load("latest", tensors)
+        self.runtime.train_module.load_state_dict(tensors["model"])
 
     def _load_best(self) -> None:
         tensors = self.runtime.model_tensors()
@@ -592,8 +633,7 @@ class Trainer:
             if val["auc"] is not None and val["auc"] > p.best_val_auc:
                 p.best_val_auc, p.best_epoch = val["auc"], p.epoch
                 p.epochs_without_improvement = 0
-                if cfg.early_stop_patience:
-                    self._save_best()
+                self._save_best()
             else:
                 p.epochs_without_improvement += 1
                 if (
@@ -628,6 +668,13 @@ class Trainer:
         log.info(
             epoch_line({**row, "epochs": cfg.epochs, "eta_s": self._eta(step_s) if more else None})
         )
+        if p.stopped_early and p.epoch < cfg.epochs:
+            log.info(
+                f"early stopping after epoch {p.epoch} of {cfg.epochs}: no better validation "
+                f"AUC for {p.epochs_without_improvement} epoch(s) (--early-stop-patience "
+                f"{cfg.early_stop_patience}); the best was epoch {p.best_epoch + 1} "
+                f"({p.best_val_auc:.5f}), whose weights the run keeps and reports"
+            )
 
     def _evaluate(
         self, indices: np.ndarray, log: Optional[RunLog] = None, name: str = "test"
@@ -664,11 +711,15 @@ class Trainer:
         folder = RunFolderWriter(self.out, main=self.runtime.is_main)
         folder.save_weights("final", self.runtime.model_tensors()["model"], prefix="model.")
         reported = "final"
-        if cfg.early_stop_patience and self._best_checkpoint is not None:
-            # Early stopping: the final model is the best validation epoch's.
+        if self._best_checkpoint is not None:
+            # A validation split: the best epoch's weights too. Under early stopping they
+            # are the run's model; otherwise the last step's are, and stay in the model.
             self._load_best()
             folder.save_weights("best", self.runtime.model_tensors()["model"], prefix="model.")
-            reported = "best"
+            if cfg.early_stop_patience:
+                reported = "best"
+            else:
+                self._load_latest_model()
         final_epoch = (
             p.best_epoch
             if (cfg.early_stop_patience and p.best_epoch >= 0)
@@ -727,6 +778,7 @@ class Trainer:
                 "train": len(self.train_idx),
                 "val": len(self.val_idx),
                 "test": len(self.test_idx),
+                "positive_rate": self.positive_rates,
                 "bad_rows_skipped": self.dataset.bad_rows,
                 "dense_clipped": self.dataset.dense_clipped,
                 "dense_negative_under_log": self.dataset.dense_negative_under_log,
@@ -737,23 +789,49 @@ class Trainer:
             "model_size": self.runtime.model_size.as_dict(),
             "peak_rss_mb": peak_rss_mb(),
         }
+        metrics["weights"] = {
+            "default": reported,
+            "kept": list(folder.weights),
+            "best_epoch": best_epoch if "best" in folder.weights else None,
+        }
         if cfg.row_clip_stats:
             metrics["clip_by_frequency"] = self._clip_by_frequency()
         if self.runtime.is_main:
             write_text_atomically(
                 self.out / "metrics.json", json.dumps(metrics, indent=2, default=str)
             )
-            self._plot()
+            self._plot(best_epoch, p.stopped_early)
         folder.complete(
             describe_model(cfg, self.dataset, metrics, folder.weights, reported),
             lambda encoders: describe_data(
                 cfg, self.dataset, encoder_writer(self.dataset)(encoders)
             ),
         )
+        if self.runtime.is_main:
+            _say(self._weights_line(reported, folder.weights, best_epoch, len(p.epoch_auc)))
         self.model.eval()
         return TrainResult(metrics, self.out if self.runtime.is_main else None, self.model)
 
-    def _plot(self) -> None:
+    def _weights_line(
+        self, reported: str, kept: List[str], best_epoch: Optional[int], epochs: int
+    ) -> str:
+        """Which weights the run folder keeps, and which predict and evaluate use."""
+        where = self.out / "model" / "weights"
+        if "best" not in kept:
+            return f"weights: {where}/final (the last step's); predict and evaluate use them"
+        best = f"best (epoch {best_epoch}, the best validation AUC)"
+        final = f"final (the last step's, epoch {epochs})"
+        if reported == "best":
+            return (
+                f"weights: {where}/{best}, which predict and evaluate use by default, and "
+                f"{final}: --weights final"
+            )
+        return (
+            f"weights: {where}/{final}, which predict and evaluate use by default, and "
+            f"{best}: --weights best"
+        )
+
+    def _plot(self, best_epoch: Optional[int] = None, stopped_early: bool = False) -> None:
         """``curves.png``: loss and AUC of the run. A figure that cannot be drawn costs a
         warning, not the finished run (its metrics and checkpoints are written)."""
         hp = self.hp
@@ -762,7 +840,7 @@ class Trainer:
             f"(x{hp.scale:g}), recipe {hp.recipe}, seed {self.config.seed}"
         )
         try:
-            write_run_curves(self.out, title)
+            write_run_curves(self.out, title, best_epoch, stopped_early)
         except Exception as e:  # noqa: BLE001 - any plotting failure, reported in one line
             _say(f"warning: no {CURVES_PNG} in {self.out}: {type(e).__name__}: {e}")
 
@@ -824,6 +902,13 @@ class Trainer:
             ),
             f"dense inputs: {plan.summary()}; statistics of {plan.fitted_on}"
             + (f" (read in {self._plan_seconds:.1f} s)" if self._plan_seconds >= 1 else ""),
+            "positive labels: "
+            + ", ".join(
+                f"{rate:.2%} of {name}"
+                + (" (one class: its AUC is undefined)" if rate in (0.0, 1.0) else "")
+                for name, rate in self.positive_rates.items()
+                if rate is not None
+            ),
         ]
 
 

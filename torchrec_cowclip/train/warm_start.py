@@ -21,8 +21,10 @@ in one line naming each difference: the data kind, the model (``--model``,
 ``--embedding-dtype``), and every data option but those that describe the files
 rather than the model (``--on-bad-row``, ``--min-count``, ``--delimiter``,
 ``--no-header``, ``--columns``, the generator's seed). The new data's columns must be
-RUN's. On the command line, the flags not given take RUN's values
-(:func:`warm_start_defaults`); from Python, :func:`warm_start_config` does the same.
+RUN's. On the command line, the flags not given take RUN's values, every setting but the
+new data, the output and this machine's resources (:func:`warm_start_defaults`), and
+the run names them (:func:`inherited_line`); from Python, :func:`warm_start_config`
+does the same.
 
 Tables grow on one process; a sharded warm start needs tables of RUN's sizes (hashing,
 ``--hash-size``, never grows them).
@@ -80,7 +82,9 @@ ARCHITECTURE = (
     "embedding_dtype",
 )
 #: Data options that describe the files, not the model: a warm start may change them.
-FILE_OPTIONS = frozenset({"on_bad_row", "min_count", "delimiter", "seed", "header", "columns"})
+FILE_OPTIONS = frozenset(
+    {"on_bad_row", "min_count", "delimiter", "seed", "header", "columns", "na_values"}
+)
 #: Data options whose TrainConfig field is not their flag's name, and how a value of the
 #: option reads there (``TrainConfig.data_options`` the other way round).
 _OPTION_FIELDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
@@ -88,6 +92,26 @@ _OPTION_FIELDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
 }
 #: Data options a warm start does not take from RUN (the new files' own).
 _NOT_INHERITED = frozenset({"on_bad_row", "seed"})
+#: TrainConfig fields a warm start never takes from RUN: the new data, where this run
+#: writes and resumes, the warm start itself, and this machine's resources.
+NOT_INHERITED_SETTINGS = frozenset(
+    {
+        "data",
+        "test_data",
+        "out",
+        "resume",
+        "overwrite",
+        "init_from",
+        "init_optimizer_state",
+        "cache_dir",
+        "device",
+        "threads",
+        "progress",
+        "dist_timeout_s",
+        "synthetic_seed",
+        "on_bad_row",
+    }
+)
 #: The prefix of the model's keys in the trainer's state (its ``CTRTrainTask``).
 TASK_PREFIX = "model."
 
@@ -108,14 +132,21 @@ def _shown(value: Any) -> str:
 
 def warm_start_defaults(path: Union[str, Path]) -> Dict[str, Any]:
     """TrainConfig values a warm start from ``path`` takes from RUN where the command
-    does not give them: the model's settings, its table initialisation and the data
-    options (but the bad-row policy and the generator's seed)."""
+    does not give them: every setting of RUN's (the model, the batch size and recipe, the
+    optimizer, the validation split, the epochs, the seed, ...) and its data options, but
+    :data:`NOT_INHERITED_SETTINGS` (the new data, the output, this machine's resources),
+    the bad-row policy and the generator's seed."""
     run = RunFolder.open(path, verify=False)  # the trainer verifies it before any use
     config, data = run.config, run.data_info
-    defaults = {name: config[name] for name in (*ARCHITECTURE, "init_std")}
+    own = {f.name for f in fields(TrainConfig)}
+    defaults = {
+        name: value
+        for name, value in config.items()
+        if name in own and name not in NOT_INHERITED_SETTINGS
+    }
+    defaults.update({name: config[name] for name in (*ARCHITECTURE, "init_std")})
     if config["embedding_backend"] != "cowclip":
         defaults["cowclip"] = False
-    own = {f.name for f in fields(TrainConfig)}
     for option in fields(run.kind.options):
         flag = option.metadata.get("flag")
         value = data["options"].get(option.name)
@@ -129,6 +160,23 @@ def warm_start_defaults(path: Union[str, Path]) -> Dict[str, Any]:
 
 def _same(value: Any) -> Any:
     return value
+
+
+def inherited_line(path: Union[str, Path], inherited: Mapping[str, Any]) -> Optional[str]:
+    """One line naming the settings a warm start took from RUN (``inherited``: flag
+    field -> value), or None when it took none.
+
+    Example::
+
+        >>> inherited_line("runs/day1", {"batch_size": 2048, "hidden": [32, 16]})
+        'from --init-from runs/day1 (flags not given): --batch-size 2048, --hidden 32,16'
+    """
+    if not inherited:
+        return None
+    shown = ", ".join(
+        f"--{name.replace('_', '-')} {_shown(value)}" for name, value in inherited.items()
+    )
+    return f"from --init-from {path} (flags not given): {shown}"
 
 
 def warm_start_config(path: Union[str, Path], **overrides: Any) -> TrainConfig:

@@ -3,14 +3,16 @@ plan that turns stored values into the model's inputs.
 
 A dense value goes through two stages:
 
-1. **Stored** (at conversion, value by value, no statistics): a value beyond
-   ``+-DENSE_CLIP`` is clipped to it and counted (one stray ``1e300`` would otherwise
-   overflow float32); then the column's pointwise function: ``log`` takes ``log(1 + x)``
-   of ``x >= 0`` (a negative value is one it *cannot take*: counted per column, reported,
-   and set to 0, Criteo's convention for its few negative counts), ``signed-log`` takes
-   ``sign(x) * log(1 + |x|)`` (``log`` for ``x >= 0``, mirrored below: every value is
-   kept); ``standardize``, ``minmax`` and ``none`` store ``x``. A missing value stays NaN.
-   These are the cache's ``dense.npy``.
+1. **Stored** (at conversion, value by value, no statistics): the column's pointwise
+   function, in float64: ``log`` takes ``log(1 + x)`` of ``x >= 0`` (a negative value is
+   one it *cannot take*: counted per column, reported, and set to 0, Criteo's convention
+   for its few negative counts), ``signed-log`` takes ``sign(x) * log(1 + |x|)`` (``log``
+   for ``x >= 0``, mirrored below: every value is kept); ``standardize``, ``minmax`` and
+   ``none`` store ``x``. Then a value beyond ``+-DENSE_CLIP`` (1e30) is clipped to it and
+   counted: only a value that float32 and its statistics cannot hold (one stray ``1e300``)
+   is touched, so a Unix timestamp (``1.7e9``) or one in nanoseconds is stored as it is
+   (float32: 7 significant digits). A missing value stays NaN. These are the cache's
+   ``dense.npy``; their statistics are float64.
 2. **Model input** (:class:`DensePlan`, fitted on the training rows only): per column
    ``(v - shift) / scale``: ``standardize`` with the training rows' mean and standard
    deviation (population, like scikit-learn's ``StandardScaler``), ``minmax`` with their
@@ -67,7 +69,13 @@ DENSE_TRANSFORM_HELP: Dict[str, str] = {
 DENSE_TRANSFORMS: Tuple[str, ...] = tuple(DENSE_TRANSFORM_HELP)
 #: The transforms whose model inputs need statistics of the training rows.
 STATISTICAL_TRANSFORMS = frozenset({"standardize", "minmax"})
-DENSE_CLIP = 1e9
+#: Stored values beyond +-DENSE_CLIP (after the pointwise function) are clipped to it and
+#: counted: float32 holds up to 3.4e38, and their squares must stay finite in float64.
+DENSE_CLIP = 1e30
+#: Runs written before the clip moved after the transform clipped raw values at 1e9
+#: first (their plan's JSON has ``clip`` and no ``clip_after_transform``): such a plan
+#: scores new rows the way it trained.
+LEGACY_DENSE_CLIP = 1e9
 #: The suffix of a missing-value indicator's name (``price:missing``).
 MISSING_SUFFIX = ":missing"
 _OPTION = "dense_transform (--dense-transform)"
@@ -169,22 +177,29 @@ def stored_values(
     transforms: Sequence[str],
     clipped: Optional[np.ndarray] = None,
     negative: Optional[np.ndarray] = None,
+    clip_before: Optional[float] = None,
 ) -> np.ndarray:
     """Stage 1 (see the module docstring): raw float values ``[n, k]`` (NaN = missing) ->
     the stored float32 values (NaN = missing).
 
     ``clipped`` and ``negative`` (int64, one entry per column) count the values clipped at
-    ``+-DENSE_CLIP`` and the negative values a ``log`` column cannot take.
+    ``+-DENSE_CLIP`` and the negative values a ``log`` column cannot take. ``clip_before``:
+    a legacy plan's bound, applied to the raw values before the transform instead.
+
+    Example::
+
+        >>> stored_values(np.array([[1.7e9, 1e300]]), ("standardize", "log")).tolist()
+        [[1700000000.0, 690.7755126953125]]
     """
     v = np.array(x, dtype=np.float64)
     if v.ndim != 2 or v.shape[1] != len(transforms):
         raise ValueError(f"expected [n, {len(transforms)}] dense values, got {list(v.shape)}")
     if len(v) == 0:
         return v.astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        if clipped is not None:
-            clipped += (np.abs(v) > DENSE_CLIP).sum(axis=0)
-        np.clip(v, -DENSE_CLIP, DENSE_CLIP, out=v)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = DENSE_CLIP if clip_before is None else clip_before
+        if clip_before is not None:
+            _clip(v, bound, clipped)
         columns = np.asarray(transforms)
         log = np.flatnonzero(columns == "log")
         if len(log):
@@ -198,7 +213,51 @@ def stored_values(
         if len(signed):
             part = v[:, signed]
             v[:, signed] = np.sign(part) * np.log1p(np.abs(part))
+        if clip_before is None:
+            _clip(v, bound, clipped)
     return v.astype(np.float32)
+
+
+def _clip(v: np.ndarray, bound: float, clipped: Optional[np.ndarray]) -> None:
+    if clipped is not None:
+        clipped += (np.abs(v) > bound).sum(axis=0)
+    np.clip(v, -bound, bound, out=v)
+
+
+def constant_columns(
+    stats: "DenseStats", transforms: Sequence[str], names: Sequence[str]
+) -> List[str]:
+    """One line per dense column that carries (almost) nothing into the model, judged
+    by the stored values' statistics: constant after its transform (every present value
+    the same), or varying by less than 1e-3 of its size under a transform that does not
+    centre it (a Unix timestamp under ``signed-log``: ``21.25 +- 0.0004``).
+
+    Example::
+
+        >>> s = DenseStats(["a", "ts", "x"])
+        >>> s.update(np.array([[1.0, 21.2500, 0.0], [1.0, 21.2504, 5.0]]))
+        >>> for line in constant_columns(s, ("none", "signed-log", "log"), s.names):
+        ...     print(line)
+        dense column 'a' is constant after its transform none (every training value 1): it carries nothing into the model
+        dense column 'ts' varies by 0.0002 around 21.2502 after signed-log: nearly constant to the model; --dense-transform ts=standardize centres and scales it
+    """
+    lines = []
+    for j, (name, transform) in enumerate(zip(names, transforms)):
+        if stats.count[j] < 2:
+            continue
+        mean, std = float(stats.mean[j]), float(stats.std[j])
+        if stats.max[j] == stats.min[j]:
+            lines.append(
+                f"dense column {name!r} is constant after its transform {transform} (every "
+                f"training value {stats.min[j]:.6g}): it carries nothing into the model"
+            )
+        elif transform not in STATISTICAL_TRANSFORMS and std < 1e-3 * abs(mean):
+            lines.append(
+                f"dense column {name!r} varies by {std:.3g} around {mean:.6g} after "
+                f"{transform}: nearly constant to the model; --dense-transform "
+                f"{name}=standardize centres and scales it"
+            )
+    return lines
 
 
 class DenseStats:
@@ -303,6 +362,9 @@ class DensePlan:
     scale: Tuple[float, ...]
     indicators: Tuple[str, ...] = ()
     fitted_on: str = ""
+    #: A legacy run's bound on the raw values, clipped before the transform (None: the
+    #: stored values are clipped at ``DENSE_CLIP`` after it).
+    clip_before: Optional[float] = None
 
     @classmethod
     def fit(
@@ -355,7 +417,7 @@ class DensePlan:
 
     def transform(self, raw: np.ndarray) -> np.ndarray:
         """Model inputs of raw values (NaN = missing): both stages, for new rows to score."""
-        return self.apply(stored_values(raw, self.transforms))
+        return self.apply(stored_values(raw, self.transforms, clip_before=self.clip_before))
 
     def to_json(self) -> Dict[str, Any]:
         """Plain JSON: one entry per column, and what the plan was fitted on."""
@@ -370,7 +432,8 @@ class DensePlan:
                 }
                 for n, t, a, b in zip(self.names, self.transforms, self.shift, self.scale)
             ],
-            "clip": DENSE_CLIP,
+            "clip": DENSE_CLIP if self.clip_before is None else self.clip_before,
+            "clip_after_transform": self.clip_before is None,
             "fitted_on": self.fitted_on,
         }
 
@@ -386,6 +449,7 @@ class DensePlan:
             tuple(float(c["scale"]) for c in columns),
             tuple(c["name"] for c in columns if c["missing_indicator"]),
             str(d.get("fitted_on", "")),
+            None if d.get("clip_after_transform") else float(d.get("clip", LEGACY_DENSE_CLIP)),
         )
 
     def summary(self) -> str:

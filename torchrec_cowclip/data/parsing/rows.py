@@ -156,6 +156,8 @@ class TextLayout:
         label, dense, sparse: column indices or header names; ``label=None`` reads no
             label (a file to score: every label is NaN).
         dense_names, sparse_names: feature names when columns are given by index.
+        na_values: field texts that mean a missing value in the dense and categorical
+            columns besides the empty field (pandas' ``na_values``: ``("N/A", "-")``).
     """
 
     delimiter: Optional[str] = None
@@ -167,6 +169,7 @@ class TextLayout:
     sparse: Tuple[ColumnRef, ...] = ()
     dense_names: Optional[Tuple[str, ...]] = None
     sparse_names: Optional[Tuple[str, ...]] = None
+    na_values: Tuple[str, ...] = ()
 
     def open(self, path: Union[str, Path]) -> DelimitedFile:
         header: Union[bool, Callable[[List[bytes]], bool]] = (
@@ -190,8 +193,13 @@ class TextLayout:
         return bool(bad.all())
 
     def payload(self) -> Dict[str, Any]:
-        """JSON description of the layout, for cache keys."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        """JSON description of the layout, for cache keys (``na_values`` only when given,
+        so that layouts without them keep the keys they had)."""
+        return {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in asdict(self).items()
+            if k != "na_values" or v
+        }
 
     def resolve(
         self, f: DelimitedFile
@@ -226,6 +234,25 @@ class TextLayout:
             names(self.dense, self.dense_names),
             names(self.sparse, self.sparse_names),
         )
+
+
+def missing_as_empty(values: np.ndarray, na_values: Sequence[str]) -> np.ndarray:
+    """``values`` (an ``S`` array of fields) with those whose stripped text is one of
+    ``na_values`` made empty, the missing value every reader knows.
+
+    Example::
+
+        >>> missing_as_empty(np.array([b"1.5", b" N/A", b"x"]), ("N/A",)).tolist()
+        [b'1.5', b'', b'x']
+    """
+    if not len(na_values) or not len(values):
+        return values
+    na = np.isin(np.char.strip(values), [v.encode() for v in na_values])
+    if not na.any():
+        return values
+    out = values.copy()
+    out[na] = b""
+    return out
 
 
 class RowSource(Protocol):
@@ -285,7 +312,9 @@ class TextRowSource:
                 labels, bad_label = parse_labels(raw_labels)
             dense = np.empty((n, len(dense_cols)))
             bad_dense = np.zeros((n, len(dense_cols)), dtype=bool)
-            raw_dense = [raw.columns[c] for c in dense_cols]
+            raw_dense = [
+                missing_as_empty(raw.columns[c], self.layout.na_values) for c in dense_cols
+            ]
             for j, col in enumerate(raw_dense):
                 dense[:, j], bad_dense[:, j] = parse_numeric(col)
             block = RowBlock(
@@ -293,7 +322,9 @@ class TextRowSource:
                 lines=raw.lines,
                 labels=labels,
                 dense=dense,
-                sparse=[raw.columns[c] for c in sparse_cols],
+                sparse=[
+                    missing_as_empty(raw.columns[c], self.layout.na_values) for c in sparse_cols
+                ],
                 fraction=raw.fraction,
             )
             block = validate_block(

@@ -81,8 +81,9 @@ logger = logging.getLogger(__name__)
 
 # The entry format (2: meta.json records every file's size and checksum; 3: dense.npy
 # holds each column's pointwise transform with NaN for missing, meta.json its statistics;
-# 4: an entry keeps its encoder, meta["encoder"], for run folders).
-CACHE_VERSION = 4
+# 4: an entry keeps its encoder, meta["encoder"], for run folders; 5: dense values are
+# clipped at +-1e30 after their pointwise transform, not at +-1e9 before it).
+CACHE_VERSION = 5
 # Part of every key; bumped only when a payload's meaning changes, so that a new
 # entry format rebuilds old entries in place instead of leaving them behind.
 _KEY_VERSION = 1

@@ -44,6 +44,7 @@ from torchrec_cowclip.data.parsing.dense import (
     DENSE_CLIP,
     DensePlan,
     DenseStats,
+    constant_columns,
     plan_needs_statistics,
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
@@ -172,7 +173,8 @@ class CTRDataset:
 
     def data_notes(self) -> List[str]:
         """What the conversion changed or dropped, one line each (empty if nothing):
-        skipped rows, clipped values, negative values a ``log`` column set to 0."""
+        skipped rows, clipped values, negative values a ``log`` column set to 0, and the
+        dense columns that are (nearly) constant after their transform."""
         notes = []
         if self.bad_rows:
             notes.append(str(self.meta.get("bad_row_summary")))
@@ -190,6 +192,9 @@ class CTRDataset:
                 f"--dense-transform {next(iter(negative))}=signed-log (or standardize, minmax, "
                 "none) keeps them"
             )
+        if self.meta.get("dense_stats"):
+            stats = DenseStats.from_json(self.meta["dense_stats"])
+            notes += constant_columns(stats, self.dense_transforms, self.schema.dense_names)
         return notes
 
     @property
@@ -246,6 +251,19 @@ class CTRDataset:
         return BatchIterator(self, indices, batch_size, **kwargs)
 
 
+#: File name endings that say a ``--data`` value without a kind is a file of one's own.
+_TABLE_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet", ".pq", ".gz", ".bz2", ".xz", ".zst")
+
+
+def _looks_like_files(spec: str) -> bool:
+    """Whether ``spec`` names files (an existing path, or a table's extension) rather
+    than a kind."""
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    return bool(paths) and all(
+        Path(p).expanduser().exists() or p.lower().endswith(_TABLE_SUFFIXES) for p in paths
+    )
+
+
 def parse_spec(spec: str) -> Tuple[str, List[str]]:
     """``"criteo:a,b"`` -> ``("criteo", ["a", "b"])``; the kind checks its arguments.
 
@@ -257,6 +275,12 @@ def parse_spec(spec: str) -> Tuple[str, List[str]]:
     kind = kind.strip().lower()
     kinds = source_kinds()
     args = [p.strip() for p in rest.split(",") if p.strip()]
+    if (not sep or kind not in kinds) and _looks_like_files(spec):
+        raise DataOptionError(
+            f"--data {spec}: no data kind; a click log of your own (CSV, TSV, parquet) is "
+            f"table:{spec} with --label, --dense and --sparse naming its columns (other "
+            f"kinds: {', '.join(k + ':' for k in kinds if k != 'table')})"
+        )
     if not sep or kind not in kinds or not args:
         raise DataOptionError(
             f"bad dataset spec {spec!r}: expected KIND:ARG with KIND one of {', '.join(kinds)} "

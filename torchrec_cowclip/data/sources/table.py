@@ -60,6 +60,7 @@ from torchrec_cowclip.data.parsing.rows import (
     RowBlock,
     SparseCheck,
     TextLayout,
+    missing_as_empty,
     no_labels,
     validate_block,
 )
@@ -96,8 +97,15 @@ class ParquetRowSource:
     """Row blocks of parquet files (label, dense and sparse columns by name; ``label=None``
     reads no label: every label is NaN)."""
 
-    def __init__(self, label: Optional[str], dense: Sequence[str], sparse: Sequence[str]) -> None:
+    def __init__(
+        self,
+        label: Optional[str],
+        dense: Sequence[str],
+        sparse: Sequence[str],
+        na_values: Sequence[str] = (),
+    ) -> None:
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
+        self.na_values = tuple(na_values)
 
     def _open(self, path: Union[str, Path]) -> Any:
         pa = _pyarrow()
@@ -142,7 +150,9 @@ class ParquetRowSource:
                 labels, bad_label = check_labels(
                     _numeric(pa, batch.column(self.label), raw_labels)[0]
                 )
-            raw_dense = [_as_bytes(pa, batch.column(c)) for c in self.dense]
+            raw_dense = [
+                missing_as_empty(_as_bytes(pa, batch.column(c)), self.na_values) for c in self.dense
+            ]
             dense = np.empty((n, len(self.dense)))
             bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
             for j, c in enumerate(self.dense):
@@ -152,7 +162,10 @@ class ParquetRowSource:
                 lines=np.arange(first_row, first_row + n, dtype=np.int64),
                 labels=labels,
                 dense=dense,
-                sparse=[_as_bytes(pa, batch.column(c)) for c in self.sparse],
+                sparse=[
+                    missing_as_empty(_as_bytes(pa, batch.column(c)), self.na_values)
+                    for c in self.sparse
+                ],
             )
             first_row += n
             block = validate_block(
@@ -195,12 +208,18 @@ def table_layout(
     sparse: Sequence[str],
     delimiter: Optional[str] = None,
     names: Optional[Sequence[str]] = None,
+    na_values: Sequence[str] = (),
 ) -> TextLayout:
     """Layout of a text table: with a header naming its columns, or, given ``names`` (the
     columns of a header-less file, in order), without one."""
     if names is None:
         return TextLayout(
-            delimiter=delimiter, header=True, label=label, dense=tuple(dense), sparse=tuple(sparse)
+            delimiter=delimiter,
+            header=True,
+            label=label,
+            dense=tuple(dense),
+            sparse=tuple(sparse),
+            na_values=tuple(na_values),
         )
     index = {n: i for i, n in enumerate(names)}
     return TextLayout(
@@ -212,6 +231,7 @@ def table_layout(
         sparse=tuple(index[n] for n in sparse),
         dense_names=tuple(dense),
         sparse_names=tuple(sparse),
+        na_values=tuple(na_values),
     )
 
 
@@ -279,10 +299,15 @@ class TableOptions(ColumnOptions):
         columns: the columns of header-less text files, in order (``--columns``); giving
             them says there is no header. Without them a header-less file's columns are
             named by position, ``0, 1, ...``.
+        na_values: texts that mean a missing value in the dense and categorical columns
+            besides the empty field or a parquet null (``--na-values N/A,-``, as pandas'
+            ``na_values=``): a dense one then takes the missing value's path (0 after the
+            transform, ``--missing-indicator``), a categorical one the missing id.
     """
 
     header: bool = option_field(True, "--no-header")
     columns: Optional[Sequence[str]] = option_field(None, "--columns")
+    na_values: Optional[Sequence[str]] = option_field(None, "--na-values")
 
     def __post_init__(self) -> None:
         if self.label is None or self.sparse is None:
@@ -293,6 +318,14 @@ class TableOptions(ColumnOptions):
         super().__post_init__()
         names = normalize_names(self.columns, "--columns")
         object.__setattr__(self, "columns", names)
+        if self.na_values is not None:
+            na = tuple(dict.fromkeys(str(v).strip() for v in self.na_values))
+            if not na or "" in na:
+                raise DataOptionError(
+                    f"na_values (--na-values): expected texts such as N/A,-, got {self.na_values!r} "
+                    "(an empty field is missing already)"
+                )
+            object.__setattr__(self, "na_values", na)
         if names is not None:
             object.__setattr__(self, "header", False)
             check_choice(self.label, self.dense or (), self.sparse or (), self.where, names)
@@ -301,6 +334,8 @@ class TableOptions(ColumnOptions):
         d = super().key_columns()
         if not self.header:  # only then, so header files keep the keys they had
             d.update(header=False, columns=list(self.columns or ()) or None)
+        if self.na_values:
+            d.update(na_values=list(self.na_values))
         return d
 
     def names(self, path: Union[str, Path], delimiter: str) -> Optional[List[str]]:
@@ -389,6 +424,7 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
                     sparse,
                     opts.delimiter,
                     opts.names(args[0], delimiter),
+                    opts.na_values or (),
                 ),
                 args,
                 test_paths,
@@ -397,9 +433,16 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
                 layout_name="table",
                 source_format="delimited text",
             )
-        layout = {"layout": "parquet", "label": opts.label, "dense": dense, "sparse": sparse}
+        layout: Dict[str, Any] = {
+            "layout": "parquet",
+            "label": opts.label,
+            "dense": dense,
+            "sparse": sparse,
+        }
+        if opts.na_values:
+            layout["na_values"] = list(opts.na_values)
         return Conversion(
-            ParquetRowSource(opts.label, dense, sparse),
+            ParquetRowSource(opts.label, dense, sparse, opts.na_values or ()),
             args,
             test_paths,
             opts.encoding("fnv"),
