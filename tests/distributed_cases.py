@@ -555,8 +555,8 @@ def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -
 # --- a planned job against the sharded run it plans ----------------------------------------
 
 
-def planned_job_case(rank: int, world: int, jobs: List[Dict[str, Any]], out_path: str) -> None:
-    """Builds and shards each job of ``jobs`` (``torchrec_cowclip.plan.JobSpec`` fields) as
+def planned_job_case(rank: int, world: int, jobs: List[Any], out_path: str) -> None:
+    """Builds and shards each job of ``jobs`` (``torchrec_cowclip.plan.JobSpec``s) as
     the trainer's ``ShardedRuntime`` does (the model's tables on meta, the CowClip sharder,
     ``shard_model``'s planner), takes one training step, and writes on rank 0, per job,
     each rank's bytes of table weights and optimizer state and the plan
@@ -572,23 +572,23 @@ def planned_job_case(rank: int, world: int, jobs: List[Dict[str, Any]], out_path
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     results = []
     for job in jobs:
-        arguments = job["model_arguments"]
+        arguments = job.model_arguments
         model = build_model(
-            job["model"],
+            job.model,
             **arguments,
             table_device="meta",
-            embedding_options=CowClipOptions(optimizer=job["optimizer"]),
+            embedding_options=CowClipOptions(optimizer=job.optimizer),
         )
         ebc = model.embedding_collection
         dmp = shard_model(
             CTRTrainTask(model),
             [t.name for t in ebc.embedding_bag_configs()],
             [CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))],
-            job["sharding"],
+            job.sharding,
             ctx,
-            job["batch_size"],
+            job.batch_size,
         )
-        local = job["batch_size"] // world
+        local = job.batch_size // world
         gen = torch.Generator().manual_seed(rank)
         ids = [torch.randint(0, c, (local,), generator=gen) for c in arguments["cardinalities"]]
         batch = Batch(

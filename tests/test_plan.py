@@ -106,85 +106,47 @@ def test_the_planner_sizes_every_shard_with_the_state_it_will_hold(optimizer, dt
 
 # --- a plan against the sharded run it plans, on 2 CPU ranks ---------------------------------
 
+#: (model, optimizer, sharding, weights' type, dim, table rows) of the jobs planned and run.
 JOBS = [
-    # the planner's choice per table (data-parallel, table-wise, row-wise among them)
-    dict(
-        model="deepfm",
-        optimizer="adam",
-        sharding="auto",
-        dtype="fp32",
-        dim=8,
-        cardinalities=[20000, 300, 7, 6000],
-    ),
+    # the planner's choice per table (data-parallel and row-wise among them)
+    ("deepfm", "adam", "auto", "fp32", 8, [20000, 300, 7, 6000]),
     # column shards of 128 columns, each with its own per-row state; float16 weights
-    dict(
-        model="dcn",
-        optimizer="rowwise_adagrad",
-        sharding="column_wise",
-        dtype="fp16",
-        dim=256,
-        cardinalities=[400, 50],
-    ),
-    dict(
-        model="wdl",
-        optimizer="sgd",
-        sharding="row_wise",
-        dtype="bf16",
-        dim=4,
-        cardinalities=[1001, 77],
-    ),
+    ("dcn", "rowwise_adagrad", "column_wise", "fp16", 256, [400, 50]),
+    ("wdl", "sgd", "row_wise", "bf16", 4, [1001, 77]),
     # float16 weights with float32 moments (TorchRec's own estimate: half of them)
-    dict(
-        model="deepfm",
-        optimizer="adam",
-        sharding="table_wise",
-        dtype="fp16",
-        dim=16,
-        cardinalities=[3000, 500, 40],
-    ),
+    ("deepfm", "adam", "table_wise", "fp16", 16, [3000, 500, 40]),
 ]
 
 
-def _spec(job: dict) -> JobSpec:
+def _spec(model: str, optimizer: str, sharding: str, dtype: str, dim: int, rows: list) -> JobSpec:
     from torchrec.distributed.planner.constants import DDR_CAP
 
-    names = [f"C{i}" for i in range(len(job["cardinalities"]))]
     return JobSpec(
-        model=job["model"],
+        model=model,
         model_arguments=dict(
             num_dense=3,
-            sparse_names=names,
-            cardinalities=job["cardinalities"],
-            embedding_dim=job["dim"],
+            sparse_names=[f"C{i}" for i in range(len(rows))],
+            cardinalities=rows,
+            embedding_dim=dim,
             hidden=[8],
-            embedding_dtype=job["dtype"],
+            embedding_dtype=dtype,
         ),
-        optimizer=job["optimizer"],
+        optimizer=optimizer,
         batch_size=64,
         world_size=2,
         local_world_size=2,
         compute_device="cpu",
         hbm_bytes=0,
         ddr_bytes=DDR_CAP,  # what the trainer's planner has on CPU
-        sharding=job["sharding"],
+        sharding=sharding,
     )
 
 
 def test_the_plan_is_the_sharded_run_it_plans(tmp_path):
-    specs = [_spec(job) for job in JOBS]
+    specs = [_spec(*job) for job in JOBS]
     plans = [JobPlanner(spec).plan(spec) for spec in specs]
     out = str(tmp_path / "runs.json")
-    jobs = [
-        dict(
-            model=s.model,
-            model_arguments=dict(s.model_arguments),
-            optimizer=s.optimizer,
-            sharding=s.sharding,
-            batch_size=s.batch_size,
-        )
-        for s in specs
-    ]
-    run_ranks(cases.planned_job_case, 2, jobs, out, timeout_s=150)
+    run_ranks(cases.planned_job_case, 2, specs, out, timeout_s=150)
     runs = json.loads(Path(out).read_text())
     for job, plan, run in zip(JOBS, plans, runs):
         assert plan.fits, job
@@ -403,3 +365,21 @@ def test_sharding_constraints_reach_the_planner_and_its_stats_show(capsys, tmp_p
     plan = json.loads((tmp_path / "rw.json").read_text())
     assert {t["sharding"] for t in plan["tables"]} == {"row_wise"}
     assert "--sharding row_wise" in plan["launch"]["torchrun"]
+
+
+def test_the_readme_plan_command_prints_what_the_readme_says(capsys):
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("**Plan before you launch.**") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block is not None
+    command = shlex.split(block.group(1).replace("\\\n", " "))
+    assert command[:2] == [".venv/bin/torchrec-cowclip", "plan"]
+    code, out, err = _plan(capsys, *command[2:])
+    assert code == 0, err
+    assert "fits: yes, on 8 x 80.00 GiB" in out and "fits: yes, on 8 x 80.00 GiB" in section
+    assert "largest rank: 0, 66.01 GiB of tables and state" in out and "66.01 GiB" in section
+    code, out, _ = _plan(capsys, *command[2:], "--embedding-optimizer", "rowwise_adagrad")
+    assert code == 0 and "largest rank: 0, 24.98 GiB" in out and "rowwise_adagrad` 24.98" in section

@@ -1,5 +1,5 @@
-"""How ``torchrec-cowclip``'s commands show their flags in ``--help`` (standard library
-only: ``--help`` must stay fast).
+"""How ``torchrec-cowclip``'s commands show their flags in ``--help`` and an error in one
+line (standard library only: ``--help`` must stay fast).
 
 Example::
 
@@ -16,7 +16,24 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["HelpFormatter", "RawDescriptionHelpFormatter"]
+__all__ = ["HelpFormatter", "RawDescriptionHelpFormatter", "error_line"]
+
+
+def error_line(error: BaseException) -> str:
+    """An OS error as ``reason: path``; others as their message's first line.
+
+    Example::
+
+        >>> error_line(FileNotFoundError(2, "No such file or directory", "a.csv"))
+        'No such file or directory: a.csv'
+        >>> error_line(ValueError("bad flag\nmore"))
+        'bad flag'
+    """
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror}{where}"
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class HelpFormatter(argparse.HelpFormatter):

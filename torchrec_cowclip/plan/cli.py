@@ -24,9 +24,9 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
+from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter, error_line
 
 # Only the standard library here: `torchrec-cowclip --help` imports this module.
 
@@ -164,13 +164,18 @@ def add_plan_parser(
     )
     p.set_defaults(
         run_plan=functools.partial(
-            run_command,
-            parser=p,
-            add_train_arguments=add_train_arguments,
-            config_from_args=config_from_args,
+            run_command, command=_Command(p, add_train_arguments, config_from_args)
         )
     )
     return p
+
+
+class _Command(NamedTuple):
+    """The ``plan`` parser and what it takes from ``train``'s command line."""
+
+    parser: argparse.ArgumentParser
+    add_train_arguments: Callable[[argparse.ArgumentParser], None]
+    config_from_args: Callable[[argparse.Namespace], Any]
 
 
 def _error(message: str) -> int:
@@ -178,30 +183,16 @@ def _error(message: str) -> int:
     return 2
 
 
-def run_command(
-    args: argparse.Namespace,
-    argv: Optional[Sequence[str]],
-    parser: argparse.ArgumentParser,
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> int:
+def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
     """``plan``'s body: 0 when the job fits, 3 when it does not, 2 for a refused command
     (one line on stderr naming the flag, file or table)."""
     from torchrec_cowclip.data.errors import DataError
     from torchrec_cowclip.train.config import ConfigError
 
     try:
-        return _run(args, argv, parser, add_train_arguments, config_from_args)
+        return _run(args, argv, command)
     except (ConfigError, DataError, OSError) as e:
-        return _error(_one_line(e))
-
-
-def _one_line(error: BaseException) -> str:
-    """An OS error as ``reason: path``; others as their message's first line."""
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
-    text = str(error)
-    return text.splitlines()[0] if text else type(error).__name__
+        return _error(error_line(e))
 
 
 def _data_flags(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, Any]]:
@@ -215,7 +206,7 @@ def _run_defaults(run: Any, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     """RUN's settings for every option of ``plan`` that ``train`` has (its model, data,
     batch size, optimizer, recipe, sharding)."""
     dests = {a.dest for a in parser._actions}
-    defaults = {k: v for k, v in run.config.items() if k in dests and k not in ("run", "json")}
+    defaults = {k: v for k, v in run.config.items() if k in dests}
     if "hidden" in defaults:
         defaults["hidden"] = list(defaults["hidden"])
     return defaults
@@ -343,33 +334,6 @@ def _tables(
     return dataset.schema, dense, f"{config.data} ({len(dataset):,} rows)", config
 
 
-def _check_tables_fit_a_device(schema: Any, config: Any, spec: Any) -> None:
-    """A table the sharding keeps whole on one device must fit one device."""
-    import torch
-
-    from torchrec_cowclip.embedding.table_batch import storage_bytes
-    from torchrec_cowclip.models.embeddings import embedding_table_name
-    from torchrec_cowclip.plan.job import PlanError
-    from torchrec_cowclip.plan.report import format_bytes
-
-    if spec.sharding not in ("table_wise", "data_parallel"):
-        return  # row and column shards split a table over devices
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-        config.embedding_dtype
-    ]
-    for name, rows in zip(schema.sparse_names, schema.cardinalities):
-        weights, state = storage_bytes(rows, config.embedding_dim, dtype, spec.optimizer)
-        if weights + state > spec.device_bytes:
-            raise PlanError(
-                f"table {embedding_table_name(name)} ({rows:,} rows x {config.embedding_dim}, "
-                f"{config.embedding_dtype} with {spec.optimizer} state: "
-                f"{format_bytes(weights + state)}) is larger than every device "
-                f"({format_bytes(spec.device_bytes)}) and --sharding {spec.sharding} keeps "
-                "it whole on one: give --sharding auto or row_wise, devices with more "
-                "memory, or fewer rows (--hash-size)"
-            )
-
-
 def _job_name(args: argparse.Namespace, config: Any) -> str:
     """A name for the launched job's run directory: the preset, the run's folder, or the
     data's first file (``synthetic-3000`` for generated rows)."""
@@ -397,13 +361,7 @@ def _torchrec_stats_shown() -> Iterator[None]:
         logger.level, logger.propagate = saved
 
 
-def _run(
-    args: argparse.Namespace,
-    argv: Optional[Sequence[str]],
-    parser: argparse.ArgumentParser,
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> int:
+def _run(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
     from torchrec_cowclip.plan.job import JobSpec, plan_job
     from torchrec_cowclip.plan.report import does_not_fit, format_plan, launch_commands
     from torchrec_cowclip.sweep.cli import train_argv, train_parser
@@ -411,6 +369,7 @@ def _run(
     from torchrec_cowclip.train.run_folder import RunFolder, model_arguments
     from torchrec_cowclip.train.run_log import write_text_atomically
 
+    parser, config_from_args = command.parser, command.config_from_args
     notices.install()
     source = _source(args, parser)
     run = None
@@ -437,7 +396,6 @@ def _run(
         ddr_bytes=ddr,
         sharding=config.sharding,
     )
-    _check_tables_fit_a_device(schema, config, spec)
     stats: List[Any] = []
     shown: Any = contextlib.nullcontext()
     if args.planner_stats:
@@ -453,7 +411,9 @@ def _run(
         device="cpu" if spec.compute_device == "cpu" else config.device,
         cache_dir=config.cache_dir,
     )
-    train_args = train_argv(train_parser(add_train_arguments), config_from_args, launch_config)
+    train_args = train_argv(
+        train_parser(command.add_train_arguments), config_from_args, launch_config
+    )
     launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
     sys.stdout.write(format_plan(plan, tables_from, launch))
     if args.json:

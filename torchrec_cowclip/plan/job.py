@@ -20,10 +20,10 @@ Example::
     ...                                     cardinalities=[100_000, 10], embedding_dim=8,
     ...                                     hidden=[16]))
     >>> plan = plan_job(spec)
-    >>> plan.fits, [t.sharding for t in plan.tables], [r.rank for r in plan.ranks]
-    (True, ...)
-    >>> plan.table_bytes   # weights 4 x (8 + 1) per row, row-wise Adagrad 4 per row of each
-    4400480
+    >>> plan.table_bytes   # 100,010 rows of 4 x (8 + 1) weight bytes and 2 x 4 state bytes
+    4400440
+    >>> plan.fits, [r.rank for r in plan.ranks], sum(r.bytes for r in plan.ranks) >= 4400440
+    (True, [0, 1], True)
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ class JobPlanner:
         self._dtypes: Dict[str, torch.dtype] = {
             t.name: storage_dtype(t.data_type) for t in self.configs
         }
-        sizes = {
+        self.sizes = {
             t.name: sum(
                 storage_bytes(
                     t.num_embeddings, t.embedding_dim, self._dtypes[t.name], spec.optimizer
@@ -320,8 +320,27 @@ class JobPlanner:
             )
             for t in self.configs
         }
-        self.table_bytes = sum(sizes.values())
-        self.largest_table = max(sizes.items(), key=lambda kv: kv[1])
+        self.table_bytes = sum(self.sizes.values())
+        self.largest_table = max(self.sizes.items(), key=lambda kv: kv[1])
+
+    def check_whole_tables_fit(self, spec: JobSpec) -> None:
+        """Refuses (:class:`PlanError`) a table larger than a device when ``spec``'s
+        sharding keeps every table whole on one device (``table_wise``,
+        ``data_parallel``): no number of devices would fit it."""
+        from torchrec_cowclip.plan.report import format_bytes
+
+        if spec.sharding not in ("table_wise", "data_parallel"):
+            return  # row and column shards split a table over devices
+        for t in self.configs:
+            if self.sizes[t.name] > spec.device_bytes:
+                raise PlanError(
+                    f"table {t.name} ({t.num_embeddings:,} rows x {t.embedding_dim}, "
+                    f"{spec.embedding_dtype} with {spec.optimizer} state: "
+                    f"{format_bytes(self.sizes[t.name])}) is larger than every device "
+                    f"({format_bytes(spec.device_bytes)}) and --sharding {spec.sharding} "
+                    "keeps it whole on one: give --sharding auto or row_wise, devices with "
+                    "more memory, or fewer rows (--hash-size)"
+                )
 
     def plan(self, spec: JobSpec, stats: Sequence[Any] = ()) -> JobPlan:
         """Runs TorchRec's planner for ``spec``'s devices (``stats``: more TorchRec
@@ -475,8 +494,13 @@ def smallest_fitting(
 
 def plan_job(spec: JobSpec, per_host: Optional[int] = None, stats: Sequence[Any] = ()) -> JobPlan:
     """Plans ``spec``; if it does not fit, also finds the smallest world size that does
-    (:func:`smallest_fitting`, with ``per_host`` devices per host)."""
+    (:func:`smallest_fitting`, with ``per_host`` devices per host).
+
+    Raises:
+        PlanError: a table larger than a device that the sharding keeps whole.
+    """
     planner = JobPlanner(spec)
+    planner.check_whole_tables_fit(spec)
     plan = planner.plan(spec, stats)
     if not plan.fits:
         plan.smallest_world_size, plan.searched = smallest_fitting(planner, plan, per_host)

@@ -158,9 +158,7 @@ def format_plan(plan: JobPlan, tables_from: str, launch: Dict[str, str]) -> str:
             f"compute {perf['bwd_compute']:.3f}, backward comms {perf['bwd_comms']:.3f})",
             f"fits: yes, on {spec.world_size} x {format_bytes(spec.device_bytes)}",
             "",
-            "launch (torchrun"
-            + (", on every host; HEAD_NODE: the first host's address" if spec.hosts > 1 else "")
-            + "):",
+            _launch_heading(spec.world_size, spec.hosts),
             f"  {launch['torchrun']}",
             "launch (torchx, this project's component; -s kubernetes or slurm on a cluster):",
             f"  {launch['torchx']}",
@@ -170,6 +168,14 @@ def format_plan(plan: JobPlan, tables_from: str, launch: Dict[str, str]) -> str:
         if plan.error:
             lines.append(f"TorchRec's planner: {plan.error}")
     return "\n".join(lines) + "\n"
+
+
+def _launch_heading(world_size: int, hosts: int) -> str:
+    if world_size == 1:
+        return "launch (one process: no torchrun needed):"
+    if hosts > 1:
+        return "launch (torchrun, on every host; HEAD_NODE: the first host's address):"
+    return "launch (torchrun):"
 
 
 def does_not_fit(plan: JobPlan) -> str:

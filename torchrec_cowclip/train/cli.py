@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Iterator, List, Optional, Sequence
 
-from torchrec_cowclip.cli_help import HelpFormatter
+from torchrec_cowclip.cli_help import HelpFormatter, error_line
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
 from torchrec_cowclip.plan.cli import add_plan_parser
 from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
@@ -553,15 +553,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 EXIT_USAGE, EXIT_DIVERGED, EXIT_ENVIRONMENT = 2, 3, 4
 
 
-def _one_line(error: BaseException) -> str:
-    """An OS error as ``reason: path``; others as their message's first line."""
-    if isinstance(error, OSError) and error.strerror:
-        where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    text = str(error)
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 class _Stderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a redirect):
     logging assigns ``stream``, which here is always the current stderr."""
@@ -641,7 +632,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except (NonFiniteLossError, NonFiniteStateError) as e:
         parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
     except (CheckpointWriteError, CollectiveError, OSError) as e:
-        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {_one_line(e)}\n")
+        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {error_line(e)}\n")
     except RunStopped as e:
         parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
     shutdown_distributed()
