@@ -242,6 +242,10 @@ def test_a_job_that_does_not_fit_exits_3_naming_the_smallest_world_size(tmp_path
     ]
     assert "fits: no; does not fit on 1 x 16.00 GiB" in out
     assert _plan(capsys, *args, "--world-size", str(smallest))[0] == 0
+    code, _, err = _plan(capsys, *args, "--world-size", "4", "--sharding", "data_parallel")
+    assert code == 3 and err.strip().endswith(
+        "--sharding data_parallel puts every table on every device: give auto"
+    )
 
 
 REFUSED = [

@@ -480,6 +480,8 @@ def smallest_fitting(
     sizes tried. The search starts where the devices' memory could hold one copy of
     every table and its state, and plans at most :data:`MAX_SEARCH_PLANS` sizes."""
     spec = plan.spec
+    if spec.sharding == "data_parallel":
+        return None, []  # every device holds every table: more devices never fit more
     start = max(spec.world_size + 1, math.ceil(plan.table_bytes / max(spec.device_bytes, 1)))
     tried: List[int] = []
     for n in world_size_candidates(spec, per_host, start):

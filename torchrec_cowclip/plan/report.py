@@ -189,6 +189,8 @@ def does_not_fit(plan: JobPlan) -> str:
         head += f", {spec.world_size} x {format_bytes(plan.usable_bytes)} usable"
     else:
         head += ", and TorchRec's reservation leaves nothing of each device"
+    if spec.sharding == "data_parallel":
+        return f"{head}; --sharding data_parallel puts every table on every device: give auto"
     if plan.smallest_world_size is not None:
         return (
             f"{head}; the smallest world size that fits is {plan.smallest_world_size} "
