@@ -26,7 +26,7 @@ def error_line(error: BaseException) -> str:
 
         >>> error_line(FileNotFoundError(2, "No such file or directory", "a.csv"))
         'No such file or directory: a.csv'
-        >>> error_line(ValueError("bad flag\nmore"))
+        >>> error_line(ValueError("bad flag\\nmore"))
         'bad flag'
     """
     if isinstance(error, OSError) and error.strerror:
