@@ -42,6 +42,7 @@ __all__ = [
     "RankPlan",
     "ShardPlan",
     "TablePlan",
+    "format_bytes",
     "plan_job",
     "world_size_candidates",
 ]
@@ -276,6 +277,20 @@ class JobPlan:
         }
 
 
+def format_bytes(count: int) -> str:
+    """``count`` bytes in B, KiB, MiB or GiB (powers of 2, as TorchRec's planner counts).
+
+    Example::
+
+        >>> format_bytes(512), format_bytes(3 << 20), format_bytes(91_107_468_800)
+        ('512 B', '3.00 MiB', '84.85 GiB')
+    """
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.2f} {unit}"
+    return f"{count} B"
+
+
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
@@ -327,8 +342,6 @@ class JobPlanner:
         """Refuses (:class:`PlanError`) a table larger than a device when ``spec``'s
         sharding keeps every table whole on one device (``table_wise``,
         ``data_parallel``): no number of devices would fit it."""
-        from torchrec_cowclip.plan.report import format_bytes
-
         if spec.sharding not in ("table_wise", "data_parallel"):
             return  # row and column shards split a table over devices
         for t in self.configs:

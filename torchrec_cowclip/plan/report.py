@@ -3,8 +3,6 @@ the planner's estimates, and the commands that launch the job it planned.
 
 Example::
 
-    >>> format_bytes(512), format_bytes(3 << 20), format_bytes(91_107_468_800)
-    ('512 B', '3.00 MiB', '84.85 GiB')
     >>> rank_ranges([0, 1, 2, 3, 5, 7, 8])
     '0-3,5,7-8'
     >>> print(launch_commands(world_size=16, per_host=8, gpus=True,
@@ -17,17 +15,9 @@ from __future__ import annotations
 import shlex
 from typing import Dict, List, Sequence
 
-from torchrec_cowclip.plan.job import JobPlan, TablePlan
+from torchrec_cowclip.plan.job import JobPlan, TablePlan, format_bytes
 
-__all__ = ["format_bytes", "format_plan", "launch_commands", "rank_ranges"]
-
-
-def format_bytes(count: int) -> str:
-    """``count`` bytes in B, KiB, MiB or GiB (powers of 2, as TorchRec's planner counts)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if count >= 1 << shift:
-            return f"{count / (1 << shift):.2f} {unit}"
-    return f"{count} B"
+__all__ = ["does_not_fit", "format_plan", "launch_commands", "rank_ranges"]
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:
