@@ -550,3 +550,67 @@ def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -
     dist.all_gather_object(storage, (held, expected))
     if rank == 0:
         torch.save({"weights": weights, "storage": storage, "meta_only": meta_only}, out_path)
+
+
+# --- a planned job against the sharded run it plans ----------------------------------------
+
+
+def planned_job_case(rank: int, world: int, jobs: List[Any], out_path: str) -> None:
+    """Builds and shards each job of ``jobs`` (``torchrec_cowclip.plan.JobSpec``s) as
+    the trainer's ``ShardedRuntime`` does (the model's tables on meta, the CowClip sharder,
+    ``shard_model``'s planner), takes one training step, and writes on rank 0, per job,
+    each rank's bytes of table weights and optimizer state and the plan
+    (table -> sharding type, ranks)."""
+    import json
+
+    from torchrec.datasets.utils import Batch
+
+    from torchrec_cowclip.models import build_model
+    from torchrec_cowclip.train.distributed import DistContext, shard_model
+    from torchrec_cowclip.train.task import CTRTrainTask
+
+    ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    results = []
+    for job in jobs:
+        arguments = job.model_arguments
+        model = build_model(
+            job.model,
+            **arguments,
+            table_device="meta",
+            embedding_options=CowClipOptions(optimizer=job.optimizer),
+        )
+        ebc = model.embedding_collection
+        dmp = shard_model(
+            CTRTrainTask(model),
+            [t.name for t in ebc.embedding_bag_configs()],
+            [CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))],
+            job.sharding,
+            ctx,
+            job.batch_size,
+        )
+        local = job.batch_size // world
+        gen = torch.Generator().manual_seed(rank)
+        ids = [torch.randint(0, c, (local,), generator=gen) for c in arguments["cardinalities"]]
+        batch = Batch(
+            dense_features=torch.rand(local, arguments["num_dense"], generator=gen),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=list(arguments["sparse_names"]),
+                values=torch.cat(ids),
+                lengths=torch.ones(local * len(ids), dtype=torch.int64),
+            ),
+            labels=torch.randint(0, 2, (local,), generator=gen).float(),
+        )
+        loss, _ = dmp(batch)
+        loss.backward()  # the tables update here: every state tensor exists after it
+        sharded = next(m for m in dmp.modules() if hasattr(m, "table_storage_bytes"))
+        held = [None] * world
+        dist.all_gather_object(held, sharded.table_storage_bytes())
+        plan = {
+            table: [p.sharding_type, list(p.ranks or [])]
+            for module_plan in dmp.plan.plan.values()
+            for table, p in module_plan.items()
+        }
+        results.append({"bytes": held, "plan": plan})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)

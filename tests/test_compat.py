@@ -242,6 +242,20 @@ def test_in_backward_marks_hidden_restores_the_marks():
         assert compat.in_backward_optimizer(module.weight) == (RowWiseAdagrad, {"lr": 0.5})
 
 
+def test_optimizer_marks_hidden_hides_the_planners_mark_and_restores_it():
+    import torchrec.distributed.planner.shard_estimators as estimators
+
+    alias, plain = nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(4, 2))
+    with private_name("Parameter._optimizer_classes", "optimizer_marks_hidden"):
+        compat.set_planner_optimizer_class(alias, torch.optim.Adam)
+        # What TorchRec's storage estimator sizes the state by (getattr of the attribute).
+        assert 'getattr(tensor, "_optimizer_classes"' in inspect.getsource(estimators)
+        with compat.optimizer_marks_hidden([alias, plain, alias]):
+            assert not hasattr(alias, "_optimizer_classes")
+        assert alias._optimizer_classes == [torch.optim.Adam]
+        assert not hasattr(plain, "_optimizer_classes")
+
+
 def test_pipelined_forward_type_and_target():
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward

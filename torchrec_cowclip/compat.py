@@ -26,7 +26,18 @@ import logging
 import os
 import sys
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple, Type
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    Type,
+)
 
 import torch
 import torch.distributed as dist
@@ -68,6 +79,7 @@ __all__ = [
     "lookup_kernels",
     "mark_static_dim",
     "mark_updated_in_backward",
+    "optimizer_marks_hidden",
     "process_group_timeout",
     "qconfig_propagation",
     "recompile_limit_at_least",
@@ -281,8 +293,22 @@ def in_backward_marks_hidden(module: nn.Module) -> Iterator[None]:
     ``CowClipAdam``, ...); the CowClip kernels are configured from the options the sharder
     read from those marks beforehand, so TorchRec's constructor must not see them.
     """
+    with optimizer_marks_hidden(module.parameters()):
+        yield
+
+
+@contextlib.contextmanager
+def optimizer_marks_hidden(params: Iterable[Tensor]) -> Iterator[None]:
+    """Inside the block, the tensors ``params`` carry no optimizer mark
+    (``_optimizer_classes``, ``_optimizer_kwargs``: ``apply_optimizer_in_backward``'s, or
+    :func:`set_planner_optimizer_class`'s); they are put back after it.
+
+    TorchRec's storage estimator sizes a tensor's optimizer state from the mark's class;
+    the planner's CowClip storage estimator (``distributed/planning.py``) counts the
+    state as the fused update allocates it instead, so TorchRec's part must not see it.
+    """
     saved = []
-    for param in module.parameters():
+    for param in {id(p): p for p in params}.values():
         if hasattr(param, "_optimizer_classes"):
             saved.append(
                 (param, param._optimizer_classes, getattr(param, "_optimizer_kwargs", None))

@@ -50,6 +50,7 @@ __all__ = [
     "PLANNER_OPTIMIZER_CLASS",
     "CowClipEmbeddingBagCollectionSharder",
     "get_default_sharders",
+    "planned_optimizer",
 ]
 
 
@@ -66,6 +67,20 @@ def _optimizer_class(path: str) -> Type[torch.optim.Optimizer]:
 PLANNER_OPTIMIZER_CLASS: Mapping[str, Type[torch.optim.Optimizer]] = RuleView(
     lambda rule: _optimizer_class(rule.planner_optimizer)
 )
+
+
+#: The attribute naming the update rule on each table tensor the sharder hands TorchRec's
+#: planner (this project's own, read back by :func:`planned_optimizer`).
+_PLANNED_OPTIMIZER = "cowclip_optimizer"
+
+
+def planned_optimizer(tensor: torch.Tensor) -> Optional[str]:
+    """The update rule whose state a table tensor from
+    :meth:`CowClipEmbeddingBagCollectionSharder.shardable_parameters` carries (None for
+    another sharder's tensor): what the planner's CowClip storage estimator
+    (:mod:`torchrec_cowclip.distributed.planning`) sizes the state by."""
+    name = getattr(tensor, _PLANNED_OPTIMIZER, None)
+    return None if name is None else str(name)
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -172,15 +187,20 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
         TorchRec's storage estimator sizes a table's optimizer state from the
         ``_optimizer_classes`` of this tensor, and its plan helpers pick the ``fused``
-        kernel for tensors with ``_in_backward_optimizers``; the module's own parameters
-        are left untouched (these are aliases carrying the two attributes).
+        kernel for tensors with ``_in_backward_optimizers``; the tensor also names the
+        update rule (:func:`planned_optimizer`), whose state the planner of
+        :mod:`~torchrec_cowclip.distributed.planning` counts exactly (float32 whatever the
+        weights' type, one row's per column shard). The module's own parameters are left
+        untouched (these are aliases carrying the attributes).
         """
-        optimizer_class = PLANNER_OPTIMIZER_CLASS[self.options_for(module).optimizer]
+        optimizer = self.options_for(module).optimizer
+        optimizer_class = PLANNER_OPTIMIZER_CLASS[optimizer]
         tables: Dict[str, nn.Parameter] = {}
         for name, param in module.embedding_bags.named_parameters():
             alias = nn.Parameter(param.detach(), requires_grad=False)
             compat.set_planner_optimizer_class(alias, optimizer_class)
             compat.mark_updated_in_backward(alias)
+            setattr(alias, _PLANNED_OPTIMIZER, optimizer)
             tables[name.split(".")[0]] = alias
         return tables
 

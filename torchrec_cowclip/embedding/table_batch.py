@@ -9,6 +9,7 @@ tensors that ``state_dict()`` and the fused optimizer expose are views into it.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,6 +29,10 @@ from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
 #: Buffer-name prefix of the optimizer state tensors (``state_exp_avg``, ...).
 _STATE_PREFIX = "state_"
+
+#: The optimizer state's type, whatever the weights' (float16 / bfloat16 weights are
+#: updated in float32 and rounded back; their state stays float32).
+STATE_DTYPE = torch.float32
 
 #: Rows of :attr:`TableBatch.counters`, one column per table.
 COUNTER_NAMES = (
@@ -147,9 +152,8 @@ class TableBatch(nn.Module):
             "row_counters": None,
         }
         self.state_names: List[str] = [name for name, _ in STATE_LAYOUT[optimizer]]
-        for name, per_row in STATE_LAYOUT[optimizer]:
-            shape = (total, self.dim) if per_row == "D" else (total,)
-            buffers[_STATE_PREFIX + name] = torch.zeros(shape, dtype=torch.float32, device=device)
+        for name, shape in state_shapes(total, self.dim, optimizer).items():
+            buffers[_STATE_PREFIX + name] = torch.zeros(shape, dtype=STATE_DTYPE, device=device)
         for name, tensor in {**buffers, **self._index_tensors(device)}.items():
             self.register_buffer(name, tensor, persistent=False)
         self._index_cache: Dict[Tuple[str, int], Tensor] = {}
@@ -328,6 +332,39 @@ def group_into_table_batches(tables: Sequence[EmbeddingBagConfig]) -> List[List[
     for i, table in enumerate(tables):
         groups.setdefault((table.embedding_dim, table.pooling, table.data_type), []).append(i)
     return list(groups.values())
+
+
+def state_shapes(rows: int, dim: int, optimizer: str) -> Dict[str, Tuple[int, ...]]:
+    """The shape of each optimizer-state tensor ``optimizer`` keeps for ``rows`` rows of
+    ``dim`` columns (a whole table, or one shard of it: a column shard keeps its own
+    per-row state), as a table batch allocates it (``STATE_LAYOUT``: ``"D"`` one value
+    per column, ``"1"`` one per row).
+
+    Example::
+
+        >>> state_shapes(1000, 16, "adam"), state_shapes(1000, 16, "rowwise_adagrad")
+        ({'exp_avg': (1000, 16), 'exp_avg_sq': (1000, 16)}, {'sum': (1000,)})
+    """
+    return {
+        name: (int(rows), int(dim)) if per_row == "D" else (int(rows),)
+        for name, per_row in STATE_LAYOUT[optimizer]
+    }
+
+
+def storage_bytes(rows: int, dim: int, dtype: torch.dtype, optimizer: str) -> Tuple[int, int]:
+    """``(weight bytes, optimizer-state bytes)`` of ``rows x dim`` table rows stored as
+    ``dtype`` and trained with ``optimizer``: exactly what :meth:`TableBatch.storage_bytes`
+    counts for them.
+
+    Example::
+
+        >>> storage_bytes(1_000_000, 16, torch.float16, "adam")   # fp16 weights, fp32 moments
+        (32000000, 128000000)
+        >>> storage_bytes(1_000_000, 16, torch.bfloat16, "rowwise_adagrad")
+        (32000000, 4000000)
+    """
+    state = sum(math.prod(shape) for shape in state_shapes(rows, dim, optimizer).values())
+    return int(rows) * int(dim) * dtype.itemsize, state * STATE_DTYPE.itemsize
 
 
 def storage_dtype(data_type: DataType) -> torch.dtype:

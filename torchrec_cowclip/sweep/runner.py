@@ -188,7 +188,6 @@ def prepare_data(spec: SweepSpec, say: Say = _say) -> Dict[str, Dict[str, Any]]:
     Returns:
         cell name -> the data part of its run record (source, options, rows, cache entry).
     """
-    from torchrec_cowclip.data import open_dataset, parse_spec
     from torchrec_cowclip.train.resume_guard import run_record
     from torchrec_cowclip.train.trainer import check_split_sizes
 
@@ -200,8 +199,7 @@ def prepare_data(spec: SweepSpec, say: Say = _say) -> Dict[str, Dict[str, Any]]:
         key = json.dumps([cfg.data, cfg.test_data, cfg.cache_dir, options], default=str)
         if key not in opened:
             t0 = time.perf_counter()
-            test_paths = parse_spec(cfg.test_data)[1] if cfg.test_data else None
-            opened[key] = open_dataset(cfg.data, cfg.cache_dir, test_paths=test_paths, **options)
+            opened[key] = cfg.open_dataset()
             meta = opened[key].meta
             say(
                 f"data {cfg.data}: {len(opened[key]):,} rows, cache entry "

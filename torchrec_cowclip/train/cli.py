@@ -19,6 +19,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.plan.cli import add_plan_parser
 from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
 from torchrec_cowclip.serve.cli import add_commands, run_command
 from torchrec_cowclip.sweep.cli import add_sweep_parser
@@ -81,6 +82,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.dense, args.batch_size, args.out is None
         (['price', 'age'], 1024, True)
     """
+    add_data_arguments(parser)
+    add_model_arguments(parser)
+    _add_run_arguments(parser)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """Adds ``train``'s data group (``--data`` and every option of how it is read) to
+    ``parser``: another command that reads train's data (a plan) reads it with the same
+    flags. ``required``: whether ``--data`` must be given."""
     d = TrainConfig()
     kinds_default = (
         "default: per kind: log for criteo:, criteo-npy: (as stored) and synthetic: (Criteo's "
@@ -89,7 +99,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("data")
-    g.add_argument("--data", required=True, help=_DATA_HELP)
+    g.add_argument(
+        "--data",
+        required=required,
+        help=_DATA_HELP if required else _DATA_HELP + " (default: none)",
+    )
     g.add_argument(
         "--test-data",
         default=None,
@@ -217,6 +231,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
     )
 
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``train``'s model group (``--model``, ``--embedding-dim``, ...) to ``parser``."""
+    d = TrainConfig()
     m = parser.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -254,6 +272,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "with stochastic rounding; optimizer state stays float32)",
     )
 
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train``'s optimizer and recipe, run and distributed groups."""
+    d = TrainConfig()
     s = parser.add_argument_group(
         "optimizer and recipe",
         "the scaling rule sets every value from --batch-size / --base-batch-size; an "
@@ -487,6 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
     # The sweep runs `train` once per cell: it takes train's arguments from here
     # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
     add_sweep_parser(sub, add_train_arguments, config_from_args)
+    # `plan` reads train's data and model flags and writes train's launch command.
+    add_plan_parser(
+        sub, add_data_arguments, add_model_arguments, add_train_arguments, config_from_args
+    )
     add_commands(sub)
     return parser
 
@@ -620,6 +646,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = parser.parse_args(argv)
     if args.command == "sweep":
         return int(args.run_sweep(args))
+    if args.command == "plan":
+        return int(args.run_plan(args, argv))
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError

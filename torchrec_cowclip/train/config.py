@@ -412,6 +412,23 @@ class TrainConfig:
             helen_bound=self.helen_bound,
         )
 
+    def open_dataset(self, encoders: Any = None) -> Any:
+        """``--data`` converted once into ``--cache-dir`` (a verified cache entry, reused
+        after) and opened with the data options, as every command that reads train's data
+        reads it; explicit ``--test-data`` files are converted with the training files'
+        vocabulary and scaling, as the last rows of the same entry. ``encoders``: a warm
+        start's (``open_dataset(encoders=...)``)."""
+        from torchrec_cowclip.data import open_dataset, parse_spec
+
+        test_paths = parse_spec(self.test_data)[1] if self.test_data else None
+        return open_dataset(
+            self.data,
+            self.cache_dir,
+            test_paths=test_paths,
+            encoders=encoders,
+            **self.data_options(),
+        )
+
     def data_options(self) -> Dict[str, Any]:
         """``open_dataset``'s options for ``--data``: the kind's own (None where not
         given, as the run record has always listed them) and any other that was set

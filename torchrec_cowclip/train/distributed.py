@@ -168,21 +168,24 @@ def shard_model(
     batch_size: int,
 ) -> nn.Module:
     """Plans (TorchRec's planner, collectively) and wraps ``module`` in
-    ``DistributedModelParallel`` with the given sharders."""
+    ``DistributedModelParallel`` with the given sharders.
+
+    The planner is ``torchrec-cowclip plan``'s (:func:`~torchrec_cowclip.distributed.planning.make_planner`)
+    with the job's own inputs: its world size, the processes per host torchrun started
+    (``LOCAL_WORLD_SIZE``), the GPU's memory (TorchRec's default DDR on CPU) and the
+    per-rank batch, so the plan that ``plan`` printed for them is the one made here."""
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.types import ShardingEnv
 
-    # TorchRec's factory (a Topology built directly makes its planner warn on every rank).
-    topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=ctx.world_size),
-        kernel_config=KernelConfig(compute_device=ctx.device.type),
-    )
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=sharding_constraints(table_names, sharding),
-        batch_size=batch_size // ctx.world_size,
+    from torchrec_cowclip.distributed.planning import make_planner, planner_topology
+
+    hbm = None
+    if ctx.device.type == "cuda":
+        hbm = int(torch.cuda.get_device_properties(ctx.device).total_memory)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
+    topology = planner_topology(ctx.world_size, ctx.device.type, local, hbm_bytes=hbm)
+    planner = make_planner(
+        topology, batch_size // ctx.world_size, sharding_constraints(table_names, sharding)
     )
     pg = dist.GroupMember.WORLD
     plan = planner.collective_plan(module, sharders, pg)

@@ -3,7 +3,8 @@ and narrowly: each by the logger or module that emits it and the start of its me
 with the reason it says nothing to the user. Anything else still shows.
 
 What the trainer can fix where it arises it fixes there instead (TorchRec's planner
-topology is built with ``TopologyFactory``; ``--on-bad-row skip`` reports once; a
+topology is built with ``TopologyFactory`` and its storage reservation where the planner
+is made, ``distributed/planning.py``; ``--on-bad-row skip`` reports once; a
 one-process checkpoint is written and read inside :func:`single_process_checkpoint`).
 :func:`install` is called by every training run (the CLI and the Python API alike); it
 is idempotent.
@@ -85,12 +86,6 @@ SINGLE_PROCESS_CHECKPOINT = WarningNotice(
 )
 
 WARNING_NOTICES: Tuple[WarningNotice, ...] = (
-    WarningNotice(
-        FutureWarning,
-        r"HeuristicalStorageReservation is known to cause issues",
-        r"torchrec\.distributed\.planner",
-        "TorchRec's planner builds its default storage reservation itself",
-    ),
     WarningNotice(
         FutureWarning,
         r"`broadcast_buffers` is deprecated",

@@ -24,8 +24,10 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+import torch
+
+from torchrec_cowclip.embedding.table_batch import storage_bytes
 from torchrec_cowclip.models.embeddings import embedding_table_name
-from torchrec_cowclip.optim.rules import STATE_LAYOUT
 from torchrec_cowclip.train.config import ConfigError
 
 _GIB = float(1 << 30)
@@ -34,11 +36,9 @@ _GIB = float(1 << 30)
 def table_bytes(rows: int, dim: int, optimizer: str) -> int:
     """Bytes of one float32 table of ``rows x dim`` with ``optimizer``'s state: a state
     laid out per element (``"D"``, Adam's moments) is another ``rows x dim``, one per row
-    (row-wise Adagrad's ``sum``) another ``rows``."""
-    per_row = dim
-    for _name, layout in STATE_LAYOUT.get(optimizer, ()):
-        per_row += dim if layout == "D" else 1
-    return 4 * int(rows) * per_row
+    (row-wise Adagrad's ``sum``) another ``rows`` (:func:`~torchrec_cowclip.embedding.table_batch.storage_bytes`)."""
+    weights, state = storage_bytes(rows, dim, torch.float32, optimizer)
+    return weights + state
 
 
 def machine_memory_bytes() -> int:

@@ -32,7 +32,6 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from torchrec_cowclip.data import open_dataset, parse_spec
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
@@ -248,16 +247,7 @@ class Trainer:
 
         data_options = config.data_options()
         # validate() has checked that the test files are of --data's kind.
-        test_paths = parse_spec(config.test_data)[1] if config.test_data else None
-        # Explicit test files are converted with the training files' vocabulary and
-        # scaling, as the last rows of one cache entry.
-        self.dataset = open_dataset(
-            config.data,
-            config.cache_dir,
-            test_paths=test_paths,
-            encoders=None if self.warm is None else self.warm.encoders,
-            **data_options,
-        )
+        self.dataset = config.open_dataset(None if self.warm is None else self.warm.encoders)
         if self.warm is not None:
             self.warm.check_dataset(self.dataset)
         self.train_idx, self.val_idx, self.test_idx = self.dataset.split(

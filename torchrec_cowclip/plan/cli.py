@@ -1,0 +1,427 @@
+"""``torchrec-cowclip plan``: will the tables and their optimizer state fit on N devices,
+and how are they sharded - answered on this machine, before a launch.
+
+It builds the model ``train`` would build (its tables on the meta device: nothing is
+allocated) from a preset table set, any data ``train`` reads (with the same flags), or a
+finished run, and runs TorchRec's planner on it with this project's sharder and the
+trainer's planner (:mod:`torchrec_cowclip.plan.job`). It prints the plan and the
+commands that launch that job, writes it as JSON with ``--json``, and exits 0 when it
+fits, 3 when it does not (naming the smallest world size that fits), 2 for a refused
+command.
+
+This module takes ``train``'s argument groups and their conversion to a config from the
+command line that registers it (``train/cli.py``), so that both stay defined once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
+
+# Only the standard library here: `torchrec-cowclip --help` imports this module.
+
+#: Exit status of a plan that does not fit the devices.
+EXIT_DOES_NOT_FIT = 3
+_GIB = float(1 << 30)
+
+DESCRIPTION = """\
+Plan a sharded training job before launching it: TorchRec's planner, run on this machine
+with the model train would build (its tables on the meta device), this project's sharder
+(which tells the planner each table's optimizer state) and the trainer's planner. Prints
+per table its rows, sharding type and ranks; per rank the bytes of table weights and
+optimizer state; the largest rank; whether the job fits; the planner's own estimates
+(each rank's storage with its input/output buffers and its step time); and the torchrun
+and torchx commands that launch it. Exit status 0: it fits; 3: it does not (the smallest
+world size that fits is named); 2: a refused command.
+
+examples:
+  torchrec-cowclip plan --tables criteo-1tb --model dlrm --embedding-dim 128 \\
+      --embedding-optimizer rowwise_adagrad --world-size 8 --hbm-gb 80 --batch-size 16384
+  torchrec-cowclip plan --data table:clicks.csv --label click --sparse user,item \\
+      --world-size 2 --compute-device cpu --json plan.json
+  torchrec-cowclip plan --run runs/criteo --embedding-dim 64 --world-size 16
+"""
+
+
+def add_plan_parser(
+    subparsers: Any,
+    add_data_arguments: Callable[..., None],
+    add_model_arguments: Callable[[argparse.ArgumentParser], None],
+    add_train_arguments: Callable[[argparse.ArgumentParser], None],
+    config_from_args: Callable[[argparse.Namespace], Any],
+) -> argparse.ArgumentParser:
+    """Registers ``plan`` on ``subparsers``: its tables (``--tables``, ``--run``, or train's
+    data group), train's model group, the job and the output."""
+    from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, TrainConfig
+    from torchrec_cowclip.train.distributed import SHARDING_CHOICES
+    from torchrec_cowclip.train.scaling import RECIPES
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "plan",
+        help="plan a sharded job: per-rank table and optimizer bytes, whether it fits N devices",
+        description=DESCRIPTION,
+        formatter_class=RawDescriptionHelpFormatter,
+    )
+    t = p.add_argument_group(
+        "tables", "give one: --tables, --data (any data train reads, with its flags), or --run"
+    )
+    t.add_argument(
+        "--tables",
+        default=None,
+        metavar="PRESET",
+        help="a public table set: criteo-kaggle (26 tables, 33.8M rows) or criteo-1tb "
+        "(26 tables, 177.9M rows), Criteo's 13 dense inputs (default: none)",
+    )
+    t.add_argument(
+        "--run",
+        default=None,
+        metavar="RUN",
+        help="a finished run's --out: its tables, model and settings, any flag given "
+        "overriding them (default: none)",
+    )
+    add_data_arguments(p, required=False)
+    add_model_arguments(p)
+    j = p.add_argument_group("job")
+    j.add_argument("--world-size", type=int, default=1, help="devices (processes) of the job")
+    j.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="devices per host (default: up to 8 per host on cuda, all on one host on cpu)",
+    )
+    j.add_argument(
+        "--compute-device",
+        default="cuda",
+        help="cuda: the tables live in each GPU's HBM; cpu: in each process's DDR",
+    )
+    j.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=None,
+        help="HBM per GPU in GiB (2**30 bytes, TorchRec's 'GB') (default: this machine's "
+        "GPU's, as train plans with; without one TorchRec's 32)",
+    )
+    j.add_argument(
+        "--ddr-gb",
+        type=float,
+        default=None,
+        help="DDR per process in GiB, for --compute-device cpu (default: TorchRec's 128)",
+    )
+    j.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="the global batch, as train's: the planner sizes each rank's input and "
+        "communication by batch / world size",
+    )
+    j.add_argument(
+        "--embedding-optimizer",
+        "--optimizer",
+        dest="embedding_optimizer",
+        choices=EMBEDDING_OPTIMIZERS,
+        default=d.embedding_optimizer,
+        help="the tables' optimizer, whose state is planned: adam 2 float32 per weight, "
+        "rowwise_adagrad 1 float32 per row (per column shard), sgd none",
+    )
+    j.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default=d.recipe,
+        help="train's scaling recipe, passed to the launch command (a recipe sets "
+        "learning rates, L2 and the clip, not the optimizer's state)",
+    )
+    j.add_argument(
+        "--sharding",
+        choices=SHARDING_CHOICES,
+        default=d.sharding,
+        help="auto: TorchRec's planner chooses per table (as train's --sharding auto); "
+        "or one sharding type for every table",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the plan as JSON: tables (name, rows, dim, sharding, ranks, "
+        "shards), ranks (rank, bytes, weights_bytes, optimizer_bytes, planner "
+        "estimates), fits, smallest_world_size (default: none)",
+    )
+    o.add_argument(
+        "--planner-stats",
+        action="store_true",
+        help="also print TorchRec's own planner statistics table (on stderr)",
+    )
+    p.set_defaults(
+        run_plan=functools.partial(
+            run_command, command=_Command(p, add_train_arguments, config_from_args)
+        )
+    )
+    return p
+
+
+class _Command(NamedTuple):
+    """The ``plan`` parser and what it takes from ``train``'s command line."""
+
+    parser: argparse.ArgumentParser
+    add_train_arguments: Callable[[argparse.ArgumentParser], None]
+    config_from_args: Callable[[argparse.Namespace], Any]
+
+
+def _error(message: str) -> int:
+    print(f"torchrec-cowclip plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
+    """``plan``'s body: 0 when the job fits, 3 when it does not, 2 for a refused command
+    (one line on stderr naming the flag, file or table)."""
+    from torchrec_cowclip.data.errors import DataError
+    from torchrec_cowclip.train.config import ConfigError
+    from torchrec_cowclip.train.no_space import one_line
+
+    try:
+        return _run(args, argv, command)
+    except (ConfigError, DataError, OSError) as e:
+        return _error(one_line(e))
+
+
+def _data_flags(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, Any]]:
+    """dest -> (flag, default) of the data group's options (train's, added to ``plan``)."""
+    # argparse keeps a group's actions only in this attribute.
+    group = next(g for g in parser._action_groups if g.title == "data")
+    return {a.dest: (a.option_strings[-1], a.default) for a in group._group_actions}
+
+
+def _run_defaults(run: Any, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    """RUN's settings for every option of ``plan`` that ``train`` has (its model, data,
+    batch size, optimizer, recipe, sharding)."""
+    dests = {a.dest for a in parser._actions}
+    defaults = {k: v for k, v in run.config.items() if k in dests}
+    if "hidden" in defaults:
+        defaults["hidden"] = list(defaults["hidden"])
+    return defaults
+
+
+def _source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """Which of --tables, --data, --run names the tables (exactly one)."""
+    from torchrec_cowclip.plan.job import PlanError
+
+    given = [
+        f for f, v in (("--tables", args.tables), ("--data", args.data), ("--run", args.run)) if v
+    ]
+    if not given:
+        raise PlanError(
+            "no tables to plan: give --tables criteo-kaggle|criteo-1tb, --data (any data "
+            "train reads, with its flags) or --run RUN"
+        )
+    if len(given) > 1:
+        raise PlanError(f"{' and '.join(given)} both name the tables: give one")
+    if given[0] != "--data":
+        for dest, (flag, default) in _data_flags(parser).items():
+            if dest != "data" and getattr(args, dest) != default:
+                raise PlanError(f"{flag} says how --data is read: give --data, or drop {flag}")
+    return given[0]
+
+
+def _check_positive(flag: str, value: Optional[float]) -> None:
+    from torchrec_cowclip.plan.job import PlanError
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise PlanError(f"{flag} must be > 0, got {value:g}")
+
+
+def _validate(config: Any, parser: argparse.ArgumentParser, source: str) -> None:
+    """``train``'s checks of the options (one line naming the flag); the data options
+    only where the tables come from ``--data`` (a preset's or a run's data is not read)."""
+    from torchrec_cowclip.train.config import TrainConfig
+
+    checked = replace(config, sharding="auto", device="auto")
+    if source != "--data":
+        fresh = TrainConfig()
+        checked = replace(checked, **{k: getattr(fresh, k) for k in _data_flags(parser)})
+    checked.validate()
+
+
+def _device_bytes(args: argparse.Namespace) -> Tuple[int, int]:
+    """``(HBM, DDR)`` bytes per device: the flags', else this machine's GPU (as ``train``
+    plans with) or TorchRec's defaults."""
+    from torchrec.distributed.planner.constants import DDR_CAP, HBM_CAP
+
+    hbm, ddr = HBM_CAP, DDR_CAP
+    if args.hbm_gb is not None:
+        hbm = int(args.hbm_gb * _GIB)
+    else:
+        import torch
+
+        if torch.cuda.is_available():
+            hbm = int(torch.cuda.get_device_properties(0).total_memory)
+    if args.ddr_gb is not None:
+        ddr = int(args.ddr_gb * _GIB)
+    return hbm, ddr
+
+
+def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
+    """Checks the job's flags; returns ``(devices per host, per host for the search)``."""
+    from torchrec_cowclip.plan.job import PlanError
+
+    if args.compute_device not in ("cuda", "cpu"):
+        raise PlanError(f"--compute-device must be cuda or cpu, got {args.compute_device!r}")
+    for flag, value in (
+        ("--world-size", args.world_size),
+        ("--nproc-per-node", args.nproc_per_node),
+        ("--batch-size", args.batch_size),
+        ("--hbm-gb", args.hbm_gb),
+        ("--ddr-gb", args.ddr_gb),
+    ):
+        _check_positive(flag, value)
+    world = args.world_size
+    if args.batch_size % world:
+        raise PlanError(
+            f"--batch-size {args.batch_size} must be divisible by --world-size {world}: each "
+            "rank takes an equal part of every global batch"
+        )
+    per_host = args.nproc_per_node or (8 if args.compute_device == "cuda" else None)
+    local = world if per_host is None else min(world, per_host)
+    if world % local:
+        raise PlanError(
+            f"--world-size {world} does not fill hosts of --nproc-per-node {per_host}: give "
+            f"a multiple of {per_host}"
+        )
+    if args.embedding_backend != "cowclip":
+        raise PlanError(
+            f"--embedding-backend {args.embedding_backend} trains on one process without "
+            "sharding: plan the CowClip tables (--embedding-backend cowclip)"
+        )
+    return local, per_host
+
+
+def _tables(
+    source: str, args: argparse.Namespace, config: Any, run: Any
+) -> Tuple[Any, int, str, Any]:
+    """``(schema, dense inputs, where the sizes come from, the config a launch trains)``."""
+    from torchrec_cowclip.plan.job import PlanError
+    from torchrec_cowclip.plan.presets import PRESETS
+
+    if source == "--tables":
+        preset = PRESETS.get(args.tables)
+        if preset is None:
+            raise PlanError(
+                f"--tables: unknown preset {args.tables!r}; known: {', '.join(PRESETS)} (or "
+                "give --data or --run)"
+            )
+        schema = preset.schema
+        return (
+            schema,
+            schema.n_dense,
+            f"{preset.name} ({preset.source})",
+            replace(config, data=preset.data),
+        )
+    if source == "--run":
+        arguments = run.model_arguments()
+        return run.schema, int(arguments["num_dense"]), f"run {args.run}", config
+    dataset = config.open_dataset()  # converted once into --cache-dir, as train does
+    dense = len(dataset.dense_plan.output_names)
+    return dataset.schema, dense, f"{config.data} ({len(dataset):,} rows)", config
+
+
+def _job_name(args: argparse.Namespace, config: Any) -> str:
+    """A name for the launched job's run directory: the preset, the run's folder, or the
+    data's first file (``synthetic-3000`` for generated rows)."""
+    if args.tables or args.run:
+        return str(Path(args.tables or args.run).name)
+    kind, _, rest = config.data.partition(":")
+    first = rest.split(",")[0]
+    named = Path(first).stem if "/" in first or "." in first else f"{kind}-{first}"
+    return named or "job"
+
+
+@contextlib.contextmanager
+def _torchrec_stats_shown() -> Iterator[None]:
+    """TorchRec's planner statistics table (its logger's INFO records) on stderr."""
+    logger = logging.getLogger("torchrec.distributed.planner.stats")
+    handler = logging.StreamHandler(sys.stderr)
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, not again through a handler a library gave the root
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
+
+
+def _run(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
+    from torchrec_cowclip.plan.job import JobSpec, plan_job
+    from torchrec_cowclip.plan.report import does_not_fit, format_plan, launch_commands
+    from torchrec_cowclip.sweep.cli import train_argv, train_parser
+    from torchrec_cowclip.train import notices
+    from torchrec_cowclip.train.run_folder import RunFolder, model_arguments
+    from torchrec_cowclip.train.run_log import write_text_atomically
+
+    parser, config_from_args = command.parser, command.config_from_args
+    notices.install()
+    source = _source(args, parser)
+    run = None
+    if source == "--run":
+        # RUN's settings where the command gives none (its descriptions only: no weight
+        # is read, so the run's files are not verified).
+        run = RunFolder.open(args.run, verify=False)
+        parser.set_defaults(**_run_defaults(run, parser))
+        args = parser.parse_args(list(sys.argv[2:] if argv is None else argv[1:]))
+    local, per_host = _job_flags(args)
+    config = config_from_args(args)
+    _validate(config, parser, source)
+    schema, num_dense, tables_from, launch_config = _tables(source, args, config, run)
+    hbm, ddr = _device_bytes(args)
+    spec = JobSpec(
+        model=config.model,
+        model_arguments=model_arguments(config, schema, num_dense),
+        optimizer=config.embedding_optimizer,
+        batch_size=config.batch_size,
+        world_size=args.world_size,
+        local_world_size=local,
+        compute_device=args.compute_device,
+        hbm_bytes=hbm,
+        ddr_bytes=ddr,
+        sharding=config.sharding,
+    )
+    stats: List[Any] = []
+    shown: Any = contextlib.nullcontext()
+    if args.planner_stats:
+        from torchrec.distributed.planner.stats import EmbeddingStats
+
+        stats, shown = [EmbeddingStats()], _torchrec_stats_shown()
+    with shown:
+        plan = plan_job(spec, per_host, stats)
+    out = f"runs/{_job_name(args, config)}-{config.model}-{spec.world_size}x{spec.compute_device}"
+    launch_config = replace(
+        launch_config,
+        out=out,
+        device="cpu" if spec.compute_device == "cpu" else config.device,
+        cache_dir=config.cache_dir,
+    )
+    train_args = train_argv(
+        train_parser(command.add_train_arguments), config_from_args, launch_config
+    )
+    launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
+    sys.stdout.write(format_plan(plan, tables_from, launch))
+    if args.json:
+        launched = launch if plan.fits else None  # a job that does not fit is not launched
+        document = {**plan.to_json(), "tables_from": tables_from, "launch": launched}
+        write_text_atomically(Path(args.json), json.dumps(document, indent=2) + "\n")
+    if plan.fits:
+        return 0
+    print(f"torchrec-cowclip plan: {does_not_fit(plan)}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
