@@ -41,20 +41,18 @@ def test_readme_usage_snippet_runs():
     assert stats["t0"].rows_updated == 3 and stats["t0"].steps == 1  # rows 1, 2, 3 of f0
 
 
-def test_readme_compile_snippet_runs():
-    """The README's model compiled whole: its step updates the tables (after the usage
-    snippet, whose imports it reads)."""
-    import textwrap
-
+def test_the_compile_snippet_of_the_triton_notes_runs():
+    """docs/triton.md's model compiled whole: its step updates the tables."""
     import torch
 
-    blocks = _blocks(README.read_text(), "python")
-    usage = next(b for b in blocks if "kt = ebc(kjt)" in b)
-    compiled = textwrap.dedent(next(b for b in blocks if "torch.compile(" in b))
+    snippet = next(
+        b
+        for b in _blocks((REPO / "docs" / "triton.md").read_text(), "python")
+        if "torch.compile(" in b
+    )
     namespace: dict = {}
-    exec(compile(usage, str(README), "exec"), namespace)  # noqa: S102 - our own README
     torch._dynamo.reset()
-    exec(compile(compiled, str(README), "exec"), namespace)  # noqa: S102
+    exec(compile(snippet, "docs/triton.md", "exec"), namespace)  # noqa: S102 - our own docs
     stats = namespace["model"].embedding_collection.clip_stats()
     assert all(s.steps == 1 for s in stats.values()) and stats["emb_f0"].rows_updated == 2
 
