@@ -19,16 +19,16 @@ import pytest
 from checkpoint_testing import CreatesAFile, reseal, snapshot, write_payload
 from tiny import TINY_CLI, tiny_config
 
-from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.checkpoint import (
+from torchrec_cowclip.cli import main
+from torchrec_cowclip.run.checkpoints import (
     MANIFEST,
     TRAINER_STATE,
     CheckpointStore,
     DamagedCheckpointError,
     UnsafeFileError,
 )
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.run_dir import LOCK_NAME
+from torchrec_cowclip.run.out_dir import LOCK_NAME
+from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.trainer import Trainer
 
 # 2,700 training rows at batch 256: 10 steps an epoch; checkpoints at steps 2 and 4.

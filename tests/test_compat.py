@@ -475,7 +475,7 @@ def test_dcp_metadata_private_classes():
     import torch
     from torch.distributed.checkpoint import state_dict_saver
 
-    from torchrec_cowclip.train.safe_load import allowed_globals
+    from torchrec_cowclip.run.safe_load import allowed_globals
 
     with private_name(
         "filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, serialization._get_layout",

@@ -16,7 +16,7 @@ import trainer_cases as cases
 from distributed_harness import run_ranks, start_ranks
 from tiny import TINY_PROCESSES, tiny_config
 
-from torchrec_cowclip.train.checkpoint import CheckpointStore
+from torchrec_cowclip.run.checkpoints import CheckpointStore
 from torchrec_cowclip.train.trainer import Trainer
 
 # 16,010 rows: 1,601 test, 1,441 validation (odd: the two processes evaluate 801 and 800

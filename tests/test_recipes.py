@@ -8,8 +8,9 @@ import pytest
 from tiny import tiny_config
 
 from torchrec_cowclip import Helen
+from torchrec_cowclip.cli import build_parser
 from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.cli import build_parser, config_from_args
+from torchrec_cowclip.train.command import config_from_args
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.scaling import RECIPES, get_recipe, scale_hyperparameters
 from torchrec_cowclip.train.trainer import Trainer

@@ -17,25 +17,25 @@ from checkpoint_testing import reseal, snapshot
 from tiny import TINY_CLI, bag_config, tiny_config
 from torchrec import KeyedJaggedTensor
 
-import torchrec_cowclip.train.resume_guard as resume_guard
+import torchrec_cowclip.run.resume_guard as resume_guard
 from torchrec_cowclip import CowClipEmbeddingBagCollection
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.optim.fused import validate_hyperparameters
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.train.checkpoint import (
+from torchrec_cowclip.run.checkpoints import (
     TRAINER_STATE,
     WRITING_MARKER,
     CheckpointStore,
     NonFiniteStateError,
     nonfinite_tensors,
 )
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.resume_guard import ResumeRefused
-from torchrec_cowclip.train.run_dir import (
+from torchrec_cowclip.run.out_dir import (
     LOCK_NAME,
     RUN_FILES,
     RunDirError,
     lock_holder,
 )
+from torchrec_cowclip.run.resume_guard import ResumeRefused
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def test_resume_drops_the_log_rows_written_after_the_checkpoint(interrupted, tmp
 
 _HOLD_LOCK = (
     "import sys, time; from pathlib import Path; "
-    "from torchrec_cowclip.train.run_dir import claim_run_dir; "
+    "from torchrec_cowclip.run.out_dir import claim_run_dir; "
     "lock = claim_run_dir(Path(sys.argv[1]), resume=False, overwrite=False); "
     "print('locked', flush=True); time.sleep(120)"
 )
@@ -397,7 +397,7 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
 
 
 def _poison_loss_at(monkeypatch, call):
-    from torchrec_cowclip.train import task as task_module
+    from torchrec_cowclip.models import task as task_module
 
     original, calls = task_module.CTRTrainTask.forward, {"n": 0}
 

@@ -14,11 +14,11 @@ from distributed_harness import JobFailed, run_ranks
 from tiny import TINY_PROCESSES, tiny_config
 from torch.distributed.checkpoint import state_dict_loader
 
-from torchrec_cowclip.train.checkpoint import CheckpointStore
-from torchrec_cowclip.train.resume_guard import ResumeRefused
-from torchrec_cowclip.train.run_folder import RunFolder
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
-from torchrec_cowclip.train.task import CTRTrainTask
+from torchrec_cowclip.models.task import CTRTrainTask
+from torchrec_cowclip.run.checkpoints import CheckpointStore
+from torchrec_cowclip.run.model_folder import RunFolder
+from torchrec_cowclip.run.resume_guard import ResumeRefused
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchrec_cowclip.train.trainer import Trainer
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")

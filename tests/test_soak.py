@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from tiny import tiny_cli
 
-from torchrec_cowclip.train.checkpoint import WRITING_MARKER, CheckpointStore
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.report import TIMING_COLUMNS
-from torchrec_cowclip.train.run_dir import LOCK_NAME, lock_holder
-from torchrec_cowclip.train.stop import EXIT_STOPPED
+from torchrec_cowclip.cli import main
+from torchrec_cowclip.run.checkpoints import WRITING_MARKER, CheckpointStore
+from torchrec_cowclip.run.out_dir import LOCK_NAME, lock_holder
+from torchrec_cowclip.run.stop import EXIT_STOPPED
+from torchrec_cowclip.train.console import TIMING_COLUMNS
 
 KILLS = 20
 SEED = 13

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny import SMALL_RUN, tiny_config
 
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data import open_dataset, rank_auc
+from torchrec_cowclip.run.checkpoints import CheckpointMismatchError, CheckpointStore
 from torchrec_cowclip.train import TrainConfig, scale_hyperparameters
-from torchrec_cowclip.train.checkpoint import CheckpointMismatchError, CheckpointStore
-from torchrec_cowclip.train.cli import main
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
@@ -120,12 +120,12 @@ def test_run_draws_its_loss_and_auc_curves(learned):
 
 
 def test_a_failed_plot_warns_and_keeps_the_run(tmp_path, monkeypatch, capsys):
-    import torchrec_cowclip.train.trainer as trainer
+    import torchrec_cowclip.train.metrics as metrics
 
     def broken(out, title, *marks):
         raise ValueError("no axes today")
 
-    monkeypatch.setattr(trainer, "write_run_curves", broken)
+    monkeypatch.setattr(metrics, "write_run_curves", broken)
     cfg = tiny_config(tmp_path)
     Trainer(cfg).run()
     assert os.path.exists(os.path.join(cfg.out, "metrics.json"))
@@ -186,7 +186,7 @@ def test_checkpoint_refuses_a_model_of_another_shape(tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-    from torchrec_cowclip.train import task as task_module
+    from torchrec_cowclip.models import task as task_module
 
     cfg = _config(tmp_path, checkpoint_every=3)
     trainer = Trainer(cfg)

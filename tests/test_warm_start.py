@@ -15,11 +15,11 @@ import torch
 from serving_cases import AVAZU_CSV, DENSE, SPARSE, TABLE_COLUMNS, cli_refusal, train_table
 from tiny import cli_args
 
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.sources.synthetic import PlantedModel, SyntheticConfig
+from torchrec_cowclip.run.model_folder import RunFolder, RunFolderError
 from torchrec_cowclip.train import ConfigError, TrainConfig
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.run_folder import RunFolder, RunFolderError
 from torchrec_cowclip.train.trainer import Trainer
 from torchrec_cowclip.train.warm_start import WarmStartRefused, warm_start_config
 

@@ -49,7 +49,7 @@ from torchrec_cowclip.distributed import (
 from torchrec_cowclip.optim import CowClipRowWiseAdagrad
 from torchrec_cowclip.optim.fbgemm_state import fbgemm_state_dict
 from torchrec_cowclip.optim.fused import model_fused_optimizer
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 LR = 0.5
 #: What FBGEMM trains when fused_params name only the optimizer and the lr.

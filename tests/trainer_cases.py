@@ -164,7 +164,7 @@ def train_until_signal(
     optimizer's all-or-nothing load first."""
     import signal
 
-    from torchrec_cowclip.train.stop import RunStopped
+    from torchrec_cowclip.run.stop import RunStopped
 
     _as_torchrun(rank, world)
     trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides))

@@ -369,7 +369,7 @@ def dcp_metadata_private_classes() -> Dict[Tuple[str, str], Any]:
     (``filesystem._StorageInfo``), the memory-format enum of ``TensorProperties``
     (``metadata._MEM_FORMAT_ENCODING``) and the layout decoder torch registers for
     pickling ``torch.layout`` (``serialization._get_layout``). The restricted unpickler of
-    :mod:`torchrec_cowclip.train.safe_load` admits exactly these besides public classes."""
+    :mod:`torchrec_cowclip.run.safe_load` admits exactly these besides public classes."""
     from torch import serialization
     from torch.distributed.checkpoint import filesystem, metadata
 

@@ -1,16 +1,24 @@
-"""Training: the scaling rule, optimizers, the loop, checkpoints, metrics and the CLI."""
+"""Training: the config resolved once, the scaling rule, the optimizers, the loop and its
+evaluation, the metrics; the ``train`` command's flags. What a run leaves on disk is
+:mod:`torchrec_cowclip.run`'s.
 
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.result import TrainResult
+``train(config)`` (:func:`torchrec_cowclip.train.trainer.train`) and ``TrainResult`` load on
+first use: importing the config alone does not build the loop."""
+
+from typing import TYPE_CHECKING
+
+from torchrec_cowclip._lazy import lazy_exports
+from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
 
+if TYPE_CHECKING:
+    from torchrec_cowclip.train.metrics import TrainResult
+    from torchrec_cowclip.train.trainer import train
 
-def train(config: TrainConfig) -> TrainResult:
-    """Runs a training run; see :func:`torchrec_cowclip.train.trainer.train`."""
-    from torchrec_cowclip.train.trainer import train as _train
+_LAZY = {"TrainResult": "torchrec_cowclip.train.metrics", "train": "torchrec_cowclip.train.trainer"}
 
-    return _train(config)
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "ConfigError",

@@ -1,4 +1,12 @@
-"""``torchrec-cowclip`` / ``python -m torchrec_cowclip``: the command line.
+"""``torchrec-cowclip train``: its flags, their config, and the command's run.
+
+The flags are defined here once, in five groups (data, model, optimizer and recipe, run,
+distributed); the commands that train or read train's data (``sweep``, ``plan``) add the
+same groups, and :func:`train_argv` writes a config back as the flags that make it (a
+sweep cell's command, a plan's launch command). :func:`run_train` is the command itself,
+after its flags: the training run, its summary, and every failure as one line and an exit
+status (:func:`exiting_on_failure`), as the program's command line
+(:mod:`torchrec_cowclip.cli`) and a sweep's cell processes run it.
 
 Example::
 
@@ -12,19 +20,21 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import sys
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import HelpFormatter
+from torchrec_cowclip.errors import (
+    EXIT_DIVERGED,
+    EXIT_ENVIRONMENT,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ConfigError,
+)
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
-from torchrec_cowclip.plan.cli import add_plan_parser
-from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
-from torchrec_cowclip.serve.cli import add_commands, run_command
-from torchrec_cowclip.sweep.cli import add_sweep_parser
-from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
-from torchrec_cowclip.train.distributed import SHARDING_CHOICES
+from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, TrainConfig
+from torchrec_cowclip.train.processes import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
 
 _DATA_HELP = (
@@ -492,44 +502,24 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrec-cowclip",
-        description="Large-batch CTR training on TorchRec with CowClip (Zheng et al., AAAI 2023).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train",
-        help="train a CTR model and write metrics.json",
-        description="Train a CTR model on --data and write metrics.json, logs and checkpoints "
-        "to --out.",
-        formatter_class=HelpFormatter,
-    )
-    add_train_arguments(train)
-    # The sweep runs `train` once per cell: it takes train's arguments from here
-    # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
-    add_sweep_parser(sub, add_train_arguments, config_from_args)
-    # `plan` reads train's data and model flags and writes train's launch command.
-    add_plan_parser(
-        sub, add_data_arguments, add_model_arguments, add_train_arguments, config_from_args
-    )
-    add_commands(sub)
-    return parser
-
-
 def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """``parser``'s command ``name``, or ``parser`` itself when it has no commands."""
     # argparse lists a parser's subcommands only in these attributes.
     actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command: argparse.ArgumentParser = next(actions).choices[name]
+    commands = next(actions, None)
+    if commands is None:
+        return parser
+    command: argparse.ArgumentParser = commands.choices[name]
     return command
 
 
 def train_flags(parser: argparse.ArgumentParser) -> List[str]:
-    """The long flags of ``parser``'s ``train`` command, in ``--help`` order (not ``--help``).
+    """The long flags of ``parser``'s ``train`` command (or of ``parser``, a parser of
+    train's arguments alone), in ``--help`` order (not ``--help``).
 
     Example::
 
-        >>> flags = train_flags(build_parser())
+        >>> flags = train_flags(train_parser())
         >>> flags[:3], "--seed" in flags, "--help" in flags
         (['--data', '--test-data', '--test-fraction'], True, False)
     """
@@ -575,7 +565,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     Example::
 
-        >>> args = build_parser().parse_args(["train", "--data", "synthetic:1000"])
+        >>> args = train_parser().parse_args(["--data", "synthetic:1000"])
         >>> config_from_args(args).data, config_from_args(args).hidden
         ('synthetic:1000', (400, 400, 400))
     """
@@ -585,141 +575,178 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-#: Exit statuses (README, "Reliability"): the command, its data or its checkpoint is
-#: wrong; the training diverged; the environment failed (a full or read-only disk, a
-#: dead or hung peer); a signal stopped the run after its checkpoint (``RunStopped``, 75).
-EXIT_USAGE, EXIT_DIVERGED, EXIT_ENVIRONMENT = 2, 3, 4
-#: Ctrl-C (SIGINT) where no step is in flight: 128 + SIGINT, as a shell reports it.
-EXIT_INTERRUPTED = 130
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers the ``train`` command on ``subparsers``."""
+    train = subparsers.add_parser(
+        "train",
+        help="train a CTR model and write metrics.json",
+        description="Train a CTR model on --data and write metrics.json, logs and checkpoints "
+        "to --out.",
+        formatter_class=HelpFormatter,
+    )
+    add_train_arguments(train)
+    return train
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a redirect):
-    logging assigns ``stream``, which here is always the current stderr."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
+def train_parser() -> argparse.ArgumentParser:
+    """A parser of ``train``'s arguments alone (to write and check a config's command)."""
+    parser = argparse.ArgumentParser(prog="torchrec-cowclip train", add_help=False)
+    add_train_arguments(parser)
+    return parser
 
 
-class _Lines(logging.Formatter):
-    """A record as its message, a warning or worse marked as such."""
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+def train_argv(
+    parser: argparse.ArgumentParser, config: TrainConfig, what: str = "a train command"
+) -> List[str]:
+    """The ``train`` arguments that make ``config`` (every option not at its default),
+    checked by parsing them back with ``parser`` (:func:`train_parser`); ``what`` names
+    the command in the refusal.
+
+    Example::
+
+        >>> train_argv(train_parser(), TrainConfig(data="synthetic:1000", hidden=(16, 8)))
+        ['--data', 'synthetic:1000', '--hidden', '16,8']
+
+    Raises:
+        ConfigError: an option that has no command-line form, or flags that do not
+            reproduce the config.
+    """
+    values = config.as_dict()
+    argv: List[str] = []
+    # argparse lists a parser's arguments only in this attribute.
+    for action in parser._actions:
+        if not action.option_strings or action.dest not in values:
+            continue
+        value, default = values[action.dest], action.default
+        if value == default or (
+            isinstance(default, (list, tuple)) and list(value) == list(default)
+        ):
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false / store_const
+            if value != action.const:
+                raise ConfigError(f"{flag}: {value!r} has no command-line form")
+            argv.append(flag)
+        elif action.nargs == "?" and value is action.const:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, _flag_value(value)]
+    try:
+        back = config_from_args(parser.parse_args(argv))
+    except SystemExit:
+        back = None
+    if back != config:
+        raise ConfigError(f"{what} does not reproduce its settings: {' '.join(argv)}")
+    return argv
 
 
-_HANDLER = _Stderr()
-_HANDLER.setFormatter(_Lines("%(message)s"))
+def command_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]
+) -> Tuple[TrainConfig, Optional[str]]:
+    """The validated config of a parsed ``train`` command, and the line naming what a warm
+    start took from RUN (None without ``--init-from``): the flags not given take RUN's
+    values (its model, its data)."""
+    said = None
+    if args.init_from:
+        from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
+
+        command = _command_parser(parser, "train")
+        given = _given_flags(command, argv)
+        defaults = warm_start_defaults(args.init_from)
+        # argparse lists a parser's arguments only in this attribute.
+        stock = {a.dest: a.default for a in command._actions}
+        inherited = {
+            k: v
+            for k, v in defaults.items()
+            if k not in given and k in stock and _differs(v, stock[k])
+        }
+        command.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+        said = inherited_line(args.init_from, inherited)
+    config = config_from_args(args)
+    config.validate()
+    return config, said
+
+
+def failure(error: BaseException, command: str) -> Optional[Tuple[int, str]]:
+    """How a command that raised ``error`` exits: its status and the one line it writes on
+    stderr; None for an error that is no refusal, failure or stop (a bug: shown whole)."""
+    from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
+    from torchrec_cowclip.distributed.comm import CollectiveError
+    from torchrec_cowclip.run.checkpoints import CheckpointWriteError, NonFiniteStateError
+    from torchrec_cowclip.run.no_space import one_line
+    from torchrec_cowclip.run.stop import RunStopped
+    from torchrec_cowclip.train.trainer import NonFiniteLossError
+
+    if isinstance(error, (ConfigError, DataError, FileNotFoundError, ImportError)):
+        return EXIT_USAGE, f"torchrec-cowclip: error: {error}\n"
+    if isinstance(error, (NonFiniteLossError, NonFiniteStateError)):
+        return EXIT_DIVERGED, f"torchrec-cowclip: {error}\n"
+    if isinstance(error, (CheckpointWriteError, CollectiveError, OSError)):
+        return EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {one_line(error)}\n"
+    if isinstance(error, RunStopped):
+        return error.exit_status, f"torchrec-cowclip: {error}\n"
+    if isinstance(error, KeyboardInterrupt):
+        # Ctrl-C outside a training loop (which stops after its step instead): every
+        # writer has removed its temporaries on the way out.
+        from torchrec_cowclip.serve.command import COMMANDS as SERVING_COMMANDS
+
+        where = f"{command}: nothing was written" if command in SERVING_COMMANDS else command
+        return EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({where})\n"
+    return None
 
 
 @contextlib.contextmanager
-def package_log_shown(rank: int) -> Iterator[None]:
-    """The package's log on stderr while the command runs: what converting data is doing
-    and its notes (rows skipped, values clipped or set to 0) from rank 0, errors from every
-    rank. Its records do not also reach the root logger's handlers meanwhile (one that an
-    imported library configured would print each twice); the logger is restored after."""
-    logger = logging.getLogger("torchrec_cowclip")
-    saved = logger.level, logger.propagate
-    logger.addHandler(_HANDLER)
-    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    logger.propagate = False
+def exiting_on_failure(command: str) -> Iterator[None]:
+    """Around a command's work: a :func:`failure` becomes its line on stderr and
+    ``SystemExit`` with its status; anything else propagates."""
     try:
         yield
-    finally:
-        logger.removeHandler(_HANDLER)
-        logger.level, logger.propagate = saved
+    except BaseException as error:
+        failed = failure(error, command)
+        if failed is None:
+            raise
+        status, line = failed
+        sys.stderr.write(line)
+        raise SystemExit(status) from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    with package_log_shown(int(os.environ.get("RANK", "0"))):
-        return _main(argv)
+#: What ``torchrec-cowclip train`` prints when the run ends (rank 0), from metrics.json.
+SUMMARY_KEYS = (
+    "auc",
+    "logloss",
+    "best_epoch",
+    "epochs",
+    "steps",
+    "train_samples_per_s",
+    "rows_updated",
+    "rows_clipped",
+)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "sweep":
-        return int(args.run_sweep(args))
-    if args.command == "plan":
-        return int(args.run_plan(args, argv))
-    from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
-    from torchrec_cowclip.distributed.comm import CollectiveError
-    from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
-    from torchrec_cowclip.train.distributed import shutdown_distributed
-    from torchrec_cowclip.train.no_space import one_line
-    from torchrec_cowclip.train.stop import RunStopped, raising_on_sigterm
-    from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
-    from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
+def run_train(config: TrainConfig, said: Optional[str] = None) -> int:
+    """The ``train`` command for a validated ``config``: trains, prints the summary (rank 0)
+    and returns 0; a failure exits (:func:`exiting_on_failure`). ``said``: the warm start's
+    line (:func:`command_config`), printed once RUN is verified."""
+    from torchrec_cowclip.train.processes import shutdown_distributed
+    from torchrec_cowclip.train.trainer import Trainer
 
-    try:
-        if args.command in SERVING_COMMANDS:
-            with raising_on_sigterm(f"{args.command}: nothing was written; run it again"):
-                summary = run_command(args)
-            print(json.dumps(summary, indent=2, default=str))
-            return 0
-        said = None
-        if args.init_from:
-            # A warm start: the flags not given take RUN's values (its model, its data).
-            command = _command_parser(parser, "train")
-            given = _given_flags(command, argv)
-            defaults = warm_start_defaults(args.init_from)
-            stock = {a.dest: a.default for a in command._actions}
-            inherited = {
-                k: v
-                for k, v in defaults.items()
-                if k not in given and k in stock and _differs(v, stock[k])
-            }
-            command.set_defaults(**defaults)
-            args = parser.parse_args(argv)
-            said = inherited_line(args.init_from, inherited)
-        config = config_from_args(args)
-        config.validate()
+    main = int(os.environ.get("RANK", "0")) == 0
+    with exiting_on_failure("train"):
         trainer = Trainer(config)  # RUN verified and the command checked against it
-        if args.init_from and said is not None and int(os.environ.get("RANK", "0")) == 0:
+        if said is not None and main:
             print(said, file=sys.stderr, flush=True)
         metrics = trainer.run()
-    except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
-        parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
-    except (NonFiniteLossError, NonFiniteStateError) as e:
-        parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
-    except (CheckpointWriteError, CollectiveError, OSError) as e:
-        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {one_line(e)}\n")
-    except RunStopped as e:
-        parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
-    except KeyboardInterrupt:
-        # Ctrl-C outside a training loop (which stops after its step instead): every
-        # writer has removed its temporaries on the way out.
-        where = (
-            f"{args.command}: nothing was written"
-            if args.command in SERVING_COMMANDS
-            else args.command
-        )
-        parser.exit(EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({where})\n")
     shutdown_distributed()
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not main:
         return 0  # rank 0 reports for a multi-process run
-    summary = {
-        k: metrics[k]
-        for k in (
-            "auc",
-            "logloss",
-            "best_epoch",
-            "epochs",
-            "steps",
-            "train_samples_per_s",
-            "rows_updated",
-            "rows_clipped",
-        )
-    }
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
