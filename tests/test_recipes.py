@@ -136,7 +136,7 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     cfg = config_from_args(args)
     assert cfg.recipe == name and cfg.clip_r is None and cfg.warmup_epochs is None
     cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg.resolve())
     for field, value in DOCUMENTED[name].items():
         assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
     if DOCUMENTED[name].get("cowclip", True):
@@ -179,7 +179,7 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
         out=str(tmp_path / "run"),
     )
     cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg.resolve())
     hyper = trainer.model.embedding_collection.fused_optimizer.hyperparameters
     assert hyper["count_lr"].cap == float(S) and hyper["count_lr"].power == 1.0
     with pytest.raises(ConfigError, match="--count-lr-power"):
@@ -227,7 +227,9 @@ def test_a_baseline_recipe_trains_without_the_clip_and_refuses_clip_options(tmp_
     config_from_args(
         build_parser().parse_args(args + ["--embedding-backend", "torchrec"])
     ).validate()
-    trainer = Trainer(tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256))
+    trainer = Trainer(
+        tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256).resolve()
+    )
     try:
         assert trainer.cowclip is None and trainer.hp.recipe == "linear"
         assert trainer.hp.embedding_lr == pytest.approx(2e-4)

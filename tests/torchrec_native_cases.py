@@ -432,10 +432,10 @@ def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None
             out=os.path.join(root, name, "pipeline"),
             **overrides,
         )
-        piped = Trainer(config)
+        piped = Trainer(config.resolve())
         piped.run_dir.release()
         pipeline_type, pipeline_losses = pipeline_helen_steps(piped, 4)
-        manual = Trainer(replace(config, out=os.path.join(root, name, "manual")))
+        manual = Trainer(replace(config, out=os.path.join(root, name, "manual")).resolve())
         manual.run_dir.release()
         manual_losses = manual_helen_steps(manual, 4)
         results[name] = {

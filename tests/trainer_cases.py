@@ -41,11 +41,11 @@ def exact_metrics(out: str) -> Dict[str, Any]:
 
 
 def train_phases(rank: int, world: int, runs: List[Tuple[str, Dict[str, Any]]]) -> None:
-    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()`` for each ``(root, options)``
+    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()`` for each ``(root, options)``
     in turn (several runs per job: the spawn and imports dominate a tiny run)."""
     _as_torchrun(rank, world)
     for root, options in runs:
-        Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()
         dist.barrier()
 
 
@@ -65,7 +65,7 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
         return result
 
     state_dict_saver.save = save
-    Trainer(tiny_config(root, TINY_PROCESSES, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve()).run()
 
 
 def restored_state(
@@ -74,7 +74,7 @@ def restored_state(
     """Loads the run's latest checkpoint at this world size; rank 0 writes the full
     weights and optimizer states, gathered from every rank. Then trains on from there."""
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()  # run() would release the --out lock at its end
     tensors = trainer.runtime.tensors()
@@ -90,12 +90,12 @@ def restored_state(
             {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
         )
     dist.barrier()
-    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve()).run()
 
 
 def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
     """The same, in this process (one process, no sharding)."""
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()
     tensors = trainer.runtime.tensors()
@@ -167,7 +167,7 @@ def train_until_signal(
     from torchrec_cowclip.run.stop import RunStopped
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve())
     _check_sharded_atomic_load(trainer)
     real = trainer.runtime.step_summary
     steps = {"n": 0}
@@ -196,7 +196,7 @@ def hang_in_step(rank: int, world: int, root: str, at_step: int) -> None:
     import time
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise"))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise").resolve())
     real = trainer.runtime.step
 
     def step(pipeline: Any, batches: Any, number: int) -> Any:

@@ -36,7 +36,7 @@ from torchrec_cowclip.stderr_log import package_log_shown
 from torchrec_cowclip.sweep.command import add_sweep_parser
 from torchrec_cowclip.train.command import (
     add_train_parser,
-    command_config,
+    command_settings,
     exiting_on_failure,
     run_train,
 )
@@ -87,8 +87,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(json.dumps(summary, indent=2, default=str))
         return 0
     with exiting_on_failure(args.command):
-        config, said = command_config(parser, args, argv)
-    return run_train(config, said)
+        settings, said = command_settings(parser, args, argv)
+    return run_train(settings, said)
 
 
 if __name__ == "__main__":

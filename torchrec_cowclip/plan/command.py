@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
+from torchrec_cowclip.data.settings import DataSettings
 from torchrec_cowclip.train.command import (
     add_data_arguments,
     add_model_arguments,
@@ -293,10 +294,11 @@ def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
 
 
 def _tables(
-    source: str, args: argparse.Namespace, config: TrainConfig, run: Any
+    source: str, args: argparse.Namespace, data: Optional[DataSettings], run: Any
 ) -> Tuple[Any, int, str, Optional[str]]:
     """``(schema, dense inputs, where the sizes come from, the data a launch trains on)``
-    for the tables of ``source`` (None: the command's own ``--data``)."""
+    for the tables of ``source`` (None: the command's own ``--data``, which ``data`` is
+    when the tables come from it)."""
     from torchrec_cowclip.plan.job import PlanError
     from torchrec_cowclip.plan.presets import PRESETS
 
@@ -312,7 +314,7 @@ def _tables(
     if source == "--run":
         arguments = run.model_arguments()
         return run.schema, int(arguments["num_dense"]), f"run {args.run}", None
-    data = config.data_settings()
+    assert data is not None
     dataset = data.open()  # converted once into --cache-dir, as train does
     dense = len(dataset.dense_plan.output_names)
     return dataset.schema, dense, f"{data.spec} ({len(dataset):,} rows)", None
@@ -366,7 +368,8 @@ def _run(
     local, per_host = _job_flags(args)
     config = config_from_args(args)
     _validate(config, parser, source)
-    schema, num_dense, tables_from, launch_data = _tables(source, args, config, run)
+    data = config.data_settings() if source == "--data" else None
+    schema, num_dense, tables_from, launch_data = _tables(source, args, data, run)
     hbm, ddr = _device_bytes(args)
     spec = JobSpec(
         model=config.model,

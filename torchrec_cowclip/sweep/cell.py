@@ -42,9 +42,8 @@ def run(cell: Path) -> int:
     with package_log_shown(int(os.environ.get("RANK", "0"))):
         with exiting_on_failure("train"):
             record = read_json(cell / CELL_RECORD) or {}
-            config = TrainConfig.from_dict(record["config"])
-            config.validate()
-        return run_train(config)
+            settings = TrainConfig.from_dict(record["config"]).resolve()
+        return run_train(settings)
 
 
 if __name__ == "__main__":

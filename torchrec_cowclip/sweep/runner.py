@@ -101,7 +101,7 @@ class SweepSpec:
 
     def settings(self) -> Dict[str, Any]:
         """``sweep-settings.json``'s content: what every cell of this directory shares."""
-        return {"equal": self.equal, "settings": shared_settings(self.base)}
+        return {"equal": self.equal, "settings": shared_settings(self.base.as_dict())}
 
 
 def cell_dir(out: Path, name: str) -> Path:
@@ -270,7 +270,9 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                 "or choose another --out"
             )
         if record is not None:
-            diffs = setting_differences(record.get("settings", {}), cell_settings(cell.config))
+            diffs = setting_differences(
+                record.get("settings", {}), cell_settings(cell.config.as_dict())
+            )
             diffs += _data_differences(record.get("data") or {}, data[cell.name])
             if diffs:
                 raise SweepError(
@@ -295,7 +297,7 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                 "rates": cell.rates,
                 "variant": cell.variant,
                 "shares": cell.shares,
-                "settings": cell_settings(cell.config),
+                "settings": cell_settings(cell.config.as_dict()),
                 "data": data[cell.name],
                 "command": old.get("command"),
                 "attempts": old.get("attempts") or [],

@@ -33,7 +33,7 @@ from torchrec_cowclip.errors import (
     ConfigError,
 )
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
-from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, TrainConfig
+from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.processes import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
 
@@ -648,12 +648,12 @@ def train_argv(
     return argv
 
 
-def command_config(
+def command_settings(
     parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]
-) -> Tuple[TrainConfig, Optional[str]]:
-    """The validated config of a parsed ``train`` command, and the line naming what a warm
-    start took from RUN (None without ``--init-from``): the flags not given take RUN's
-    values (its model, its data)."""
+) -> Tuple[TrainSettings, Optional[str]]:
+    """The settings of a parsed ``train`` command (its config validated and resolved once),
+    and the line naming what a warm start took from RUN (None without ``--init-from``): the
+    flags not given take RUN's values (its model, its data)."""
     said = None
     if args.init_from:
         from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
@@ -671,9 +671,7 @@ def command_config(
         command.set_defaults(**defaults)
         args = parser.parse_args(argv)
         said = inherited_line(args.init_from, inherited)
-    config = config_from_args(args)
-    config.validate()
-    return config, said
+    return config_from_args(args).resolve(), said
 
 
 def failure(error: BaseException, command: str) -> Optional[Tuple[int, str]]:
@@ -732,16 +730,16 @@ SUMMARY_KEYS = (
 )
 
 
-def run_train(config: TrainConfig, said: Optional[str] = None) -> int:
-    """The ``train`` command for a validated ``config``: trains, prints the summary (rank 0)
+def run_train(settings: TrainSettings, said: Optional[str] = None) -> int:
+    """The ``train`` command for a resolved config: trains, prints the summary (rank 0)
     and returns 0; a failure exits (:func:`exiting_on_failure`). ``said``: the warm start's
-    line (:func:`command_config`), printed once RUN is verified."""
+    line (:func:`command_settings`), printed once RUN is verified."""
     from torchrec_cowclip.train.processes import shutdown_distributed
     from torchrec_cowclip.train.trainer import Trainer
 
     main = int(os.environ.get("RANK", "0")) == 0
     with exiting_on_failure("train"):
-        trainer = Trainer(config)  # RUN verified and the command checked against it
+        trainer = Trainer(settings)  # RUN verified and the command checked against it
         if said is not None and main:
             print(said, file=sys.stderr, flush=True)
         metrics = trainer.run()

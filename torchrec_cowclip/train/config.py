@@ -501,8 +501,13 @@ class TrainConfig:
         return cls(**values)
 
     def resolve(self) -> "TrainSettings":
-        """The options resolved once into what each part of a run consumes (see the module
-        docstring); the scaling recipe is applied here. Call :meth:`validate` first."""
+        """The options, validated (:meth:`validate`), resolved once into what each part of
+        a run consumes (see the module docstring); the scaling recipe is applied here.
+
+        Raises:
+            ConfigError: naming the first bad option.
+        """
+        self.validate()
         hp = self.hyperparameters()
         clipped = self.cowclip and hp.cowclip
         embedding = CowClipOptions(

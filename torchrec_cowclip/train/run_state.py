@@ -25,6 +25,7 @@ from torchrec_cowclip.run.checkpoints import (
     DamagedCheckpointError,
 )
 from torchrec_cowclip.run.resume_guard import check_resume
+from torchrec_cowclip.train.console import run_eta
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
 
@@ -59,6 +60,58 @@ class Progress:
     eval_seconds: float = 0.0
     evaluations: int = 0
 
+    def step_done(self, seconds: float, samples: int, loss: float, helen: Any = None) -> None:
+        """Counts one training step of the global batch: its ``seconds``, ``samples``,
+        mean ``loss`` and, for a Helen step, its cost (``HelenCost``)."""
+        self.train_seconds += seconds
+        self.epoch_train_seconds += seconds
+        self.epoch_samples += samples
+        self.epoch_loss_sum += loss * samples
+        if helen is not None:
+            self.helen_first_pass_s += helen.first_pass_s
+            self.helen_extra_s += helen.extra_s
+        self.train_samples += samples
+        self.global_step += 1
+        self.batch_in_epoch += 1
+
+    def validated(self, auc: Optional[float], patience: int) -> bool:
+        """Counts this epoch's validation AUC; whether it is the best so far (an undefined
+        AUC, of a one-class validation split, is no improvement). ``patience`` epochs
+        without one stop the run early (0: never)."""
+        self.epoch_val_auc.append(auc)  # type: ignore[arg-type]
+        if auc is not None and auc > self.best_val_auc:
+            self.best_val_auc, self.best_epoch = auc, self.epoch
+            self.epochs_without_improvement = 0
+            return True
+        self.epochs_without_improvement += 1
+        if patience and self.epochs_without_improvement >= patience:
+            self.stopped_early = True
+        return False
+
+    def next_epoch(self, rows_updated: Optional[int], rows_clipped: Optional[int]) -> None:
+        """Ends the epoch in progress; the run's row counters so far are ``rows_*``."""
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        self.epoch_samples, self.epoch_loss_sum = 0, 0.0
+        self.epoch_train_seconds, self.epoch_wall_seconds = 0.0, 0.0
+        self.rows_updated_before_epoch = rows_updated or 0
+        self.rows_clipped_before_epoch = rows_clipped or 0
+
+    def eta(
+        self, step_s: float, epochs: int, steps_per_epoch: int, max_steps: int, passes: int
+    ) -> float:
+        """Seconds left in the run: its steps at ``step_s`` each, and its evaluations
+        (``passes`` per epoch: the test split's, and the validation split's) at the mean of
+        those so far."""
+        total_steps = total_steps_of(epochs, steps_per_epoch, max_steps)
+        epochs_left = epochs - self.epoch
+        if max_steps:
+            epochs_left = min(
+                epochs_left, -(-(total_steps - self.global_step) // max(steps_per_epoch, 1))
+            )
+        eval_s = self.eval_seconds / self.evaluations if self.evaluations else 0.0
+        return run_eta(self.global_step, total_steps, step_s, passes * epochs_left, eval_s)
+
     def helen_cost(self) -> Dict[str, float]:
         """Per step: the first pass, Helen's extra time, and their ratio."""
         steps = max(self.global_step, 1)
@@ -67,6 +120,12 @@ class Progress:
             "extra_s_per_step": self.helen_extra_s / steps,
             "extra_fraction": self.helen_extra_s / max(self.helen_first_pass_s, 1e-9),
         }
+
+
+def total_steps_of(epochs: int, steps_per_epoch: int, max_steps: int) -> int:
+    """The steps a run trains: its epochs', or ``max_steps`` if fewer (0: no limit)."""
+    total = epochs * steps_per_epoch
+    return min(total, max_steps) if max_steps else total
 
 
 class RunCheckpoints:

@@ -43,12 +43,11 @@ from torchrec_cowclip.run.model_folder import (
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
-from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.config import TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
     duration,
     epoch_line,
     peak_rss_mb,
-    run_eta,
     start_lines,
     weights_line,
 )
@@ -61,7 +60,7 @@ from torchrec_cowclip.train.metrics import (
     run_metrics,
     write_curves,
 )
-from torchrec_cowclip.train.run_state import Progress, RunCheckpoints
+from torchrec_cowclip.train.run_state import Progress, RunCheckpoints, total_steps_of
 from torchrec_cowclip.train.runtime import Runtime, make_runtime
 from torchrec_cowclip.train.warm_start import WarmStart
 
@@ -81,18 +80,16 @@ def _seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """One training run as configured by :class:`TrainConfig`, resolved once
-    (:meth:`TrainConfig.resolve`) into what each part consumes.
+    """One training run of a :class:`TrainConfig`, resolved once into what each part
+    consumes: ``Trainer(config.resolve()).run()``.
 
     The loop is the same for one process and for several: a
     :class:`~torchrec_cowclip.train.runtime.Runtime` owns where the model lives and
     how batches are split (:func:`~torchrec_cowclip.train.runtime.make_runtime`).
     """
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, settings: TrainSettings) -> None:
         notices.install()
-        config.validate()
-        settings = config.resolve()
         # Rank 0 (the environment names it before the process group exists) holds the
         # output directory's lock for the run's life.
         self.is_main = int(os.environ.get("RANK", "0")) == 0
@@ -283,17 +280,8 @@ class Trainer:
                         f"Lower --lr / --lr-embed or check the data."
                     )
                 step_s = time.perf_counter() - t0
-                p.train_seconds += step_s
-                p.epoch_train_seconds += step_s
                 steps_here, step_seconds_here = steps_here + 1, step_seconds_here + step_s
-                p.epoch_samples += n
-                p.epoch_loss_sum += loss_value * n
-                if helen is not None and helen.last_helen_cost is not None:
-                    p.helen_first_pass_s += helen.last_helen_cost.first_pass_s
-                    p.helen_extra_s += helen.last_helen_cost.extra_s
-                p.train_samples += n
-                p.global_step += 1
-                p.batch_in_epoch += 1
+                p.step_done(step_s, n, loss_value, None if helen is None else helen.last_helen_cost)
                 samples_since += n
                 running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
                 if p.global_step % cfg.log_every == 0:
@@ -332,22 +320,12 @@ class Trainer:
 
     def _total_steps(self) -> int:
         run = self.settings.run
-        total = run.epochs * self.steps_per_epoch
-        return min(total, run.max_steps) if run.max_steps else total
+        return total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
 
     def _eta(self, step_s: float) -> float:
-        """Seconds left in the run: its steps at ``step_s`` each, and its evaluations at
-        the mean of those so far (one test pass, and one validation pass, per epoch)."""
-        p = self.progress
-        passes = 2 if len(self.val_idx) else 1
-        epochs_left = self.settings.run.epochs - p.epoch
-        if self.settings.run.max_steps:
-            epochs_left = min(
-                epochs_left,
-                -(-(self._total_steps() - p.global_step) // max(self.steps_per_epoch, 1)),
-            )
-        eval_s = p.eval_seconds / p.evaluations if p.evaluations else 0.0
-        return run_eta(p.global_step, self._total_steps(), step_s, passes * epochs_left, eval_s)
+        """Seconds left in the run (one test pass, and one validation pass, per epoch)."""
+        run, passes = self.settings.run, 2 if len(self.val_idx) else 1
+        return self.progress.eta(step_s, run.epochs, self.steps_per_epoch, run.max_steps, passes)
 
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.settings.run, self.progress
@@ -364,20 +342,9 @@ class Trainer:
         }
         if len(self.val_idx):
             val = self._evaluate(self.val_idx, log, "validation")
-            p.epoch_val_auc.append(val["auc"])
             row.update(val_auc=val["auc"], val_logloss=val["logloss"])
-            # An undefined AUC (a one-class validation split) is no improvement.
-            if val["auc"] is not None and val["auc"] > p.best_val_auc:
-                p.best_val_auc, p.best_epoch = val["auc"], p.epoch
-                p.epochs_without_improvement = 0
+            if p.validated(val["auc"], cfg.early_stop_patience):
                 self.checkpoints.save_best(p)
-            else:
-                p.epochs_without_improvement += 1
-                if (
-                    cfg.early_stop_patience
-                    and p.epochs_without_improvement >= cfg.early_stop_patience
-                ):
-                    p.stopped_early = True
         counts = clip_counts(self.runtime.embedding_module())
         updated, clipped = counts["rows_updated"], counts["rows_clipped"]
         p.epoch_wall_seconds += time.perf_counter() - wall_start
@@ -392,11 +359,7 @@ class Trainer:
             train_samples_per_s=p.epoch_samples / max(p.epoch_train_seconds, 1e-9),
             peak_rss_mb=peak_rss_mb(),
         )
-        p.epoch += 1
-        p.batch_in_epoch = 0
-        p.epoch_samples, p.epoch_loss_sum = 0, 0.0
-        p.epoch_train_seconds, p.epoch_wall_seconds = 0.0, 0.0
-        p.rows_updated_before_epoch, p.rows_clipped_before_epoch = updated or 0, clipped or 0
+        p.next_epoch(updated, clipped)
         log.epoch(row)
         more = p.epoch < cfg.epochs and not p.stopped_early
         step_s = (
@@ -506,4 +469,4 @@ def train(config: TrainConfig) -> TrainResult:
     """Runs training as configured; returns the metrics written to ``out/metrics.json``
     (a dict) carrying ``run_dir`` (whose ``model/`` ``torchrec_cowclip.load_model``
     scores with) and ``model`` (the trained module)."""
-    return Trainer(config).run()
+    return Trainer(config.resolve()).run()
