@@ -33,9 +33,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.compat import mark_updated_in_backward, qconfig_propagation
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
-from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
+from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
 from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
@@ -45,6 +45,7 @@ from torchrec_cowclip.embedding.table_batch import (
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions, Helen
+from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
@@ -108,6 +109,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             default is one) is drawn from this seed, so it starts from the same weights
             unsharded and under any sharding plan or world size. None:
             ``torch.initial_seed()``.
+        kernel_mode: how the table batches update their rows (the row kernel:
+            ``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``,
+            :mod:`torchrec_cowclip.optim.row_step`), kept for the module's life (a device
+            move chooses the kernel of the new device in the same mode). None: the
+            ``TORCHREC_COWCLIP_COMPILE`` environment variable's, read now.
 
     Example::
 
@@ -133,6 +139,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
         init_seed: Optional[int] = None,
+        kernel_mode: Optional[str] = None,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
@@ -143,9 +150,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        # One row kernel for every table batch, chosen here (and again on a device move),
-        # not per step: building the native one, if it is that, happens now.
-        kernel = select_kernel(self._device, options.rule)
+        # The kernel mode, resolved once (an explicit value, else the environment's), and
+        # one row kernel for every table batch, chosen from it here (and again on a device
+        # move), not per step: building the native one, if it is that, happens now.
+        self._kernel_mode = resolve_kernel_mode(kernel_mode)
+        kernel = select_kernel(self._device, options.rule, self._kernel_mode)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
         self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
@@ -205,9 +214,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         *,
         device: Optional[Union[str, torch.device]] = None,
         init_seed: Optional[int] = None,
+        kernel_mode: Optional[str] = None,
     ) -> "CowClipEmbeddingBagCollection":
         """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights;
-        ``is_weighted`` is the EBC's, ``device`` defaults to the EBC's.
+        ``is_weighted`` is the EBC's, ``device`` defaults to the EBC's (``init_seed`` and
+        ``kernel_mode`` as for the constructor).
 
         Weights marked by TorchRec's ``apply_optimizer_in_backward`` are trained as
         marked (:mod:`torchrec_cowclip.optim.torchrec_config`: e.g.
@@ -235,6 +246,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             is_weighted=ebc.is_weighted(),
             device=ebc.device if device is None else device,
             init_seed=init_seed,
+            kernel_mode=kernel_mode,
         )
         module.load_state_dict(ebc.state_dict())
         return module
@@ -318,9 +330,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     # --- the update -------------------------------------------------------------------
 
     @property
+    def kernel_mode(self) -> str:
+        """The kernel mode the module was built with (``kernel_mode=``, resolved once)."""
+        return self._kernel_mode
+
+    @property
     def row_kernel(self) -> RowKernel:
         """How the table batches group and update their touched rows
-        (:mod:`torchrec_cowclip.embedding.kernels`): chosen when the module was built or
+        (:mod:`torchrec_cowclip.embedding.row_kernels`): chosen when the module was built or
         last moved, the same for every batch."""
         return self._batches[0].kernel
 
@@ -518,7 +535,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             batch._apply(fn)
         moved_to = self._batches[0].weight.device
         if moved_to != self._device:
-            kernel = select_kernel(moved_to, update_rule(self._optimizer))
+            kernel = select_kernel(moved_to, update_rule(self._optimizer), self._kernel_mode)
             for batch in self._batches:
                 batch.kernel = kernel
         self._device = moved_to

@@ -4,7 +4,7 @@ Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
 ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
 TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
 Backward: per-row gradients (:mod:`.row_gradients`, grouped and summed by the table
-batch's row kernel, :mod:`.kernels`), submitted to the lookup's step of the row-update
+batch's row kernel, :mod:`.row_kernels`), submitted to the lookup's step of the row-update
 coordinator (:mod:`.row_updates`), which applies the in-place update or holds them for
 Helen; the table weights get no gradient, so they never hold a ``.grad``. Per-sample
 weights that require grad get theirs, exactly as ``torchrec.EmbeddingBagCollection``

@@ -19,11 +19,11 @@ instruction-set flags (the build uses ``-march=native``): an edited source never
 a library with another, every checkout of the same source shares one (it is compiled from
 a copy in its own directory, so each checkout's build reads as up to date), and every later
 process on the machine loads the cached one in milliseconds. :func:`build` runs once per process, when the first table batch that uses
-the kernels is built (:class:`~torchrec_cowclip.embedding.kernels.NativeCpuKernel`), never
+the kernels is built (:class:`~torchrec_cowclip.embedding.row_kernels.NativeCpuKernel`), never
 inside a backward; a build prints one line to stderr before it starts and one when it ends
 (times: docs/performance.md).
 
-Whether they run is the row kernel's choice (:mod:`torchrec_cowclip.embedding.kernels`,
+Whether they run is the row kernel's choice (:mod:`torchrec_cowclip.embedding.row_kernels`,
 ``TORCHREC_COWCLIP_COMPILE``).
 """
 

@@ -17,7 +17,7 @@ and a Helen step both run:
 
    * ``APPLY`` (a plain ``loss.backward()``): the channel's strategy applies them
      (one call of each table batch's row kernel, :meth:`RowKernel.update_
-     <torchrec_cowclip.embedding.kernels.RowKernel.update_>`);
+     <torchrec_cowclip.embedding.row_kernels.RowKernel.update_>`);
    * ``HOLD_ASCENT`` / ``HOLD_DESCENT`` (the two passes of :meth:`RowUpdates.helen_step`):
      they are held; between the passes the held rows are perturbed
      (:mod:`.helen`), after the second the rows are restored and the held descent steps

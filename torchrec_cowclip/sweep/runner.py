@@ -225,14 +225,15 @@ def prepare_native_update(spec: SweepSpec) -> None:
     not wait on one another's build."""
     import torch
 
-    from torchrec_cowclip.embedding.kernels import select_kernel
+    from torchrec_cowclip.embedding.row_kernels import select_kernel
+    from torchrec_cowclip.optim.row_step import kernel_mode
     from torchrec_cowclip.optim.rules import update_rule
 
     devices = {c.config.device for c in spec.cells}
     if any(d == "cpu" or (d == "auto" and not torch.cuda.is_available()) for d in devices):
-        # What a CPU cell's tables choose (TORCHREC_COWCLIP_COMPILE): the native kernels
-        # are built here, once, if that is them.
-        select_kernel(torch.device("cpu"), update_rule("adam"))
+        # What a CPU cell's tables choose (its processes inherit TORCHREC_COWCLIP_COMPILE):
+        # the native kernels are built here, once, if that is them.
+        select_kernel(torch.device("cpu"), update_rule("adam"), kernel_mode())
 
 
 def _data_differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[Any]:

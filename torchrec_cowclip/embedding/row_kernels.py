@@ -2,7 +2,8 @@
 
 A :class:`RowKernel` is chosen once per table batch - when the batch is built or moved to
 another device, never per step - by :func:`select_kernel`, from the device, the update rule
-and ``TORCHREC_COWCLIP_COMPILE`` (:func:`~torchrec_cowclip.optim.row_step.compiled_update_mode`):
+and the kernel mode its module was built with (an explicit value, else
+``TORCHREC_COWCLIP_COMPILE``: :func:`~torchrec_cowclip.optim.row_step.kernel_mode`):
 
 * :class:`NativeCpuKernel` (kind ``native_cpu``): the native CPU kernels
   (:mod:`.native`): a radix grouping per table, and the update as one pass per table batch
@@ -47,12 +48,7 @@ from torchrec_cowclip.embedding.row_gradients import (
 )
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.optim.row_step import (
-    COMPILE_ENV,
-    compiled_update_mode,
-    row_step,
-    toolchain_available,
-)
+from torchrec_cowclip.optim.row_step import COMPILE_ENV, row_step, toolchain_available
 from torchrec_cowclip.optim.rules import BUILT_IN_RULES, UpdateRule
 
 __all__ = [
@@ -457,9 +453,10 @@ def kernel_of_kind(kind: str, device: torch.device) -> RowKernel:
     raise ValueError(f"unknown row kernel kind {kind!r}; expected one of {KINDS}")
 
 
-def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
-    """The row kernel of a table batch on ``device`` trained by ``rule``, as
-    ``TORCHREC_COWCLIP_COMPILE`` says now (read here, once per table batch):
+def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKernel:
+    """The row kernel of a table batch on ``device`` trained by ``rule``, as the kernel
+    ``mode`` says (:func:`~torchrec_cowclip.optim.row_step.kernel_mode`: resolved once,
+    when the module was built):
 
     * ``auto``: for a built-in rule, on CPU the native kernels, on CUDA the Triton kernels;
       if the native ones cannot be built, a warning naming the error and the Inductor row
@@ -476,13 +473,9 @@ def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
     Example::
 
         >>> from torchrec_cowclip.optim.rules import update_rule
-        >>> from torchrec_cowclip.optim.row_step import set_compiled_update
-        >>> previous = set_compiled_update("0")
-        >>> select_kernel(torch.device("cpu"), update_rule("adam"))
+        >>> select_kernel(torch.device("cpu"), update_rule("adam"), "0")
         TorchKernel(compiled=False)
-        >>> _ = set_compiled_update(previous)
     """
-    mode = compiled_update_mode()
     if device.type == "meta" or mode == "0":
         return TorchKernel(compiled=False)
     if mode == "inductor":
