@@ -30,8 +30,11 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection, compat
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
-from torchrec_cowclip.distributed.lookup import CowClipPooledEmbeddingsLookup, ReplicatedLookup
 from torchrec_cowclip.distributed.sharded_kernel import CowClipBatchedEmbeddingBag
+from torchrec_cowclip.distributed.sharded_lookup import (
+    CowClipPooledEmbeddingsLookup,
+    ReplicatedLookup,
+)
 from torchrec_cowclip.optim.options import CowClipOptions
 
 VERSIONS = f"torchrec {torchrec.__version__}, torch {torch.__version__}"

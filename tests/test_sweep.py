@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from torchrec_cowclip import cli
-from torchrec_cowclip.errors import EXIT_DIVERGED
+from torchrec_cowclip.failures import EXIT_DIVERGED
 from torchrec_cowclip.run.out_dir import lock_holder
 from torchrec_cowclip.sweep import report, runner
 from torchrec_cowclip.train.command import config_from_args, train_argv, train_parser

@@ -5,7 +5,7 @@ One parser, one command per job - ``train`` (:mod:`torchrec_cowclip.train.comman
 (:mod:`torchrec_cowclip.plan.command`), ``predict`` / ``evaluate`` / ``export``
 (:mod:`torchrec_cowclip.serve.command`) - each defined by its own package; this module
 dispatches to them, shows the package's log on stderr, and turns a failure into one line
-and an exit status (:data:`~torchrec_cowclip.errors.EXIT_USAGE` and its siblings).
+and an exit status (:data:`~torchrec_cowclip.failures.EXIT_USAGE` and its siblings).
 Nothing in the package imports it.
 
 Example::
@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from torchrec_cowclip.errors import (
+from torchrec_cowclip.failures import (
     EXIT_DIVERGED,
     EXIT_ENVIRONMENT,
     EXIT_INTERRUPTED,
@@ -81,7 +81,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command in SERVING_COMMANDS:
         from torchrec_cowclip.run.stop import raising_on_sigterm  # deferred: keeps --help fast
 
-        with exiting_on_failure(args.command):
+        with exiting_on_failure(f"{args.command}: nothing was written"):
             with raising_on_sigterm(f"{args.command}: nothing was written; run it again"):
                 summary = run_command(args)
             print(json.dumps(summary, indent=2, default=str))

@@ -33,7 +33,6 @@ from torchrec_cowclip.data.errors import (
     DataError,
     DataOptionError,
 )
-from torchrec_cowclip.data.options import FileSourceOptions, SourceOptions
 from torchrec_cowclip.data.parsing.dense import (
     DENSE_CLIP,
     DENSE_TRANSFORMS,
@@ -51,6 +50,7 @@ from torchrec_cowclip.data.schema import (
     CRITEO_SPARSE_NAMES,
     Schema,
 )
+from torchrec_cowclip.data.source_options import FileSourceOptions, SourceOptions
 from torchrec_cowclip.data.sources.synthetic import (
     PlantedModel,
     SyntheticConfig,

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.registry import SourceKind
+from torchrec_cowclip.data.source_options import SourceOptions
 
 if TYPE_CHECKING:
     from torchrec_cowclip.data.pipeline.dataset import CTRDataset

@@ -6,12 +6,12 @@ all-to-all, output all-to-all / reduce-scatter, shard placement), builds the sta
 (``embedding_bags.<table>.weight`` as ``ShardedTensor``) from the lookups, and combines
 the lookups' fused optimizers. This subclass overrides exactly two steps:
 
-* ``_create_lookups``: one :class:`~.lookup.CowClipPooledEmbeddingsLookup` per sharding
+* ``_create_lookups``: one :class:`~.sharded_lookup.CowClipPooledEmbeddingsLookup` per sharding
   type, over the table groups TorchRec's sharding computed, with the strategy that
   sharding type needs (:mod:`.row_sync`: whole rows for table-wise and row-wise tables,
   whole-row sums for column shards, the union of all replicas' rows for data-parallel);
 * ``init_data_parallel``: no ``DistributedDataParallel`` around data-parallel lookups
-  (their fused update keeps the replicas identical itself; :class:`~.lookup.ReplicatedLookup`).
+  (their fused update keeps the replicas identical itself; :class:`~.sharded_lookup.ReplicatedLookup`).
 
 Before TorchRec's construction runs, the ranks agree on one row kernel
 (:mod:`torchrec_cowclip.embedding.row_kernels`) for all their table batches: the native and
@@ -43,12 +43,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
 from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.comm import ColumnShardGroups, run_collective
-from torchrec_cowclip.distributed.lookup import (
+from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
+from torchrec_cowclip.distributed.sharded_lookup import (
     SUPPORTED_COMPUTE_KERNELS,
     CowClipPooledEmbeddingsLookup,
     ReplicatedLookup,
 )
-from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import KINDS, RowKernel, kernel_of_kind, select_kernel

@@ -24,13 +24,13 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding import layout, lookup_op, triton_ops
 from torchrec_cowclip.embedding.device_lookup import DeviceLookup, inverse_lengths, looked_up_rows
-from torchrec_cowclip.embedding.lookup import (
+from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
+from torchrec_cowclip.embedding.row_lookup import (
     BatchLookup,
     lookup_row_gradients,
     per_sample_weight_gradients,
     pooled_lookup,
 )
-from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
 from torchrec_cowclip.embedding.row_updates import LookupStep, RowSync, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import TableBatch
 

@@ -9,7 +9,7 @@ and a Helen step both run:
 
 1. ``channel.begin_forward()`` at the start of the lookup's forward: a new
    :class:`LookupStep`, and the zero-size *anchor* every table batch's lookup of that
-   forward takes as autograd input (:class:`~torchrec_cowclip.embedding.lookup.RowLookup`);
+   forward takes as autograd input (:class:`~torchrec_cowclip.embedding.row_lookup.RowLookup`);
 2. each table batch's backward submits its row gradients (a :class:`Submission`) to the step;
 3. autograd runs the step's own node after all of them (every lookup took its anchor),
    which hands the step to :meth:`RowUpdates.take`; it takes the submissions, in key order

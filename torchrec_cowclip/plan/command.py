@@ -176,7 +176,7 @@ def run_command(
     """``plan``'s body: 0 when the job fits, 3 when it does not, 2 for a refused command
     (one line on stderr naming the flag, file or table)."""
     from torchrec_cowclip.data.errors import DataError
-    from torchrec_cowclip.errors import ConfigError
+    from torchrec_cowclip.failures import ConfigError
     from torchrec_cowclip.run.no_space import one_line
 
     try:

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 
 __all__ = [
     "JobPlan",

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec_cowclip.compat import ShardedTensor
 from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.run.no_space import no_space
 from torchrec_cowclip.run.safe_load import (

@@ -76,7 +76,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data import parse_spec
-from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout, TextRowSource
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file, file_record
@@ -86,9 +85,10 @@ from torchrec_cowclip.data.pipeline.run_encoders import keep_encoder, restore_en
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
 from torchrec_cowclip.data.settings import DataSettings
+from torchrec_cowclip.data.source_options import SourceOptions
 from torchrec_cowclip.data.sources.table import ParquetRowSource
 from torchrec_cowclip.distributed.comm import run_collective
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel

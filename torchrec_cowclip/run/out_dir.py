@@ -28,13 +28,13 @@ import weakref
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 
 LOCK_NAME = ".lock"
 
 # What a training run writes into --out (trainer.py: checkpoints and metrics.json;
-# log.py: the CSVs and TensorBoard's tb/; plots.py: curves.png; model_folder.py: model/).
+# log.py: the CSVs and TensorBoard's tb/; curves.py: curves.png; model_folder.py: model/).
 # Only these, and their temporary forms (see stale_temp_files), are ever deleted; anything
 # else in --out is left alone.
 RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model")

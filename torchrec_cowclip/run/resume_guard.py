@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
 
 from torchrec_cowclip.data.settings import DataSettings
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 
 # Settings a resumed run may change, because they change no number the run produces
 # (weights, metrics.json): how often it logs, checkpoints or shows progress, where it

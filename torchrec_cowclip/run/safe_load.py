@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrec_cowclip.compat import dcp_metadata_private_classes
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 
 METADATA_FILE = ".metadata"
 

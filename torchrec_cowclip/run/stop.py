@@ -31,7 +31,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from torchrec_cowclip.errors import EXIT_STOPPED
+from torchrec_cowclip.failures import EXIT_STOPPED
 
 __all__ = ["EXIT_STOPPED", "RunStopped", "StopRequest", "raising_on_sigterm"]
 

@@ -62,7 +62,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DensePlan
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.run.no_space import space_checked

@@ -168,7 +168,7 @@ def run_command(args: argparse.Namespace) -> int:
     """``sweep``'s body: 0 when every cell finished (or diverged, a result kept), 1 when a
     cell failed, 2 for a refused command, 75 when stopped by a signal."""
     from torchrec_cowclip.data.errors import DataError
-    from torchrec_cowclip.errors import ConfigError
+    from torchrec_cowclip.failures import ConfigError
     from torchrec_cowclip.run.no_space import one_line
 
     try:

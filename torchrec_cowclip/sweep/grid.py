@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.run.resume_guard import setting_flag, shown_setting
 from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.scaling import RECIPES

@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from torchrec_cowclip.errors import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
+from torchrec_cowclip.failures import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.run.log import write_text_atomically
 from torchrec_cowclip.run.model_folder import MANIFEST, MODEL_DIR

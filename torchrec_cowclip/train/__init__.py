@@ -8,7 +8,7 @@ first use: importing the config alone does not build the loop."""
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperparameters
 

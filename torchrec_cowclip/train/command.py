@@ -25,7 +25,7 @@ import sys
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import HelpFormatter
-from torchrec_cowclip.errors import (
+from torchrec_cowclip.failures import (
     EXIT_DIVERGED,
     EXIT_ENVIRONMENT,
     EXIT_INTERRUPTED,
@@ -674,9 +674,11 @@ def command_settings(
     return config_from_args(args).resolve(), said
 
 
-def failure(error: BaseException, command: str) -> Optional[Tuple[int, str]]:
+def failure(error: BaseException, interrupted: str) -> Optional[Tuple[int, str]]:
     """How a command that raised ``error`` exits: its status and the one line it writes on
-    stderr; None for an error that is no refusal, failure or stop (a bug: shown whole)."""
+    stderr; None for an error that is no refusal, failure or stop (a bug: shown whole).
+    ``interrupted`` says what a Ctrl-C outside a training loop stopped (the command, and
+    whether anything was written)."""
     from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
     from torchrec_cowclip.distributed.comm import CollectiveError
     from torchrec_cowclip.run.checkpoints import CheckpointWriteError, NonFiniteStateError
@@ -695,21 +697,18 @@ def failure(error: BaseException, command: str) -> Optional[Tuple[int, str]]:
     if isinstance(error, KeyboardInterrupt):
         # Ctrl-C outside a training loop (which stops after its step instead): every
         # writer has removed its temporaries on the way out.
-        from torchrec_cowclip.serve.command import COMMANDS as SERVING_COMMANDS
-
-        where = f"{command}: nothing was written" if command in SERVING_COMMANDS else command
-        return EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({where})\n"
+        return EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({interrupted})\n"
     return None
 
 
 @contextlib.contextmanager
-def exiting_on_failure(command: str) -> Iterator[None]:
+def exiting_on_failure(interrupted: str) -> Iterator[None]:
     """Around a command's work: a :func:`failure` becomes its line on stderr and
     ``SystemExit`` with its status; anything else propagates."""
     try:
         yield
     except BaseException as error:
-        failed = failure(error, command)
+        failed = failure(error, interrupted)
         if failed is None:
             raise
         status, line = failed

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from torchrec_cowclip.data.settings import DataSettings
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen

@@ -23,7 +23,7 @@ Example::
     ...                  memory_bytes=64 << 30, fix="--hash-size")
     Traceback (most recent call last):
     ...
-    torchrec_cowclip.errors.ConfigError: table emb_C1 would need 480.0 GiB (4,294,967,296 rows x 10, float32 with adam state), and the tables 480.0 GiB in all, more than the 64.0 GiB of memory of this run's machines: the ids look unmapped (raw hashes?); hash them into fewer rows with --hash-size (e.g. --hash-size 1000000)
+    torchrec_cowclip.failures.ConfigError: table emb_C1 would need 480.0 GiB (4,294,967,296 rows x 10, float32 with adam state), and the tables 480.0 GiB in all, more than the 64.0 GiB of memory of this run's machines: the ids look unmapped (raw hashes?); hash them into fewer rows with --hash-size (e.g. --hash-size 1000000)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.settings import DataSettings
 from torchrec_cowclip.embedding.table_batch import storage_bytes
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.embeddings import embedding_table_name
 
 _GIB = float(1 << 30)
@@ -70,7 +70,7 @@ def check_tables_fit(
     memory_bytes: Optional[int] = None,
     fix: str = "--hash-size",
 ) -> None:
-    """Raises :class:`~torchrec_cowclip.errors.ConfigError` if the
+    """Raises :class:`~torchrec_cowclip.failures.ConfigError` if the
     ``embedding_dim`` tables of ``sparse_names`` (rows ``cardinalities``) with
     ``optimizer``'s state need more than ``memory_bytes`` (default
     :func:`machine_memory_bytes`). A lower bound of the model's size: first-order

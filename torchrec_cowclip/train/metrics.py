@@ -29,7 +29,7 @@ from torchrec_cowclip.embedding.row_clip_stats import clip_rates_by_frequency
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.models.embeddings import embedding_table_name
-from torchrec_cowclip.plots import CURVES_PNG, write_run_curves
+from torchrec_cowclip.run.curves import CURVES_PNG, write_run_curves
 from torchrec_cowclip.train.config import TrainSettings
 from torchrec_cowclip.train.console import peak_rss_mb
 from torchrec_cowclip.train.data import TrainingData

@@ -30,7 +30,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec_cowclip.data import BatchIterator, epoch_order
 from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.models.task import CTRTrainTask

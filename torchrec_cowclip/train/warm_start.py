@@ -65,7 +65,7 @@ from torchrec_cowclip.data.pipeline.run_encoders import (
     GrowingVocabulary,
     IdVocabulary,
 )
-from torchrec_cowclip.errors import ConfigError
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
 from torchrec_cowclip.run.model_folder import RunFolder, jsonable
