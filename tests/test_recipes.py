@@ -18,42 +18,19 @@ from torchrec_cowclip.train.trainer import Trainer
 # What the documentation promises, Criteo profile (base batch 1024: dense lr 8e-4,
 # embedding lr 1e-4, L2 lambda 1e-5, bound 1e-5, D = 10), at s = 16 (batch 16384).
 S = 16
+#: The clipped recipes' values where they agree (CowClip's r 1 and zeta sqrt(D) * bound).
+CLIPPED = dict(
+    dense_lr=8e-4 * math.sqrt(S),
+    embedding_lr=1e-4,
+    clip_r=1.0,
+    clip_zeta=math.sqrt(10) * 1e-5,
+)
+FIXED_L2 = dict(CLIPPED, l2=1e-5, warmup_epochs=0.0)
 DOCUMENTED = {
-    "paper": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5 * S,
-        warmup_epochs=1.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-    ),
-    "fixed-l2": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-    ),
-    "fixed-l2-count": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-        count_lr_power=0.5,
-    ),
-    "helen-fixed-l2": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-        helen_rho=0.005 * math.sqrt(S),
-        helen_bound=0.3,
-    ),
+    "paper": dict(CLIPPED, l2=1e-5 * S, warmup_epochs=1.0),
+    "fixed-l2": FIXED_L2,
+    "fixed-l2-count": dict(FIXED_L2, count_lr_power=0.5),
+    "helen-fixed-l2": dict(FIXED_L2, helen_rho=0.005 * math.sqrt(S), helen_bound=0.3),
     # The no-clip baselines of the scaling study (docs/scaling.md).
     "sqrt": dict(
         dense_lr=8e-4 * math.sqrt(S),

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_testing import reseal, snapshot
+from serving_cases import cli_refusal
 from tiny import TINY_CLI, bag_config, tiny_config
 from torchrec import KeyedJaggedTensor
 
@@ -219,22 +220,11 @@ def test_a_second_run_into_a_locked_out_fails_naming_the_holder(tmp_path, capsys
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert lock_holder(out) == holder.pid
-        with pytest.raises(SystemExit) as exit_info:
-            main(
-                [
-                    "train",
-                    "--data",
-                    "synthetic:3000",
-                    "--out",
-                    str(out),
-                    "--cache-dir",
-                    str(tmp_path / "cache"),
-                ]
-            )
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err
+        err = cli_refusal(
+            capsys, "train", "--data", "synthetic:3000", "--out", out, "--cache-dir",
+            tmp_path / "cache",
+        )  # fmt: skip
         assert f"--out {out} is in use by another run (pid {holder.pid}" in err
-        assert err.count("\n") == 1 and "Traceback" not in err
     finally:
         holder.kill()  # SIGKILL: no clean-up runs in the holder
         holder.wait()
@@ -507,22 +497,11 @@ FLAG_ERRORS = [
 
 @pytest.mark.parametrize("flags, message", FLAG_ERRORS, ids=[" ".join(f[0]) for f in FLAG_ERRORS])
 def test_flag_errors_are_one_line_naming_the_flag(tmp_path, capsys, flags, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(
-            [
-                "train",
-                "--data",
-                "synthetic:3000",
-                "--out",
-                str(tmp_path / "o"),
-                "--cache-dir",
-                str(tmp_path / "c"),
-            ]
-            + flags
-        )
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    err = cli_refusal(
+        capsys, "train", "--data", "synthetic:3000", "--out", tmp_path / "o", "--cache-dir",
+        tmp_path / "c", *flags,
+    )  # fmt: skip
+    assert message in err, err
     assert not (tmp_path / "o").exists(), "nothing is created before the flags are checked"
 
 

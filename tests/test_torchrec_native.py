@@ -342,12 +342,17 @@ def test_fbgemm_cowclip_counters_are_named_when_dropped():
 # --- on 2 ranks ----------------------------------------------------------------------
 
 
+def _on_two_ranks(tmp_path_factory, name: str, case: Any) -> Dict[str, Any]:
+    """What ``case`` returns on rank 0 of 2 ranks."""
+    root = tmp_path_factory.mktemp(name)
+    out = str(root / "results.pt")
+    run_ranks(case, 2, str(root), out, timeout_s=240)
+    return torch.load(out, weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("native")
-    out = str(root / "results.pt")
-    run_ranks(native.run, 2, str(root), out, timeout_s=240)
-    return torch.load(out, weights_only=False)
+    return _on_two_ranks(tmp_path_factory, "native", native.run)
 
 
 def _assert_equal(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol=0.0):
@@ -417,10 +422,7 @@ def test_unsharded_and_sharded_modules_use_the_same_optimizer_state_keys(two_ran
 
 @pytest.fixture(scope="module")
 def helen_two_ranks(tmp_path_factory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("helen")
-    out = str(root / "results.pt")
-    run_ranks(native.helen_pipeline_case, 2, str(root), out, timeout_s=240)
-    return torch.load(out, weights_only=False)
+    return _on_two_ranks(tmp_path_factory, "helen", native.helen_pipeline_case)
 
 
 @pytest.mark.parametrize("name", ["rowwise", "data_parallel_perturbed"])

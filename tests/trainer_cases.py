@@ -35,6 +35,18 @@ def _as_torchrun(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
+def named_tensors(trainer: Any) -> Dict[str, Any]:
+    """The trainer's weights and optimizer states by name (``model/...``,
+    ``optimizer/<key>/<state>``), this rank's shards as they are."""
+    tensors = trainer.runtime.tensors()
+    named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
+    for key, state in tensors["optimizer"]["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) or hasattr(value, "local_shards"):
+                named[f"optimizer/{key}/{name}"] = value
+    return named
+
+
 def exact_metrics(out: str) -> Dict[str, Any]:
     metrics = json.loads(open(os.path.join(out, "metrics.json")).read())
     return {k: metrics[k] for k in EXACT}
@@ -77,13 +89,7 @@ def restored_state(
     trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()  # run() would release the --out lock at its end
-    tensors = trainer.runtime.tensors()
-    named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
-    for key, state in tensors["optimizer"]["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) or hasattr(value, "local_shards"):
-                named[f"optimizer/{key}/{name}"] = value
-    full = gather_full(named)
+    full = gather_full(named_tensors(trainer))
     counters = trainer.runtime.table_counters()
     if rank == 0:
         torch.save(
@@ -98,14 +104,8 @@ def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]
     trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()
-    tensors = trainer.runtime.tensors()
-    named = {f"model/{k}": v.detach().clone() for k, v in tensors["model"].items()}
-    for key, state in tensors["optimizer"]["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                named[f"optimizer/{key}/{name}"] = value.detach().clone()
     return {
-        "tensors": named,
+        "tensors": {k: v.detach().clone() for k, v in named_tensors(trainer).items()},
         "counters": trainer.runtime.table_counters(),
         "progress": dict(trainer.progress.__dict__),
     }

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,9 +52,9 @@ from torchrec_cowclip.distributed.sharded_lookup import (
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import KINDS, RowKernel, kernel_of_kind, select_kernel
-from torchrec_cowclip.embedding.row_updates import LocalRows, RowSync, RowUpdates
+from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowSync, RowUpdates
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
-from torchrec_cowclip.optim.options import CowClipOptions, Helen
+from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import COMPILE_ENV, kernel_mode
 from torchrec_cowclip.optim.rules import UpdateRule
 
@@ -75,7 +75,7 @@ SUPPORTED_SHARDING_TYPES = (
 )
 
 
-class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class ShardedCowClipEmbeddingBagCollection(HelenSteps, ShardedEmbeddingBagCollection):
     """An ``EmbeddingBagCollection`` sharded by TorchRec and trained by CowClip in backward.
 
     Built by :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`;
@@ -162,22 +162,6 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """How this rank's table batches group and update their touched rows, of the
         same kind on every rank (:func:`_agreed_kernel`)."""
         return self._cowclip_kernel
-
-    @property
-    def helen(self) -> Optional[Helen]:
-        """Helen's settings when the tables train by :meth:`helen_step`, else None."""
-        return self._row_updates.helen
-
-    def helen_step(
-        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
-    ) -> Tensor:
-        """One Helen step, as the unsharded
-        :meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`, on every rank
-        (a collective): each table's gradient norm and largest count are combined over
-        its row and column shards, so the step equals the unsharded one on the global
-        batch (the strategies' ``perturbation_rows`` and an all-reduce of the table
-        statistics)."""
-        return self._row_updates.helen_step(closure, dense_params).loss
 
     def _divide_only_row_wise_means(self) -> None:
         """TorchRec applies MEAN pooling of row-wise tables after its reduce-scatter, by

@@ -9,7 +9,6 @@ from typing import (
     Any,
     Callable,
     Dict,
-    Iterable,
     List,
     Mapping,
     Optional,
@@ -36,7 +35,7 @@ from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
-from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates, Submission
+from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
@@ -44,7 +43,7 @@ from torchrec_cowclip.embedding.table_batch import (
 )
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
-from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions, Helen
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
 from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
@@ -69,7 +68,9 @@ class TableWeight(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
-class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimizerModule):
+class CowClipEmbeddingBagCollection(
+    HelenSteps, EmbeddingBagCollectionInterface, FusedOptimizerModule
+):
     """An ``EmbeddingBagCollection`` whose tables are updated by CowClip during backward.
 
     Tables of one embedding dim (and pooling) are stored as one table batch: the
@@ -356,44 +357,6 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             return Submission((index,), batch, row_grads, self._fused_optimizer.row_options())
 
         return submission
-
-    @property
-    def helen(self) -> Optional[Helen]:
-        """Helen's settings when the tables are trained by :meth:`helen_step`, else None."""
-        return self._row_updates.helen
-
-    def helen_step(
-        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
-    ) -> Tensor:
-        """One Helen step (:meth:`RowUpdates.helen_step
-        <torchrec_cowclip.embedding.row_updates.RowUpdates.helen_step>`, which also returns
-        its cost): ``closure()`` runs the forward pass and returns the scalar loss WITHOUT
-        calling backward.
-
-        The first backward reaches everything: every dense parameter's ``.grad`` gets the
-        first pass's gradient, as a plain ``loss.backward()`` would give it, ready for the
-        dense optimizer. The tables are perturbed on the rows the batch touched, the
-        closure runs again, and its backward reaches only the tables (and, with
-        ``Helen(perturb_dense=True)``, ``dense_params``, which were perturbed SAM-style and
-        then hold the second gradient); then the rows are restored and updated with the
-        second gradient. Returns the first pass's loss (detached).
-
-        Example::
-
-            >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-            >>> ebc = CowClipEmbeddingBagCollection(
-            ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["f"])],
-            ...     CowClipOptions(lr=1e-2, helen=Helen()))
-            >>> kjt = KeyedJaggedTensor.from_lengths_sync(
-            ...     keys=["f"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 2]))
-            >>> head = torch.nn.Linear(4, 1)
-            >>> loss = ebc.helen_step(lambda: head(ebc(kjt).values()).square().mean())
-            >>> state = ebc.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]
-            >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
-            (True, 1, 2)
-        """
-        return self._row_updates.helen_step(closure, dense_params).loss
 
     # --- FusedOptimizerModule ------------------------------------------------------
 

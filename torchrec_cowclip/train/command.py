@@ -6,12 +6,8 @@ same groups, and :func:`train_argv` writes a config back as the flags that make 
 sweep cell's command, a plan's launch command). :func:`run_train` is the command itself,
 after its flags: the training run, its summary, and every failure as one line and an exit
 status (:func:`exiting_on_failure`), as the program's command line
-(:mod:`torchrec_cowclip.cli`) and a sweep's cell processes run it.
-
-Example::
-
-    torchrec-cowclip train --model deepfm --data criteo:train.txt --batch-size 131072 \\
-        --epochs 1 --out runs/criteo-128k
+(:mod:`torchrec_cowclip.cli`, whose docstring shows a command) and a sweep's cell
+processes run it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
@@ -83,6 +84,18 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass(frozen=True)
+class RuntimeInputs:
+    """What a runtime builds its part of the run from: the model to build, its optimizers,
+    the loop's settings, the dataset and its training rows."""
+
+    model: ModelSpec
+    optimizers: OptimizerSettings
+    run: RunSettings
+    dataset: Any
+    train_idx: np.ndarray
+
+
 class Runtime(ABC):
     """One process's share of a training run (see the module docstring).
 
@@ -103,16 +116,10 @@ class Runtime(ABC):
     steps_per_epoch: int
     model_size: ModelSize
 
-    def __init__(
-        self,
-        model: ModelSpec,
-        optimizers: OptimizerSettings,
-        run: RunSettings,
-        dataset: Any,
-        train_idx: np.ndarray,
-    ) -> None:
-        self.model_spec, self.optimizers, self.run = model, optimizers, run
-        self.dataset, self.train_idx = dataset, train_idx
+    def __init__(self, inputs: RuntimeInputs) -> None:
+        self.model_spec, self.optimizers, self.run = inputs.model, inputs.optimizers, inputs.run
+        self.dataset, self.train_idx = inputs.dataset, inputs.train_idx
+        optimizers = inputs.optimizers
         # The tables' training, resolved once (TrainConfig.resolve) and passed on as is to
         # the model factory, the collection and the sharder.
         self.embedding_options = optimizers.embedding
@@ -236,16 +243,9 @@ class Runtime(ABC):
 class LocalRuntime(Runtime):
     """The whole model in this process."""
 
-    def __init__(
-        self,
-        model: ModelSpec,
-        optimizers: OptimizerSettings,
-        run: RunSettings,
-        dataset: Any,
-        train_idx: np.ndarray,
-        device: torch.device,
-    ) -> None:
-        super().__init__(model, optimizers, run, dataset, train_idx)
+    def __init__(self, inputs: RuntimeInputs, device: torch.device) -> None:
+        super().__init__(inputs)
+        run, optimizers, train_idx = inputs.run, inputs.optimizers, inputs.train_idx
         self.device = device
         self.model = self._build_model(table_device=None)
         self.train_module = CTRTrainTask(self.model)
@@ -299,17 +299,10 @@ class ShardedRuntime(Runtime):
     are ever allocated.
     """
 
-    def __init__(
-        self,
-        model: ModelSpec,
-        optimizers: OptimizerSettings,
-        run: RunSettings,
-        dataset: Any,
-        train_idx: np.ndarray,
-        ctx: DistContext,
-    ) -> None:
-        super().__init__(model, optimizers, run, dataset, train_idx)
-        if model.embedding_backend != "cowclip":
+    def __init__(self, inputs: RuntimeInputs, ctx: DistContext) -> None:
+        super().__init__(inputs)
+        run, optimizers, train_idx = inputs.run, inputs.optimizers, inputs.train_idx
+        if inputs.model.embedding_backend != "cowclip":
             raise ConfigError(
                 "multi-process runs shard the CowClip tables: use --embedding-backend cowclip"
             )
@@ -431,10 +424,10 @@ def make_runtime(settings: TrainSettings, dataset: Any, train_idx: np.ndarray) -
     """A :class:`ShardedRuntime` under a multi-process launcher, else a :class:`LocalRuntime`."""
     run = settings.run
     ctx = init_distributed(run.device, run.dist_timeout_s)
-    parts = (settings.model, settings.optimizers, run, dataset, train_idx)
+    inputs = RuntimeInputs(settings.model, settings.optimizers, run, dataset, train_idx)
     if ctx is not None:
-        return ShardedRuntime(*parts, ctx)
-    return LocalRuntime(*parts, resolve_device(run.device))
+        return ShardedRuntime(inputs, ctx)
+    return LocalRuntime(inputs, resolve_device(run.device))
 
 
 def resolve_device(name: str) -> torch.device:
