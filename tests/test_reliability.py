@@ -304,7 +304,7 @@ def test_stale_temp_files_are_removed_at_start(interrupted, tmp_path, capsys):
 def test_optimizer_constructor_rejects_non_finite_and_negative(key, value):
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, cowclip=None)
     with pytest.raises(ValueError, match=f"{key} must be >=? 0 and finite, got {value}"):
-        validate_hyperparameters(**{**kw, key: value})
+        validate_hyperparameters({**kw, key: value})
 
 
 def _ebc():

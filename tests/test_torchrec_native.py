@@ -252,6 +252,18 @@ def test_cowclip_optimizer_classes_validate_and_refuse_a_dense_step():
             opt.step()
     with pytest.raises(ValueError, match="lr must be >= 0"):
         CowClipAdam([weight], lr=-1.0)
+    # The hyperparameters a rule steps with are its param group; the others are refused.
+    assert set(CowClipSGD([weight]).defaults) == {
+        "lr",
+        "weight_decay",
+        "cowclip",
+        "count_lr",
+        "helen",
+    }
+    assert CowClipRowWiseAdagrad([weight], eps=1e-6).defaults["eps"] == 1e-6
+    for cls, name in ((CowClipSGD, "eps"), (CowClipRowWiseAdagrad, "betas")):
+        with pytest.raises(TypeError, match=f"{cls.__name__} takes no '{name}'"):
+            cls([weight], **{name: (0.9, 0.99) if name == "betas" else 1e-6})
 
 
 def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively():

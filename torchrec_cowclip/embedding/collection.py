@@ -4,17 +4,11 @@ inside backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import (
     Any,
-    Callable,
-    Dict,
-    List,
-    Mapping,
     Optional,
-    Sequence,
-    Set,
-    Tuple,
     Union,
 )
 
@@ -134,7 +128,7 @@ class CowClipEmbeddingBagCollection(
 
     def __init__(
         self,
-        tables: List[EmbeddingBagConfig],
+        tables: list[EmbeddingBagConfig],
         options: Optional[CowClipOptions] = None,
         *,
         is_weighted: bool = False,
@@ -157,17 +151,17 @@ class CowClipEmbeddingBagCollection(
         self._kernel_mode = resolve_kernel_mode(kernel_mode)
         kernel = select_kernel(self._device, options.rule, self._kernel_mode)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
-        self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
+        self._row_inits: dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
         self._embedding_bag_configs = tables
         self._is_weighted = is_weighted
         self._optimizer = optimizer
         names_by_table = get_embedding_names_by_table(tables)
-        self._embedding_names: List[str] = [e for names in names_by_table for e in names]
-        self._lengths_per_embedding: List[int] = [
+        self._embedding_names: list[str] = [e for names in names_by_table for e in names]
+        self._lengths_per_embedding: list[int] = [
             t.embedding_dim for t in tables for _ in t.feature_names
         ]
-        self._batches: List[TableBatch] = [
+        self._batches: list[TableBatch] = [
             TableBatch(
                 [tables[i] for i in group],
                 [names_by_table[i] for i in group],
@@ -178,7 +172,7 @@ class CowClipEmbeddingBagCollection(
             )
             for group in group_into_table_batches(tables)
         ]
-        self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._key_permutations: dict[tuple[str, ...], Optional[list[int]]] = {}
         # All of the collection's table batches are one lookup whose rows are local; the
         # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
         self._row_updates = RowUpdates([t.name for t in tables], options.helen, self._device)
@@ -192,7 +186,7 @@ class CowClipEmbeddingBagCollection(
         )
 
         self.embedding_bags = nn.ModuleDict()
-        params: Dict[str, nn.Parameter] = {}
+        params: dict[str, nn.Parameter] = {}
         for batch in self._batches:
             for i, name in enumerate(batch.table_names):
                 param = nn.Parameter(batch.table_weight(i))
@@ -295,7 +289,7 @@ class CowClipEmbeddingBagCollection(
             values=self._lookup(values, offsets, weights),
         )
 
-    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
@@ -315,7 +309,7 @@ class CowClipEmbeddingBagCollection(
         ).replace(helen=self.helen)
 
     @property
-    def unclipped_tables(self) -> Tuple[str, ...]:
+    def unclipped_tables(self) -> tuple[str, ...]:
         """Names of the tables that are updated but never clipped."""
         return tuple(
             name
@@ -389,12 +383,12 @@ class CowClipEmbeddingBagCollection(
         (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
-    def clip_stats(self) -> Dict[str, TableClipStats]:
+    def clip_stats(self) -> dict[str, TableClipStats]:
         """Per table: rows updated, clipped and skipped as non-finite, for the last
         step and cumulatively. Reading them synchronises with the device."""
         return self._clip_counters.stats()
 
-    def table_counters(self) -> Dict[str, Tensor]:
+    def table_counters(self) -> dict[str, Tensor]:
         """Per table, its ``[6]`` int64 clip counters, the layout checkpoints keep for
         unsharded and sharded modules alike (:meth:`ClipCounters.table_counters`)."""
         return self._clip_counters.table_counters()
@@ -423,7 +417,7 @@ class CowClipEmbeddingBagCollection(
         """
         self._clip_counters.track_rows(enabled)
 
-    def row_clip_counts(self) -> Dict[str, Tuple[Tensor, Tensor]]:
+    def row_clip_counts(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Per table, ``(updated, clipped)`` counts of each row since
         :meth:`track_row_clips` (:meth:`ClipCounters.row_counts`)."""
         return self._clip_counters.row_counts()
@@ -431,7 +425,7 @@ class CowClipEmbeddingBagCollection(
     # --- Module plumbing -----------------------------------------------------------
 
     @property
-    def row_initializers(self) -> Dict[str, Optional[RowInit]]:
+    def row_initializers(self) -> dict[str, Optional[RowInit]]:
         """Per table, the counter-based initialisation its weights start from (None: the
         config's own ``init_fn``, called as given); the sharder initialises each shard
         from these."""
@@ -510,7 +504,7 @@ class CowClipEmbeddingBagCollection(
         moved: nn.Module = super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
         return moved
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy and unpickling clone each per-table parameter on its own; re-point
         # them (and the optimizer's state views) at the copied table batches.
         super().__setstate__(state)
@@ -564,7 +558,7 @@ def _checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
 def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
     if not tables:
         raise ValueError("tables must not be empty")
-    names: Set[str] = set()
+    names: set[str] = set()
     for table in tables:
         if table.name in names:
             raise ValueError(f"Duplicate table name {table.name}")
@@ -590,7 +584,7 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
 
 
-def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[int]]:
+def _key_permutation(keys: tuple[str, ...], wanted: list[str]) -> Optional[list[int]]:
     """KJT key indices in table-batch order (a feature shared by tables repeats)."""
     expected = sorted(set(wanted))
     missing = [k for k in expected if k not in keys]
@@ -628,7 +622,7 @@ def _check_structure(
         )
 
 
-def quantization_mapping() -> Dict[type, type]:
+def quantization_mapping() -> dict[type, type]:
     """TorchRec's quantization mapping for this collection: its quantized
     ``torchrec.quant.EmbeddingBagCollection``, which ``from_float`` builds from the
     collection's table configs and ``state_dict`` as from a stock EBC's (the same keys).

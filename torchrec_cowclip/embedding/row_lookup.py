@@ -26,6 +26,7 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
+from torchrec_cowclip.embedding.row_kernels import RowLayout
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -137,12 +138,8 @@ def lookup_row_gradients(
 
     def compute() -> RowGrouping:
         starts = lookup.bag_offsets[batch.feature_bag_starts(lookup.batch_size)]
-        return batch.kernel.group_rows(
-            lookup.row_ids,
-            bag_of_positions(batch, lookup),
-            batch.weight.shape[0],
-            (starts, batch.feature_rows),
-        )
+        rows = RowLayout(batch.weight.shape[0], starts, batch.feature_rows)
+        return batch.kernel.group_rows(lookup.row_ids, bag_of_positions(batch, lookup), rows)
 
     grouping = lookup.grouping.get(compute)
     segments = row_segments(grouping, bag_gradients, _position_weights(lookup, batch.pooling))

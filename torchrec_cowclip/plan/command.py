@@ -10,7 +10,7 @@ fits, 3 when it does not (naming the smallest world size that fits), 2 for a ref
 command.
 
 This module takes ``train``'s argument groups and their conversion to a config from the
-command line that registers it (``train/cli.py``), so that both stay defined once.
+``train`` command (:mod:`torchrec_cowclip.train.command`), so that both stay defined once.
 """
 
 from __future__ import annotations

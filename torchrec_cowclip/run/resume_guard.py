@@ -28,7 +28,6 @@ import json
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
 
-from torchrec_cowclip.data.settings import DataSettings
 from torchrec_cowclip.failures import ConfigError
 
 # Settings a resumed run may change, because they change no number the run produces
@@ -65,18 +64,17 @@ class ResumeRefused(ConfigError):
     """``--resume`` with settings or data that differ from the checkpoint's."""
 
 
-def run_record(settings: Mapping[str, Any], dataset: Any, data: DataSettings) -> Dict[str, Any]:
+def run_record(settings: Mapping[str, Any], data: Mapping[str, Any]) -> Dict[str, Any]:
     """The record a checkpoint keeps of its run: ``{"settings", "data"}``, plain JSON
     types only (so it loads without unpickling classes).
 
     Args:
         settings: the run's options with every recipe default resolved
             (``TrainSettings.record_settings``).
-        dataset: the opened dataset (``source``, ``len``, and ``meta`` with the cache
-            entry's ``kind`` and ``key`` where it has them).
-        data: what the dataset was opened with.
+        data: what the run read: its source, options, row count and binary-cache entry
+            (:meth:`DataSettings.record <torchrec_cowclip.data.settings.DataSettings.record>`).
     """
-    return {"settings": dict(settings), "data": data.record(dataset)}
+    return {"settings": dict(settings), "data": dict(data)}
 
 
 def run_fingerprint(record: Mapping[str, Any]) -> str:

@@ -7,7 +7,7 @@ ordinary train run in ``<out>/cells/<cell>/`` (:mod:`.runner`). The report
 (:mod:`.report`, :mod:`.plots`) is rewritten as cells finish.
 
 This module takes ``train``'s arguments and their conversion to a config from the
-command line that registers it (``train/cli.py``), so that both stay defined once.
+``train`` command (:mod:`torchrec_cowclip.train.command`), so that both stay defined once.
 """
 
 from __future__ import annotations
@@ -72,10 +72,7 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         # The sweep replaces a few of train's options (--out, --threads, the per-cell ones).
         conflict_handler="resolve",
     )
-    add_train_arguments(p)
-    for action in p._actions:  # argparse lists a parser's arguments only here
-        if action.dest == "data":
-            action.required = False  # not for --report-only; checked in run_command
+    add_train_arguments(p, data_required=False)  # not for --report-only; run_command checks
     g = p.add_argument_group("sweep")
     g.add_argument(
         "--batch-sizes",
@@ -243,8 +240,9 @@ def _run(args: argparse.Namespace) -> int:
             "a sweep starts one process per cell: run it as one process, not under torchrun"
         )
     threads = _threads(args)
+    # train's options as train would parse them, then the sweep's values of those options.
     parser = train_parser()
-    values = {a.dest: a.default for a in parser._actions if a.option_strings}
+    values = vars(parser.parse_args(["--data", args.data]))
     values.update({k: v for k, v in vars(args).items() if k in values})
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
     rates = {

@@ -5,6 +5,15 @@ evaluation, the metrics; the ``train`` command's flags. What a run leaves on dis
 ``train(config)`` (:func:`torchrec_cowclip.train.trainer.train`) and ``TrainResult`` load on
 first use: importing the config alone does not build the loop."""
 
+__all__ = [
+    "ConfigError",
+    "TrainConfig",
+    "TrainResult",
+    "ScaledHyperparameters",
+    "scale_hyperparameters",
+    "train",
+]
+
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
@@ -19,12 +28,3 @@ if TYPE_CHECKING:
 _LAZY = {"TrainResult": "torchrec_cowclip.train.metrics", "train": "torchrec_cowclip.train.trainer"}
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
-
-__all__ = [
-    "ConfigError",
-    "TrainConfig",
-    "TrainResult",
-    "ScaledHyperparameters",
-    "scale_hyperparameters",
-    "train",
-]

@@ -18,7 +18,18 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    get_args,
+    get_type_hints,
+)
 
 from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.failures import (
@@ -76,9 +87,55 @@ def _shown_list(values: Sequence[Any]) -> str:
     return ",".join(str(v) for v in values)
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+#: How the data is split: flag -> help.
+_SPLIT_VALUES: Dict[str, str] = {
+    "--test-fraction": "share of --data's rows drawn at random (seeded by --seed) as the test "
+    "split",
+    "--val-fraction": "share of the training rows held out for validation (early stopping, "
+    "best_epoch); 0: no validation split",
+}
+
+#: How ids are numbered, and synthetic data drawn: flag -> help.
+_ID_VALUES: Dict[str, str] = {
+    "--hash-size": "hash categorical values into this many ids per feature; default: an exact "
+    "vocabulary of the training files",
+    "--min-count": "vocabulary: values seen fewer times share one out-of-vocabulary id",
+    "--synthetic-scale": "synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
+    "--synthetic-max-cardinality": "synthetic: cap every table at this many rows "
+    "(default: 1,000,000)",
+    "--synthetic-seed": "synthetic: the generator's seed, to draw other rows than --seed's "
+    "(default: --seed)",
+}
+
+
+#: The model's sizes: flag -> help.
+_MODEL_VALUES: Dict[str, str] = {
+    "--embedding-dim": "embedding size D",
+    "--cross-layers": "dcn, dcnv2, dlrm_dcn: cross layers",
+    "--init-std": "embedding init N(0, std^2)",
+}
+
+
+def _add_value_flags(group: Any, flags: Mapping[str, str]) -> None:
+    """Adds the ``flags`` (flag -> help) whose type and default are their TrainConfig
+    field's (``--min-count``: ``min_count: int = 1``)."""
+    d = TrainConfig()
+    hints = get_type_hints(TrainConfig)
+    for flag, text in flags.items():
+        name = flag[2:].replace("-", "_")
+        kind = next(t for t in (int, float) if t in (hints[name], *get_args(hints[name])))
+        group.add_argument(flag, type=kind, default=getattr(d, name), help=text)
+
+
+def _add_list_flag(group: Any, flag: str, text: str) -> None:
+    """A flag that takes comma-separated names (``A,B,...``; default: none)."""
+    group.add_argument(flag, type=_csv_list, default=[], metavar="A,B,...", help=text)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, data_required: bool = True) -> None:
     """Adds ``train``'s arguments to ``parser``, in five groups: data, model, optimizer and
-    recipe, run, distributed. Another command that trains (a sweep) reuses them.
+    recipe, run, distributed. Another command that trains (a sweep) reuses them
+    (``data_required``: whether ``--data`` must be given).
 
     Example::
 
@@ -88,7 +145,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.dense, args.batch_size, args.out is None
         (['price', 'age'], 1024, True)
     """
-    add_data_arguments(parser)
+    add_data_arguments(parser, required=data_required)
     add_model_arguments(parser)
     _add_run_arguments(parser)
 
@@ -116,34 +173,18 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="explicit test files (the same kind as --data); default: a random "
         "--test-fraction of --data's rows",
     )
-    g.add_argument(
-        "--test-fraction",
-        type=float,
-        default=d.test_fraction,
-        help="share of --data's rows drawn at random (seeded by --seed) as the test split",
-    )
-    g.add_argument(
-        "--val-fraction",
-        type=float,
-        default=d.val_fraction,
-        help="share of the training rows held out for validation (early stopping, "
-        "best_epoch); 0: no validation split",
-    )
+    _add_value_flags(g, _SPLIT_VALUES)
     g.add_argument("--label", default=None, help="table: the label column (0/1); default: none")
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--dense",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table:, avazu: numeric columns (names stripped: 'price, age' is price and "
+        "table:, avazu: numeric columns (names stripped: 'price, age' is price and "
         "age); default: none",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--sparse",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table:, avazu: categorical columns, each its own embedding table; default: "
+        "table:, avazu: categorical columns, each its own embedding table; default: "
         "none for table: (give them), every column but id and the label for avazu:",
     )
     g.add_argument(
@@ -158,20 +199,16 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="table: the files have no header line; their columns are --columns, or "
         "their positions 0, 1, ... (default: the first line names the columns)",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--columns",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table: the columns of header-less files, in order (implies --no-header, "
+        "table: the columns of header-less files, in order (implies --no-header, "
         "as pandas' names=); default: none",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--na-values",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table: texts that mean a missing value in the dense and categorical columns "
+        "table: texts that mean a missing value in the dense and categorical columns "
         "besides an empty field, as pandas' na_values= (e.g. N/A,NA,-): a dense one becomes "
         "0 after the transform (with --missing-indicator, flagged), a categorical one the "
         "missing id; default: none",
@@ -200,41 +237,11 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="a malformed row: error stops at file:line with the reason; skip drops it and "
         "counts it per reason (metrics.json: dataset.bad_rows_skipped)",
     )
-    g.add_argument(
-        "--hash-size",
-        type=int,
-        default=None,
-        help="hash categorical values into this many ids per feature; default: an exact "
-        "vocabulary of the training files",
-    )
-    g.add_argument(
-        "--min-count",
-        type=int,
-        default=d.min_count,
-        help="vocabulary: values seen fewer times share one out-of-vocabulary id",
-    )
+    _add_value_flags(g, _ID_VALUES)
     g.add_argument(
         "--cache-dir",
         default=d.cache_dir,
         help="where converted data (a verified binary cache) is kept and reused",
-    )
-    g.add_argument(
-        "--synthetic-scale",
-        type=float,
-        default=None,
-        help="synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
-    )
-    g.add_argument(
-        "--synthetic-max-cardinality",
-        type=int,
-        default=None,
-        help="synthetic: cap every table at this many rows (default: 1,000,000)",
-    )
-    g.add_argument(
-        "--synthetic-seed",
-        type=int,
-        default=None,
-        help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
     )
 
 
@@ -248,7 +255,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.model,
         help="; ".join(f"{name}: {_MODEL_HELP.get(name, name)}" for name in MODELS),
     )
-    m.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="embedding size D")
+    _add_value_flags(m, _MODEL_VALUES)
     m.add_argument(
         "--hidden",
         type=_int_list,
@@ -256,13 +263,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help=f"DNN layer sizes (default: {_shown_list(d.hidden)})",
     )
-    m.add_argument(
-        "--cross-layers",
-        type=int,
-        default=d.cross_layers,
-        help="dcn, dcnv2, dlrm_dcn: cross layers",
-    )
-    m.add_argument("--init-std", type=float, default=d.init_std, help="embedding init N(0, std^2)")
     m.add_argument(
         "--embedding-backend",
         choices=EMBEDDING_BACKENDS,
@@ -279,6 +279,47 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The batch and the one the recipe's base values are for: flag -> help.
+_BATCH_VALUES: Dict[str, str] = {
+    "--batch-size": "global training batch",
+    "--base-batch-size": "the batch the recipe's base values are for (s = batch / base)",
+}
+
+#: The values the recipe sets from ``s = batch / base``, each overridden by its flag:
+#: flag -> help.
+_RECIPE_VALUES: Dict[str, str] = {
+    "--lr": "dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
+    "--lr-embed": "embedding lr (default: the recipe's; paper: 1e-4, not scaled)",
+    "--l2": "embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
+    "--clip-r": "CowClip's ratio r (default: the recipe's, 1)",
+    "--clip-zeta": "CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
+    "Criteo-like, 1e-4 Avazu)",
+    "--warmup-epochs": "linear warm-up of the dense lr, in epochs (default: the recipe's; paper: 1)",
+    "--count-lr-power": "per-id-frequency embedding lr: a row seen c times in the batch steps with "
+    "lr * min(c, s) ** POWER (not in the paper; default: the recipe's, paper: 0 = off; "
+    "docs/scaling.md)",
+    "--helen-rho": "train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
+    "passes per step) with this perturbation radius at this batch (reference: 0.05); "
+    "default: the recipe's (off but for recipes with Helen; docs/algorithm.md)",
+    "--helen-bound": "Helen's lower bound on a row's frequency share n_j / max n (default: the recipe's, 0.3)",
+}
+
+
+#: The run's counts and sizes: flag -> help.
+_RUN_COUNTS: Dict[str, str] = {
+    "--epochs": "passes over the training split",
+    "--max-steps": "stop after this many steps (0: no limit)",
+    "--seed": "initial weights, batch order and the random splits, for every data kind "
+    "(synthetic data is also drawn with it unless --synthetic-seed is given)",
+    "--early-stop-patience": "stop after this many epochs without a better validation AUC and keep the "
+    "best epoch's weights (needs --val-fraction; 0: off)",
+    "--checkpoint-every": "checkpoint every this many steps (0: at epoch ends only)",
+    "--eval-batch-size": "rows per evaluation batch",
+    "--threads": "torch intra-op threads (0: torch's choice)",
+    "--log-every": "write a steps.csv row (and TensorBoard scalars) every this many steps",
+}
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``train``'s optimizer and recipe, run and distributed groups."""
     d = TrainConfig()
@@ -287,13 +328,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "the scaling rule sets every value from --batch-size / --base-batch-size; an "
         "explicit value overrides the recipe's",
     )
-    s.add_argument("--batch-size", type=int, default=d.batch_size, help="global training batch")
-    s.add_argument(
-        "--base-batch-size",
-        type=int,
-        default=d.base_batch_size,
-        help="the batch the recipe's base values are for (s = batch / base)",
-    )
+    _add_value_flags(s, _BATCH_VALUES)
     s.add_argument(
         "--recipe",
         choices=tuple(RECIPES),
@@ -301,48 +336,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="how every value below scales with s; "
         + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values()),
     )
-    s.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
-    )
-    s.add_argument(
-        "--lr-embed",
-        type=float,
-        default=None,
-        help="embedding lr (default: the recipe's; paper: 1e-4, not scaled)",
-    )
-    s.add_argument(
-        "--l2",
-        type=float,
-        default=None,
-        help="embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
-    )
-    s.add_argument(
-        "--clip-r", type=float, default=None, help="CowClip's ratio r (default: the recipe's, 1)"
-    )
-    s.add_argument(
-        "--clip-zeta",
-        type=float,
-        default=None,
-        help="CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
-        "Criteo-like, 1e-4 Avazu)",
-    )
-    s.add_argument(
-        "--warmup-epochs",
-        type=float,
-        default=None,
-        help="linear warm-up of the dense lr, in epochs (default: the recipe's; paper: 1)",
-    )
-    s.add_argument(
-        "--count-lr-power",
-        type=float,
-        default=None,
-        help="per-id-frequency embedding lr: a row seen c times in the batch steps with "
-        "lr * min(c, s) ** POWER (not in the paper; default: the recipe's, paper: 0 = off; "
-        "docs/scaling.md)",
-    )
+    _add_value_flags(s, _RECIPE_VALUES)
     s.add_argument(
         "--no-cowclip",
         dest="cowclip",
@@ -355,21 +349,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EMBEDDING_OPTIMIZERS,
         default=d.embedding_optimizer,
         help="the tables' optimizer (the paper's: adam)",
-    )
-    s.add_argument(
-        "--helen-rho",
-        type=float,
-        default=d.helen_rho,
-        help="train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
-        "passes per step) with this perturbation radius at this batch (reference: 0.05); "
-        "default: the recipe's (off but for recipes with Helen; docs/algorithm.md)",
-    )
-    s.add_argument(
-        "--helen-bound",
-        type=float,
-        default=d.helen_bound,
-        help="Helen's lower bound on a row's frequency share n_j / max n (default: the "
-        "recipe's, 0.3)",
     )
     s.add_argument(
         "--helen-perturb-dense",
@@ -403,33 +382,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint's. 'auto': the same if there is a checkpoint, else start anew (for "
         "torchrun --max-restarts and schedulers' retries); default: a new run",
     )
-    r.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
-    r.add_argument(
-        "--max-steps",
-        type=int,
-        default=d.max_steps,
-        help="stop after this many steps (0: no limit)",
-    )
-    r.add_argument(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="initial weights, batch order and the random splits, for every data kind "
-        "(synthetic data is also drawn with it unless --synthetic-seed is given)",
-    )
-    r.add_argument(
-        "--early-stop-patience",
-        type=int,
-        default=d.early_stop_patience,
-        help="stop after this many epochs without a better validation AUC and keep the "
-        "best epoch's weights (needs --val-fraction; 0: off)",
-    )
-    r.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        help="checkpoint every this many steps (0: at epoch ends only)",
-    )
+    _add_value_flags(r, _RUN_COUNTS)
     r.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -439,21 +392,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "the one before)",
     )
     r.add_argument(
-        "--eval-batch-size", type=int, default=d.eval_batch_size, help="rows per evaluation batch"
-    )
-    r.add_argument(
         "--device",
         default=d.device,
         help="auto (CUDA if there is one, else CPU), cpu or cuda[:N]",
-    )
-    r.add_argument(
-        "--threads", type=int, default=d.threads, help="torch intra-op threads (0: torch's choice)"
-    )
-    r.add_argument(
-        "--log-every",
-        type=int,
-        default=d.log_every,
-        help="write a steps.csv row (and TensorBoard scalars) every this many steps",
     )
     r.add_argument(
         "--no-progress",

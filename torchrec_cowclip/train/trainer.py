@@ -134,7 +134,7 @@ class Trainer:
         )
         self.hp = settings.hp
         self.cowclip = settings.optimizers.embedding.cowclip
-        record = run_record(settings.record_settings(), self.dataset, settings.data)
+        record = run_record(settings.record_settings(), settings.data.record(self.dataset))
         self.runtime: Runtime = make_runtime(settings, self.dataset, self.train_idx)
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
