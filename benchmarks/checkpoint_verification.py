@@ -53,7 +53,7 @@ def main() -> None:
                 progress=False,
                 out=f"{root}/run",
                 cache_dir=f"{root}/cache",
-            )
+            ).resolve()
         )
         trainer.run()
         store = trainer.checkpoints

@@ -86,7 +86,7 @@ from common import (  # noqa: E402
 from torchrec_cowclip import CowClip, CowClipOptions, compat  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model, fm_second_order  # noqa: E402
-from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
+from torchrec_cowclip.models.task import CTRTrainTask  # noqa: E402
 
 DENSE_LR = 8e-4
 EMB_LR = 1e-4

@@ -34,8 +34,8 @@ from common import paper_deepfm  # noqa: E402
 
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models.deepfm import fm_second_order  # noqa: E402
+from torchrec_cowclip.models.task import CTRTrainTask  # noqa: E402
 from torchrec_cowclip.optim.row_step import set_compiled_update  # noqa: E402
-from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
 
 
 def median_ms(step: Callable[[int], None], steps: int) -> float:

@@ -466,7 +466,7 @@ def run_deepfm(device: torch.device, args: argparse.Namespace, deadline: float) 
     from torchrec_cowclip.data import open_dataset
     from torchrec_cowclip.data.pipeline.batches import BatchIterator
     from torchrec_cowclip.data.schema import CRITEO_KAGGLE_CARDINALITIES, CRITEO_KAGGLE_ROWS
-    from torchrec_cowclip.train.task import CTRTrainTask
+    from torchrec_cowclip.models.task import CTRTrainTask
 
     max_card = args.max_rows if args.max_rows is not None else max(CRITEO_KAGGLE_CARDINALITIES)
     rows = max(args.deepfm_rows, 2 * max(args.deepfm_batches))

@@ -78,7 +78,7 @@ def trainer(args: argparse.Namespace, root: str, name: str) -> Trainer:
         cache_dir=args.cache_dir,
         out=os.path.join(root, name),
     )
-    built = Trainer(config)
+    built = Trainer(config.resolve())
     built.run_dir.release()  # timed steps only: no run directory is kept
     return built
 

@@ -49,8 +49,8 @@ from common import (  # noqa: E402
 from torchrec_cowclip import CowClip, Helen  # noqa: E402
 from torchrec_cowclip.data import open_dataset  # noqa: E402
 from torchrec_cowclip.models import build_model  # noqa: E402
+from torchrec_cowclip.models.task import CTRTrainTask  # noqa: E402
 from torchrec_cowclip.optim.options import CowClipOptions  # noqa: E402
-from torchrec_cowclip.train.task import CTRTrainTask  # noqa: E402
 
 METHODS = ("adam", "cowclip", "helen", "helen+cowclip")
 BATCHES = (64, 256, 1024, 4096, 8192)

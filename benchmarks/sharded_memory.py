@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
     world, rank = 1, 0
     if sharded:
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
-        from torchrec_cowclip.train.distributed import init_distributed, shard_model
+        from torchrec_cowclip.train.processes import init_distributed, shard_model
 
         ctx = init_distributed("cpu", 600)
         assert ctx is not None, "run the sharded cases under torchrun"

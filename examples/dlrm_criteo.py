@@ -50,7 +50,7 @@ from torchrec_cowclip.data import BatchIterator, epoch_order, open_dataset
 from torchrec_cowclip.data.sources.criteo_npy import find_npy_days
 from torchrec_cowclip.distributed import get_default_sharders
 from torchrec_cowclip.optim import CowClipAdam
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

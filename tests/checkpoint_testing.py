@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from torchrec_cowclip.data.pipeline.cache import file_record
-from torchrec_cowclip.train.checkpoint import MANIFEST
+from torchrec_cowclip.run.checkpoints import MANIFEST
 
 
 class CreatesAFile:

@@ -2,7 +2,7 @@
 
 By default (``TORCHREC_COWCLIP_COMPILE=auto``) a table batch on CPU is updated by the
 native CPU kernels, on CUDA by the Inductor-compiled row step
-(``torchrec_cowclip.embedding.kernels``); the suite builds hundreds of small modules in
+(``torchrec_cowclip.embedding.row_kernels``); the suite builds hundreds of small modules in
 many processes, and the per-call overhead of either (a cold Inductor compile costs
 seconds per graph) is wasted on tiny tables. So tests run the eager update unless they
 ask for another path when they build their modules (``monkeypatch.setenv`` or

@@ -566,8 +566,8 @@ def planned_job_case(rank: int, world: int, jobs: List[Any], out_path: str) -> N
     from torchrec.datasets.utils import Batch
 
     from torchrec_cowclip.models import build_model
-    from torchrec_cowclip.train.distributed import DistContext, shard_model
-    from torchrec_cowclip.train.task import CTRTrainTask
+    from torchrec_cowclip.models.task import CTRTrainTask
+    from torchrec_cowclip.train.processes import DistContext, shard_model
 
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     results = []

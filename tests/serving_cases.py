@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from tiny import cli_args
 
-from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.cli import main
 
 DATA = Path(__file__).parent / "data"
 CRITEO_CSV = DATA / "criteo_sample.csv"

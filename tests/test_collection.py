@@ -214,7 +214,7 @@ def test_tables_of_the_same_features_share_one_sort_and_match_reference(
     table batches look up the same row ids, so forward maps them once and backward sorts
     them once; each batch still gets its own, correct update (pooling and weights per batch)."""
     from torchrec_cowclip.embedding import batched_lookup
-    from torchrec_cowclip.embedding.kernels import TorchKernel
+    from torchrec_cowclip.embedding.row_kernels import TorchKernel
 
     sorts, hot_flags = [], []
     real_group_rows, real_pooled_lookup = TorchKernel.group_rows, batched_lookup.pooled_lookup

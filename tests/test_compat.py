@@ -30,8 +30,11 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection, compat
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
-from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
-from torchrec_cowclip.distributed.lookup import CowClipPooledEmbeddingsLookup, ReplicatedLookup
+from torchrec_cowclip.distributed.sharded_kernel import CowClipBatchedEmbeddingBag
+from torchrec_cowclip.distributed.sharded_lookup import (
+    CowClipPooledEmbeddingsLookup,
+    ReplicatedLookup,
+)
 from torchrec_cowclip.optim.options import CowClipOptions
 
 VERSIONS = f"torchrec {torchrec.__version__}, torch {torch.__version__}"
@@ -475,7 +478,7 @@ def test_dcp_metadata_private_classes():
     import torch
     from torch.distributed.checkpoint import state_dict_saver
 
-    from torchrec_cowclip.train.safe_load import allowed_globals
+    from torchrec_cowclip.run.safe_load import allowed_globals
 
     with private_name(
         "filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, serialization._get_layout",

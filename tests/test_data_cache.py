@@ -242,7 +242,7 @@ def test_a_same_size_edit_with_its_mtime_put_back_is_never_read_stale(
 def test_resume_auto_refuses_data_edited_behind_its_mtime(tmp_path: Path, capsys) -> None:
     from tiny import TINY_FILE_RUN, tiny_cli
 
-    from torchrec_cowclip.train.cli import main
+    from torchrec_cowclip.cli import main
 
     src = tmp_path / "train.tsv"
     src.write_bytes(CRITEO_TSV.read_bytes())

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data import (
     BAD_LABEL,
     DENSE_CLIP,
@@ -32,7 +33,6 @@ from torchrec_cowclip.data.pipeline import cache as cache_module
 from torchrec_cowclip.data.pipeline.cache import CACHE_VERSION, build_entry, cache_key, fingerprint
 from torchrec_cowclip.data.pipeline.encode import Conversion
 from torchrec_cowclip.data.sources.criteo_npy import StoredIds
-from torchrec_cowclip.train.cli import main
 
 DATA = Path(__file__).resolve().parent / "data"
 CRITEO_TSV = DATA / "criteo_sample.tsv"

@@ -256,7 +256,10 @@ def _peers(monkeypatch, *theirs):
 
     monkeypatch.setattr(sc.dist, "all_gather_object", all_gather_object)
     return lambda: sc._agreed_kernel(
-        torch.device("cpu"), update_rule("adam"), SimpleNamespace(process_group=object())
+        torch.device("cpu"),
+        update_rule("adam"),
+        SimpleNamespace(process_group=object()),
+        sc.kernel_mode(),
     )
 
 

@@ -63,7 +63,7 @@ def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_score
     """ "Train on your own CSV"'s command, run as written from a clone (in a scratch copy),
     starts with the lines the README shows; "Use the trained model"'s commands then
     score, evaluate and export the run, and its snippet loads the run and scores the file."""
-    from torchrec_cowclip.train.cli import main
+    from torchrec_cowclip.cli import main
 
     text = README.read_text()
     own_csv = _section(text, "Train on your own CSV")

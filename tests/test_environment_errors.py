@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from tiny import TINY_CLI, cli_args
 
-from torchrec_cowclip.train.checkpoint import CheckpointStore
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.run_dir import LOCK_NAME
+from torchrec_cowclip.cli import main
+from torchrec_cowclip.run.checkpoints import CheckpointStore
+from torchrec_cowclip.run.out_dir import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"

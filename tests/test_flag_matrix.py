@@ -19,7 +19,8 @@ import pytest
 from cowclip_testing import write_criteo_npy_days
 from tiny import cli_args
 
-from torchrec_cowclip.train.cli import build_parser, config_from_args, main, train_flags
+from torchrec_cowclip.cli import build_parser, main
+from torchrec_cowclip.train.command import config_from_args, train_flags
 from torchrec_cowclip.train.config import ConfigError
 
 DATA = Path(__file__).parent / "data"

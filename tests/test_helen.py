@@ -173,21 +173,26 @@ def _assert_unchanged(ebc, before):
             torch.testing.assert_close(optim["state"][key][name], tensor, rtol=0, atol=0)
 
 
-def test_a_failing_second_pass_restores_the_weights():
-    gen = torch.Generator().manual_seed(8)
-    ebc, head, _, tables = _build("adam", default_cowclip(), Helen(rho=1.0), gen)
-    kjt, labels = _batch(tables, gen)
-    before = _state(ebc)
+def _failing_second_pass(ebc, head, kjt, labels, why):
+    """A Helen closure whose second call (the second pass) raises ``ValueError(why)``."""
     calls = []
 
     def closure():
         calls.append(1)
         if len(calls) == 2:
-            raise ValueError("data went away")
+            raise ValueError(why)
         return curved_loss(ebc(kjt).values(), head, labels)
 
+    return closure
+
+
+def test_a_failing_second_pass_restores_the_weights():
+    gen = torch.Generator().manual_seed(8)
+    ebc, head, _, tables = _build("adam", default_cowclip(), Helen(rho=1.0), gen)
+    kjt, labels = _batch(tables, gen)
+    before = _state(ebc)
     with pytest.raises(ValueError, match="data went away"):
-        ebc.helen_step(closure)
+        ebc.helen_step(_failing_second_pass(ebc, head, kjt, labels, "data went away"))
     _assert_unchanged(ebc, before)
     # The module trains on afterwards.
     ebc.helen_step(lambda: curved_loss(ebc(kjt).values(), head, labels))
@@ -307,14 +312,7 @@ def test_a_failing_second_pass_restores_perturbed_dense_parameters_and_gradients
     head.zero_grad(set_to_none=True)
     weights = [p.detach().clone() for p in head.parameters()]
     before = _state(ebc)
-    calls = []
-
-    def closure():
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("second pass failed")
-        return curved_loss(ebc(kjt).values(), head, labels)
-
+    closure = _failing_second_pass(ebc, head, kjt, labels, "second pass failed")
     with pytest.raises(ValueError, match="second pass failed"):
         ebc.helen_step(closure, dense_params=head.parameters())
     _assert_unchanged(ebc, before)

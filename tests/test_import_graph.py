@@ -1,5 +1,8 @@
 """The package has no import cycle, not even one hidden under ``TYPE_CHECKING`` or in a
-function-local import (a deferred import that only breaks a cycle still is one).
+function-local import (a deferred import that only breaks a cycle still is one); its
+parts import only downward (:data:`LAYERS`: nothing below ``run/`` imports ``train/``,
+nothing below the commands imports them); and nothing imports the command line
+(``torchrec_cowclip.cli``) but ``python -m torchrec_cowclip``.
 
 The graph is read from the source with ``ast``: every ``import torchrec_cowclip...``
 and ``from ... import ...`` (absolute or relative) anywhere in a module is an edge, and
@@ -96,10 +99,86 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
     return None
 
 
+#: The package's parts from the ground up: a module may import its own part and the parts
+#: of lower layers, never a part of its own layer or above (``<root>`` is the package's
+#: ``__init__``, whose public names load the serving API on first use).
+LAYERS = (
+    ("_lazy", "_version", "compat", "failures", "cli_help", "stderr_log"),
+    ("notices", "data", "optim"),
+    ("embedding",),
+    ("distributed", "models"),
+    ("run",),
+    ("train",),
+    ("serve", "sweep", "plan"),
+    ("cli", "<root>"),
+    ("__main__",),
+)
+
+
+def _part(module: str) -> str:
+    """``torchrec_cowclip.run.checkpoints`` -> ``run``; the package itself -> ``<root>``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    """``a -> b`` for every import of ``graph`` into a part of the same or a higher layer
+    of :data:`LAYERS` (a part missing from them is reported too)."""
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    found = []
+    for module, imported in sorted(graph.items()):
+        if _part(module) not in layer:
+            found.append(f"{module}: its part {_part(module)!r} is in no layer")
+            continue
+        for target in sorted(imported):
+            a, b = _part(module), _part(target)
+            if a != b and layer.get(b, len(LAYERS)) >= layer[a]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_parts_import_only_downward():
+    graph = import_graph(PACKAGE_DIR)
+    assert upward_imports(graph) == []
+    # run/ holds what a run leaves on disk and knows nothing of the loop above it.
+    assert not any(
+        t.startswith(f"{PACKAGE}.train")
+        for m, targets in graph.items()
+        if _part(m) in ("run", "distributed", "models", "embedding", "optim", "data")
+        for t in targets
+    )
+
+
+def test_nothing_imports_the_command_line():
+    graph = import_graph(PACKAGE_DIR)
+    importers = sorted(m for m, targets in graph.items() if f"{PACKAGE}.cli" in targets)
+    assert importers == [f"{PACKAGE}.__main__"]
+
+
+def test_an_upward_import_is_found(tmp_path):
+    package = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "run/__init__.py": "",
+            "train/__init__.py": "",
+            "run/x.py": "def f():\n    from torchrec_cowclip.train import y\n",
+            "train/y.py": "from torchrec_cowclip.run import x\n",
+            "cli.py": "",
+            "elsewhere/z.py": "",
+        },
+    )
+    assert upward_imports(import_graph(package)) == [
+        f"{PACKAGE}.elsewhere.z: its part 'elsewhere' is in no layer",
+        f"{PACKAGE}.run.x -> {PACKAGE}.train",
+        f"{PACKAGE}.run.x -> {PACKAGE}.train.y",
+    ]
+
+
 def test_the_package_has_no_import_cycle():
     graph = import_graph(PACKAGE_DIR)
     assert len(graph) > 50 and f"{PACKAGE}.embedding.collection" in graph
-    assert f"{PACKAGE}.embedding.layout" in graph[f"{PACKAGE}.distributed.kernel"]
+    assert f"{PACKAGE}.embedding.layout" in graph[f"{PACKAGE}.distributed.sharded_kernel"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 

@@ -5,10 +5,10 @@ never the reverse), and ``DEFAULT_OPTIONS`` is built after both."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from subprocess_testing import python_c
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,14 +43,7 @@ EVERY_MODULE_FIRST = textwrap.dedent("""
 
 
 def _run(code: str, path: Path) -> str:
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=path,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(path)},
-    )
+    run = python_c(code, path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(path)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return run.stdout.strip().splitlines()[-1]
 

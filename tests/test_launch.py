@@ -71,7 +71,7 @@ def test_torchrun_two_processes_train_resume_and_agree(tmp_path):
     # The summary is printed once (rank 0), not once per process.
     assert first.stdout.count('"auc"') == 1
     # The start says how the run is spread, and TorchRec's planner and DDP say nothing
-    # this run could act on (README, "Scale out"; torchrec_cowclip/train/notices.py).
+    # this run could act on (README, "Scale out"; torchrec_cowclip/notices.py).
     assert "processes: 2 | sharding table_wise (every table): table_wise 52" in first.stderr
     noise = [line for line in first.stderr.splitlines() if "Warning" in line or "WARNING" in line]
     assert noise == [], noise

@@ -8,7 +8,7 @@ import torch
 from torchrec import EmbeddingBagConfig
 
 from torchrec_cowclip.embedding import layout
-from torchrec_cowclip.embedding.kernels import TorchKernel
+from torchrec_cowclip.embedding.row_kernels import TorchKernel
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 

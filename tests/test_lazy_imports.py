@@ -1,12 +1,11 @@
 """The package's torch-only core imports and runs without torchrec and fbgemm_gpu (the
 GPU machine has torch alone), and its public names all still resolve."""
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_testing import python_c
 
 import torchrec_cowclip
 
@@ -53,13 +52,7 @@ WITHOUT_TORCHREC = textwrap.dedent("""
 
 
 def test_core_imports_and_steps_without_torchrec_or_fbgemm():
-    run = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCHREC],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    run = python_c(WITHOUT_TORCHREC, REPO)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert lines[-1] == "ok"

@@ -28,14 +28,14 @@ from tiny import HYPER, bag_config, mixed_tables
 from torchrec import DataType, EmbeddingBagConfig
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding import kernels, native, triton_ops
-from torchrec_cowclip.embedding.kernels import (
+from torchrec_cowclip.embedding import native, row_kernels, triton_ops
+from torchrec_cowclip.embedding.row_gradients import group_rows
+from torchrec_cowclip.embedding.row_kernels import (
     NativeCpuKernel,
     TorchKernel,
     TritonKernel,
     select_kernel,
 )
-from torchrec_cowclip.embedding.row_gradients import group_rows
 from torchrec_cowclip.optim.functional import (
     adam_bias_corrections,
     stochastic_round,
@@ -558,30 +558,38 @@ def test_unsupported_data_types_are_refused_naming_the_table():
 
 
 def test_the_kernel_is_chosen_once_per_module_from_the_mode(monkeypatch):
-    """Modes ``0`` and ``inductor`` use no native kernel; the choice is made when the
-    module is built: a mode set afterwards changes nothing until it is moved."""
+    """Modes ``0`` and ``inductor`` use no native kernel; the mode is resolved when the
+    module is built (``kernel_mode=``, else the environment's): a mode set afterwards
+    changes nothing, not even when the module moves."""
     calls = []
     monkeypatch.setattr(native, "fused_update_", lambda *a, **k: calls.append(1))
     adam = update_rule("adam")
     for mode, kind in (("0", "eager"), ("inductor", "inductor"), ("1", "native_cpu")):
-        monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", mode)
-        assert select_kernel(torch.device("cpu"), adam).kind == kind
+        assert select_kernel(torch.device("cpu"), adam, mode).kind == kind
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")
     tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})
     ebc = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1))
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "1")  # too late for this module
+    ebc = ebc.to("meta").to_empty(device="cpu")  # a move keeps the module's mode
+    ebc.reset_parameters()
     ebc(kjt).values().sum().backward()
-    assert calls == [] and ebc.clip_stats()["t"].rows_updated == 3
-    assert ebc.row_kernel.kind == "eager"
-    ebc.to("meta").to_empty(device="cpu")  # a move chooses again
-    assert ebc.row_kernel.kind == "native_cpu"
+    assert calls == [] and ebc.kernel_mode == "0" and ebc.row_kernel.kind == "eager"
+    assert ebc.clip_stats()["t"].rows_updated == 3
+    # An explicit value wins over the environment; a move chooses the kernel of the new
+    # device again, in the module's mode.
+    built = CowClipEmbeddingBagCollection(tables, options=CowClipOptions(lr=0.1), kernel_mode="1")
+    assert built.kernel_mode == "1" and built.row_kernel.kind == "native_cpu"
+    built.to("meta")
+    assert built.row_kernel.kind == "eager"  # the meta device runs nothing
+    built.to_empty(device="cpu")
+    assert built.row_kernel.kind == "native_cpu"
 
 
 def test_a_failed_build_warns_and_falls_back_in_auto_mode_and_raises_in_mode_1(monkeypatch):
     failed = native.NativeBuild(error="OSError: no compiler here")
     monkeypatch.setattr(native, "build", lambda: failed)
-    monkeypatch.setattr(kernels, "toolchain_available", lambda device_type: False)
+    monkeypatch.setattr(row_kernels, "toolchain_available", lambda device_type: False)
     monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "0")  # reference result on the eager path
     tables = [bag_config("t")]
     kjt = kjt_from_bags({"f": [[1, 2], [3]]})

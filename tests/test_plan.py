@@ -20,6 +20,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 from torchrec_cowclip.distributed.planning import CowClipStorageEstimator
 from torchrec_cowclip.embedding.table_batch import storage_bytes
@@ -28,7 +29,6 @@ from torchrec_cowclip.optim.rules import OPTIMIZERS
 from torchrec_cowclip.plan import PRESETS, JobSpec
 from torchrec_cowclip.plan.job import JobPlanner
 from torchrec_cowclip.train import train
-from torchrec_cowclip.train.cli import main
 
 DTYPES = {
     "fp32": (DataType.FP32, torch.float32, 4),

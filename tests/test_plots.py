@@ -8,7 +8,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from torchrec_cowclip.plots import run_curves_figure
+from torchrec_cowclip.run.curves import run_curves_figure
 from torchrec_cowclip.sweep.plots import curves_figure, time_figure
 
 

@@ -23,8 +23,8 @@ from tiny import cli_args
 
 import torchrec_cowclip
 import torchrec_cowclip.serve.inputs
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.train.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import pytest
 from tiny import tiny_config
 
 from torchrec_cowclip import Helen
+from torchrec_cowclip.cli import build_parser
 from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.cli import build_parser, config_from_args
+from torchrec_cowclip.train.command import config_from_args
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.scaling import RECIPES, get_recipe, scale_hyperparameters
 from torchrec_cowclip.train.trainer import Trainer
@@ -17,42 +18,19 @@ from torchrec_cowclip.train.trainer import Trainer
 # What the documentation promises, Criteo profile (base batch 1024: dense lr 8e-4,
 # embedding lr 1e-4, L2 lambda 1e-5, bound 1e-5, D = 10), at s = 16 (batch 16384).
 S = 16
+#: The clipped recipes' values where they agree (CowClip's r 1 and zeta sqrt(D) * bound).
+CLIPPED = dict(
+    dense_lr=8e-4 * math.sqrt(S),
+    embedding_lr=1e-4,
+    clip_r=1.0,
+    clip_zeta=math.sqrt(10) * 1e-5,
+)
+FIXED_L2 = dict(CLIPPED, l2=1e-5, warmup_epochs=0.0)
 DOCUMENTED = {
-    "paper": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5 * S,
-        warmup_epochs=1.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-    ),
-    "fixed-l2": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-    ),
-    "fixed-l2-count": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-        count_lr_power=0.5,
-    ),
-    "helen-fixed-l2": dict(
-        dense_lr=8e-4 * math.sqrt(S),
-        embedding_lr=1e-4,
-        l2=1e-5,
-        warmup_epochs=0.0,
-        clip_r=1.0,
-        clip_zeta=math.sqrt(10) * 1e-5,
-        helen_rho=0.005 * math.sqrt(S),
-        helen_bound=0.3,
-    ),
+    "paper": dict(CLIPPED, l2=1e-5 * S, warmup_epochs=1.0),
+    "fixed-l2": FIXED_L2,
+    "fixed-l2-count": dict(FIXED_L2, count_lr_power=0.5),
+    "helen-fixed-l2": dict(FIXED_L2, helen_rho=0.005 * math.sqrt(S), helen_bound=0.3),
     # The no-clip baselines of the scaling study (docs/scaling.md).
     "sqrt": dict(
         dense_lr=8e-4 * math.sqrt(S),
@@ -135,7 +113,7 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     cfg = config_from_args(args)
     assert cfg.recipe == name and cfg.clip_r is None and cfg.warmup_epochs is None
     cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg.resolve())
     for field, value in DOCUMENTED[name].items():
         assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
     if DOCUMENTED[name].get("cowclip", True):
@@ -178,7 +156,7 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
         out=str(tmp_path / "run"),
     )
     cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg.resolve())
     hyper = trainer.model.embedding_collection.fused_optimizer.hyperparameters
     assert hyper["count_lr"].cap == float(S) and hyper["count_lr"].power == 1.0
     with pytest.raises(ConfigError, match="--count-lr-power"):
@@ -226,7 +204,9 @@ def test_a_baseline_recipe_trains_without_the_clip_and_refuses_clip_options(tmp_
     config_from_args(
         build_parser().parse_args(args + ["--embedding-backend", "torchrec"])
     ).validate()
-    trainer = Trainer(tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256))
+    trainer = Trainer(
+        tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256).resolve()
+    )
     try:
         assert trainer.cowclip is None and trainer.hp.recipe == "linear"
         assert trainer.hp.embedding_lr == pytest.approx(2e-4)

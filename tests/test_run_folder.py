@@ -14,11 +14,11 @@ from serving_cases import cli_refusal, copy_run, reseal_run_folder, trained_samp
 from tiny import tiny_config
 
 import torchrec_cowclip
+from torchrec_cowclip.run.checkpoints import CheckpointStore
+from torchrec_cowclip.run.model_folder import MANIFEST, RunFolder, RunFolderError
+from torchrec_cowclip.run.out_dir import RunDirError
+from torchrec_cowclip.run.safe_load import UnsafeFileError
 from torchrec_cowclip.train import TrainResult, train
-from torchrec_cowclip.train.checkpoint import CheckpointStore
-from torchrec_cowclip.train.run_dir import RunDirError
-from torchrec_cowclip.train.run_folder import MANIFEST, RunFolder, RunFolderError
-from torchrec_cowclip.train.safe_load import UnsafeFileError
 
 
 @pytest.fixture(scope="module")

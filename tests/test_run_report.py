@@ -17,14 +17,10 @@ from pathlib import Path
 import pytest
 from tiny import TINY_CLI, TINY_FILE_RUN, tiny_cli, tiny_config
 
+from torchrec_cowclip.cli import build_parser, main
 from torchrec_cowclip.cli_help import HelpFormatter
 from torchrec_cowclip.train import train
-from torchrec_cowclip.train.cli import (
-    add_train_arguments,
-    build_parser,
-    config_from_args,
-    main,
-)
+from torchrec_cowclip.train.command import add_train_arguments, config_from_args
 
 # --------------------------------------------------------------------------- --help
 

@@ -14,11 +14,11 @@ from distributed_harness import JobFailed, run_ranks
 from tiny import TINY_PROCESSES, tiny_config
 from torch.distributed.checkpoint import state_dict_loader
 
-from torchrec_cowclip.train.checkpoint import CheckpointStore
-from torchrec_cowclip.train.resume_guard import ResumeRefused
-from torchrec_cowclip.train.run_folder import RunFolder
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
-from torchrec_cowclip.train.task import CTRTrainTask
+from torchrec_cowclip.models.task import CTRTrainTask
+from torchrec_cowclip.run.checkpoints import CheckpointStore
+from torchrec_cowclip.run.model_folder import RunFolder
+from torchrec_cowclip.run.resume_guard import ResumeRefused
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchrec_cowclip.train.trainer import Trainer
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
@@ -46,9 +46,9 @@ def two_process_runs(tmp_path_factory):
 
 
 def test_one_process_resume_is_exact(tmp_path):
-    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES)).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5)).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True)).run()
+    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES).resolve()).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5).resolve()).run()
+    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True).resolve()).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
     assert resumed == {k: full[k] for k in cases.EXACT}
     assert full["best_epoch"] is not None and len(full["epoch_auc"]) == 2
@@ -72,15 +72,21 @@ def test_two_process_helen_resume_is_exact(two_process_runs, sharding):
 
 def test_one_process_helen_resume_is_exact_and_reports_its_cost(tmp_path):
     helen = {"helen_rho": 0.05, "helen_bound": 0.5}
-    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **helen)).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5, **helen)).run()
+    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **helen).resolve()).run()
+    Trainer(
+        tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5, **helen).resolve()
+    ).run()
     with pytest.raises(
         ResumeRefused, match=r"trained with --helen-bound 0.5, this command has 0.3"
     ):
         Trainer(
-            tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, helen_rho=0.05)
+            tiny_config(
+                str(tmp_path / "part"), TINY_PROCESSES, resume=True, helen_rho=0.05
+            ).resolve()
         ).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, **helen)).run()
+    Trainer(
+        tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, **helen).resolve()
+    ).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
     assert resumed == {k: full[k] for k in cases.EXACT}
     cost = full["helen"]
@@ -96,7 +102,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     root = str(tmp_path)
     opts = {"max_steps": 5, "sharding": "row_wise" if first > 1 else "auto"}
     if first == 1:
-        Trainer(tiny_config(root, TINY_PROCESSES, **opts)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, **opts).resolve()).run()
     else:
         run_ranks(cases.train_phases, first, [(root, opts)], timeout_s=240)
     reference = cases.local_restored_state(root, {})
@@ -118,7 +124,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     assert sum(int(v[3]) for v in reference["counters"].values()) > 0  # rows were updated
     # Training went on from there at the new world size.
     if second == 1:
-        Trainer(tiny_config(root, TINY_PROCESSES, resume=True)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, resume=True).resolve()).run()
     assert cases.exact_metrics(root + "/run")["steps"] > 5
 
 

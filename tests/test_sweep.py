@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchrec_cowclip import cli
+from torchrec_cowclip.failures import EXIT_DIVERGED
+from torchrec_cowclip.run.out_dir import lock_holder
 from torchrec_cowclip.sweep import report, runner
-from torchrec_cowclip.sweep.cli import train_argv, train_parser
-from torchrec_cowclip.train import cli
+from torchrec_cowclip.train.command import config_from_args, train_argv, train_parser
 from torchrec_cowclip.train.config import TrainConfig
-from torchrec_cowclip.train.run_dir import lock_holder
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CELLS = ["b128-fixed-l2-s0", "b128-fixed-l2-count-s0", "b512-fixed-l2-s0", "b512-fixed-l2-count-s0"]
@@ -131,10 +132,12 @@ def test_a_sweep_writes_its_table_csv_json_and_plots(swept, capsys):
     assert "| fixed-l2 | 512 | 4 | 1/1 |" in (out / "sweep.md").read_text()
     for png in ("sweep_auc.png", "sweep_curves.png", "sweep_time.png"):
         assert (out / png).read_bytes()[:8] == PNG, png
-    # Each trained cell is an ordinary train run with its own curves, and its command.
+    # Each trained cell is an ordinary train run of the config its record holds, with its
+    # own curves, and the command that makes the same run.
     record = json.loads((out / "cells" / "b512-fixed-l2-count-s0" / "cell.json").read_text())
     assert record["command"][:2] == ["torchrec-cowclip", "train"]
-    again = cli.config_from_args(cli.build_parser().parse_args(record["command"][1:]))
+    again = config_from_args(cli.build_parser().parse_args(record["command"][1:]))
+    assert TrainConfig.from_dict(record["config"]) == again
     assert (again.batch_size, again.recipe, again.seed, again.epochs) == (
         512,
         "fixed-l2-count",
@@ -324,8 +327,8 @@ def test_a_sweep_or_cell_with_other_settings_is_refused(swept, tmp_path, capsys)
     assert _mtimes(out) == before
 
 
-def test_a_cell_config_travels_as_train_arguments():
-    parser = train_parser(cli.add_train_arguments)
+def test_a_cell_config_travels_in_its_record_and_its_command_makes_the_same_run():
+    parser = train_parser()
     config = TrainConfig(
         data="table:x.csv",
         label="click",
@@ -338,15 +341,15 @@ def test_a_cell_config_travels_as_train_arguments():
         threads=2,
         out="o",
     )
-    argv = train_argv(parser, cli.config_from_args, config)
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.as_dict()))) == config
+    argv = train_argv(parser, config)
     assert "--no-cowclip" in argv and argv[argv.index("--hidden") + 1] == "16,8"
     assert argv[argv.index("--resume") + 1] == "auto"
-    assert cli.config_from_args(parser.parse_args(argv)) == config
+    assert config_from_args(parser.parse_args(argv)) == config
 
 
 def test_a_diverged_cell_is_a_kept_result():
-    assert runner.DIVERGED_EXIT == cli.EXIT_DIVERGED
-    assert runner._outcome(cli.EXIT_DIVERGED, finished=False) == "diverged"
+    assert runner._outcome(EXIT_DIVERGED, finished=False) == "diverged"
     assert runner._outcome(75, finished=False) == "stopped"
     assert runner._outcome(0, finished=True) == "finished"
     assert runner._outcome(4, finished=False) == "failed"

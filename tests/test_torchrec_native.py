@@ -252,6 +252,18 @@ def test_cowclip_optimizer_classes_validate_and_refuse_a_dense_step():
             opt.step()
     with pytest.raises(ValueError, match="lr must be >= 0"):
         CowClipAdam([weight], lr=-1.0)
+    # The hyperparameters a rule steps with are its param group; the others are refused.
+    assert set(CowClipSGD([weight]).defaults) == {
+        "lr",
+        "weight_decay",
+        "cowclip",
+        "count_lr",
+        "helen",
+    }
+    assert CowClipRowWiseAdagrad([weight], eps=1e-6).defaults["eps"] == 1e-6
+    for cls, name in ((CowClipSGD, "eps"), (CowClipRowWiseAdagrad, "betas")):
+        with pytest.raises(TypeError, match=f"{cls.__name__} takes no '{name}'"):
+            cls([weight], **{name: (0.9, 0.99) if name == "betas" else 1e-6})
 
 
 def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively():
@@ -342,12 +354,17 @@ def test_fbgemm_cowclip_counters_are_named_when_dropped():
 # --- on 2 ranks ----------------------------------------------------------------------
 
 
+def _on_two_ranks(tmp_path_factory, name: str, case: Any) -> Dict[str, Any]:
+    """What ``case`` returns on rank 0 of 2 ranks."""
+    root = tmp_path_factory.mktemp(name)
+    out = str(root / "results.pt")
+    run_ranks(case, 2, str(root), out, timeout_s=240)
+    return torch.load(out, weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("native")
-    out = str(root / "results.pt")
-    run_ranks(native.run, 2, str(root), out, timeout_s=240)
-    return torch.load(out, weights_only=False)
+    return _on_two_ranks(tmp_path_factory, "native", native.run)
 
 
 def _assert_equal(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol=0.0):
@@ -417,10 +434,7 @@ def test_unsharded_and_sharded_modules_use_the_same_optimizer_state_keys(two_ran
 
 @pytest.fixture(scope="module")
 def helen_two_ranks(tmp_path_factory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("helen")
-    out = str(root / "results.pt")
-    run_ranks(native.helen_pipeline_case, 2, str(root), out, timeout_s=240)
-    return torch.load(out, weights_only=False)
+    return _on_two_ranks(tmp_path_factory, "helen", native.helen_pipeline_case)
 
 
 @pytest.mark.parametrize("name", ["rowwise", "data_parallel_perturbed"])
@@ -437,10 +451,10 @@ def test_helen_through_the_base_pipeline_equals_the_manual_two_pass_loop_on_1_pr
     from torchrec_cowclip.train.trainer import Trainer
 
     config = tiny_config(tmp_path, TINY_PROCESSES, helen_rho=0.05, out=str(tmp_path / "pipeline"))
-    piped = Trainer(config)
+    piped = Trainer(config.resolve())
     piped.run_dir.release()
     pipeline_type, pipeline_losses = native.pipeline_helen_steps(piped, 4)
-    manual = Trainer(replace(config, out=str(tmp_path / "manual")))
+    manual = Trainer(replace(config, out=str(tmp_path / "manual")).resolve())
     manual.run_dir.release()
     assert pipeline_type == "HelenTrainPipelineBase"
     assert pipeline_losses == native.manual_helen_steps(manual, 4)

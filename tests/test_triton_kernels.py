@@ -201,18 +201,17 @@ def test_the_triton_mode_forces_the_triton_kernel(monkeypatch):
     """``TORCHREC_COWCLIP_COMPILE=triton`` picks it on any device where Triton runs (CPU
     tensors: under the interpreter); elsewhere, and for a rule of one's own, a one-line
     refusal; ``auto`` keeps the native kernels on CPU."""
-    from torchrec_cowclip.embedding.kernels import select_kernel
+    from torchrec_cowclip.embedding.row_kernels import select_kernel
     from torchrec_cowclip.optim.rules import UpdateRule, update_rule
 
     cpu = torch.device("cpu")
-    monkeypatch.setenv("TORCHREC_COWCLIP_COMPILE", "triton")
     if triton_ops.availability(cpu) is None:
-        assert type(select_kernel(cpu, update_rule("adam"))).__name__ == "TritonKernel"
-        assert select_kernel(cpu, update_rule("sgd")).kind == "triton"
+        assert type(select_kernel(cpu, update_rule("adam"), "triton")).__name__ == "TritonKernel"
+        assert select_kernel(cpu, update_rule("sgd"), "triton").kind == "triton"
     own = UpdateRule("my_sgd", update_rule("sgd").step, (), "torch.optim.SGD")
     with pytest.raises(ValueError, match="=triton: the Triton kernels implement the built-in"):
-        select_kernel(cpu, own)
+        select_kernel(cpu, own, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match=r"=triton: .*TRITON_INTERPRET=1") as raised:
-        select_kernel(cpu, update_rule("adam"))
+        select_kernel(cpu, update_rule("adam"), "triton")
     assert "\n" not in str(raised.value)

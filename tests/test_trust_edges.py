@@ -37,10 +37,10 @@ from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.parsing.delimited import MAX_LINE_BYTES, DelimitedFile
 from torchrec_cowclip.data.parsing.fields import parse_numeric
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file, file_record
+from torchrec_cowclip.run import no_space
+from torchrec_cowclip.run.model_folder import MANIFEST, RunFolder, RunFolderError
+from torchrec_cowclip.run.safe_load import UnsafeFileError, read_dcp_metadata
 from torchrec_cowclip.serve import outputs
-from torchrec_cowclip.train import no_space
-from torchrec_cowclip.train.run_folder import MANIFEST, RunFolder, RunFolderError
-from torchrec_cowclip.train.safe_load import UnsafeFileError, read_dcp_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -380,7 +380,7 @@ def slow(self, *a, **k):
         print("scoring", flush=True)
         time.sleep(60)
 Predictor.scores = slow
-from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -561,8 +561,8 @@ def test_a_full_disk_while_writing_the_model_folder_is_one_line_and_resumes(
 
 _FILL_THEN_TRAIN = """
 import os, sys
-from torchrec_cowclip.train import run_folder
-from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.run import model_folder as run_folder
+from torchrec_cowclip.cli import main
 disk, argv = sys.argv[1], sys.argv[2:]
 real = run_folder.RunFolderWriter.save_weights
 def fill_then_save(self, *args, **kwargs):

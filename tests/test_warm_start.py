@@ -15,11 +15,11 @@ import torch
 from serving_cases import AVAZU_CSV, DENSE, SPARSE, TABLE_COLUMNS, cli_refusal, train_table
 from tiny import cli_args
 
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.sources.synthetic import PlantedModel, SyntheticConfig
+from torchrec_cowclip.run.model_folder import RunFolder, RunFolderError
 from torchrec_cowclip.train import ConfigError, TrainConfig
-from torchrec_cowclip.train.cli import main
-from torchrec_cowclip.train.run_folder import RunFolder, RunFolderError
 from torchrec_cowclip.train.trainer import Trainer
 from torchrec_cowclip.train.warm_start import WarmStartRefused, warm_start_config
 
@@ -98,7 +98,7 @@ def test_weights_and_optimizer_state_come_from_run_and_new_rows_start_fresh(days
         batch_size=512,
     )
     assert config.hidden == (32,) and config.embedding_dim == 8 and config.sparse == SPARSE
-    trainer = Trainer(config)
+    trainer = Trainer(config.resolve())
     try:
         before = {k: v.clone() for k, v in trainer.runtime.model.state_dict().items()}
         said = trainer.warm.load_into(trainer.runtime, optimizer_state=True)
@@ -128,7 +128,7 @@ def test_the_dense_plan_is_runs_not_the_new_datas(days, tmp_path):
         run, data=f"table:{days['day2']}", out=str(tmp_path / "day2"),
         cache_dir=str(days["cache"]), progress=False,
     )  # fmt: skip
-    trainer = Trainer(config)
+    trainer = Trainer(config.resolve())
     trainer.run_dir.release()
     assert trainer.dataset.dense_plan == saved  # the model's inputs as day 1 trained it
     assert saved.transforms == ("standardize",) * 13 and saved.indicators
@@ -162,17 +162,19 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
     common = dict(data=f"table:{days['day2']}", cache_dir=str(days["cache"]), progress=False)
     out = tmp_path / "out"
     with pytest.raises(WarmStartRefused, match=r"trained with --hidden 32, this command has 16"):
-        Trainer(warm_start_config(run, out=str(out), hidden=(16,), **common))
+        Trainer(warm_start_config(run, out=str(out), hidden=(16,), **common).resolve())
     with pytest.raises(
         WarmStartRefused,
         match=r"--hidden 32, this command has 8; --dense-transform signed-log vs minmax",
     ):
         Trainer(TrainConfig(init_from=str(run), out=str(out), dense_transform="minmax", hidden=(8,),
-                            embedding_dim=8, **TABLE_COLUMNS, **common))  # fmt: skip
+                            embedding_dim=8, **TABLE_COLUMNS, **common).resolve())  # fmt: skip
     with pytest.raises(WarmStartRefused, match="is this run's --out"):
-        Trainer(warm_start_config(run, out=str(run), **common))
+        Trainer(warm_start_config(run, out=str(run), **common).resolve())
     with pytest.raises(RunFolderError, match="not a run folder"):
-        Trainer(TrainConfig(init_from=str(tmp_path), out=str(out), **TABLE_COLUMNS, **common))
+        Trainer(
+            TrainConfig(init_from=str(tmp_path), out=str(out), **TABLE_COLUMNS, **common).resolve()
+        )
     with pytest.raises(ConfigError, match="--init-optimizer-state carries --init-from's"):
         TrainConfig(init_optimizer_state=True).validate()
     assert not out.exists()
@@ -183,7 +185,7 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
         no_checkpoints, out=str(out), init_optimizer_state=True, max_steps=1, **common
     )
     with pytest.raises(WarmStartRefused, match="has no checkpoint to take the optimizer state"):
-        Trainer(config).run()
+        Trainer(config.resolve()).run()
     err = cli_refusal(
         capsys, "train", "--data", f"table:{days['day2']}", "--init-from", run, "--out",
         tmp_path / "cli", "--cache-dir", days["cache"], "--sparse", "C1,C2", "--no-progress",
@@ -196,7 +198,7 @@ def test_new_data_with_other_columns_is_refused(tmp_path):
     small = dict(batch_size=32, hidden=(8,), embedding_dim=4, progress=False)
     cache = str(tmp_path / "cache")
     Trainer(TrainConfig(data=f"avazu:{AVAZU_CSV}", out=str(tmp_path / "a"), cache_dir=cache,
-                        **small)).run()  # fmt: skip
+                        **small).resolve()).run()  # fmt: skip
     rows = list(csv.reader(open(AVAZU_CSV, newline="")))
     extra = tmp_path / "extra.csv"
     with open(extra, "w", newline="") as f:
@@ -206,4 +208,4 @@ def test_new_data_with_other_columns_is_refused(tmp_path):
     config = warm_start_config(tmp_path / "a", data=f"avazu:{extra}", out=str(tmp_path / "b"),
                                cache_dir=cache, progress=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"categorical columns \[.*'new_column'\] are not RUN's"):
-        Trainer(config).run()
+        Trainer(config.resolve()).run()

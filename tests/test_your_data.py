@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tiny import cli_args
 
+from torchrec_cowclip.cli import main
 from torchrec_cowclip.data import DataOptionError, open_dataset, rank_auc, split_indices
-from torchrec_cowclip.train.cli import main
 
 HEADER = "click,price,age,site"
 ROWS = ["1,-1.5,30,a", "0,2.0,,b", "1,0.5,41,a", "0,-3,22,c"]
@@ -78,7 +78,7 @@ def test_names_in_lists_are_stripped(tmp_path, csv_file):
     assert ds.schema.dense_names == ("price", "age") and ds.schema.sparse_names == ("site",)
     # And on the command line, where a shell keeps the space: "--dense 'price, age'".
     argv = cli_args(data=f"table:{csv_file}", label="click", dense="price, age", sparse="site")
-    from torchrec_cowclip.train.cli import build_parser
+    from torchrec_cowclip.cli import build_parser
 
     assert build_parser().parse_args(argv).dense == ["price", "age"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cowclip_testing import kjt_from_bags
-from distributed_cases import gather_full, global_batches, local_slice, mean_loss
+from distributed_cases import Model, gather_full, global_batches, local_slice, mean_loss
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from tiny import TINY_PROCESSES, bag_config, tiny_config
 from torch import nn
@@ -49,20 +49,11 @@ from torchrec_cowclip.distributed import (
 from torchrec_cowclip.optim import CowClipRowWiseAdagrad
 from torchrec_cowclip.optim.fbgemm_state import fbgemm_state_dict
 from torchrec_cowclip.optim.fused import model_fused_optimizer
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 LR = 0.5
 #: What FBGEMM trains when fused_params name only the optimizer and the lr.
 STOCK_PARAMS = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}
-
-
-class Model(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt: Any) -> Any:
-        return self.ebc(kjt)
 
 
 def tables() -> List[EmbeddingBagConfig]:
@@ -360,13 +351,9 @@ def run(rank: int, world: int, root: str, out_path: str) -> None:
 
 def trainer_state(trainer: Any) -> Dict[str, torch.Tensor]:
     """The trainer's weights and optimizer states, gathered over the ranks."""
-    tensors = trainer.runtime.tensors()
-    named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
-    for key, state in tensors["optimizer"]["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) or hasattr(value, "local_shards"):
-                named[f"optimizer/{key}/{name}"] = value
-    return gather_full(named)
+    from trainer_cases import named_tensors
+
+    return gather_full(named_tensors(trainer))
 
 
 def manual_helen_steps(trainer: Any, steps: int) -> List[float]:
@@ -432,10 +419,10 @@ def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None
             out=os.path.join(root, name, "pipeline"),
             **overrides,
         )
-        piped = Trainer(config)
+        piped = Trainer(config.resolve())
         piped.run_dir.release()
         pipeline_type, pipeline_losses = pipeline_helen_steps(piped, 4)
-        manual = Trainer(replace(config, out=os.path.join(root, name, "manual")))
+        manual = Trainer(replace(config, out=os.path.join(root, name, "manual")).resolve())
         manual.run_dir.release()
         manual_losses = manual_helen_steps(manual, 4)
         results[name] = {

@@ -35,17 +35,29 @@ def _as_torchrun(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
+def named_tensors(trainer: Any) -> Dict[str, Any]:
+    """The trainer's weights and optimizer states by name (``model/...``,
+    ``optimizer/<key>/<state>``), this rank's shards as they are."""
+    tensors = trainer.runtime.tensors()
+    named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
+    for key, state in tensors["optimizer"]["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) or hasattr(value, "local_shards"):
+                named[f"optimizer/{key}/{name}"] = value
+    return named
+
+
 def exact_metrics(out: str) -> Dict[str, Any]:
     metrics = json.loads(open(os.path.join(out, "metrics.json")).read())
     return {k: metrics[k] for k in EXACT}
 
 
 def train_phases(rank: int, world: int, runs: List[Tuple[str, Dict[str, Any]]]) -> None:
-    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()`` for each ``(root, options)``
+    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()`` for each ``(root, options)``
     in turn (several runs per job: the spawn and imports dominate a tiny run)."""
     _as_torchrun(rank, world)
     for root, options in runs:
-        Trainer(tiny_config(root, TINY_PROCESSES, **options)).run()
+        Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()
         dist.barrier()
 
 
@@ -65,7 +77,7 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
         return result
 
     state_dict_saver.save = save
-    Trainer(tiny_config(root, TINY_PROCESSES, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve()).run()
 
 
 def restored_state(
@@ -74,38 +86,26 @@ def restored_state(
     """Loads the run's latest checkpoint at this world size; rank 0 writes the full
     weights and optimizer states, gathered from every rank. Then trains on from there."""
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()  # run() would release the --out lock at its end
-    tensors = trainer.runtime.tensors()
-    named: Dict[str, Any] = {f"model/{k}": v for k, v in tensors["model"].items()}
-    for key, state in tensors["optimizer"]["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) or hasattr(value, "local_shards"):
-                named[f"optimizer/{key}/{name}"] = value
-    full = gather_full(named)
+    full = gather_full(named_tensors(trainer))
     counters = trainer.runtime.table_counters()
     if rank == 0:
         torch.save(
             {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
         )
     dist.barrier()
-    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides)).run()
+    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve()).run()
 
 
 def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
     """The same, in this process (one process, no sharding)."""
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()
-    tensors = trainer.runtime.tensors()
-    named = {f"model/{k}": v.detach().clone() for k, v in tensors["model"].items()}
-    for key, state in tensors["optimizer"]["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                named[f"optimizer/{key}/{name}"] = value.detach().clone()
     return {
-        "tensors": named,
+        "tensors": {k: v.detach().clone() for k, v in named_tensors(trainer).items()},
         "counters": trainer.runtime.table_counters(),
         "progress": dict(trainer.progress.__dict__),
     }
@@ -164,10 +164,10 @@ def train_until_signal(
     optimizer's all-or-nothing load first."""
     import signal
 
-    from torchrec_cowclip.train.stop import RunStopped
+    from torchrec_cowclip.run.stop import RunStopped
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve())
     _check_sharded_atomic_load(trainer)
     real = trainer.runtime.step_summary
     steps = {"n": 0}
@@ -196,7 +196,7 @@ def hang_in_step(rank: int, world: int, root: str, at_step: int) -> None:
     import time
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise"))
+    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise").resolve())
     real = trainer.runtime.step
 
     def step(pipeline: Any, batches: Any, number: int) -> Any:

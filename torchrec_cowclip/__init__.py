@@ -19,6 +19,20 @@ torch-only core (``torchrec_cowclip.optim.functional``, ``optim.reference``,
 
 from __future__ import annotations
 
+__all__ = [
+    "CountLR",
+    "CowClip",
+    "CowClipEmbeddingBagCollection",
+    "CowClipFusedOptimizer",
+    "CowClipOptions",
+    "Helen",
+    "Predictor",
+    "TableClipStats",
+    "load_model",
+    "quantization_mapping",
+    "quantize_embeddings",
+]
+
 from typing import TYPE_CHECKING
 
 from torchrec_cowclip._lazy import lazy_exports
@@ -47,17 +61,3 @@ _LAZY = {
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
-
-__all__ = [
-    "CountLR",
-    "CowClip",
-    "CowClipEmbeddingBagCollection",
-    "CowClipFusedOptimizer",
-    "CowClipOptions",
-    "Helen",
-    "Predictor",
-    "TableClipStats",
-    "load_model",
-    "quantization_mapping",
-    "quantize_embeddings",
-]

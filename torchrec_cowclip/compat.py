@@ -25,18 +25,12 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import (
     TYPE_CHECKING,
     Any,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
-    Mapping,
     Optional,
-    Tuple,
-    Type,
 )
 
 import torch
@@ -92,7 +86,7 @@ __all__ = [
 ]
 
 
-def extension_points() -> Tuple[Tuple[type, str, Tuple[str, ...]], ...]:
+def extension_points() -> tuple[tuple[type, str, tuple[str, ...]], ...]:
     """The TorchRec methods this package overrides, with the parameters they must keep.
 
     The sharder: ``ShardedEmbeddingBagCollection.__init__`` calls the first two (lookups,
@@ -160,7 +154,7 @@ def use_pipelined_forward(pipeline_class: type, forward_class: type) -> None:
     pipeline_class._pipelined_forward_type = forward_class  # type: ignore[attr-defined]
 
 
-def pipelined_forward_target(forward: Any) -> Tuple[Any, Optional[Any], torch.device]:
+def pipelined_forward_target(forward: Any) -> tuple[Any, Optional[Any], torch.device]:
     """A ``PipelinedForward``'s sharded module, and the stream and device its input
     distribution runs on (``_module``, ``_stream``, ``_device``): what a forward that
     reuses a waited input distribution needs."""
@@ -174,7 +168,7 @@ def pipelined_forward_target(forward: Any) -> Tuple[Any, Optional[Any], torch.de
 QCONFIG_PROPAGATION = ("_propagate_qconfig_helper", "torch.ao.quantization.quantize")
 
 
-def qconfig_propagation() -> Optional[Tuple[Mapping[Any, Any], str]]:
+def qconfig_propagation() -> Optional[tuple[Mapping[Any, Any], str]]:
     """``(qconfig spec, module name)`` of the ``torch.ao.quantization`` qconfig propagation
     on the call stack (``quantize_dynamic``'s, which TorchRec's ``quantize_embeddings``
     calls), or None outside one.
@@ -199,7 +193,7 @@ def qconfig_propagation() -> Optional[Tuple[Mapping[Any, Any], str]]:
 # --- ShardedEmbeddingBagCollection ----------------------------------------------------
 
 
-def sharded_lookups(module: ShardedEmbeddingBagCollection) -> List[Any]:
+def sharded_lookups(module: ShardedEmbeddingBagCollection) -> list[Any]:
     """The live list of a sharded EBC's lookups, one per sharding type in
     :func:`embedding_shardings` order (``_lookups``): ``_create_lookups`` fills it and
     ``init_data_parallel`` replaces the data-parallel entry; TorchRec's forward, state
@@ -207,7 +201,7 @@ def sharded_lookups(module: ShardedEmbeddingBagCollection) -> List[Any]:
     return module._lookups
 
 
-def embedding_shardings(module: ShardedEmbeddingBagCollection) -> List[Tuple[Any, str]]:
+def embedding_shardings(module: ShardedEmbeddingBagCollection) -> list[tuple[Any, str]]:
     """``(sharding, sharding_type)`` of each sharding type of a sharded EBC
     (``_embedding_shardings`` and ``_sharding_types``, in the order of its lookups): the
     input the overridden ``_create_lookups`` builds its lookups from."""
@@ -216,7 +210,7 @@ def embedding_shardings(module: ShardedEmbeddingBagCollection) -> List[Tuple[Any
 
 def row_wise_divisor_features(
     module: ShardedEmbeddingBagCollection,
-) -> Optional[Dict[str, List[str]]]:
+) -> Optional[dict[str, list[str]]]:
     """The live per-pooling lists of features TorchRec's MEAN-pooling callback divides
     after the reduce-scatter (``_pooling_type_to_rs_features``; a feature listed under
     SUM gets divisor 1), or None when it registers no callback
@@ -227,7 +221,7 @@ def row_wise_divisor_features(
     return module._pooling_type_to_rs_features
 
 
-def grouped_configs(sharding: Any) -> List[GroupedEmbeddingConfig]:
+def grouped_configs(sharding: Any) -> list[GroupedEmbeddingConfig]:
     """The table groups on this rank of one of TorchRec's embedding shardings: exactly
     what the sharding's own ``create_lookup`` hands its lookup
     (``_grouped_embedding_configs``; table-row-wise keeps one list per rank,
@@ -240,7 +234,7 @@ def grouped_configs(sharding: Any) -> List[GroupedEmbeddingConfig]:
 # --- lookups and kernels --------------------------------------------------------------
 
 
-def lookup_kernels(lookup: GroupedPooledEmbeddingsLookup) -> List[Any]:
+def lookup_kernels(lookup: GroupedPooledEmbeddingsLookup) -> list[Any]:
     """A grouped lookup's kernels, one per table group, in creation order
     (``_emb_modules``, which ``_create_embedding_kernel``'s results are appended to)."""
     return list(lookup._emb_modules)
@@ -263,7 +257,7 @@ def mark_updated_in_backward(param: Tensor) -> None:
     param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
 
 
-def in_backward_optimizer(param: Tensor) -> Optional[Tuple[type, Dict[str, Any]]]:
+def in_backward_optimizer(param: Tensor) -> Optional[tuple[type, dict[str, Any]]]:
     """The ``(optimizer class, kwargs)`` that torch's / TorchRec's
     ``apply_optimizer_in_backward`` marked ``param`` with (``_optimizer_classes``,
     ``_optimizer_kwargs``: what TorchRec's sharders read to configure FBGEMM), or None.
@@ -326,7 +320,7 @@ def optimizer_marks_hidden(params: Iterable[Tensor]) -> Iterator[None]:
 
 
 def set_planner_optimizer_class(
-    param: Tensor, optimizer_class: Type[torch.optim.Optimizer]
+    param: Tensor, optimizer_class: type[torch.optim.Optimizer]
 ) -> None:
     """Tells TorchRec's storage estimator which optimizer's state size to plan for
     ``param`` (``_optimizer_classes``)."""
@@ -351,7 +345,7 @@ def process_group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[timedelta
 
 
 def sharded_tensor(
-    local_shards: List[Shard],
+    local_shards: list[Shard],
     metadata: ShardedTensorMetadata,
     pg: Optional[dist.ProcessGroup],
 ) -> ShardedTensor:
@@ -363,13 +357,13 @@ def sharded_tensor(
     )
 
 
-def dcp_metadata_private_classes() -> Dict[Tuple[str, str], Any]:
+def dcp_metadata_private_classes() -> dict[tuple[str, str], Any]:
     """The private names a ``torch.distributed.checkpoint`` ``.metadata`` pickle refers
     to, by ``(module, name)``: ``FileSystemWriter``'s per-item storage record
     (``filesystem._StorageInfo``), the memory-format enum of ``TensorProperties``
     (``metadata._MEM_FORMAT_ENCODING``) and the layout decoder torch registers for
     pickling ``torch.layout`` (``serialization._get_layout``). The restricted unpickler of
-    :mod:`torchrec_cowclip.train.safe_load` admits exactly these besides public classes."""
+    :mod:`torchrec_cowclip.run.safe_load` admits exactly these besides public classes."""
     from torch import serialization
     from torch.distributed.checkpoint import filesystem, metadata
 

@@ -21,70 +21,6 @@ load on first use, so that the rest - the schemas and Criteo Kaggle's cardinalit
 the GPU benchmark's torch-only part reads - imports without torchrec.
 """
 
-from typing import TYPE_CHECKING
-
-from torchrec_cowclip._lazy import lazy_exports
-from torchrec_cowclip.data.errors import (
-    BAD_DENSE,
-    BAD_HEX,
-    BAD_LABEL,
-    BAD_SPARSE_ID,
-    WRONG_COLUMN_COUNT,
-    DataError,
-    DataOptionError,
-)
-from torchrec_cowclip.data.options import FileSourceOptions, SourceOptions
-from torchrec_cowclip.data.parsing.dense import (
-    DENSE_CLIP,
-    DENSE_TRANSFORMS,
-    DensePlan,
-    DenseStats,
-    DenseTransformSpec,
-)
-from torchrec_cowclip.data.parsing.vocab import MISSING_ID, OOV_ID
-from torchrec_cowclip.data.pipeline.cache import CacheCorrupt
-from torchrec_cowclip.data.pipeline.splits import split_indices
-from torchrec_cowclip.data.registry import SourceKind, register_source, source_kinds
-from torchrec_cowclip.data.schema import (
-    CRITEO_DENSE_NAMES,
-    CRITEO_KAGGLE_CARDINALITIES,
-    CRITEO_SPARSE_NAMES,
-    Schema,
-)
-from torchrec_cowclip.data.sources.synthetic import (
-    PlantedModel,
-    SyntheticConfig,
-    rank_auc,
-    synthetic_arrays,
-)
-
-if TYPE_CHECKING:
-    from torchrec_cowclip.data.pipeline.batches import (
-        ArrayDataset,
-        BatchIterator,
-        epoch_order,
-        make_batch,
-    )
-    from torchrec_cowclip.data.pipeline.dataset import (
-        SPEC_KINDS,
-        CTRDataset,
-        open_dataset,
-        parse_spec,
-    )
-
-_LAZY = {
-    **dict.fromkeys(
-        ("ArrayDataset", "BatchIterator", "epoch_order", "make_batch"),
-        "torchrec_cowclip.data.pipeline.batches",
-    ),
-    **dict.fromkeys(
-        ("SPEC_KINDS", "CTRDataset", "open_dataset", "parse_spec"),
-        "torchrec_cowclip.data.pipeline.dataset",
-    ),
-}
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
-
 __all__ = [
     "ArrayDataset",
     "BAD_DENSE",
@@ -124,3 +60,67 @@ __all__ = [
     "split_indices",
     "synthetic_arrays",
 ]
+
+from typing import TYPE_CHECKING
+
+from torchrec_cowclip._lazy import lazy_exports
+from torchrec_cowclip.data.errors import (
+    BAD_DENSE,
+    BAD_HEX,
+    BAD_LABEL,
+    BAD_SPARSE_ID,
+    WRONG_COLUMN_COUNT,
+    DataError,
+    DataOptionError,
+)
+from torchrec_cowclip.data.parsing.dense import (
+    DENSE_CLIP,
+    DENSE_TRANSFORMS,
+    DensePlan,
+    DenseStats,
+    DenseTransformSpec,
+)
+from torchrec_cowclip.data.parsing.vocab import MISSING_ID, OOV_ID
+from torchrec_cowclip.data.pipeline.cache import CacheCorrupt
+from torchrec_cowclip.data.pipeline.splits import split_indices
+from torchrec_cowclip.data.registry import SourceKind, register_source, source_kinds
+from torchrec_cowclip.data.schema import (
+    CRITEO_DENSE_NAMES,
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_SPARSE_NAMES,
+    Schema,
+)
+from torchrec_cowclip.data.source_options import FileSourceOptions, SourceOptions
+from torchrec_cowclip.data.sources.synthetic import (
+    PlantedModel,
+    SyntheticConfig,
+    rank_auc,
+    synthetic_arrays,
+)
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.data.pipeline.batches import (
+        ArrayDataset,
+        BatchIterator,
+        epoch_order,
+        make_batch,
+    )
+    from torchrec_cowclip.data.pipeline.dataset import (
+        SPEC_KINDS,
+        CTRDataset,
+        open_dataset,
+        parse_spec,
+    )
+
+_LAZY = {
+    **dict.fromkeys(
+        ("ArrayDataset", "BatchIterator", "epoch_order", "make_batch"),
+        "torchrec_cowclip.data.pipeline.batches",
+    ),
+    **dict.fromkeys(
+        ("SPEC_KINDS", "CTRDataset", "open_dataset", "parse_spec"),
+        "torchrec_cowclip.data.pipeline.dataset",
+    ),
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

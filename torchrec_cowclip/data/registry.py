@@ -2,7 +2,7 @@
 
 A source kind is a :class:`SourceKind` subclass registered with
 :func:`register_source`. It names its spec prefix and usage, its options dataclass
-(a :class:`~torchrec_cowclip.data.options.SourceOptions` subclass: the keyword
+(a :class:`~torchrec_cowclip.data.source_options.SourceOptions` subclass: the keyword
 options it takes), the cache payload of a spec (everything the converted arrays
 depend on) and the :class:`~torchrec_cowclip.data.pipeline.encode.Conversion` of its rows,
 which the one pipeline in ``encode`` runs. Adding a format is one module defining
@@ -25,8 +25,8 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Sequence, Tuple, Type, TypeVar
 
-from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.pipeline.encode import Conversion
+from torchrec_cowclip.data.source_options import SourceOptions
 
 BUILTIN_MODULES = (
     "torchrec_cowclip.data.sources.criteo",

@@ -6,15 +6,15 @@ all-to-all, output all-to-all / reduce-scatter, shard placement), builds the sta
 (``embedding_bags.<table>.weight`` as ``ShardedTensor``) from the lookups, and combines
 the lookups' fused optimizers. This subclass overrides exactly two steps:
 
-* ``_create_lookups``: one :class:`~.lookup.CowClipPooledEmbeddingsLookup` per sharding
+* ``_create_lookups``: one :class:`~.sharded_lookup.CowClipPooledEmbeddingsLookup` per sharding
   type, over the table groups TorchRec's sharding computed, with the strategy that
   sharding type needs (:mod:`.row_sync`: whole rows for table-wise and row-wise tables,
   whole-row sums for column shards, the union of all replicas' rows for data-parallel);
 * ``init_data_parallel``: no ``DistributedDataParallel`` around data-parallel lookups
-  (their fused update keeps the replicas identical itself; :class:`~.lookup.ReplicatedLookup`).
+  (their fused update keeps the replicas identical itself; :class:`~.sharded_lookup.ReplicatedLookup`).
 
 Before TorchRec's construction runs, the ranks agree on one row kernel
-(:mod:`torchrec_cowclip.embedding.kernels`) for all their table batches: the native and
+(:mod:`torchrec_cowclip.embedding.row_kernels`) for all their table batches: the native and
 the torch kernels agree to about 1e-6, not bit for bit, and a data-parallel table's
 replicas must stay identical.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,19 +43,19 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
 from torchrec_cowclip import compat
 from torchrec_cowclip.distributed.comm import ColumnShardGroups, run_collective
-from torchrec_cowclip.distributed.lookup import (
+from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
+from torchrec_cowclip.distributed.sharded_lookup import (
     SUPPORTED_COMPUTE_KERNELS,
     CowClipPooledEmbeddingsLookup,
     ReplicatedLookup,
 )
-from torchrec_cowclip.distributed.row_sync import ColumnShardRows, ReplicatedRows
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.embedding.kernels import KINDS, RowKernel, kernel_of_kind, select_kernel
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
-from torchrec_cowclip.embedding.row_updates import LocalRows, RowSync, RowUpdates
+from torchrec_cowclip.embedding.row_kernels import KINDS, RowKernel, kernel_of_kind, select_kernel
+from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowSync, RowUpdates
 from torchrec_cowclip.embedding.table_batch import COUNTER_NAMES, TableClipStats
-from torchrec_cowclip.optim.options import CowClipOptions, Helen
-from torchrec_cowclip.optim.row_step import COMPILE_ENV, compiled_update_mode
+from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.row_step import COMPILE_ENV, kernel_mode
 from torchrec_cowclip.optim.rules import UpdateRule
 
 #: Sharding types whose tables keep whole rows on one rank (row-wise: each id's row lives
@@ -75,7 +75,7 @@ SUPPORTED_SHARDING_TYPES = (
 )
 
 
-class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class ShardedCowClipEmbeddingBagCollection(HelenSteps, ShardedEmbeddingBagCollection):
     """An ``EmbeddingBagCollection`` sharded by TorchRec and trained by CowClip in backward.
 
     Built by :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`;
@@ -115,9 +115,15 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._cowclip_env = env
         self._cowclip_device = device
         self._row_inits = _agreed_row_initializers(module, env)
-        # Built (the native library, on first use) and agreed on before any step.
+        # Built (the native library, on first use) and agreed on before any step, in the
+        # kernel mode the unsharded module was built with (resolved once there).
         self._cowclip_kernel = _agreed_kernel(
-            device if device is not None else torch.device("cpu"), options.rule, env
+            device if device is not None else torch.device("cpu"),
+            options.rule,
+            env,
+            module.kernel_mode
+            if isinstance(module, CowClipEmbeddingBagCollection)
+            else kernel_mode(),
         )
         # The lookups TorchRec's constructor creates each open a channel into this.
         self._row_updates = RowUpdates(
@@ -156,22 +162,6 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """How this rank's table batches group and update their touched rows, of the
         same kind on every rank (:func:`_agreed_kernel`)."""
         return self._cowclip_kernel
-
-    @property
-    def helen(self) -> Optional[Helen]:
-        """Helen's settings when the tables train by :meth:`helen_step`, else None."""
-        return self._row_updates.helen
-
-    def helen_step(
-        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
-    ) -> Tensor:
-        """One Helen step, as the unsharded
-        :meth:`~torchrec_cowclip.CowClipEmbeddingBagCollection.helen_step`, on every rank
-        (a collective): each table's gradient norm and largest count are combined over
-        its row and column shards, so the step equals the unsharded one on the global
-        batch (the strategies' ``perturbation_rows`` and an all-reduce of the table
-        statistics)."""
-        return self._row_updates.helen_step(closure, dense_params).loss
 
     def _divide_only_row_wise_means(self) -> None:
         """TorchRec applies MEAN pooling of row-wise tables after its reduce-scatter, by
@@ -268,7 +258,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def reset_parameters(self) -> None:
         """Initialises this rank's shards: each holds exactly the rows and columns of the
         unsharded module's initial tables (see
-        :meth:`~torchrec_cowclip.distributed.kernel.CowClipBatchedEmbeddingBag.initialise_shards`),
+        :meth:`~torchrec_cowclip.distributed.sharded_kernel.CowClipBatchedEmbeddingBag.initialise_shards`),
         whatever the plan and world size; optimizer state and counters start at zero."""
         if self._cowclip_device is not None and self._cowclip_device.type == "meta":
             return
@@ -336,20 +326,22 @@ def _agreed_row_initializers(
     return inits
 
 
-def _agreed_kernel(device: torch.device, rule: UpdateRule, env: ShardingEnv) -> RowKernel:
+def _agreed_kernel(
+    device: torch.device, rule: UpdateRule, env: ShardingEnv, mode: str
+) -> RowKernel:
     """This rank's row kernel, of one kind on every rank of ``env`` (a collective).
 
-    Every rank chooses (:func:`~torchrec_cowclip.embedding.kernels.select_kernel`) and the
-    ranks compare. Where they differ and every rank is in ``auto`` mode (a native build
-    failed on some), all take the kind every one of them can run - the most conservative
+    Every rank chooses in its kernel ``mode``
+    (:func:`~torchrec_cowclip.embedding.row_kernels.select_kernel`) and the ranks compare.
+    Where they differ and every rank is in ``auto`` mode (a native build failed on some), all take the kind every one of them can run - the most conservative
     of those chosen - with a warning naming the ranks; where a rank was told otherwise
     (``TORCHREC_COWCLIP_COMPILE`` set differently), ValueError naming it.
     """
-    kernel = select_kernel(device, rule)
+    kernel = select_kernel(device, rule, mode)
     pg = env.process_group
     if pg is None or not dist.is_initialized():
         return kernel
-    mine = (kernel.kind, compiled_update_mode())
+    mine = (kernel.kind, mode)
     gathered: List[Any] = [None] * dist.get_world_size(pg)
     run_collective(
         "the ranks' row kernels", pg, lambda: dist.all_gather_object(gathered, mine, group=pg)

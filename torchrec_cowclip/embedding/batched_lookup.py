@@ -16,7 +16,7 @@ Everything that depends on the ids' values runs here, on real tensors, inside th
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -24,13 +24,14 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding import layout, lookup_op, triton_ops
 from torchrec_cowclip.embedding.device_lookup import DeviceLookup, inverse_lengths, looked_up_rows
-from torchrec_cowclip.embedding.lookup import (
+from torchrec_cowclip.embedding.lookup_op import SavedLookup
+from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
+from torchrec_cowclip.embedding.row_lookup import (
     BatchLookup,
     lookup_row_gradients,
     per_sample_weight_gradients,
     pooled_lookup,
 )
-from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
 from torchrec_cowclip.embedding.row_updates import LookupStep, RowSync, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
@@ -227,15 +228,7 @@ class BatchedLookup:
     # --- the backward op ---------------------------------------------------------------
 
     def backward_impl(
-        self,
-        grad: Tensor,
-        values: Tensor,
-        offsets: Tensor,
-        weights: Optional[Tensor],
-        row_ids: Tensor,
-        token: Tensor,
-        looked_up: Sequence[Tensor],
-        weights_need_grad: bool,
+        self, grad: Tensor, saved: SavedLookup, weights_need_grad: bool
     ) -> Optional[Tensor]:
         """The backward op: each table batch's row gradients from the pooled output's
         ``grad``, submitted as one step of the lookup's channel and taken by the
@@ -247,9 +240,8 @@ class BatchedLookup:
                 fused update applies exactly once per forward.
         """
         if self.sync_free():
-            return self._backward_on_device(
-                grad, values, offsets, weights, row_ids, token, looked_up, weights_need_grad
-            )
+            return self._backward_on_device(grad, saved, weights_need_grad)
+        values, offsets, weights, row_ids, token, looked_up = saved
         flags = token.tolist()
         if flags[0] == _CONSUMED:
             raise RuntimeError(
@@ -262,20 +254,9 @@ class BatchedLookup:
         )
         for s, lookup in enumerate(slot_lookups):
             lookup.grouping.users = self.slot_of_batch.count(s)
-        if self._inverse_permutation is not None:
-            grad = grad.index_select(1, self._inverse_permutation)
-        weights_grad = (
-            torch.zeros(values.numel(), dtype=torch.float32, device=values.device)
-            if weights_need_grad
-            else None
-        )
+        weights_grad = _zeros_if(weights_need_grad, values)
         step = LookupStep(self.channel)
-        column = 0
-        for index, (batch, s) in enumerate(zip(self.batches, self.slot_of_batch)):
-            width = batch.num_features * batch.dim
-            # Row b * F + f of this view is the gradient of bag (f, b).
-            bag_gradients = grad[:, column : column + width].contiguous().view(-1, batch.dim)
-            column += width
+        for index, batch, s, bag_gradients in self._bag_gradients(grad):
             lo, hi = bounds[s], bounds[s + 1]
             batch_weights = None
             if weights is not None:
@@ -290,6 +271,18 @@ class BatchedLookup:
             )
         self._row_updates.take(step)
         return weights_grad
+
+    def _bag_gradients(self, grad: Tensor) -> Iterator[Tuple[int, TableBatch, int, Tensor]]:
+        """``(index, batch, slot, bag gradients)`` of each table batch, from the pooled
+        output's ``grad``: row ``b * F + f`` of a batch's is the gradient of its bag
+        ``(f, b)``."""
+        if self._inverse_permutation is not None:
+            grad = grad.index_select(1, self._inverse_permutation)
+        column = 0
+        for index, (batch, s) in enumerate(zip(self.batches, self.slot_of_batch)):
+            width = batch.num_features * batch.dim
+            yield index, batch, s, grad[:, column : column + width].contiguous().view(-1, batch.dim)
+            column += width
 
     # --- the sync-free path (device_lookup.py) ------------------------------------------
 
@@ -333,39 +326,22 @@ class BatchedLookup:
             raise IndexError(f"id {int(values[first_outside])} outside its table")
 
     def _backward_on_device(
-        self,
-        grad: Tensor,
-        values: Tensor,
-        offsets: Tensor,
-        weights: Optional[Tensor],
-        row_ids: Tensor,
-        token: Tensor,
-        looked_up: Sequence[Tensor],
-        weights_need_grad: bool,
+        self, grad: Tensor, saved: SavedLookup, weights_need_grad: bool
     ) -> Optional[Tensor]:
         """:meth:`backward_impl` with no value read back to the host but the updates'
         check flags (a second backward of one forward is refused through them)."""
+        values, offsets, weights, row_ids, token, looked_up = saved
         num_ids = values.numel()
         offsets = offsets.to(torch.int64)
         consumed = (token[:1] == _CONSUMED).to(torch.int32)
-        if self._inverse_permutation is not None:
-            grad = grad.index_select(1, self._inverse_permutation)
         weights = None if weights is None else weights.to(torch.float32)
         inv_len = None
         if any(batch.pooling == PoolingType.MEAN for batch in self.batches):
             inv_len = inverse_lengths(offsets, num_ids)
-        weights_grad = (
-            torch.zeros(num_ids, dtype=torch.float32, device=values.device)
-            if weights_need_grad
-            else None
-        )
+        weights_grad = _zeros_if(weights_need_grad, values)
         groupings: Dict[int, RowGrouping] = {}
         step = LookupStep(self.channel)
-        column = 0
-        for index, (batch, s) in enumerate(zip(self.batches, self.slot_of_batch)):
-            width = batch.num_features * batch.dim
-            bag_gradients = grad[:, column : column + width].contiguous().view(-1, batch.dim)
-            column += width
+        for index, batch, s, bag_gradients in self._bag_gradients(grad):
             if s not in groupings:
                 groupings[s] = self._device.group(s, row_ids, offsets, consumed)
             mean = batch.pooling == PoolingType.MEAN
@@ -382,6 +358,14 @@ class BatchedLookup:
         self._row_updates.take(step)
         _mark_consumed(token)
         return weights_grad
+
+
+def _zeros_if(needed: bool, values: Tensor) -> Optional[Tensor]:
+    """The per-sample weights' gradient to accumulate into, if ``needed``: ``[N]`` float32
+    zeros on the ids' device."""
+    return (
+        torch.zeros(values.numel(), dtype=torch.float32, device=values.device) if needed else None
+    )
 
 
 def _mark_consumed(token: Tensor) -> None:

@@ -4,18 +4,11 @@ inside backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import (
     Any,
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
     Optional,
-    Sequence,
-    Set,
-    Tuple,
     Union,
 )
 
@@ -33,10 +26,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.compat import mark_updated_in_backward, qconfig_propagation
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
-from torchrec_cowclip.embedding.kernels import RowKernel, select_kernel
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
-from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates, Submission
+from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
+from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
@@ -44,7 +37,8 @@ from torchrec_cowclip.embedding.table_batch import (
 )
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
-from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions, Helen
+from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
+from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
@@ -68,7 +62,9 @@ class TableWeight(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
-class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimizerModule):
+class CowClipEmbeddingBagCollection(
+    HelenSteps, EmbeddingBagCollectionInterface, FusedOptimizerModule
+):
     """An ``EmbeddingBagCollection`` whose tables are updated by CowClip during backward.
 
     Tables of one embedding dim (and pooling) are stored as one table batch: the
@@ -108,6 +104,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             default is one) is drawn from this seed, so it starts from the same weights
             unsharded and under any sharding plan or world size. None:
             ``torch.initial_seed()``.
+        kernel_mode: how the table batches update their rows (the row kernel:
+            ``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``,
+            :mod:`torchrec_cowclip.optim.row_step`), kept for the module's life (a device
+            move chooses the kernel of the new device in the same mode). None: the
+            ``TORCHREC_COWCLIP_COMPILE`` environment variable's, read now.
 
     Example::
 
@@ -127,12 +128,13 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
 
     def __init__(
         self,
-        tables: List[EmbeddingBagConfig],
+        tables: list[EmbeddingBagConfig],
         options: Optional[CowClipOptions] = None,
         *,
         is_weighted: bool = False,
         device: Optional[Union[str, torch.device]] = None,
         init_seed: Optional[int] = None,
+        kernel_mode: Optional[str] = None,
     ) -> None:
         super().__init__()
         _validate_tables(tables)
@@ -143,21 +145,23 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         options.check_tables(t.name for t in tables)
         unclipped = options.unclipped_tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        # One row kernel for every table batch, chosen here (and again on a device move),
-        # not per step: building the native one, if it is that, happens now.
-        kernel = select_kernel(self._device, options.rule)
+        # The kernel mode, resolved once (an explicit value, else the environment's), and
+        # one row kernel for every table batch, chosen from it here (and again on a device
+        # move), not per step: building the native one, if it is that, happens now.
+        self._kernel_mode = resolve_kernel_mode(kernel_mode)
+        kernel = select_kernel(self._device, options.rule, self._kernel_mode)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
-        self._row_inits: Dict[str, Optional[RowInit]] = row_initializers(tables, seed)
+        self._row_inits: dict[str, Optional[RowInit]] = row_initializers(tables, seed)
 
         self._embedding_bag_configs = tables
         self._is_weighted = is_weighted
         self._optimizer = optimizer
         names_by_table = get_embedding_names_by_table(tables)
-        self._embedding_names: List[str] = [e for names in names_by_table for e in names]
-        self._lengths_per_embedding: List[int] = [
+        self._embedding_names: list[str] = [e for names in names_by_table for e in names]
+        self._lengths_per_embedding: list[int] = [
             t.embedding_dim for t in tables for _ in t.feature_names
         ]
-        self._batches: List[TableBatch] = [
+        self._batches: list[TableBatch] = [
             TableBatch(
                 [tables[i] for i in group],
                 [names_by_table[i] for i in group],
@@ -168,7 +172,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             )
             for group in group_into_table_batches(tables)
         ]
-        self._key_permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._key_permutations: dict[tuple[str, ...], Optional[list[int]]] = {}
         # All of the collection's table batches are one lookup whose rows are local; the
         # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
         self._row_updates = RowUpdates([t.name for t in tables], options.helen, self._device)
@@ -182,7 +186,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         )
 
         self.embedding_bags = nn.ModuleDict()
-        params: Dict[str, nn.Parameter] = {}
+        params: dict[str, nn.Parameter] = {}
         for batch in self._batches:
             for i, name in enumerate(batch.table_names):
                 param = nn.Parameter(batch.table_weight(i))
@@ -205,9 +209,11 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         *,
         device: Optional[Union[str, torch.device]] = None,
         init_seed: Optional[int] = None,
+        kernel_mode: Optional[str] = None,
     ) -> "CowClipEmbeddingBagCollection":
         """Converts a ``torchrec.EmbeddingBagCollection``, copying its tables' weights;
-        ``is_weighted`` is the EBC's, ``device`` defaults to the EBC's.
+        ``is_weighted`` is the EBC's, ``device`` defaults to the EBC's (``init_seed`` and
+        ``kernel_mode`` as for the constructor).
 
         Weights marked by TorchRec's ``apply_optimizer_in_backward`` are trained as
         marked (:mod:`torchrec_cowclip.optim.torchrec_config`: e.g.
@@ -235,6 +241,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             is_weighted=ebc.is_weighted(),
             device=ebc.device if device is None else device,
             init_seed=init_seed,
+            kernel_mode=kernel_mode,
         )
         module.load_state_dict(ebc.state_dict())
         return module
@@ -282,7 +289,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             values=self._lookup(values, offsets, weights),
         )
 
-    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
@@ -302,7 +309,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         ).replace(helen=self.helen)
 
     @property
-    def unclipped_tables(self) -> Tuple[str, ...]:
+    def unclipped_tables(self) -> tuple[str, ...]:
         """Names of the tables that are updated but never clipped."""
         return tuple(
             name
@@ -318,9 +325,14 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     # --- the update -------------------------------------------------------------------
 
     @property
+    def kernel_mode(self) -> str:
+        """The kernel mode the module was built with (``kernel_mode=``, resolved once)."""
+        return self._kernel_mode
+
+    @property
     def row_kernel(self) -> RowKernel:
         """How the table batches group and update their touched rows
-        (:mod:`torchrec_cowclip.embedding.kernels`): chosen when the module was built or
+        (:mod:`torchrec_cowclip.embedding.row_kernels`): chosen when the module was built or
         last moved, the same for every batch."""
         return self._batches[0].kernel
 
@@ -339,44 +351,6 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             return Submission((index,), batch, row_grads, self._fused_optimizer.row_options())
 
         return submission
-
-    @property
-    def helen(self) -> Optional[Helen]:
-        """Helen's settings when the tables are trained by :meth:`helen_step`, else None."""
-        return self._row_updates.helen
-
-    def helen_step(
-        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
-    ) -> Tensor:
-        """One Helen step (:meth:`RowUpdates.helen_step
-        <torchrec_cowclip.embedding.row_updates.RowUpdates.helen_step>`, which also returns
-        its cost): ``closure()`` runs the forward pass and returns the scalar loss WITHOUT
-        calling backward.
-
-        The first backward reaches everything: every dense parameter's ``.grad`` gets the
-        first pass's gradient, as a plain ``loss.backward()`` would give it, ready for the
-        dense optimizer. The tables are perturbed on the rows the batch touched, the
-        closure runs again, and its backward reaches only the tables (and, with
-        ``Helen(perturb_dense=True)``, ``dense_params``, which were perturbed SAM-style and
-        then hold the second gradient); then the rows are restored and updated with the
-        second gradient. Returns the first pass's loss (detached).
-
-        Example::
-
-            >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-            >>> ebc = CowClipEmbeddingBagCollection(
-            ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["f"])],
-            ...     CowClipOptions(lr=1e-2, helen=Helen()))
-            >>> kjt = KeyedJaggedTensor.from_lengths_sync(
-            ...     keys=["f"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 2]))
-            >>> head = torch.nn.Linear(4, 1)
-            >>> loss = ebc.helen_step(lambda: head(ebc(kjt).values()).square().mean())
-            >>> state = ebc.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]
-            >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
-            (True, 1, 2)
-        """
-        return self._row_updates.helen_step(closure, dense_params).loss
 
     # --- FusedOptimizerModule ------------------------------------------------------
 
@@ -409,12 +383,12 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
-    def clip_stats(self) -> Dict[str, TableClipStats]:
+    def clip_stats(self) -> dict[str, TableClipStats]:
         """Per table: rows updated, clipped and skipped as non-finite, for the last
         step and cumulatively. Reading them synchronises with the device."""
         return self._clip_counters.stats()
 
-    def table_counters(self) -> Dict[str, Tensor]:
+    def table_counters(self) -> dict[str, Tensor]:
         """Per table, its ``[6]`` int64 clip counters, the layout checkpoints keep for
         unsharded and sharded modules alike (:meth:`ClipCounters.table_counters`)."""
         return self._clip_counters.table_counters()
@@ -443,7 +417,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         """
         self._clip_counters.track_rows(enabled)
 
-    def row_clip_counts(self) -> Dict[str, Tuple[Tensor, Tensor]]:
+    def row_clip_counts(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Per table, ``(updated, clipped)`` counts of each row since
         :meth:`track_row_clips` (:meth:`ClipCounters.row_counts`)."""
         return self._clip_counters.row_counts()
@@ -451,7 +425,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
     # --- Module plumbing -----------------------------------------------------------
 
     @property
-    def row_initializers(self) -> Dict[str, Optional[RowInit]]:
+    def row_initializers(self) -> dict[str, Optional[RowInit]]:
         """Per table, the counter-based initialisation its weights start from (None: the
         config's own ``init_fn``, called as given); the sharder initialises each shard
         from these."""
@@ -518,7 +492,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
             batch._apply(fn)
         moved_to = self._batches[0].weight.device
         if moved_to != self._device:
-            kernel = select_kernel(moved_to, update_rule(self._optimizer))
+            kernel = select_kernel(moved_to, update_rule(self._optimizer), self._kernel_mode)
             for batch in self._batches:
                 batch.kernel = kernel
         self._device = moved_to
@@ -530,7 +504,7 @@ class CowClipEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedOptimi
         moved: nn.Module = super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
         return moved
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy and unpickling clone each per-table parameter on its own; re-point
         # them (and the optimizer's state views) at the copied table batches.
         super().__setstate__(state)
@@ -584,7 +558,7 @@ def _checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
 def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
     if not tables:
         raise ValueError("tables must not be empty")
-    names: Set[str] = set()
+    names: set[str] = set()
     for table in tables:
         if table.name in names:
             raise ValueError(f"Duplicate table name {table.name}")
@@ -610,7 +584,7 @@ def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
 
 
-def _key_permutation(keys: Tuple[str, ...], wanted: List[str]) -> Optional[List[int]]:
+def _key_permutation(keys: tuple[str, ...], wanted: list[str]) -> Optional[list[int]]:
     """KJT key indices in table-batch order (a feature shared by tables repeats)."""
     expected = sorted(set(wanted))
     missing = [k for k in expected if k not in keys]
@@ -648,7 +622,7 @@ def _check_structure(
         )
 
 
-def quantization_mapping() -> Dict[type, type]:
+def quantization_mapping() -> dict[type, type]:
     """TorchRec's quantization mapping for this collection: its quantized
     ``torchrec.quant.EmbeddingBagCollection``, which ``from_float`` builds from the
     collection's table configs and ``state_dict`` as from a stock EBC's (the same keys).

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from torchrec_cowclip.embedding.lookup import BatchLookup
+from torchrec_cowclip.embedding.row_lookup import BatchLookup
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -123,7 +123,7 @@ def prepare_lookup(
     weights: Optional[Tensor],
     batch_size: int,
 ) -> BatchLookup:
-    """One table batch's :class:`~.lookup.BatchLookup`: checks ``ids`` against their
+    """One table batch's :class:`~.row_lookup.BatchLookup`: checks ``ids`` against their
     tables and maps them to rows of the batch.
 
     Args:

@@ -30,14 +30,26 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import register_ordered_effect
 
-__all__ = ["LookupImpl", "lookup", "register"]
+__all__ = ["LookupImpl", "SavedLookup", "lookup", "register"]
+
+
+class SavedLookup(NamedTuple):
+    """What a forward keeps for its backward: its inputs but the leaf, and the forward
+    op's outputs but the pooled embeddings (:meth:`LookupImpl.forward_impl`)."""
+
+    values: Tensor
+    offsets: Tensor
+    weights: Optional[Tensor]
+    row_ids: Tensor
+    token: Tensor
+    looked_up: Sequence[Tensor]
 
 
 class LookupImpl(Protocol):
@@ -54,15 +66,7 @@ class LookupImpl(Protocol):
         """Empty tensors of :meth:`forward_impl`'s outputs' shapes (the fake kernel)."""
 
     def backward_impl(
-        self,
-        grad: Tensor,
-        values: Tensor,
-        offsets: Tensor,
-        weights: Optional[Tensor],
-        row_ids: Tensor,
-        token: Tensor,
-        looked_up: Sequence[Tensor],
-        weights_need_grad: bool,
+        self, grad: Tensor, saved: SavedLookup, weights_need_grad: bool
     ) -> Optional[Tensor]:
         """Updates the rows from the pooled output's gradient ``grad``; returns the
         per-sample weights' gradient when ``weights_need_grad``."""
@@ -106,15 +110,13 @@ def _lookup_op(
     return _impl(handle).forward_impl(values, offsets, weights, keep_rows)
 
 
+# The fakes take the ops' inputs as the dispatcher passes them: positionally, in the
+# order of the ops' signatures above.
+
+
 @_lookup_op.register_fake
-def _lookup_fake(
-    leaf: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    weights: Optional[Tensor],
-    handle: int,
-    keep_rows: bool,
-) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+def _lookup_fake(*inputs: Any) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+    _, values, offsets, weights, handle, keep_rows = inputs
     return _impl(handle).forward_shapes(values, offsets, weights, keep_rows)
 
 
@@ -131,9 +133,8 @@ def _lookup_backward_op(
     handle: int,
     weights_need_grad: bool,
 ) -> Tuple[Tensor, Tensor]:
-    weights_grad = _impl(handle).backward_impl(
-        grad, values, offsets, weights, row_ids, token, looked_up, weights_need_grad
-    )
+    saved = SavedLookup(values, offsets, weights, row_ids, token, looked_up)
+    weights_grad = _impl(handle).backward_impl(grad, saved, weights_need_grad)
     if weights_grad is None:
         weights_grad = values.new_zeros((0,), dtype=torch.float32)
     # The leaf's gradient: zero-size, it only orders this node in autograd.
@@ -141,18 +142,8 @@ def _lookup_backward_op(
 
 
 @_lookup_backward_op.register_fake
-def _lookup_backward_fake(
-    grad: Tensor,
-    leaf: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    weights: Optional[Tensor],
-    row_ids: Tensor,
-    token: Tensor,
-    looked_up: List[Tensor],
-    handle: int,
-    weights_need_grad: bool,
-) -> Tuple[Tensor, Tensor]:
+def _lookup_backward_fake(*inputs: Any) -> Tuple[Tensor, Tensor]:
+    leaf, values, weights_need_grad = inputs[1], inputs[2], inputs[-1]
     size = values.shape[0] if weights_need_grad else 0
     return torch.empty_like(leaf), values.new_empty((size,), dtype=torch.float32)
 
@@ -169,34 +160,22 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Any, ...]) -
     ctx.save_for_backward(*saved)
 
 
-def _saved(
-    ctx: Any,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, List[Tensor], Optional[Tensor]]:
-    """What :func:`_setup_context` saved: leaf, values, offsets, row ids, token, the
-    looked-up rows and the weights."""
+def _saved(ctx: Any) -> Tuple[Tensor, SavedLookup]:
+    """What :func:`_setup_context` saved: the leaf, and the rest for the backward."""
     saved = list(ctx.saved_tensors)
     leaf, values, offsets, row_ids, token = saved[:5]
     looked_up = saved[5 : 5 + ctx.num_kept]
     weights = saved[5 + ctx.num_kept] if ctx.weighted else None
-    return leaf, values, offsets, row_ids, token, looked_up, weights
+    return leaf, SavedLookup(values, offsets, weights, row_ids, token, looked_up)
 
 
 def _backward(
     ctx: Any, grad: Tensor, *_: Any
 ) -> Tuple[Optional[Tensor], None, None, Optional[Tensor], None, None]:
-    leaf, values, offsets, row_ids, token, looked_up, weights = _saved(ctx)
+    leaf, saved = _saved(ctx)
     weights_need_grad = bool(ctx.weighted and ctx.needs_input_grad[3])
     leaf_grad, weights_grad = _lookup_backward_op(
-        grad.contiguous(),
-        leaf,
-        values,
-        offsets,
-        weights,
-        row_ids,
-        token,
-        looked_up,
-        ctx.handle,
-        weights_need_grad,
+        grad.contiguous(), leaf, *saved, ctx.handle, weights_need_grad
     )
     return leaf_grad, None, None, weights_grad if weights_need_grad else None, None, None
 
@@ -212,27 +191,18 @@ class _EagerLookup(torch.autograd.Function):
     docs/performance.md); the ops serve ``torch.compile``."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        leaf: Tensor,
-        values: Tensor,
-        offsets: Tensor,
-        weights: Optional[Tensor],
-        handle: int,
-        keep_rows: bool,
-    ) -> Tensor:
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        # The forward op's inputs, in its order.
+        _, values, offsets, weights, handle, keep_rows = inputs
         output = _impl(handle).forward_impl(values, offsets, weights, keep_rows)
-        _setup_context(ctx, (leaf, values, offsets, weights, handle, keep_rows), output)
+        _setup_context(ctx, inputs, output)
         return output[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[None, None, None, Optional[Tensor], None, None]:
-        _, values, offsets, row_ids, token, looked_up, weights = _saved(ctx)
+        _, saved = _saved(ctx)
         weights_need_grad = bool(ctx.weighted and ctx.needs_input_grad[3])
-        weights_grad = _impl(ctx.handle).backward_impl(
-            grad.contiguous(), values, offsets, weights, row_ids, token, looked_up,
-            weights_need_grad,
-        )  # fmt: skip
+        weights_grad = _impl(ctx.handle).backward_impl(grad.contiguous(), saved, weights_need_grad)
         return None, None, None, weights_grad, None, None
 
 

@@ -19,11 +19,11 @@ instruction-set flags (the build uses ``-march=native``): an edited source never
 a library with another, every checkout of the same source shares one (it is compiled from
 a copy in its own directory, so each checkout's build reads as up to date), and every later
 process on the machine loads the cached one in milliseconds. :func:`build` runs once per process, when the first table batch that uses
-the kernels is built (:class:`~torchrec_cowclip.embedding.kernels.NativeCpuKernel`), never
+the kernels is built (:class:`~torchrec_cowclip.embedding.row_kernels.NativeCpuKernel`), never
 inside a backward; a build prints one line to stderr before it starts and one when it ends
 (times: docs/performance.md).
 
-Whether they run is the row kernel's choice (:mod:`torchrec_cowclip.embedding.kernels`,
+Whether they run is the row kernel's choice (:mod:`torchrec_cowclip.embedding.row_kernels`,
 ``TORCHREC_COWCLIP_COMPILE``).
 """
 
@@ -234,13 +234,7 @@ def _register_fake_kernels() -> None:
     ``torch.compile``, compiled autograd and ``torch.library.opcheck``."""
     from torch.library import get_ctx, register_fake
 
-    def fake_group_rows(
-        row_ids: Tensor,
-        bag_of_position: Tensor,
-        num_rows: int,
-        feature_starts: Optional[Tensor] = None,
-        feature_rows: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def fake_group_rows(row_ids: Tensor, *_: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         unique = get_ctx().new_dynamic_size()
         positions = row_ids.shape[0]
 
@@ -249,19 +243,9 @@ def _register_fake_kernels() -> None:
 
         return longs(unique), longs(unique), longs(unique + 1), longs(positions), longs(positions)
 
-    def fake_fused_update(
-        weight: Tensor,
-        state0: Optional[Tensor],
-        state1: Optional[Tensor],
-        rows: Tensor,
-        counts: Tensor,
-        grad: Tensor,
-        segment_offsets: Optional[Tensor],
-        sorted_bags: Optional[Tensor],
-        sorted_weights: Optional[Tensor],
-        row_offsets: Tensor,
-        *hyperparameters: Any,
-    ) -> Tuple[Tensor, Tensor]:
+    def fake_fused_update(*arguments: Any) -> Tuple[Tensor, Tensor]:
+        # The schema's order (update_arguments): rows 4th, row_offsets 10th.
+        rows, row_offsets = arguments[3], arguments[9]
         status = rows.new_empty(rows.shape, dtype=torch.int8)
         per_table = rows.new_empty((3, row_offsets.shape[0] - 1), dtype=torch.int64)
         return status, per_table

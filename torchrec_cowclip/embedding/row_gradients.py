@@ -11,7 +11,7 @@ A stable sort plus this segment sum is cheaper than ``index_select`` + ``index_a
 same gradients (measured: docs/performance.md, "Measured reasons behind code choices").
 
 Which grouping and when the sum runs is the table batch's row kernel's
-(:mod:`.kernels`): the native CPU kernel groups by radix sorts (the same result as the
+(:mod:`.row_kernels`): the native CPU kernel groups by radix sorts (the same result as the
 stable sort) and leaves the segment sum to its update, which sums each row's bag gradients
 in the same pass that updates the row: a :class:`RowGradients` then holds its
 :class:`RowSegments` and forms ``grad`` only when something reads it (Helen, the

@@ -9,7 +9,7 @@ and a Helen step both run:
 
 1. ``channel.begin_forward()`` at the start of the lookup's forward: a new
    :class:`LookupStep`, and the zero-size *anchor* every table batch's lookup of that
-   forward takes as autograd input (:class:`~torchrec_cowclip.embedding.lookup.RowLookup`);
+   forward takes as autograd input (:class:`~torchrec_cowclip.embedding.row_lookup.RowLookup`);
 2. each table batch's backward submits its row gradients (a :class:`Submission`) to the step;
 3. autograd runs the step's own node after all of them (every lookup took its anchor),
    which hands the step to :meth:`RowUpdates.take`; it takes the submissions, in key order
@@ -17,7 +17,7 @@ and a Helen step both run:
 
    * ``APPLY`` (a plain ``loss.backward()``): the channel's strategy applies them
      (one call of each table batch's row kernel, :meth:`RowKernel.update_
-     <torchrec_cowclip.embedding.kernels.RowKernel.update_>`);
+     <torchrec_cowclip.embedding.row_kernels.RowKernel.update_>`);
    * ``HOLD_ASCENT`` / ``HOLD_DESCENT`` (the two passes of :meth:`RowUpdates.helen_step`):
      they are held; between the passes the held rows are perturbed
      (:mod:`.helen`), after the second the rows are restored and the held descent steps
@@ -60,6 +60,7 @@ from torchrec_cowclip.optim.options import CowClipOptions, Helen
 __all__ = [
     "HelenCost",
     "HelenStep",
+    "HelenSteps",
     "LocalRows",
     "LookupChannel",
     "LookupStep",
@@ -374,3 +375,54 @@ class RowUpdates:
                     )
                 )
         return rows
+
+
+class HelenSteps:
+    """What a collection that owns a :class:`RowUpdates` (``_row_updates``) offers of
+    Helen: its settings and its step, the unsharded collection's and the sharded one's
+    alike."""
+
+    _row_updates: RowUpdates
+
+    @property
+    def helen(self) -> Optional[Helen]:
+        """Helen's settings when the tables are trained by :meth:`helen_step`, else None."""
+        return self._row_updates.helen
+
+    def helen_step(
+        self, closure: Callable[[], Tensor], dense_params: Optional[Iterable[Tensor]] = None
+    ) -> Tensor:
+        """One Helen step (:meth:`RowUpdates.helen_step`, which also returns its cost):
+        ``closure()`` runs the forward pass and returns the scalar loss WITHOUT calling
+        backward.
+
+        The first backward reaches everything: every dense parameter's ``.grad`` gets the
+        first pass's gradient, as a plain ``loss.backward()`` would give it, ready for the
+        dense optimizer. The tables are perturbed on the rows the batch touched, the
+        closure runs again, and its backward reaches only the tables (and, with
+        ``Helen(perturb_dense=True)``, ``dense_params``, which were perturbed SAM-style and
+        then hold the second gradient); then the rows are restored and updated with the
+        second gradient. Returns the first pass's loss (detached).
+
+        On a sharded collection, every rank takes the step (a collective): each table's
+        gradient norm and largest count are combined over its row and column shards, so
+        the step equals the unsharded one on the global batch (the strategies'
+        ``perturbation_rows`` and an all-reduce of the table statistics).
+
+        Example::
+
+            >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+            >>> from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions
+            >>> ebc = CowClipEmbeddingBagCollection(
+            ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+            ...                         feature_names=["f"])],
+            ...     CowClipOptions(lr=1e-2, helen=Helen()))
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+            ...     keys=["f"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 2]))
+            >>> head = torch.nn.Linear(4, 1)
+            >>> loss = ebc.helen_step(lambda: head(ebc(kjt).values()).square().mean())
+            >>> state = ebc.fused_optimizer.state_dict()["state"]["embedding_bags.t.weight"]
+            >>> head.weight.grad is not None, int(state["step"]), int((state["exp_avg"] != 0).any(1).sum())
+            (True, 1, 2)
+        """
+        return self._row_updates.helen_step(closure, dense_params).loss

@@ -23,7 +23,7 @@ from torchrec.modules.embedding_configs import (
     data_type_to_dtype,
 )
 
-from torchrec_cowclip.embedding.kernels import RowKernel
+from torchrec_cowclip.embedding.row_kernels import RowKernel
 from torchrec_cowclip.optim.functional import STORAGE_DTYPES, rounding_row_keys
 from torchrec_cowclip.optim.rules import STATE_LAYOUT
 
@@ -84,7 +84,7 @@ class TableBatch(nn.Module):
         clipped: per table, whether CowClip may clip it.
         device: where the tensors live.
         kernel: how the batch's touched rows are grouped and updated
-            (:mod:`~torchrec_cowclip.embedding.kernels`), chosen by the owner for
+            (:mod:`~torchrec_cowclip.embedding.row_kernels`), chosen by the owner for
             ``device``; an owner that moves the batch chooses again.
         global_offsets: per table, the (row, column) of its first element in the whole
             table it is a shard of (default: (0, 0), whole tables); the stochastic
@@ -99,7 +99,7 @@ class TableBatch(nn.Module):
         step: ``[T]`` int64 step count per table.
         feature_names: the features looked up in this batch, table by table (a
             feature shared by two tables appears twice).
-        kernel: its :class:`~torchrec_cowclip.embedding.kernels.RowKernel`.
+        kernel: its :class:`~torchrec_cowclip.embedding.row_kernels.RowKernel`.
     """
 
     def __init__(

@@ -73,13 +73,14 @@ def bag_bounds(offsets_ptr, bags, in_range, num_bags, num_ids, flags_ptr, WHOLE:
 
 
 @triton.jit
-def checked_ids(ids_ptr, positions, at, num_rows, num_ids, flags_ptr):
-    # The ids at ``positions`` (where ``at``) as int64, and which lie outside [0, num_rows);
-    # the first such position goes to flag 1 (num_ids: none).
+def checked_ids(ids_ptr, positions, end, num_rows, num_ids, flags_ptr):
+    # The ids at ``positions`` before ``end`` (``at``) as int64, and which lie outside
+    # [0, num_rows); the first such position goes to flag 1 (num_ids: none).
+    at = positions < end
     ids = tl.load(ids_ptr + positions, mask=at, other=0).to(tl.int64)
     outside = at & ((ids < 0) | (ids >= num_rows))
     tl.atomic_min(flags_ptr + 1, tl.min(tl.where(outside, positions, num_ids)).to(tl.int64))
-    return ids, outside
+    return at, ids, outside
 
 
 @triton.jit
@@ -108,8 +109,7 @@ def prepare(
     j = 0
     while j < longest:
         positions = start + j
-        at = positions < end
-        ids, outside = checked_ids(values_ptr, positions, at, num_rows, num_ids, flags_ptr)
+        at, ids, outside = checked_ids(values_ptr, positions, end, num_rows, num_ids, flags_ptr)
         tl.store(row_ids_ptr + positions, ids + first_row, mask=at)
         j += 1
 
@@ -147,8 +147,7 @@ def pool(
     j = 0
     while j < longest:
         positions = start + j
-        at = positions < end
-        ids, outside = checked_ids(ids_ptr, positions, at, num_rows, num_ids, flags_ptr)
+        at, ids, outside = checked_ids(ids_ptr, positions, end, num_rows, num_ids, flags_ptr)
         ok = at & ~outside
         rows = tl.load(
             weight_ptr + ids[:, None] * dim + cols[None, :],

@@ -111,11 +111,22 @@ class FirstOrderLogit(nn.Module):
 
 
 class FieldCTRModel(CTRModel):
-    """Shared trunk of DeepFM, Wide&Deep, DCN and DCNv2.
+    """Shared trunk of DeepFM, Wide&Deep, DCN and DCNv2, on a CowClip (or stock TorchRec)
+    embedding collection.
 
     Owns the field embeddings (dim-``D`` tables clipped by CowClip, dim-1 first-order
-    tables not clipped, one collection) and the first-order logit. Subclasses build
-    their heads inside ``device_scope(device)`` and call :meth:`embed`.
+    tables not clipped, one collection) and the first-order logit; a model builds its
+    heads in :meth:`build_heads` (called inside ``device_scope(device)``, after the
+    trunk) and calls :meth:`embed` in its forward.
+
+    Args:
+        sparse_names: sparse feature names (the KJT's keys, in any order).
+        cardinalities: rows per feature.
+        num_dense: dense features (0 for Avazu).
+        embedding_dim: D of the clipped tables (paper: 10).
+        hidden: DNN layer sizes, ReLU (paper: 400-400-400).
+        embedding: backend, in-backward optimizer, CowClip and init of the tables.
+        device: where tables and layers live.
     """
 
     def __init__(
@@ -123,9 +134,10 @@ class FieldCTRModel(CTRModel):
         sparse_names: Sequence[str],
         cardinalities: Sequence[int],
         num_dense: int,
-        embedding_dim: int,
-        embedding: EmbeddingOptions,
-        device: DeviceLike,
+        embedding_dim: int = 10,
+        hidden: Sequence[int] = (400, 400, 400),
+        embedding: EmbeddingOptions = EmbeddingOptions(),
+        device: DeviceLike = None,
     ) -> None:
         super().__init__()
         if num_dense < 0:
@@ -143,6 +155,13 @@ class FieldCTRModel(CTRModel):
         self.sparse_feature_names = list(sparse_names)
         with device_scope(device):
             self.linear = FirstOrderLogit(num_dense)
+        with device_scope(device):
+            self.build_heads(list(hidden))
+
+    def build_heads(self, hidden: List[int]) -> None:
+        """Builds the model's layers over :meth:`embed`'s outputs (``hidden``: the DNN's
+        layer sizes); called once, by the constructor."""
+        raise NotImplementedError
 
     @property
     def embedding_collection(self) -> EmbeddingBagCollectionInterface:

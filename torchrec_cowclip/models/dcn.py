@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, List, Literal
 
 import torch
 from torch import Tensor, nn
@@ -32,40 +32,30 @@ from torchrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCr
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_cowclip.models.base import FieldCTRModel, device_scope
-from torchrec_cowclip.models.embeddings import DeviceLike, EmbeddingOptions
+from torchrec_cowclip.models.base import FieldCTRModel
 
 CrossParameterization = Literal["vector", "matrix"]
 
 
 class _DeepAndCross(FieldCTRModel):
-    """DCN-style trunk: a cross net and a DNN side by side on the same input."""
+    """DCN-style trunk: a cross net (:meth:`cross_net`) and a DNN side by side on the same
+    input; empty ``hidden`` means cross-only, as in the reference (no identity "DNN"
+    branch). The models' own arguments are set before the trunk builds the heads."""
 
-    def __init__(
-        self,
-        sparse_names: Sequence[str],
-        cardinalities: Sequence[int],
-        num_dense: int,
-        embedding_dim: int,
-        hidden: Sequence[int],
-        embedding: EmbeddingOptions,
-        device: DeviceLike,
-    ) -> None:
-        super().__init__(sparse_names, cardinalities, num_dense, embedding_dim, embedding, device)
-        self._hidden = list(hidden)
+    def cross_net(self) -> nn.Module:
+        raise NotImplementedError
 
-    def _build_heads(self, cross: nn.Module, device: DeviceLike) -> None:
-        self.cross = cross
-        with device_scope(device):
-            self.deep = MLP(self.flat_input_size, self._hidden, activation="relu")
-            stacked = self.flat_input_size + (self._hidden[-1] if self._hidden else 0)
-            self.projection = nn.Linear(stacked, 1, bias=False)
+    def build_heads(self, hidden: List[int]) -> None:
+        self._hidden = hidden
+        self.cross = self.cross_net()
+        self.deep = MLP(self.flat_input_size, hidden, activation="relu")
+        stacked = self.flat_input_size + (hidden[-1] if hidden else 0)
+        self.projection = nn.Linear(stacked, 1, bias=False)
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""
         embeddings, linear = self.embed(dense, sparse)
         x0 = self.flat_input(embeddings, dense)
-        # Empty `hidden` means cross-only, as in the reference (no identity "DNN" branch).
         parts = [self.cross(x0)] + ([self.deep(x0)] if self._hidden else [])
         cross_deep: Tensor = self.projection(torch.cat(parts, dim=1)).squeeze(1)
         return linear + cross_deep
@@ -74,42 +64,31 @@ class _DeepAndCross(FieldCTRModel):
 class DCN(_DeepAndCross):
     """DCN (Wang et al., 2017) on a CowClip (or stock TorchRec) embedding collection.
 
+    Arguments as :class:`~torchrec_cowclip.models.base.FieldCTRModel`'s (``hidden`` empty
+    for cross-only), and:
+
     Args:
-        sparse_names: sparse feature names (the KJT's keys, in any order).
-        cardinalities: rows per feature.
-        num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (paper: 10).
-        hidden: DNN layer sizes, ReLU (paper: 400-400-400); empty for cross-only.
         cross_layers: cross layers (paper: 3).
         cross_parameterization: ``"vector"`` - ``x_{l+1} = x0 (x_l . w_l) + b_l + x_l``,
             TorchRec's ``VectorCrossNet``, the original DCN and the default of the
             reference's DeepCTR ``DCN`` (its ``train.py`` does not change it); or
             ``"matrix"`` - ``x_{l+1} = x0 * (W_l x_l + b_l) + x_l``, TorchRec's
             ``CrossNet`` (full N x N kernels: 3 x 273^2 = 224k weights on Criteo).
-        embedding: backend, in-backward optimizer, CowClip and init of the tables.
-        device: where tables and layers live.
 
     Example::
 
         >>> model = DCN(["C1"], [100], num_dense=0, hidden=(16,), cross_layers=3,
         ...             cross_parameterization="matrix")
-        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id each
-        ...     keys=["C1"], values=torch.tensor([5, 99]), lengths=torch.ones(2, dtype=torch.int64))
-        >>> model(torch.zeros(2, 0), kjt).shape
-        torch.Size([2])
+        >>> sum(p.numel() for p in model.cross.parameters())  # 3 x (10^2 + 10), N = 10
+        330
     """
 
     def __init__(
         self,
-        sparse_names: Sequence[str],
-        cardinalities: Sequence[int],
-        num_dense: int,
-        embedding_dim: int = 10,
-        hidden: Sequence[int] = (400, 400, 400),
+        *args: Any,
         cross_layers: int = 3,
         cross_parameterization: CrossParameterization = "vector",
-        embedding: EmbeddingOptions = EmbeddingOptions(),
-        device: DeviceLike = None,
+        **kwargs: Any,
     ) -> None:
         if cross_layers < 1:
             raise ValueError(f"cross_layers must be >= 1, got {cross_layers}")
@@ -118,13 +97,13 @@ class DCN(_DeepAndCross):
                 "cross_parameterization must be 'vector' or 'matrix', "
                 f"got {cross_parameterization!r}"
             )
-        super().__init__(
-            sparse_names, cardinalities, num_dense, embedding_dim, hidden, embedding, device
-        )
-        net = VectorCrossNet if cross_parameterization == "vector" else CrossNet
-        with device_scope(device):
-            cross = net(in_features=self.flat_input_size, num_layers=cross_layers)
-        self._build_heads(cross, device)
+        self._cross = (cross_layers, cross_parameterization)
+        super().__init__(*args, **kwargs)
+
+    def cross_net(self) -> nn.Module:
+        layers, parameterization = self._cross
+        net = VectorCrossNet if parameterization == "vector" else CrossNet
+        return net(in_features=self.flat_input_size, num_layers=layers)
 
 
 class DCNv2(_DeepAndCross):
@@ -135,54 +114,43 @@ class DCNv2(_DeepAndCross):
     ReLU); the gates, the ``U (N x r)``, ``C (r x r)``, ``V (r x N)`` kernels per expert
     and the softmax over experts match it term for term.
 
+    Arguments as :class:`~torchrec_cowclip.models.base.FieldCTRModel`'s (``hidden`` empty
+    for cross-only), and:
+
     Args:
-        sparse_names: sparse feature names (the KJT's keys, in any order).
-        cardinalities: rows per feature.
-        num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (paper: 10).
-        hidden: DNN layer sizes, ReLU (paper: 400-400-400); empty for cross-only.
         cross_layers: mixture cross layers (paper: 3).
         low_rank: r of each expert (reference default 32).
         num_experts: experts per layer (reference default 4).
-        embedding: backend, in-backward optimizer, CowClip and init of the tables.
-        device: where tables and layers live.
 
     Example::
 
         >>> model = DCNv2(["C1"], [100], num_dense=2, hidden=(16,), low_rank=4)
-        >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # 2 samples, one id each
-        ...     keys=["C1"], values=torch.tensor([5, 99]), lengths=torch.ones(2, dtype=torch.int64))
-        >>> model(torch.rand(2, 2), kjt).shape
-        torch.Size([2])
+        >>> type(model.cross).__name__, model.flat_input_size   # 10 embedding + 2 dense
+        ('LowRankMixtureCrossNet', 12)
     """
 
     def __init__(
         self,
-        sparse_names: Sequence[str],
-        cardinalities: Sequence[int],
-        num_dense: int,
-        embedding_dim: int = 10,
-        hidden: Sequence[int] = (400, 400, 400),
+        *args: Any,
         cross_layers: int = 3,
         low_rank: int = 32,
         num_experts: int = 4,
-        embedding: EmbeddingOptions = EmbeddingOptions(),
-        device: DeviceLike = None,
+        **kwargs: Any,
     ) -> None:
         if cross_layers < 1 or low_rank < 1 or num_experts < 1:
             raise ValueError(
                 "cross_layers, low_rank and num_experts must be >= 1, got "
                 f"{cross_layers}, {low_rank}, {num_experts}"
             )
-        super().__init__(
-            sparse_names, cardinalities, num_dense, embedding_dim, hidden, embedding, device
+        self._mixture = (cross_layers, low_rank, num_experts)
+        super().__init__(*args, **kwargs)
+
+    def cross_net(self) -> nn.Module:
+        layers, low_rank, num_experts = self._mixture
+        return LowRankMixtureCrossNet(
+            in_features=self.flat_input_size,
+            num_layers=layers,
+            num_experts=num_experts,
+            low_rank=low_rank,
+            activation=torch.tanh,
         )
-        with device_scope(device):
-            cross = LowRankMixtureCrossNet(
-                in_features=self.flat_input_size,
-                num_layers=cross_layers,
-                num_experts=num_experts,
-                low_rank=low_rank,
-                activation=torch.tanh,
-            )
-        self._build_heads(cross, device)

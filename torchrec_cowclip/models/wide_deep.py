@@ -18,13 +18,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List
 
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_cowclip.models.base import FieldCTRModel, device_scope
-from torchrec_cowclip.models.embeddings import DeviceLike, EmbeddingOptions
+from torchrec_cowclip.models.base import FieldCTRModel
 
 
 class WideAndDeep(FieldCTRModel):
@@ -34,14 +33,7 @@ class WideAndDeep(FieldCTRModel):
     the dense features, as in the reference, which feeds the same raw features to both
     parts and uses no hand-made cross features.
 
-    Args:
-        sparse_names: sparse feature names (the KJT's keys, in any order).
-        cardinalities: rows per feature.
-        num_dense: dense features (0 for Avazu).
-        embedding_dim: D of the clipped tables (paper: 10).
-        hidden: DNN layer sizes, ReLU (paper: 400-400-400).
-        embedding: backend, in-backward optimizer, CowClip and init of the tables.
-        device: where tables and layers live.
+    Arguments as :class:`~torchrec_cowclip.models.base.FieldCTRModel`'s.
 
     Example::
 
@@ -54,19 +46,8 @@ class WideAndDeep(FieldCTRModel):
         torch.Size([2])
     """
 
-    def __init__(
-        self,
-        sparse_names: Sequence[str],
-        cardinalities: Sequence[int],
-        num_dense: int,
-        embedding_dim: int = 10,
-        hidden: Sequence[int] = (400, 400, 400),
-        embedding: EmbeddingOptions = EmbeddingOptions(),
-        device: DeviceLike = None,
-    ) -> None:
-        super().__init__(sparse_names, cardinalities, num_dense, embedding_dim, embedding, device)
-        with device_scope(device):
-            self.deep = self.dnn_tower(hidden)
+    def build_heads(self, hidden: List[int]) -> None:
+        self.deep = self.dnn_tower(hidden)
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """``dense [B, num_dense]``, ``sparse`` KJT of :attr:`sparse_feature_names` -> logits ``[B]``."""

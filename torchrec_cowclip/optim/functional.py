@@ -21,7 +21,7 @@ package). Helen (``docs/algorithm.md``, "Helen") adds one rule before them:
 :func:`helen_table_statistics` and :func:`helen_perturbation` give the frequency-scaled
 perturbation of the touched rows at which the second gradient is taken
 (:func:`sam_perturbations` for dense parameters). The optimizers of step 5 are row steps
-(:data:`RowRule`): :func:`adam_step`, :func:`rowwise_adagrad_step` and :func:`sgd_step`,
+(:data:`OptimizerStep`): :func:`adam_step`, :func:`rowwise_adagrad_step` and :func:`sgd_step`,
 which the registry of :mod:`.rules` builds its built-in rules from. A row split into column
 shards (TorchRec column-wise sharding) is handled by the same functions: each shard computes
 its :func:`partial_row_sums`, the shards add them up, and :class:`RowSums` of the whole row
@@ -58,7 +58,7 @@ HELEN_NORM_EPS = 1e-12
 #: factor of step 3). A step takes the keywords it needs and ``**_`` for the rest. The
 #: built-in ones are :func:`adam_step`, :func:`rowwise_adagrad_step` and :func:`sgd_step`;
 #: the registry of :mod:`.rules` names them.
-RowRule = Callable[..., None]
+OptimizerStep = Callable[..., None]
 
 
 class ClipSettings(Protocol):
@@ -436,7 +436,7 @@ def adam_step(
     adam_bias: Optional[Tuple[Tensor, Tensor]],
     **_: Any,
 ) -> None:
-    """Adam as a :data:`RowRule` (state ``exp_avg``, ``exp_avg_sq``): :func:`adam_rows_`."""
+    """Adam as a :data:`OptimizerStep` (state ``exp_avg``, ``exp_avg_sq``): :func:`adam_rows_`."""
     adam_rows_(
         weight,
         grad,
@@ -463,7 +463,7 @@ def rowwise_adagrad_step(
     row_sums: Optional[RowSums],
     **_: Any,
 ) -> None:
-    """Row-wise Adagrad as a :data:`RowRule` (state ``sum``): :func:`rowwise_adagrad_rows_`,
+    """Row-wise Adagrad as a :data:`OptimizerStep` (state ``sum``): :func:`rowwise_adagrad_rows_`,
     with a column shard's ``mean(g_j**2)`` over the whole row from ``row_sums``."""
     grad_sq_mean = None if row_sums is None else row_sums.mean_square_after(scale, weight_decay)
     rowwise_adagrad_rows_(weight, grad, state["sum"], lr, eps, grad_sq_mean)
@@ -472,7 +472,7 @@ def rowwise_adagrad_step(
 def sgd_step(
     weight: Tensor, grad: Tensor, state: Dict[str, Tensor], *, lr: LearningRate, **_: Any
 ) -> None:
-    """SGD as a :data:`RowRule` (no state): :func:`sgd_rows_`."""
+    """SGD as a :data:`OptimizerStep` (no state): :func:`sgd_rows_`."""
     sgd_rows_(weight, grad, lr)
 
 
@@ -572,7 +572,7 @@ def stochastic_round(
 
 
 def cowclip_row_update_(
-    rule: RowRule,
+    rule: OptimizerStep,
     weight: Tensor,
     grad: Tensor,
     counts: Tensor,
@@ -592,7 +592,7 @@ def cowclip_row_update_(
     """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
     Args:
-        rule: the optimizer's row step (:data:`RowRule`): :func:`adam_step`,
+        rule: the optimizer's row step (:data:`OptimizerStep`): :func:`adam_step`,
             :func:`rowwise_adagrad_step`, :func:`sgd_step`, or a registered rule's ``step``
             (:func:`~.rules.update_rule`).
         weight: ``[U, D]`` rows before the step; updated in place.

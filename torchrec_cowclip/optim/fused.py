@@ -101,9 +101,7 @@ class CowClipFusedOptimizer(FusedOptimizer):
                         f"state dict, {sorted(self.param_groups[i])} here; nothing was loaded"
                     )
                 try:
-                    validate_hyperparameters(
-                        **{k: group[k] for k in _ROW_HYPERPARAMETERS if k in group}
-                    )
+                    validate_hyperparameters(group)
                 except (TypeError, ValueError) as e:
                     raise StateDictMismatch(
                         f"fused optimizer: param_groups[{i}]: {e}; nothing was loaded"

@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, NoReturn, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterable, NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -40,12 +40,50 @@ __all__ = ["CowClipAdam", "CowClipInBackward", "CowClipRowWiseAdagrad", "CowClip
 
 class CowClipInBackward(torch.optim.Optimizer):
     """Base of the classes below: the ``rule`` they name and their hyperparameters,
-    validated at construction (:class:`~torchrec_cowclip.optim.options.CowClipOptions`)."""
+    validated at construction (:class:`~torchrec_cowclip.optim.options.CowClipOptions`).
+
+    Args:
+        params: the table weights.
+        lr, betas, eps, weight_decay: as :class:`~torchrec_cowclip.optim.options.CowClipOptions`
+            (``weight_decay`` is the coupled L2 added after the clip); ``betas`` and
+            ``eps`` None: the defaults, for the rules that take them (a rule that does
+            not - SGD's ``betas`` and ``eps``, row-wise Adagrad's ``betas`` - refuses them
+            given).
+        cowclip: the clip, or None for this table unclipped (DeepFM's first-order tables).
+        count_lr: the optional per-id-frequency lr.
+        helen: train with Helen's two-pass step.
+    """
 
     #: The update rule (``CowClipOptions.optimizer``) the class names.
     rule: ClassVar[str]
+    #: The hyperparameters its rule steps with: its param group's keys.
+    hyperparameter_names: ClassVar[Tuple[str, ...]]
 
-    def __init__(self, params: Iterable[Tensor], **hyperparameters: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = DEFAULT_OPTIONS.lr,
+        betas: Optional[Tuple[float, float]] = None,
+        eps: Optional[float] = None,
+        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
+        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
+        count_lr: Optional[CountLR] = None,
+        helen: Optional[Helen] = None,
+    ) -> None:
+        given = {"betas": betas, "eps": eps}
+        for name, value in given.items():
+            if value is not None and name not in self.hyperparameter_names:
+                raise TypeError(f"{type(self).__name__} takes no {name!r}")
+        values: Dict[str, Any] = {
+            "lr": lr,
+            "betas": DEFAULT_OPTIONS.betas if betas is None else betas,
+            "eps": DEFAULT_OPTIONS.eps if eps is None else eps,
+            "weight_decay": weight_decay,
+            "cowclip": cowclip,
+            "count_lr": count_lr,
+            "helen": helen,
+        }
+        hyperparameters = {name: values[name] for name in self.hyperparameter_names}
         CowClipOptions(optimizer=self.rule, **hyperparameters)  # validates, names the bad one
         super().__init__(params, hyperparameters)
 
@@ -58,90 +96,28 @@ class CowClipInBackward(torch.optim.Optimizer):
         )
 
 
-class CowClipAdam(CowClipInBackward):
-    """Adam with CowClip (the paper's), for ``apply_optimizer_in_backward``.
+_CLIP = ("weight_decay", "cowclip", "count_lr", "helen")
 
-    Args:
-        params: the table weights.
-        lr, betas, eps, weight_decay: as :class:`~torchrec_cowclip.optim.options.CowClipOptions`
-            (``weight_decay`` is the coupled L2 added after the clip).
-        cowclip: the clip, or None for this table unclipped (DeepFM's first-order tables).
-        count_lr: the optional per-id-frequency lr.
-        helen: train with Helen's two-pass step.
-    """
+
+class CowClipAdam(CowClipInBackward):
+    """Adam with CowClip (the paper's), for ``apply_optimizer_in_backward`` (arguments as
+    :class:`CowClipInBackward`'s)."""
 
     rule = "adam"
-
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        lr: float = DEFAULT_OPTIONS.lr,
-        betas: Tuple[float, float] = DEFAULT_OPTIONS.betas,
-        eps: float = DEFAULT_OPTIONS.eps,
-        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
-        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
-        count_lr: Optional[CountLR] = None,
-        helen: Optional[Helen] = None,
-    ) -> None:
-        super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            cowclip=cowclip,
-            count_lr=count_lr,
-            helen=helen,
-        )
+    hyperparameter_names = ("lr", "betas", "eps", *_CLIP)
 
 
 class CowClipRowWiseAdagrad(CowClipInBackward):
     """Row-wise Adagrad with CowClip, for ``apply_optimizer_in_backward`` (arguments as
-    :class:`CowClipAdam`'s, without ``betas``)."""
+    :class:`CowClipInBackward`'s, without ``betas``)."""
 
     rule = "rowwise_adagrad"
-
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        lr: float = DEFAULT_OPTIONS.lr,
-        eps: float = DEFAULT_OPTIONS.eps,
-        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
-        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
-        count_lr: Optional[CountLR] = None,
-        helen: Optional[Helen] = None,
-    ) -> None:
-        super().__init__(
-            params,
-            lr=lr,
-            eps=eps,
-            weight_decay=weight_decay,
-            cowclip=cowclip,
-            count_lr=count_lr,
-            helen=helen,
-        )
+    hyperparameter_names = ("lr", "eps", *_CLIP)
 
 
 class CowClipSGD(CowClipInBackward):
     """SGD with CowClip, for ``apply_optimizer_in_backward`` (arguments as
-    :class:`CowClipAdam`'s, without ``betas`` and ``eps``)."""
+    :class:`CowClipInBackward`'s, without ``betas`` and ``eps``)."""
 
     rule = "sgd"
-
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        lr: float = DEFAULT_OPTIONS.lr,
-        weight_decay: float = DEFAULT_OPTIONS.weight_decay,
-        cowclip: Optional[CowClip] = DEFAULT_OPTIONS.cowclip,
-        count_lr: Optional[CountLR] = None,
-        helen: Optional[Helen] = None,
-    ) -> None:
-        super().__init__(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            cowclip=cowclip,
-            count_lr=count_lr,
-            helen=helen,
-        )
+    hyperparameter_names = ("lr", *_CLIP)

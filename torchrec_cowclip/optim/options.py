@@ -174,16 +174,17 @@ class Helen:
             raise ValueError(f"Helen.perturb_dense must be a bool, got {self.perturb_dense!r}")
 
 
-def validate_hyperparameters(
-    lr: float,
-    betas: Tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    cowclip: Optional[CowClip],
-    count_lr: Optional[CountLR] = None,
-) -> None:
-    """Raises ValueError naming the first bad hyperparameter (NaN, inf and negative
-    values included: ``inf >= 0`` holds, so finiteness is checked on its own)."""
+def validate_hyperparameters(values: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the first bad hyperparameter of ``values`` (``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``cowclip`` and the optional ``count_lr``; NaN,
+    inf and negative values included: ``inf >= 0`` holds, so finiteness is checked on its
+    own), TypeError naming a missing one."""
+    missing = [k for k in ("lr", "betas", "eps", "weight_decay", "cowclip") if k not in values]
+    if missing:
+        raise TypeError(f"missing hyperparameter {missing[0]!r}")
+    lr, betas, eps = values["lr"], values["betas"], values["eps"]
+    weight_decay, cowclip = values["weight_decay"], values["cowclip"]
+    count_lr = values.get("count_lr")
     for name, value, zero_ok in (
         ("lr", lr, True),
         ("eps", eps, False),
@@ -232,9 +233,7 @@ class CowClipOptions:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         object.__setattr__(self, "unclipped_tables", frozenset(self.unclipped_tables))
-        validate_hyperparameters(
-            self.lr, self.betas, self.eps, self.weight_decay, self.cowclip, self.count_lr
-        )
+        validate_hyperparameters(self.__dict__)
         if self.helen is not None and not isinstance(self.helen, Helen):
             raise TypeError(f"helen must be a Helen or None, got {type(self.helen).__name__}")
 

@@ -16,9 +16,11 @@ Row counts are dynamic, the embedding dim is not: a process compiles one graph p
 :func:`row_step` is the step with the choice made: :class:`CompiledRowStep`, or
 :func:`gather_step_scatter_` itself, fixed when it is chosen. Which one a table batch gets - or
 the native CPU kernels instead - is the row kernel's choice
-(:mod:`torchrec_cowclip.embedding.kernels`), made once when the batch is built or moved,
-from :func:`compiled_update_mode`: the ``TORCHREC_COWCLIP_COMPILE`` environment variable
-(which :func:`set_compiled_update` sets), one of
+(:mod:`torchrec_cowclip.embedding.row_kernels`), made when the batch is built or moved,
+from the *kernel mode* its module was built with: an explicit value
+(``CowClipEmbeddingBagCollection(..., kernel_mode=...)``), else the
+``TORCHREC_COWCLIP_COMPILE`` environment variable (which :func:`set_compiled_update` sets),
+read by :func:`compiled_update_mode` alone, once per module (:func:`kernel_mode`). One of
 
 - ``auto`` (default): on CPU the native kernels (built on first use; a C++ compiler on
   ``PATH``), falling back - with a warning naming the error, once, when the kernel is
@@ -64,16 +66,38 @@ _RECOMPILE_LIMIT = 64
 
 def compiled_update_mode() -> str:
     """``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``: the ``TORCHREC_COWCLIP_COMPILE``
-    environment variable (:func:`set_compiled_update` sets it), else ``"auto"``. Read when
-    a table batch's row kernel is chosen, never per step."""
+    environment variable (:func:`set_compiled_update` sets it), else ``"auto"``. The one
+    place the variable is read: when a module resolves its kernel mode
+    (:func:`kernel_mode`), never per step."""
     mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
     if mode not in MODES:
         raise ValueError(f"{COMPILE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
+def kernel_mode(mode: Optional[str] = None) -> str:
+    """The kernel mode a module is built with, resolved once: ``mode`` if given (one of
+    :data:`MODES`), else :func:`compiled_update_mode`.
+
+    Example::
+
+        >>> kernel_mode("inductor")
+        'inductor'
+        >>> kernel_mode("fast")
+        Traceback (most recent call last):
+        ...
+        ValueError: kernel mode 'fast': expected one of auto, 1, 0, triton, inductor
+    """
+    if mode is None:
+        return compiled_update_mode()
+    if mode not in MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
 def set_compiled_update(mode: Optional[str]) -> Optional[str]:
-    """Chooses the update path of the table batches built (or moved) from now on:
+    """Chooses the update path of the modules built from now on (their table batches keep
+    it, moved or not):
     ``"auto"``, ``"1"`` (the fused kernels), ``"triton"`` (the Triton kernels everywhere),
     ``"inductor"`` (Inductor only, no fused kernels), ``"0"`` (eager), or None for the default (``auto``). It sets (or unsets)
     ``TORCHREC_COWCLIP_COMPILE``, so the processes this one starts - the ranks of a job -

@@ -19,14 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Mapping, Sequence, Tuple, Union, overload
 
-from torchrec_cowclip.optim.functional import RowRule, adam_step, rowwise_adagrad_step, sgd_step
+from torchrec_cowclip.optim.functional import (
+    OptimizerStep,
+    adam_step,
+    rowwise_adagrad_step,
+    sgd_step,
+)
 
 __all__ = [
     "BUILT_IN_RULES",
     "OPTIMIZERS",
     "STATE_LAYOUT",
     "UPDATE_RULES",
-    "RowRule",
+    "OptimizerStep",
     "RuleView",
     "UpdateRule",
     "register_update_rule",
@@ -41,7 +46,7 @@ class UpdateRule:
 
     Attributes:
         name: the ``optimizer=`` value that selects it.
-        step: its :data:`RowRule`.
+        step: its :data:`OptimizerStep`.
         state_layout: the state tensors it keeps, ``(name, "D")`` for one value per
             column (like the weight) or ``(name, "1")`` for one per row.
         planner_optimizer: import path of the torch/TorchRec optimizer class whose state
@@ -57,7 +62,7 @@ class UpdateRule:
     """
 
     name: str
-    step: RowRule
+    step: OptimizerStep
     state_layout: Tuple[Tuple[str, str], ...]
     planner_optimizer: str
     adam_bias_corrections: bool = False

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -324,7 +323,7 @@ def _table_settings(table: str, cls: type, kwargs: Mapping[str, Any]) -> Setting
     where = f"apply_optimizer_in_backward({cls.__name__}) on '{table}'"
     qualified = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(cls, type) and issubclass(cls, CowClipInBackward):
-        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        accepted = set(cls.hyperparameter_names)
         unknown = sorted(set(kwargs) - accepted)
         if unknown:
             raise ValueError(f"{where}: {cls.__name__} takes no {unknown[0]!r}")

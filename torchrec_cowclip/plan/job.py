@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.failures import ConfigError
 
 __all__ = [
     "JobPlan",
@@ -310,8 +310,8 @@ class JobPlanner:
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
         from torchrec_cowclip.embedding.table_batch import storage_bytes, storage_dtype
         from torchrec_cowclip.models import build_model
+        from torchrec_cowclip.models.task import CTRTrainTask
         from torchrec_cowclip.optim.options import CowClipOptions
-        from torchrec_cowclip.train.task import CTRTrainTask
 
         model = build_model(
             spec.model,
@@ -365,7 +365,7 @@ class JobPlanner:
             make_planner,
             planner_topology,
         )
-        from torchrec_cowclip.train.distributed import sharding_constraints
+        from torchrec_cowclip.train.processes import sharding_constraints
 
         topology = planner_topology(
             spec.world_size,

@@ -62,12 +62,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DensePlan
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.base import CTRModel
+from torchrec_cowclip.run.model_folder import RunFolder
+from torchrec_cowclip.run.no_space import space_checked
 from torchrec_cowclip.serve.outputs import check_not_inputs, claim_output, publish
 from torchrec_cowclip.serve.predictor import Predictor
-from torchrec_cowclip.train.config import ConfigError
-from torchrec_cowclip.train.no_space import space_checked
-from torchrec_cowclip.train.run_folder import RunFolder
 
 #: The dense transforms the program computes itself (all of ``data.parsing.dense``'s).
 PROGRAM_TRANSFORMS = ("log", "signed-log", "standardize", "minmax", "none")

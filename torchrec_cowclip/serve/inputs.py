@@ -28,7 +28,7 @@ Example::
 
     >>> import tempfile
     >>> from torchrec_cowclip.train import TrainConfig, train
-    >>> from torchrec_cowclip.train.run_folder import RunFolder
+    >>> from torchrec_cowclip.run.model_folder import RunFolder
     >>> tmp = tempfile.mkdtemp()
     >>> result = train(TrainConfig(data="criteo:tests/data/criteo_sample.tsv", hidden=(8,),
     ...                            batch_size=64, progress=False, out=f"{tmp}/run",
@@ -73,7 +73,7 @@ from torchrec_cowclip.data.parsing.vocab import OOV_ID
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.registry import source_kinds
 from torchrec_cowclip.data.sources.table import ParquetRowSource, is_parquet
-from torchrec_cowclip.train.run_folder import RunFolder
+from torchrec_cowclip.run.model_folder import RunFolder
 
 #: The row id an id outside its table is scored with (every encoding's OOV or missing row).
 FALLBACK_ID = 0

@@ -40,8 +40,8 @@ from typing import Any, Optional, Sequence, Type, Union
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataOptionError
-from torchrec_cowclip.train.no_space import space_checked
-from torchrec_cowclip.train.run_dir import RunDirLock
+from torchrec_cowclip.run.no_space import space_checked
+from torchrec_cowclip.run.out_dir import RunDirLock
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Scoring with a trained model: ``torchrec_cowclip.load_model(run_dir).predict(data)``.
 
 :func:`load_model` opens a run folder (``<out>/model``, verified against its manifest:
-:mod:`~torchrec_cowclip.train.run_folder`), rebuilds the model with its weights on CPU
+:mod:`~torchrec_cowclip.run.model_folder`), rebuilds the model with its weights on CPU
 (or ``device``) and returns a :class:`Predictor`:
 
 * :meth:`Predictor.predict`: one click probability per input row, in input order
@@ -43,14 +43,14 @@ import torch
 from torchrec.datasets.utils import Batch
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
+from torchrec_cowclip import notices
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.models import build_model
+from torchrec_cowclip.models.task import CTRTrainTask
+from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.serve.inputs import EncodedBlock, Input, open_input
-from torchrec_cowclip.train import notices
 from torchrec_cowclip.train.evaluate import evaluate as evaluate_batches
-from torchrec_cowclip.train.run_folder import RunFolder
-from torchrec_cowclip.train.task import CTRTrainTask
 
 DEFAULT_BATCH_SIZE = 65536
 #: TorchRec inference table types :func:`quantized_model` offers.

@@ -1,5 +1,7 @@
-"""``python -m torchrec_cowclip.sweep.cell ARGS``: one sweep cell's process, that is
-``torchrec-cowclip train ARGS`` that dies with the sweep.
+"""``python -m torchrec_cowclip.sweep.cell CELL_DIR``: one sweep cell's process, that is
+``train(config)`` with the config stored in ``CELL_DIR/cell.json`` by the sweep, run as
+``torchrec-cowclip train`` runs it (:func:`~torchrec_cowclip.train.command.run_train`:
+the same lines, summary and exit statuses), in a process that dies with the sweep.
 
 Before training it asks the kernel for a SIGTERM when its parent (the sweep) dies
 (``PR_SET_PDEATHSIG``, Linux), on which ``train`` finishes its step, checkpoints and
@@ -14,10 +16,13 @@ import ctypes
 import os
 import signal
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Optional
 
-from torchrec_cowclip.sweep.runner import PARENT_PID
-from torchrec_cowclip.train.cli import main
+from torchrec_cowclip.stderr_log import package_log_shown
+from torchrec_cowclip.sweep.runner import CELL_RECORD, PARENT_PID, read_json
+from torchrec_cowclip.train.command import exiting_on_failure, run_train
+from torchrec_cowclip.train.config import TrainConfig
 
 
 def die_with_parent(parent: Optional[int]) -> None:
@@ -30,11 +35,16 @@ def die_with_parent(parent: Optional[int]) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run(argv: List[str]) -> int:
+def run(cell: Path) -> int:
+    """Trains the cell in ``cell`` from its ``cell.json`` (the attempt's config)."""
     parent = os.environ.get(PARENT_PID)
     die_with_parent(int(parent) if parent else None)
-    return main(["train", *argv])
+    with package_log_shown(int(os.environ.get("RANK", "0"))):
+        with exiting_on_failure("train"):
+            record = read_json(cell / CELL_RECORD) or {}
+            settings = TrainConfig.from_dict(record["config"]).resolve()
+        return run_train(settings)
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(run(Path(sys.argv[1])))

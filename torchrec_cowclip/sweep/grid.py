@@ -28,8 +28,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.resume_guard import setting_flag, shown_setting
+from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.run.resume_guard import setting_flag, shown_setting
+from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.scaling import RECIPES
 
 #: How the cells' training lengths compare: the same ``--epochs`` at every batch size
@@ -204,18 +205,16 @@ def cell_epochs(epochs: int, batch_size: int, base_batch_size: int, equal: str) 
     return epochs * batch_size // base_batch_size
 
 
-def shared_settings(config: TrainConfig) -> Dict[str, Any]:
-    """The settings every cell of a sweep has in common: the config without the grid's
-    fields and :data:`FREE_SETTINGS`, as plain JSON types."""
-    return {
-        k: v for k, v in config.as_dict().items() if k not in FREE_SETTINGS and k not in GRID_FIELDS
-    }
+def shared_settings(settings: Mapping[str, Any]) -> Dict[str, Any]:
+    """The settings every cell of a sweep has in common: a config's (``as_dict``) without
+    the grid's fields and :data:`FREE_SETTINGS`."""
+    return {k: v for k, v in settings.items() if k not in FREE_SETTINGS and k not in GRID_FIELDS}
 
 
-def cell_settings(config: TrainConfig) -> Dict[str, Any]:
-    """What a cell's run is compared by when the sweep meets it again: its config
-    without :data:`FREE_SETTINGS`."""
-    return {k: v for k, v in config.as_dict().items() if k not in FREE_SETTINGS}
+def cell_settings(settings: Mapping[str, Any]) -> Dict[str, Any]:
+    """What a cell's run is compared by when the sweep meets it again: its config's
+    settings (``as_dict``) without :data:`FREE_SETTINGS`."""
+    return {k: v for k, v in settings.items() if k not in FREE_SETTINGS}
 
 
 def setting_differences(
@@ -239,8 +238,9 @@ def describe_differences(diffs: Sequence[Tuple[str, str, str]]) -> str:
     return f"{flag} {old} there, {new} here" + "".join(f"; {f} {o} vs {n}" for f, o, n in rest)
 
 
-def _same_run_key(config: TrainConfig) -> str:
-    """A text equal for two configs exactly when their runs compute the same numbers."""
+def _same_run_key(cell: Cell) -> str:
+    """A text equal for two cells exactly when their runs compute the same numbers."""
+    config = cell.config
     hp = config.hyperparameters().as_dict()
     del hp["recipe"]
     clipped = hp["cowclip"] and config.cowclip
@@ -253,7 +253,7 @@ def _same_run_key(config: TrainConfig) -> str:
         # CountLR caps a row's factor min(c, s) ** p at max(1, s) = 1 here: every row
         # steps with the plain lr, as with power 0.
         hp["count_lr_power"] = 0.0
-    settings = {k: v for k, v in cell_settings(config).items() if k != "recipe"}
+    settings = {k: v for k, v in cell_settings(config.as_dict()).items() if k != "recipe"}
     return json.dumps({"hp": hp, "settings": settings}, sort_keys=True, default=str)
 
 
@@ -310,7 +310,7 @@ def plan_cells(
                     cells.append(Cell(batch_size, recipe, seed, config, rates=combo))
     runs: Dict[str, List[Cell]] = {}
     for cell in cells:
-        runs.setdefault(_same_run_key(cell.config), []).append(cell)
+        runs.setdefault(_same_run_key(cell), []).append(cell)
     for same in runs.values():
         trains = next((c for c in same if has_run(c.name)), same[0])
         for cell in same:

@@ -1,4 +1,4 @@
-"""A sweep's figures (PNG, headless; :mod:`torchrec_cowclip.plots`):
+"""A sweep's figures (PNG, headless; :mod:`torchrec_cowclip.run.curves`):
 
 - ``sweep_auc.png``, the paper's figure: test AUC against the batch size per recipe (best
   epoch), and the change against the base batch at the best and at the last epoch, in AUC
@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from torchrec_cowclip.plots import (
+from torchrec_cowclip.run.curves import (
     column,
     epoch_ends,
     new_figure,

@@ -27,6 +27,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
+from torchrec_cowclip.run.log import write_text_atomically
 from torchrec_cowclip.sweep.runner import (
     CELLS_DIR,
     SETTINGS_FILE,
@@ -36,7 +37,6 @@ from torchrec_cowclip.sweep.runner import (
     read_json,
     write_json,
 )
-from torchrec_cowclip.train.run_log import write_text_atomically
 from torchrec_cowclip.train.scaling import RECIPES
 
 #: sweep.csv's columns, one row per cell.

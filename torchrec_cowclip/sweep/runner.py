@@ -1,10 +1,12 @@
 """Running a sweep: its directory, its data (converted once), and its cells, each an
-ordinary ``torchrec-cowclip train`` process in ``<out>/cells/<cell>/``.
+ordinary train run in ``<out>/cells/<cell>/``, in a process of its own.
 
 Layout of ``<out>``::
 
     sweep-settings.json         the settings every cell shares (a later command must match)
-    cells/<cell>/cell.json      the cell's grid point, settings, data, command and attempts
+    cells/<cell>/cell.json      the cell's grid point, settings, data, config (what its
+                                process trains), command (the same run as a train
+                                command) and attempts
     cells/<cell>/train.log      the cell's output, attempt after attempt
     cells/<cell>/...            the train run itself: metrics.json, epochs.csv, curves.png, ...
     sweep.csv, sweep.json, sweep.md, sweep_*.png    the report (:mod:`.report`, :mod:`.plots`)
@@ -15,8 +17,9 @@ one that diverged (``train`` exit status 3) keeps that outcome; any other starts
 cell killed before its first checkpoint starts anew. A cell that was run with other
 settings than this command's, or on other data, is refused before anything runs.
 
-Each cell process (:mod:`.cell`: ``train`` that gets a SIGTERM when the sweep dies, on
-which it checkpoints and stops) gets ``--threads`` = the sweep's threads per cell, so a
+Each cell process (:mod:`.cell`: ``train(config)`` with the config of its ``cell.json``,
+as the ``train`` command runs it, that gets a SIGTERM when the sweep dies, on which it
+checkpoints and stops) gets ``--threads`` = the sweep's threads per cell, so a
 killed sweep leaves no run behind holding a cell's lock. SIGTERM or Ctrl-C on the sweep
 stops its cells the same way; re-running the command continues them.
 """
@@ -36,6 +39,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from torchrec_cowclip.failures import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
+from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
+from torchrec_cowclip.run.log import write_text_atomically
+from torchrec_cowclip.run.model_folder import MANIFEST, MODEL_DIR
+from torchrec_cowclip.run.out_dir import RunDirLock, has_checkpoint, run_files
 from torchrec_cowclip.sweep.grid import (
     Cell,
     SweepError,
@@ -44,23 +52,18 @@ from torchrec_cowclip.sweep.grid import (
     setting_differences,
     shared_settings,
 )
-from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.run_dir import RunDirLock, has_checkpoint, run_files
-from torchrec_cowclip.train.run_folder import MANIFEST, MODEL_DIR
-from torchrec_cowclip.train.run_log import write_text_atomically
-from torchrec_cowclip.train.stop import EXIT_STOPPED
+from torchrec_cowclip.train.command import train_argv, train_parser
+from torchrec_cowclip.train.config import TrainConfig
 
 CELLS_DIR = "cells"
+#: How a refusal names a cell's command (:func:`~torchrec_cowclip.train.command.train_argv`).
+CELL_COMMAND = "a cell's train command"
 #: The environment variable that names the sweep's pid to its cells (:mod:`.cell`).
 PARENT_PID = "TORCHREC_COWCLIP_SWEEP_PID"
 CELL_RECORD = "cell.json"
 CELL_LOG = "train.log"
 SETTINGS_FILE = "sweep-settings.json"
 
-#: ``train``'s exit status for a run whose loss became NaN/inf (the command line's
-#: EXIT_DIVERGED): a result of the recipe at that batch, kept, not retried.
-DIVERGED_EXIT = 3
 
 Say = Callable[[str], None]
 
@@ -98,7 +101,7 @@ class SweepSpec:
 
     def settings(self) -> Dict[str, Any]:
         """``sweep-settings.json``'s content: what every cell of this directory shares."""
-        return {"equal": self.equal, "settings": shared_settings(self.base)}
+        return {"equal": self.equal, "settings": shared_settings(self.base.as_dict())}
 
 
 def cell_dir(out: Path, name: str) -> Path:
@@ -188,31 +191,31 @@ def prepare_data(spec: SweepSpec, say: Say = _say) -> Dict[str, Dict[str, Any]]:
     Returns:
         cell name -> the data part of its run record (source, options, rows, cache entry).
     """
-    from torchrec_cowclip.train.resume_guard import run_record
-    from torchrec_cowclip.train.trainer import check_split_sizes
+    from torchrec_cowclip.train.data import check_split_sizes
 
     opened: Dict[str, Any] = {}
     records: Dict[str, Dict[str, Any]] = {}
     for cell in spec.cells:
-        cfg = cell.config
-        options = cfg.data_options()
-        key = json.dumps([cfg.data, cfg.test_data, cfg.cache_dir, options], default=str)
+        data = cell.config.data_settings()
+        key = json.dumps([data.spec, data.test_spec, data.cache_dir, data.options], default=str)
         if key not in opened:
             t0 = time.perf_counter()
-            opened[key] = cfg.open_dataset()
+            opened[key] = data.open()
             meta = opened[key].meta
             say(
-                f"data {cfg.data}: {len(opened[key]):,} rows, cache entry "
-                f"{meta.get('kind')}-{meta.get('key')} in {cfg.cache_dir} "
+                f"data {data.spec}: {len(opened[key]):,} rows, cache entry "
+                f"{meta.get('kind')}-{meta.get('key')} in {data.cache_dir} "
                 f"({time.perf_counter() - t0:.1f} s), shared by every cell that reads it"
             )
         dataset = opened[key]
-        train, val, test = dataset.split(cfg.test_fraction, cfg.val_fraction, cfg.seed)
+        train, val, test = data.split(dataset)
         try:
-            check_split_sizes(cfg, len(train), len(val), len(test), world_size=1)
+            check_split_sizes(
+                data, cell.config.batch_size, len(train), len(val), len(test), world_size=1
+            )
         except ConfigError as e:
             raise SweepError(f"cell {cell.name}: {e}") from None
-        records[cell.name] = run_record(cfg, cfg.hyperparameters(), dataset, options)["data"]
+        records[cell.name] = data.record(dataset)
     return records
 
 
@@ -222,14 +225,15 @@ def prepare_native_update(spec: SweepSpec) -> None:
     not wait on one another's build."""
     import torch
 
-    from torchrec_cowclip.embedding.kernels import select_kernel
+    from torchrec_cowclip.embedding.row_kernels import select_kernel
+    from torchrec_cowclip.optim.row_step import kernel_mode
     from torchrec_cowclip.optim.rules import update_rule
 
     devices = {c.config.device for c in spec.cells}
     if any(d == "cpu" or (d == "auto" and not torch.cuda.is_available()) for d in devices):
-        # What a CPU cell's tables choose (TORCHREC_COWCLIP_COMPILE): the native kernels
-        # are built here, once, if that is them.
-        select_kernel(torch.device("cpu"), update_rule("adam"))
+        # What a CPU cell's tables choose (its processes inherit TORCHREC_COWCLIP_COMPILE):
+        # the native kernels are built here, once, if that is them.
+        select_kernel(torch.device("cpu"), update_rule("adam"), kernel_mode())
 
 
 def _data_differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[Any]:
@@ -267,7 +271,9 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                 "or choose another --out"
             )
         if record is not None:
-            diffs = setting_differences(record.get("settings", {}), cell_settings(cell.config))
+            diffs = setting_differences(
+                record.get("settings", {}), cell_settings(cell.config.as_dict())
+            )
             diffs += _data_differences(record.get("data") or {}, data[cell.name])
             if diffs:
                 raise SweepError(
@@ -292,7 +298,7 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
                 "rates": cell.rates,
                 "variant": cell.variant,
                 "shares": cell.shares,
-                "settings": cell_settings(cell.config),
+                "settings": cell_settings(cell.config.as_dict()),
                 "data": data[cell.name],
                 "command": old.get("command"),
                 "attempts": old.get("attempts") or [],
@@ -372,7 +378,7 @@ def _last_line(log: Path) -> str:
 def _outcome(status: int, finished: bool) -> str:
     if status == 0 and finished:
         return "finished"
-    if status == DIVERGED_EXIT:
+    if status == EXIT_DIVERGED:  # a result of the recipe at that batch, kept
         return "diverged"
     if status in (EXIT_STOPPED, -signal.SIGTERM, -signal.SIGINT):
         return "stopped"
@@ -381,12 +387,12 @@ def _outcome(status: int, finished: bool) -> str:
 
 def run_cells(
     spec: SweepSpec,
-    argv_of: Callable[[TrainConfig], List[str]],
     say: Say = _say,
     on_end: Callable[[Cell, str], None] = lambda cell, outcome: None,
 ) -> Dict[str, str]:
     """Trains every cell that is neither finished, diverged nor shared, ``spec.parallel``
-    at a time, each as ``python -m torchrec_cowclip train <argv_of(config)>``.
+    at a time, each as ``python -m torchrec_cowclip.sweep.cell <cell folder>``: ``train``
+    with the config its ``cell.json`` holds.
 
     Returns:
         cell name -> outcome of this command's attempt (``finished``, ``diverged``,
@@ -403,7 +409,7 @@ def run_cells(
         while (todo and stop.requested is None) or running:
             while todo and len(running) < spec.parallel and stop.requested is None:
                 cell = todo.pop(0)
-                running[cell.name] = _start(spec, cell, argv_of, say)
+                running[cell.name] = _start(spec, cell, say)
             time.sleep(0.1)
             for name, run in list(running.items()):
                 status = run.process.poll()
@@ -418,14 +424,13 @@ def run_cells(
     return outcomes
 
 
-def _start(
-    spec: SweepSpec, cell: Cell, argv_of: Callable[[TrainConfig], List[str]], say: Say
-) -> _Running:
+def _start(spec: SweepSpec, cell: Cell, say: Say) -> _Running:
     d = cell_dir(spec.out, cell.name)
     record = read_json(d / CELL_RECORD) or {}
     threads = _threads_for(spec, cell, record)
     config = replace(cell.config, out=str(d), resume="auto", threads=threads, progress=False)
-    argv = argv_of(config)
+    # The cell runs from the config; its command is kept for the reader (the same run).
+    argv = train_argv(train_parser(), config, what=CELL_COMMAND)
     attempts = record.setdefault("attempts", [])
     attempts.append(
         {
@@ -435,6 +440,7 @@ def _start(
         }
     )
     record["command"] = ["torchrec-cowclip", "train", *argv]
+    record["config"] = config.as_dict()
     write_json(d / CELL_RECORD, record)
     log = (d / CELL_LOG).open("ab")
     log.write(f"--- attempt {len(attempts)}: {' '.join(record['command'])}\n".encode())
@@ -446,7 +452,7 @@ def _start(
         PARENT_PID: str(os.getpid()),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "torchrec_cowclip.sweep.cell", *argv],
+        [sys.executable, "-m", "torchrec_cowclip.sweep.cell", str(d)],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -1,26 +1,40 @@
-"""Everything a training run is configured by, validated in one place."""
+"""Everything a training run is configured by, validated in one place, and resolved once.
+
+:class:`TrainConfig` is the run's options as the command line (or a Python caller) gives
+them, flat. :meth:`TrainConfig.resolve` turns them, once, into what each part of a run
+consumes, and nothing else: the data to read (:class:`~torchrec_cowclip.data.settings.DataSettings`),
+the model to build (:class:`~torchrec_cowclip.models.spec.ModelSpec`), the optimizers
+(:class:`OptimizerSettings`: the tables' :class:`~torchrec_cowclip.optim.options.CowClipOptions`
+and the dense Adam's lr and warm-up, the scaling recipe applied) and the loop's
+(:class:`RunSettings`), with the record a run writes of its options (:class:`TrainSettings`).
+
+Example::
+
+    >>> settings = TrainConfig(data="synthetic:100000", batch_size=8192).resolve()
+    >>> settings.optimizers.embedding.lr, round(settings.optimizers.dense_lr, 6)
+    (0.0001, 0.002263)
+    >>> settings.model.name, settings.data.options["seed"], settings.run.epochs
+    ('deepfm', 0, 1)
+"""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from torchrec_cowclip.data.settings import DataSettings
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
-from torchrec_cowclip.optim.options import Helen
+from torchrec_cowclip.models.spec import ModelSpec
+from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS
-
-if TYPE_CHECKING:
-    from torchrec_cowclip.train.scaling import ScaledHyperparameters
+from torchrec_cowclip.train.scaling import RECIPES, ScaledHyperparameters, scale_hyperparameters
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
 EMBEDDING_OPTIMIZERS = OPTIMIZERS  # live: a registered update rule is a choice too
-
-
-class ConfigError(ValueError):
-    """A bad combination of trainer options; the message names the option."""
 
 
 @dataclass
@@ -148,8 +162,6 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
         self._validate_numbers()
-        from torchrec_cowclip.train.scaling import RECIPES
-
         if self.recipe not in RECIPES:
             raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         unclipped = "--no-cowclip" if not self.cowclip else None
@@ -195,7 +207,7 @@ class TrainConfig:
                 f"--embedding-dtype {self.embedding_dtype} needs --embedding-backend cowclip"
             )
         self._validate_data()
-        from torchrec_cowclip.train.distributed import SHARDING_CHOICES
+        from torchrec_cowclip.train.processes import SHARDING_CHOICES
 
         if self.sharding not in SHARDING_CHOICES:
             raise ConfigError(
@@ -294,8 +306,6 @@ class TrainConfig:
             raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
 
     def _validate_helen(self) -> None:
-        from torchrec_cowclip.train.scaling import RECIPES
-
         recipe = RECIPES.get(self.recipe)
         if self.helen_rho is None and (recipe is None or recipe.helen_rho is None):
             if self.helen_perturb_dense:
@@ -326,7 +336,7 @@ class TrainConfig:
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # Without --out a torchrun job's directory is named by its run id (the same for
-        # every rank and restart); anything else gets a new one (train/run_dir.py).
+        # every rank and restart); anything else gets a new one (run/out_dir.py).
         elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
         if self.out is None and self.resume and not elastic:
             raise ConfigError(
@@ -382,7 +392,7 @@ class TrainConfig:
         elif device.type != "cpu":
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
 
-    def hyperparameters(self) -> "ScaledHyperparameters":
+    def hyperparameters(self) -> ScaledHyperparameters:
         """The run's learning rates, L2, clip and warm-up: the recipe's scaling rule at
         ``batch_size``, from the data's profile (Avazu's for ``avazu:``, else Criteo's),
         with every explicitly given value winning.
@@ -393,8 +403,6 @@ class TrainConfig:
             >>> round(hp.embedding_lr, 6), hp.cowclip
             (0.0002, False)
         """
-        from torchrec_cowclip.train.scaling import scale_hyperparameters
-
         return scale_hyperparameters(
             self.batch_size,
             dataset="avazu" if self.data.startswith("avazu:") else "criteo",
@@ -412,21 +420,29 @@ class TrainConfig:
             helen_bound=self.helen_bound,
         )
 
-    def open_dataset(self, encoders: Any = None) -> Any:
-        """``--data`` converted once into ``--cache-dir`` (a verified cache entry, reused
-        after) and opened with the data options, as every command that reads train's data
-        reads it; explicit ``--test-data`` files are converted with the training files'
-        vocabulary and scaling, as the last rows of the same entry. ``encoders``: a warm
-        start's (``open_dataset(encoders=...)``)."""
-        from torchrec_cowclip.data import open_dataset, parse_spec
+    def data_settings(self) -> DataSettings:
+        """The data this run reads and how it splits it (:meth:`data_options`)."""
+        return DataSettings(
+            spec=self.data,
+            test_spec=self.test_data,
+            cache_dir=self.cache_dir,
+            options=self.data_options(),
+            test_fraction=self.test_fraction,
+            val_fraction=self.val_fraction,
+            split_seed=self.seed,
+        )
 
-        test_paths = parse_spec(self.test_data)[1] if self.test_data else None
-        return open_dataset(
-            self.data,
-            self.cache_dir,
-            test_paths=test_paths,
-            encoders=encoders,
-            **self.data_options(),
+    def model_spec(self) -> ModelSpec:
+        """The model this run builds (its tables start from ``--seed``)."""
+        return ModelSpec(
+            name=self.model,
+            embedding_dim=self.embedding_dim,
+            hidden=tuple(self.hidden),
+            cross_layers=self.cross_layers,
+            init_std=self.init_std,
+            embedding_backend=self.embedding_backend,
+            embedding_dtype=self.embedding_dtype,
+            init_seed=self.seed,
         )
 
     def data_options(self) -> Dict[str, Any]:
@@ -464,6 +480,134 @@ class TrainConfig:
         return {k: v for k, v in chosen.items() if k in takes or v is not None}
 
     def as_dict(self) -> Dict[str, Any]:
+        """The options as plain JSON types (what a run's record writes)."""
         d = asdict(self)
         d["hidden"] = list(self.hidden)
         return d
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
+        """The config :meth:`as_dict` wrote (a sweep cell's, a warm start's).
+
+        Example::
+
+            >>> config = TrainConfig(hidden=(16, 8), dense=["price"])
+            >>> TrainConfig.from_dict(config.as_dict()) == config
+            True
+        """
+        values = dict(values)
+        if "hidden" in values:
+            values["hidden"] = tuple(values["hidden"])
+        return cls(**values)
+
+    def resolve(self) -> "TrainSettings":
+        """The options, validated (:meth:`validate`), resolved once into what each part of
+        a run consumes (see the module docstring); the scaling recipe is applied here.
+
+        Raises:
+            ConfigError: naming the first bad option.
+        """
+        self.validate()
+        hp = self.hyperparameters()
+        clipped = self.cowclip and hp.cowclip
+        embedding = CowClipOptions(
+            optimizer=self.embedding_optimizer,
+            lr=hp.embedding_lr,
+            weight_decay=hp.embedding_weight_decay,
+            cowclip=CowClip(r=hp.clip_r, zeta=hp.clip_zeta) if clipped else None,
+            count_lr=hp.count_lr if self.embedding_backend == "cowclip" else None,
+            helen=hp.helen(self.helen_perturb_dense),
+        )
+        return TrainSettings(
+            data=self.data_settings(),
+            model=self.model_spec(),
+            optimizers=OptimizerSettings(
+                embedding=embedding, dense_lr=hp.dense_lr, warmup_epochs=hp.warmup_epochs
+            ),
+            run=RunSettings(**{f: getattr(self, f) for f in RunSettings.__dataclass_fields__}),
+            hp=hp,
+            record=self.as_dict(),
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The run's optimizers: the tables' (their rule, lr, coupled L2, clip, per-row lr and
+    Helen, as one :class:`~torchrec_cowclip.optim.options.CowClipOptions`; the stock
+    ``torchrec`` backend's Adam takes its lr and weight decay) and the dense Adam's lr and
+    linear warm-up."""
+
+    embedding: CowClipOptions
+    dense_lr: float
+    warmup_epochs: float
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the loop, its processes and its run directory are told (``--help`` names each)."""
+
+    out: Optional[str]
+    resume: Union[bool, str]
+    overwrite: bool
+    epochs: int
+    max_steps: int
+    batch_size: int
+    seed: int
+    eval_batch_size: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    early_stop_patience: int
+    log_every: int
+    progress: bool
+    row_clip_stats: bool
+    device: str
+    threads: int
+    sharding: str
+    dist_timeout_s: float
+    init_from: Optional[str]
+    init_optimizer_state: bool
+
+
+#: Config fields a scaling recipe fills in when left None -> the resolved value's field
+#: in :class:`~torchrec_cowclip.train.scaling.ScaledHyperparameters`.
+_RESOLVED: Dict[str, str] = {
+    "lr": "dense_lr",
+    "lr_embed": "embedding_lr",
+    "l2": "l2",
+    "clip_r": "clip_r",
+    "clip_zeta": "clip_zeta",
+    "warmup_epochs": "warmup_epochs",
+    "count_lr_power": "count_lr_power",
+    "helen_rho": "helen_rho",
+    "helen_bound": "helen_bound",
+}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """A run's options, resolved (:meth:`TrainConfig.resolve`).
+
+    Attributes:
+        hp: every value of the scaling recipe at this batch, for the run's record and lines.
+        record: the options as the run writes them (``metrics.json``'s hyperparameters,
+            ``model.json``'s config, each checkpoint's config).
+    """
+
+    data: DataSettings
+    model: ModelSpec
+    optimizers: OptimizerSettings
+    run: RunSettings
+    hp: ScaledHyperparameters
+    record: Dict[str, Any]
+
+    def record_settings(self) -> Dict[str, Any]:
+        """The options with every recipe default resolved (``--lr 8e-4`` and the recipe's
+        8e-4 are the same setting): what a checkpoint's run record compares on resume."""
+        settings = dict(self.record)
+        for name, resolved in _RESOLVED.items():
+            settings[name] = getattr(self.hp, resolved)
+        return settings
+
+    def writing_to(self, out: str) -> "TrainSettings":
+        """The same run, written to ``out`` (a new directory chosen for it)."""
+        return replace(self, run=replace(self.run, out=out), record={**self.record, "out": out})

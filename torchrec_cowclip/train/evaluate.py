@@ -15,7 +15,7 @@ Example::
     >>> from torchrec import KeyedJaggedTensor
     >>> from torchrec.datasets.utils import Batch
     >>> from torchrec_cowclip.models import build_model
-    >>> from torchrec_cowclip.train.task import CTRTrainTask
+    >>> from torchrec_cowclip.models.task import CTRTrainTask
     >>> task = CTRTrainTask(build_model("dcn", num_dense=1, sparse_names=["C1"],
     ...                                 cardinalities=[10], hidden=(4,)))   # or its DMP wrap
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(keys=["C1"], values=torch.tensor([1, 2]),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +73,25 @@ class HelenPipeline:
 
     #: The last step's cost (None before the first).
     last_helen_cost: Optional[HelenCost] = None
+    #: The pipeline's own context type, if it needs one.
+    _context_type: ClassVar[Optional[type]] = None
+    #: Whether the pipeline runs ``custom_model_fwd`` (``TrainPipelineBase`` takes it unused).
+    _runs_custom_forward: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        embedding_module: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._context_type is not None:
+            kwargs["context_type"] = self._context_type
+        # The TorchRec pipeline this mixin precedes in the bases takes these.
+        super().__init__(model, optimizer, device, **kwargs)  # type: ignore[call-arg]
+        forward = kwargs.get("custom_model_fwd") if self._runs_custom_forward else None
+        self._init_helen(model, embedding_module, forward)
 
     def _init_helen(
         self,
@@ -158,16 +177,7 @@ class HelenTrainPipelineSparseDist(HelenPipeline, TrainPipelineSparseDist):
         **kwargs: ``TrainPipelineSparseDist``'s other arguments.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        embedding_module: Optional[Any] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model, optimizer, device, context_type=_HelenPipelineContext, **kwargs)
-        self._init_helen(model, embedding_module, kwargs.get("custom_model_fwd"))
+    _context_type = _HelenPipelineContext
 
     def _current_batch(self) -> Any:
         return self.batches[0]
@@ -180,18 +190,9 @@ class HelenTrainPipelineBase(HelenPipeline, TrainPipelineBase):
     """TorchRec's ``TrainPipelineBase`` with Helen's step, for a model in one process
     (arguments as :class:`HelenTrainPipelineSparseDist`'s)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        embedding_module: Optional[Any] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model, optimizer, device, **kwargs)
-        # TrainPipelineBase runs the model itself (it accepts custom_model_fwd unused).
-        self._init_helen(model, embedding_module, None)
-        self._batch_in_step: Any = None
+    _runs_custom_forward = False
+    #: The batch of the step in progress (see :meth:`_wait_for_batch`).
+    _batch_in_step: Any = None
 
     def _wait_for_batch(self, cur_batch: Any) -> None:
         # TrainPipelineBase moves on to the next batch before its backward: keep this one.

@@ -19,18 +19,20 @@ from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.fused import model_fused_optimizer
-from torchrec_cowclip.train.scaling import ScaledHyperparameters
+from torchrec_cowclip.train.config import OptimizerSettings
 
 
 def build_optimizer(
     model: nn.Module,
     embedding_collection: Optional[nn.Module],
-    hp: ScaledHyperparameters,
+    settings: OptimizerSettings,
     steps_per_epoch: int,
     fused: Optional[KeyedOptimizer] = None,
 ) -> CombinedOptimizer:
-    """Dense Adam (lr ``hp.dense_lr``, warm-up over ``hp.warmup_epochs``) plus the
-    embeddings' optimizer, as one ``CombinedOptimizer`` whose ``state_dict`` holds both.
+    """Dense Adam (lr ``settings.dense_lr``, warm-up over ``settings.warmup_epochs``) plus
+    the embeddings' optimizer, as one ``CombinedOptimizer`` whose ``state_dict`` holds both:
+    a CowClip collection's fused optimizer (built from ``settings.embedding`` with the
+    collection), or, for stock tables, Adam with its lr and coupled weight decay.
 
     ``fused`` is the in-backward optimizer of a sharded model
     (``DistributedModelParallel.fused_optimizer``); its tables are then left out of the
@@ -41,11 +43,11 @@ def build_optimizer(
         >>> import torch, torch.nn.functional as F
         >>> from torchrec import KeyedJaggedTensor
         >>> from torchrec_cowclip.models import build_model
-        >>> from torchrec_cowclip.train.scaling import scale_hyperparameters
+        >>> from torchrec_cowclip.train.config import TrainConfig
         >>> model = build_model("deepfm", num_dense=1, sparse_names=["C1"], cardinalities=[10],
         ...                     hidden=(4,))
-        >>> hp = scale_hyperparameters(4096)      # dense lr 1.6e-3 after a 1-epoch warm-up
-        >>> opt = build_optimizer(model, model.embedding_collection, hp, steps_per_epoch=100)
+        >>> settings = TrainConfig(batch_size=4096).resolve().optimizers   # dense lr 1.6e-3
+        >>> opt = build_optimizer(model, model.embedding_collection, settings, steps_per_epoch=100)
         >>> sparse = KeyedJaggedTensor.from_lengths_sync(keys=["C1"], values=torch.tensor([1, 2]),
         ...                                              lengths=torch.tensor([1, 1]))
         >>> logits = model(torch.rand(2, 1), sparse)
@@ -65,9 +67,9 @@ def build_optimizer(
         (embedding_params if id(param) in embedding_ids else dense_params)[name] = param
 
     dense: KeyedOptimizer = KeyedOptimizerWrapper(
-        dense_params, lambda params: torch.optim.Adam(params, lr=hp.dense_lr)
+        dense_params, lambda params: torch.optim.Adam(params, lr=settings.dense_lr)
     )
-    warmup_steps = int(round(hp.warmup_epochs * steps_per_epoch))
+    warmup_steps = int(round(settings.warmup_epochs * steps_per_epoch))
     if warmup_steps > 0:
         dense = WarmupOptimizer(
             dense,
@@ -76,7 +78,7 @@ def build_optimizer(
                     policy=WarmupPolicy.LINEAR, max_iters=warmup_steps, value=1.0 / warmup_steps
                 )
             ],
-            lr=hp.dense_lr,
+            lr=settings.dense_lr,
         )
     parts: List[Tuple[str, KeyedOptimizer]] = [("dense", dense)]
     if fused is not None:
@@ -92,7 +94,9 @@ def build_optimizer(
                 KeyedOptimizerWrapper(
                     embedding_params,
                     lambda params: torch.optim.Adam(
-                        params, lr=hp.embedding_lr, weight_decay=hp.embedding_weight_decay
+                        params,
+                        lr=settings.embedding.lr,
+                        weight_decay=settings.embedding.weight_decay,
                     ),
                 ),
             )

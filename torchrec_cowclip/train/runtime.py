@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
@@ -30,11 +31,19 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec_cowclip.data import BatchIterator, epoch_order
 from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.models import build_model
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.base import CTRModel
-from torchrec_cowclip.optim.options import CowClip, CowClipOptions
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.distributed import (
+from torchrec_cowclip.models.spec import ModelSpec
+from torchrec_cowclip.models.task import CTRTrainTask
+from torchrec_cowclip.train.config import OptimizerSettings, RunSettings, TrainSettings
+from torchrec_cowclip.train.console import ModelSize
+from torchrec_cowclip.train.evaluate import evaluate
+from torchrec_cowclip.train.helen_pipeline import (
+    HelenTrainPipelineBase,
+    HelenTrainPipelineSparseDist,
+)
+from torchrec_cowclip.train.optimizers import build_optimizer
+from torchrec_cowclip.train.processes import (
     DistContext,
     init_distributed,
     rank_rows_for_eval,
@@ -42,16 +51,6 @@ from torchrec_cowclip.train.distributed import (
     shard_model,
     table_shardings,
 )
-from torchrec_cowclip.train.evaluate import evaluate
-from torchrec_cowclip.train.helen_pipeline import (
-    HelenTrainPipelineBase,
-    HelenTrainPipelineSparseDist,
-)
-from torchrec_cowclip.train.optimizers import build_optimizer
-from torchrec_cowclip.train.report import ModelSize
-from torchrec_cowclip.train.run_folder import model_arguments
-from torchrec_cowclip.train.scaling import ScaledHyperparameters
-from torchrec_cowclip.train.task import CTRTrainTask
 
 if TYPE_CHECKING:
     from torchrec_cowclip.distributed import ShardedCowClipEmbeddingBagCollection
@@ -85,6 +84,18 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass(frozen=True)
+class RuntimeInputs:
+    """What a runtime builds its part of the run from: the model to build, its optimizers,
+    the loop's settings, the dataset and its training rows."""
+
+    model: ModelSpec
+    optimizers: OptimizerSettings
+    run: RunSettings
+    dataset: Any
+    train_idx: np.ndarray
+
+
 class Runtime(ABC):
     """One process's share of a training run (see the module docstring).
 
@@ -105,25 +116,13 @@ class Runtime(ABC):
     steps_per_epoch: int
     model_size: ModelSize
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        dataset: Any,
-        train_idx: np.ndarray,
-        hp: ScaledHyperparameters,
-        cowclip: Optional[CowClip],
-    ) -> None:
-        self.config, self.dataset, self.train_idx, self.hp = config, dataset, train_idx, hp
-        # The tables' training, built once from the scaled hyperparameters and passed
-        # on as is to the model factory, the collection and the sharder.
-        self.embedding_options = CowClipOptions(
-            optimizer=config.embedding_optimizer,
-            lr=hp.embedding_lr,
-            weight_decay=hp.embedding_weight_decay,
-            cowclip=cowclip,
-            count_lr=hp.count_lr if config.embedding_backend == "cowclip" else None,
-            helen=hp.helen(config.helen_perturb_dense),
-        )
+    def __init__(self, inputs: RuntimeInputs) -> None:
+        self.model_spec, self.optimizers, self.run = inputs.model, inputs.optimizers, inputs.run
+        self.dataset, self.train_idx = inputs.dataset, inputs.train_idx
+        optimizers = inputs.optimizers
+        # The tables' training, resolved once (TrainConfig.resolve) and passed on as is to
+        # the model factory, the collection and the sharder.
+        self.embedding_options = optimizers.embedding
 
     @property
     def is_main(self) -> bool:
@@ -134,9 +133,9 @@ class Runtime(ABC):
         plan = getattr(self.dataset, "dense_plan", None)
         dense_inputs = self.dataset.schema.dense_names if plan is None else plan.output_names
         # The same arguments as a run folder rebuilds the model from.
-        model = build_model(
-            self.config.model,
-            **model_arguments(self.config, self.dataset.schema, len(dense_inputs)),
+        model = self.model_spec.build(
+            self.dataset.schema,
+            len(dense_inputs),
             embedding_options=self.embedding_options,
             device=self.device,
             table_device=table_device,
@@ -168,7 +167,7 @@ class Runtime(ABC):
 
     def eval_batch_count(self, indices: np.ndarray) -> int:
         """How many batches this process evaluates ``indices`` in."""
-        return -(-len(indices) // self.config.eval_batch_size)
+        return -(-len(indices) // self.run.eval_batch_size)
 
     def table_shardings(self) -> Dict[str, str]:
         """Each table's sharding type (empty on one process: nothing is sharded)."""
@@ -244,24 +243,17 @@ class Runtime(ABC):
 class LocalRuntime(Runtime):
     """The whole model in this process."""
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        dataset: Any,
-        train_idx: np.ndarray,
-        hp: ScaledHyperparameters,
-        cowclip: Optional[CowClip],
-        device: torch.device,
-    ) -> None:
-        super().__init__(config, dataset, train_idx, hp, cowclip)
+    def __init__(self, inputs: RuntimeInputs, device: torch.device) -> None:
+        super().__init__(inputs)
+        run, optimizers, train_idx = inputs.run, inputs.optimizers, inputs.train_idx
         self.device = device
         self.model = self._build_model(table_device=None)
         self.train_module = CTRTrainTask(self.model)
         # The last incomplete batch of an epoch is dropped, as on N processes: the same
         # global batches on any number of processes (a resume may change it).
-        self.steps_per_epoch = len(train_idx) // config.batch_size
+        self.steps_per_epoch = len(train_idx) // run.batch_size
         self.optimizer = build_optimizer(
-            self.train_module, self.model.embedding_collection, hp, self.steps_per_epoch
+            self.train_module, self.model.embedding_collection, optimizers, self.steps_per_epoch
         )
 
     def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
@@ -269,9 +261,9 @@ class LocalRuntime(Runtime):
             BatchIterator(
                 self.dataset,
                 self.train_idx,
-                self.config.batch_size,
+                self.run.batch_size,
                 shuffle=True,
-                seed=self.config.seed,
+                seed=self.run.seed,
                 epoch=epoch,
                 drop_last=True,
                 start_batch=start_batch,
@@ -280,7 +272,7 @@ class LocalRuntime(Runtime):
         )
 
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
-        return iter(BatchIterator(self.dataset, indices, self.config.eval_batch_size, prefetch=2))
+        return iter(BatchIterator(self.dataset, indices, self.run.eval_batch_size, prefetch=2))
 
     def pipeline(self) -> Any:
         kind = HelenTrainPipelineBase if self._trains_with_helen() else TrainPipelineBase
@@ -307,27 +299,20 @@ class ShardedRuntime(Runtime):
     are ever allocated.
     """
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        dataset: Any,
-        train_idx: np.ndarray,
-        hp: ScaledHyperparameters,
-        cowclip: Optional[CowClip],
-        ctx: DistContext,
-    ) -> None:
-        super().__init__(config, dataset, train_idx, hp, cowclip)
-        if config.embedding_backend != "cowclip":
+    def __init__(self, inputs: RuntimeInputs, ctx: DistContext) -> None:
+        super().__init__(inputs)
+        run, optimizers, train_idx = inputs.run, inputs.optimizers, inputs.train_idx
+        if inputs.model.embedding_backend != "cowclip":
             raise ConfigError(
                 "multi-process runs shard the CowClip tables: use --embedding-backend cowclip"
             )
-        if config.row_clip_stats:
+        if run.row_clip_stats:
             raise ConfigError("--row-clip-stats counts rows of unsharded tables: run one process")
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
 
         self.ctx = ctx
         self.device, self.world_size, self.rank = ctx.device, ctx.world_size, ctx.rank
-        self.sharding = config.sharding
+        self.sharding = run.sharding
         self.model = self._build_model(table_device="meta")
         ebc = self.model.embedding_collection
         sharder = CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))
@@ -335,34 +320,34 @@ class ShardedRuntime(Runtime):
             CTRTrainTask(self.model),
             [t.name for t in ebc.embedding_bag_configs()],
             [sharder],
-            config.sharding,
+            run.sharding,
             ctx,
-            config.batch_size,
+            run.batch_size,
         )
-        self.steps_per_epoch = len(train_idx) // config.batch_size
+        self.steps_per_epoch = len(train_idx) // run.batch_size
         self.optimizer = build_optimizer(
             self.train_module,
             None,
-            hp,
+            optimizers,
             self.steps_per_epoch,
             fused=self.train_module.fused_optimizer,
         )
 
     def train_batches(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        order = epoch_order(self.train_idx, True, self.config.seed, epoch)
-        rows = rank_rows_of_epoch(order, self.config.batch_size, self.ctx)
+        order = epoch_order(self.train_idx, True, self.run.seed, epoch)
+        rows = rank_rows_of_epoch(order, self.run.batch_size, self.ctx)
         return iter(
             BatchIterator(
                 self.dataset,
                 rows,
-                self.config.batch_size // self.world_size,
+                self.run.batch_size // self.world_size,
                 start_batch=start_batch,
                 prefetch=2,
             )
         )
 
     def eval_batches(self, indices: np.ndarray) -> Iterator[Batch]:
-        rows, num_batches = rank_rows_for_eval(indices, self.config.eval_batch_size, self.ctx)
+        rows, num_batches = rank_rows_for_eval(indices, self.run.eval_batch_size, self.ctx)
         return iter(BatchIterator(self.dataset, rows, num_batches=num_batches, prefetch=2))
 
     def evaluate(
@@ -375,7 +360,7 @@ class ShardedRuntime(Runtime):
         )
 
     def eval_batch_count(self, indices: np.ndarray) -> int:
-        return rank_rows_for_eval(indices, self.config.eval_batch_size, self.ctx)[1]
+        return rank_rows_for_eval(indices, self.run.eval_batch_size, self.ctx)[1]
 
     def table_shardings(self) -> Dict[str, str]:
         return table_shardings(self.train_module)
@@ -435,18 +420,14 @@ class ShardedRuntime(Runtime):
         dist.barrier()
 
 
-def make_runtime(
-    config: TrainConfig,
-    dataset: Any,
-    train_idx: np.ndarray,
-    hp: ScaledHyperparameters,
-    cowclip: Optional[CowClip],
-) -> Runtime:
+def make_runtime(settings: TrainSettings, dataset: Any, train_idx: np.ndarray) -> Runtime:
     """A :class:`ShardedRuntime` under a multi-process launcher, else a :class:`LocalRuntime`."""
-    ctx = init_distributed(config.device, config.dist_timeout_s)
+    run = settings.run
+    ctx = init_distributed(run.device, run.dist_timeout_s)
+    inputs = RuntimeInputs(settings.model, settings.optimizers, run, dataset, train_idx)
     if ctx is not None:
-        return ShardedRuntime(config, dataset, train_idx, hp, cowclip, ctx)
-    return LocalRuntime(config, dataset, train_idx, hp, cowclip, resolve_device(config.device))
+        return ShardedRuntime(inputs, ctx)
+    return LocalRuntime(inputs, resolve_device(run.device))
 
 
 def resolve_device(name: str) -> torch.device:

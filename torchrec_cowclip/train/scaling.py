@@ -136,27 +136,24 @@ RECIPES: Dict[str, Recipe] = {
 #: embedding and dense lr scaled alike. They are ``--recipe`` choices too (in
 #: :data:`RECIPES`), so that a sweep's baseline cell is an ordinary ``train`` run.
 BASELINES: Dict[str, Recipe] = {
-    "sqrt": Recipe(
-        name="sqrt",
-        dense_lr_scaling="sqrt",
-        embedding_lr_scaling="sqrt",
+    name: Recipe(
+        name=name,
+        dense_lr_scaling=lr_scaling,
+        embedding_lr_scaling=lr_scaling,
+        l2_scaling=l2_scaling,
         cowclip=False,
-        summary="no clip; embedding and dense lr x sqrt(s), L2 x s",
-    ),
-    "linear": Recipe(
-        name="linear",
-        dense_lr_scaling="linear",
-        embedding_lr_scaling="linear",
-        cowclip=False,
-        summary="no clip; embedding and dense lr x s, L2 x s",
-    ),
-    "none": Recipe(
-        name="none",
-        dense_lr_scaling="fixed",
-        l2_scaling="fixed",
-        cowclip=False,
-        summary="no clip, no scaling: the base batch's lrs and L2 at every batch",
-    ),
+        summary=summary,
+    )
+    for name, lr_scaling, l2_scaling, summary in (
+        ("sqrt", "sqrt", "linear", "no clip; embedding and dense lr x sqrt(s), L2 x s"),
+        ("linear", "linear", "linear", "no clip; embedding and dense lr x s, L2 x s"),
+        (
+            "none",
+            "fixed",
+            "fixed",
+            "no clip, no scaling: the base batch's lrs and L2 at every batch",
+        ),
+    )
 }
 RECIPES.update(BASELINES)
 

@@ -1,7 +1,7 @@
 """Warm start: ``train --init-from RUN`` trains on new data from a finished run's model.
 
 CTR models are retrained on the next day's log, starting from yesterday's model. A
-warm start takes from RUN's run folder (:mod:`.run_folder`):
+warm start takes from RUN's run folder (:mod:`torchrec_cowclip.run.model_folder`):
 
 * its encoders: the new rows are encoded with RUN's vocabularies, whose ids never
   move, grown by the new values the new training rows hold at least ``--min-count``
@@ -59,18 +59,18 @@ from torch.distributed.checkpoint import state_dict_loader
 
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.parsing.dense import DensePlan
-from torchrec_cowclip.data.pipeline.dataset import kind_options
 from torchrec_cowclip.data.pipeline.encode import Conversion, VocabularyEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import (
     AtLeastSizes,
     GrowingVocabulary,
     IdVocabulary,
 )
-from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.notices import single_process_checkpoint
-from torchrec_cowclip.train.run_folder import RunFolder, jsonable
-from torchrec_cowclip.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.notices import single_process_checkpoint
+from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
+from torchrec_cowclip.run.model_folder import RunFolder, jsonable
+from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchrec_cowclip.train.config import TrainConfig, TrainSettings
 
 #: TrainConfig fields that make the model: a warm start must have RUN's.
 ARCHITECTURE = (
@@ -182,10 +182,7 @@ def inherited_line(path: Union[str, Path], inherited: Mapping[str, Any]) -> Opti
 def warm_start_config(path: Union[str, Path], **overrides: Any) -> TrainConfig:
     """A :class:`TrainConfig` that warm-starts from ``path``: RUN's model and data
     settings (:func:`warm_start_defaults`), then ``overrides``."""
-    values = {**warm_start_defaults(path), "init_from": str(path), **overrides}
-    if "hidden" in values:
-        values["hidden"] = tuple(values["hidden"])
-    return TrainConfig(**values)
+    return TrainConfig.from_dict({**warm_start_defaults(path), "init_from": str(path), **overrides})
 
 
 class RunEncoders:
@@ -237,29 +234,30 @@ def check_columns(run: RunFolder, dense: List[str], sparse: List[str]) -> None:
 class WarmStart:
     """A verified RUN for ``--init-from`` and the checks of a command against it."""
 
-    def __init__(self, run: RunFolder, config: TrainConfig) -> None:
-        self.run, self.config = run, config
-        self.encoders = RunEncoders(run, config.min_count)
+    def __init__(self, run: RunFolder, settings: TrainSettings) -> None:
+        self.run, self.settings = run, settings
+        self.encoders = RunEncoders(run, settings.data.options["min_count"])
 
     @classmethod
-    def open(cls, config: TrainConfig) -> "WarmStart":
-        """Opens (verifies) ``config.init_from`` and checks ``config`` against it.
+    def open(cls, settings: TrainSettings) -> "WarmStart":
+        """Opens (verifies) ``--init-from`` and checks the command against it.
 
         Raises:
             RunFolderError: RUN is not an intact run folder.
             WarmStartRefused: the command differs from RUN where it must not (every
                 difference named with both values), or RUN is ``--out``.
         """
-        assert config.init_from is not None
-        path = Path(config.init_from).expanduser()
-        if config.out is not None and path.resolve() == Path(config.out).expanduser().resolve():
+        init_from, out = settings.run.init_from, settings.run.out
+        assert init_from is not None
+        path = Path(init_from).expanduser()
+        if out is not None and path.resolve() == Path(out).expanduser().resolve():
             raise WarmStartRefused(
                 f"--init-from {path} is this run's --out: write the warm-started run "
                 "to another --out"
             )
         run = RunFolder.open(path)
-        check_command(run, config)
-        return cls(run, config)
+        check_command(run, settings)
+        return cls(run, settings)
 
     def check_dataset(self, dataset: Any) -> None:
         """Refuses a converted dataset whose schema is not RUN's, grown."""
@@ -344,21 +342,21 @@ class WarmStart:
         return str(checkpoint.path)
 
 
-def check_command(run: RunFolder, config: TrainConfig) -> None:
+def check_command(run: RunFolder, settings: TrainSettings) -> None:
     """Refuses, naming every difference with both values, a command whose data kind,
     model or model-making data options are not RUN's."""
     saved = run.config
     diffs: List[Tuple[str, str, str]] = []
-    kind = config.source_kind()
+    kind = settings.data.kind()
     if kind.name != run.kind.name:
         diffs.append(("the data kind", f"{run.kind.name}:", f"{kind.name}:"))
     for name in ARCHITECTURE:
-        mine = jsonable(getattr(config, name))
+        mine = jsonable(settings.record[name])
         if name in saved and saved[name] != mine:
             diffs.append(("--" + name.replace("_", "-"), _shown(saved[name]), _shown(mine)))
     if kind.name == run.kind.name:
         try:
-            options = kind_options(kind, config.data_options())
+            options = settings.data.source_options()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for option in fields(options):

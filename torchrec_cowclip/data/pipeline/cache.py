@@ -54,21 +54,13 @@ import stat
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import (
     Any,
-    Callable,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
-    Mapping,
     Optional,
-    Sequence,
-    Set,
-    Tuple,
     Union,
 )
 
@@ -92,7 +84,7 @@ SHA256 = "sha256"
 _READ_BYTES = 8 << 20
 # Entries whose checksums this process has verified, with the (name, size, mtime)
 # of their files at the time: a file changed since is checked again.
-_VERIFIED: Set[Tuple[str, Tuple[Tuple[str, int, int], ...]]] = set()
+_VERIFIED: set[tuple[str, tuple[tuple[str, int, int], ...]]] = set()
 
 
 class CacheCorrupt(DataError):
@@ -103,7 +95,7 @@ class CacheCorrupt(DataError):
 DIGEST_MEMO = ".source-digests.json"
 _MEMO_DIR: ContextVar[Optional[Path]] = ContextVar("source_digest_memo", default=None)
 # (path, size, mtime_ns, ctime_ns, inode, device) -> SHA-256, for this process.
-_SOURCE_DIGESTS: Dict[Tuple[str, int, int, int, int, int], str] = {}
+_SOURCE_DIGESTS: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
 @contextmanager
@@ -117,11 +109,11 @@ def source_digest_memo(cache_dir: Union[str, Path]) -> Iterator[None]:
         _MEMO_DIR.reset(token)
 
 
-def _stat_key(path: Path, st: os.stat_result) -> Tuple[str, int, int, int, int, int]:
+def _stat_key(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, int]:
     return (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
-def _read_memo(memo: Path) -> Dict[str, Any]:
+def _read_memo(memo: Path) -> dict[str, Any]:
     try:
         entries = json.loads(memo.read_text())
     except (OSError, ValueError):
@@ -129,7 +121,7 @@ def _read_memo(memo: Path) -> Dict[str, Any]:
     return entries if isinstance(entries, dict) else {}
 
 
-def _write_memo(memo: Path, path: str, record: Dict[str, Any]) -> None:
+def _write_memo(memo: Path, path: str, record: dict[str, Any]) -> None:
     """Adds ``record`` to the memo (a lost race loses an entry, which costs a re-read)."""
     entries = _read_memo(memo)
     entries[path] = record
@@ -179,7 +171,7 @@ def source_digest(path: Path) -> str:
     return digest
 
 
-def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
+def fingerprint(paths: Sequence[Union[str, Path]]) -> list[dict[str, Any]]:
     """``{path, size, sha256}`` of each file, in order: what a cache key depends on, so
     an edited file lands in a new entry whatever its size and mtime (:func:`source_digest`;
     a touched file whose content is the same keeps its entry).
@@ -190,7 +182,7 @@ def fingerprint(paths: Sequence[Union[str, Path]]) -> List[Dict[str, Any]]:
     Raises:
         FileNotFoundError: naming the first path that does not exist.
     """
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for p in paths:
         path = Path(p).expanduser().resolve()
         if not path.exists():
@@ -209,14 +201,14 @@ def cache_key(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def read_meta(entry: Union[str, Path]) -> Dict[str, Any]:
+def read_meta(entry: Union[str, Path]) -> dict[str, Any]:
     """The ``meta.json`` of a cache entry."""
     with open(Path(entry) / META_FILE) as f:
-        meta: Dict[str, Any] = json.load(f)
+        meta: dict[str, Any] = json.load(f)
     return meta
 
 
-def _crc(path: Path, offset: int = 0) -> Tuple[int, str]:
+def _crc(path: Path, offset: int = 0) -> tuple[int, str]:
     """``(bytes read, CRC-32)`` of ``path`` from ``offset`` on."""
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -226,7 +218,7 @@ def _crc(path: Path, offset: int = 0) -> Tuple[int, str]:
     return size, f"{crc:08x}"
 
 
-def sha256_of(path: Union[str, Path], offset: int = 0) -> Tuple[int, str]:
+def sha256_of(path: Union[str, Path], offset: int = 0) -> tuple[int, str]:
     """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on, streamed in
     8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers). Its cost:
     docs/performance.md, "Source digests"."""
@@ -239,14 +231,14 @@ def sha256_of(path: Union[str, Path], offset: int = 0) -> Tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _digest(kind: str, path: Path, offset: int = 0) -> Tuple[int, str]:
+def _digest(kind: str, path: Path, offset: int = 0) -> tuple[int, str]:
     """``(bytes read, digest)``: a record's digest is CRC-32 (the cache's and the
     checkpoints' own files, against accidents) or SHA-256 (files that travel: run
     folders; the sources a cache key names)."""
     return sha256_of(path, offset) if kind == SHA256 else _crc(path, offset)
 
 
-def file_record(path: Path, digest: str = CHECKSUM) -> Dict[str, Any]:
+def file_record(path: Path, digest: str = CHECKSUM) -> dict[str, Any]:
     """Size and digest (``"crc32"`` or ``"sha256"``) of a file written without a
     checksum of its own (e.g. ``.npz``)."""
     size, value = _digest(digest, path)
@@ -287,7 +279,7 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
     return None
 
 
-def _stamp(entry: Path, names: Iterable[str]) -> Tuple[str, Tuple[Tuple[str, int, int], ...]]:
+def _stamp(entry: Path, names: Iterable[str]) -> tuple[str, tuple[tuple[str, int, int], ...]]:
     stamp = []
     for name in sorted(names):
         try:
@@ -348,7 +340,7 @@ def build_entry(
     cache_dir: Union[str, Path],
     kind: str,
     payload: Mapping[str, Any],
-    build: Callable[[Path], Dict[str, Any]],
+    build: Callable[[Path], dict[str, Any]],
     *,
     rebuild: bool = False,
 ) -> Path:

@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError, DataOptionError
-from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.parsing.dense import (
     DENSE_CLIP,
     DensePlan,
@@ -58,6 +57,7 @@ from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
+from torchrec_cowclip.data.source_options import SourceOptions
 
 logger = logging.getLogger(__name__)
 

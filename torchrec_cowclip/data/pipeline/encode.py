@@ -52,7 +52,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
-from torchrec_cowclip.data.options import FileSourceOptions, option_field
 from torchrec_cowclip.data.parsing.dense import DenseStats, DenseTransformSpec, stored_values
 from torchrec_cowclip.data.parsing.hashing import HashEncoder, HashMethod
 from torchrec_cowclip.data.parsing.rows import (
@@ -66,6 +65,7 @@ from torchrec_cowclip.data.parsing.vocab import Vocabulary
 from torchrec_cowclip.data.pipeline.cache import build_entry, fingerprint
 from torchrec_cowclip.data.pipeline.writer import CacheWriter
 from torchrec_cowclip.data.schema import Schema, resolve_sizes
+from torchrec_cowclip.data.source_options import FileSourceOptions, option_field
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from torchrec_cowclip.data.options import option_field
 from torchrec_cowclip.data.parsing.columns import parse_delimiter
 from torchrec_cowclip.data.parsing.rows import TextLayout
 from torchrec_cowclip.data.pipeline.encode import (
@@ -40,6 +39,7 @@ from torchrec_cowclip.data.pipeline.encode import (
 )
 from torchrec_cowclip.data.registry import SourceKind, register_source
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES
+from torchrec_cowclip.data.source_options import option_field
 
 CRITEO_LAYOUT = TextLayout(
     delimiter=None,

@@ -54,7 +54,6 @@ from torchrec_cowclip.data.errors import (
     DataError,
     DataOptionError,
 )
-from torchrec_cowclip.data.options import FileSourceOptions, option_field
 from torchrec_cowclip.data.parsing.fields import check_labels
 from torchrec_cowclip.data.parsing.rows import RowBlock, SparseCheck, validate_block
 from torchrec_cowclip.data.pipeline.cache import fingerprint
@@ -67,6 +66,7 @@ from torchrec_cowclip.data.pipeline.encode import (
 )
 from torchrec_cowclip.data.registry import SourceKind, register_source
 from torchrec_cowclip.data.schema import CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, resolve_sizes
+from torchrec_cowclip.data.source_options import FileSourceOptions, option_field
 
 CHUNK_ROWS = 1 << 18
 _SPARSE_SUFFIXES = ("_sparse.npy", "_sparse_contig_freq.npy")

@@ -98,7 +98,6 @@ from typing import Any, ClassVar, Dict, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataOptionError
-from torchrec_cowclip.data.options import SourceOptions, option_field
 from torchrec_cowclip.data.parsing.dense import (
     DensePlan,
     DenseStats,
@@ -115,6 +114,7 @@ from torchrec_cowclip.data.schema import (
     CRITEO_SPARSE_NAMES,
     Schema,
 )
+from torchrec_cowclip.data.source_options import SourceOptions, option_field
 
 CHUNK_ROWS = 1 << 16
 CALIBRATION_ROWS = 1 << 16

@@ -43,7 +43,6 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from torchrec_cowclip.data.errors import BadRowLog, DataError, DataOptionError
-from torchrec_cowclip.data.options import option_field
 from torchrec_cowclip.data.parsing.columns import (
     check_choice,
     check_file_columns,
@@ -72,6 +71,7 @@ from torchrec_cowclip.data.pipeline.encode import (
     text_payload,
 )
 from torchrec_cowclip.data.registry import SourceKind, register_source
+from torchrec_cowclip.data.source_options import option_field
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_BATCH = 65536

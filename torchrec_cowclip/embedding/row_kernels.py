@@ -2,7 +2,8 @@
 
 A :class:`RowKernel` is chosen once per table batch - when the batch is built or moved to
 another device, never per step - by :func:`select_kernel`, from the device, the update rule
-and ``TORCHREC_COWCLIP_COMPILE`` (:func:`~torchrec_cowclip.optim.row_step.compiled_update_mode`):
+and the kernel mode its module was built with (an explicit value, else
+``TORCHREC_COWCLIP_COMPILE``: :func:`~torchrec_cowclip.optim.row_step.kernel_mode`):
 
 * :class:`NativeCpuKernel` (kind ``native_cpu``): the native CPU kernels
   (:mod:`.native`): a radix grouping per table, and the update as one pass per table batch
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +48,7 @@ from torchrec_cowclip.embedding.row_gradients import (
 )
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.optim.row_step import (
-    COMPILE_ENV,
-    compiled_update_mode,
-    row_step,
-    toolchain_available,
-)
+from torchrec_cowclip.optim.row_step import COMPILE_ENV, row_step, toolchain_available
 from torchrec_cowclip.optim.rules import BUILT_IN_RULES, UpdateRule
 
 __all__ = [
@@ -104,6 +100,25 @@ class BatchTensors(Protocol):
     def row_rounding_keys(self, rows: Tensor, table_of_row: Tensor) -> Tensor: ...
 
 
+class RowLayout(NamedTuple):
+    """A table batch's rows as a grouping sees them: how many, and per feature of a lookup
+    its first position (``[F + 1]``) and its first row and row count (``[F, 2]``)."""
+
+    num_rows: int
+    feature_starts: Tensor
+    feature_rows: Tensor
+
+
+class StepInputs(NamedTuple):
+    """What a kernel's row loop steps with, besides the batch (:meth:`RowKernel.update_`'s
+    arguments and the Adam bias corrections, ``[T]`` per table)."""
+
+    row_grads: RowGradients
+    options: CowClipOptions
+    adam_bias: Optional[Tuple[Tensor, Tensor]]
+    row_sums: Optional[RowSums]
+
+
 class RowKernel(abc.ABC):
     """How one table batch's touched rows are grouped, summed and updated (see the module
     docstring).
@@ -118,17 +133,11 @@ class RowKernel(abc.ABC):
     kind: str
     sync_free: bool = False
 
-    def group_rows(
-        self,
-        row_ids: Tensor,
-        bag_of_position: Tensor,
-        num_rows: int,
-        feature_layout: Tuple[Tensor, Tensor],
-    ) -> RowGrouping:
+    def group_rows(self, row_ids: Tensor, bag_of_position: Tensor, rows: RowLayout) -> RowGrouping:
         """:func:`~.row_gradients.group_rows` of one lookup's row ids (torch's stable radix
-        sort: CUB's on CUDA); ``feature_layout`` (each feature's first position and row
-        range) lets a kernel sort table by table."""
-        return group_rows(row_ids, bag_of_position, num_rows)
+        sort: CUB's on CUDA); ``rows.feature_starts`` and ``rows.feature_rows`` let a
+        kernel sort table by table."""
+        return group_rows(row_ids, bag_of_position, rows.num_rows)
 
     @abc.abstractmethod
     def row_gradients(self, segments: RowSegments) -> RowGradients:
@@ -183,7 +192,9 @@ class RowKernel(abc.ABC):
         if options.rule.adam_bias_corrections:
             # Per table, in float64 then float32: no pow per row in the row loop.
             adam_bias = adam_bias_corrections(batch.step, *options.betas)
-        status, per_table = self._update_rows_(batch, row_grads, options, adam_bias, row_sums)
+        status, per_table = self._update_rows_(
+            batch, StepInputs(row_grads, options, adam_bias, row_sums)
+        )
         if batch.row_counters is not None:
             # Increments of 0 or 1 at every row (padding rows, past the weight, add 0 at
             # its last row): no value read back to the host.
@@ -195,15 +206,8 @@ class RowKernel(abc.ABC):
         batch.counters[3:] += per_table
 
     @abc.abstractmethod
-    def _update_rows_(
-        self,
-        batch: BatchTensors,
-        row_grads: RowGradients,
-        options: CowClipOptions,
-        adam_bias: Optional[Tuple[Tensor, Tensor]],
-        row_sums: Optional[RowSums],
-    ) -> Tuple[Tensor, Tensor]:
-        """The step of every row (the batch's step count already advanced; ``adam_bias``:
+    def _update_rows_(self, batch: BatchTensors, step: StepInputs) -> Tuple[Tensor, Tensor]:
+        """The step of every row (the batch's step count already advanced; ``step.adam_bias``:
         ``[T]`` per table); returns ``(status [U] int8, per_table [3, T] int64)``: per row
         :data:`~.native.UPDATED`, :data:`~.native.CLIPPED` or :data:`~.native.SKIPPED`
         (non-finite), and per table the rows updated, clipped and skipped."""
@@ -231,14 +235,8 @@ class TorchKernel(RowKernel):
         g = segments.grouping
         return RowGradients(rows=g.rows, counts=g.counts, grad=segments.sum())
 
-    def _update_rows_(
-        self,
-        batch: BatchTensors,
-        row_grads: RowGradients,
-        options: CowClipOptions,
-        adam_bias: Optional[Tuple[Tensor, Tensor]],
-        row_sums: Optional[RowSums],
-    ) -> Tuple[Tensor, Tensor]:
+    def _update_rows_(self, batch: BatchTensors, step: StepInputs) -> Tuple[Tensor, Tensor]:
+        row_grads, options, adam_bias, row_sums = step
         rows, counts, grad = row_grads.rows, row_grads.counts, row_grads.grad
         table_of_row = batch.table_of_rows(rows)
         # A NaN or inf anywhere in a row makes its sum non-finite: one reduction instead
@@ -310,14 +308,8 @@ class FusedKernel(RowKernel):
             rows=segments.grouping.rows, counts=segments.grouping.counts, segments=segments
         )
 
-    def _update_rows_(
-        self,
-        batch: BatchTensors,
-        row_grads: RowGradients,
-        options: CowClipOptions,
-        adam_bias: Optional[Tuple[Tensor, Tensor]],
-        row_sums: Optional[RowSums],
-    ) -> Tuple[Tensor, Tensor]:
+    def _update_rows_(self, batch: BatchTensors, step: StepInputs) -> Tuple[Tensor, Tensor]:
+        row_grads, options, adam_bias, row_sums = step
         rows, counts = row_grads.rows, row_grads.counts
         packed_sums = None
         if row_sums is not None:
@@ -390,23 +382,14 @@ class NativeCpuKernel(FusedKernel):
     def __repr__(self) -> str:
         return "NativeCpuKernel()"
 
-    def group_rows(
-        self,
-        row_ids: Tensor,
-        bag_of_position: Tensor,
-        num_rows: int,
-        feature_layout: Tuple[Tensor, Tensor],
-    ) -> RowGrouping:
-        if (
-            num_rows > torch.iinfo(torch.int32).max
-            or row_ids.numel() > torch.iinfo(torch.int32).max
-        ):
-            return group_rows(row_ids, bag_of_position, num_rows)  # beyond its int32 keys
-        starts, feature_rows = feature_layout
-        rows, counts, segment_offsets, order, sorted_bags = native.group_rows(
-            row_ids, bag_of_position, num_rows, starts, feature_rows
+    def group_rows(self, row_ids: Tensor, bag_of_position: Tensor, rows: RowLayout) -> RowGrouping:
+        largest = torch.iinfo(torch.int32).max
+        if rows.num_rows > largest or row_ids.numel() > largest:
+            return group_rows(row_ids, bag_of_position, rows.num_rows)  # beyond its int32 keys
+        distinct, counts, segment_offsets, order, sorted_bags = native.group_rows(
+            row_ids, bag_of_position, rows.num_rows, rows.feature_starts, rows.feature_rows
         )
-        return RowGrouping(rows, counts, segment_offsets, order, sorted_bags)
+        return RowGrouping(distinct, counts, segment_offsets, order, sorted_bags)
 
     def pool(
         self, weight: Tensor, ids: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor]
@@ -457,9 +440,10 @@ def kernel_of_kind(kind: str, device: torch.device) -> RowKernel:
     raise ValueError(f"unknown row kernel kind {kind!r}; expected one of {KINDS}")
 
 
-def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
-    """The row kernel of a table batch on ``device`` trained by ``rule``, as
-    ``TORCHREC_COWCLIP_COMPILE`` says now (read here, once per table batch):
+def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKernel:
+    """The row kernel of a table batch on ``device`` trained by ``rule``, as the kernel
+    ``mode`` says (:func:`~torchrec_cowclip.optim.row_step.kernel_mode`: resolved once,
+    when the module was built):
 
     * ``auto``: for a built-in rule, on CPU the native kernels, on CUDA the Triton kernels;
       if the native ones cannot be built, a warning naming the error and the Inductor row
@@ -476,13 +460,9 @@ def select_kernel(device: torch.device, rule: UpdateRule) -> RowKernel:
     Example::
 
         >>> from torchrec_cowclip.optim.rules import update_rule
-        >>> from torchrec_cowclip.optim.row_step import set_compiled_update
-        >>> previous = set_compiled_update("0")
-        >>> select_kernel(torch.device("cpu"), update_rule("adam"))
+        >>> select_kernel(torch.device("cpu"), update_rule("adam"), "0")
         TorchKernel(compiled=False)
-        >>> _ = set_compiled_update(previous)
     """
-    mode = compiled_update_mode()
     if device.type == "meta" or mode == "0":
         return TorchKernel(compiled=False)
     if mode == "inductor":

@@ -10,7 +10,7 @@ fits, 3 when it does not (naming the smallest world size that fits), 2 for a ref
 command.
 
 This module takes ``train``'s argument groups and their conversion to a config from the
-command line that registers it (``train/cli.py``), so that both stay defined once.
+``train`` command (:mod:`torchrec_cowclip.train.command`), so that both stay defined once.
 """
 
 from __future__ import annotations
@@ -24,11 +24,20 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
-
-# Only the standard library here: `torchrec-cowclip --help` imports this module.
+from torchrec_cowclip.data.settings import DataSettings
+from torchrec_cowclip.train.command import (
+    add_data_arguments,
+    add_model_arguments,
+    config_from_args,
+    train_argv,
+    train_parser,
+)
+from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, TrainConfig
+from torchrec_cowclip.train.processes import SHARDING_CHOICES
+from torchrec_cowclip.train.scaling import RECIPES
 
 #: Exit status of a plan that does not fit the devices.
 EXIT_DOES_NOT_FIT = 3
@@ -53,19 +62,9 @@ examples:
 """
 
 
-def add_plan_parser(
-    subparsers: Any,
-    add_data_arguments: Callable[..., None],
-    add_model_arguments: Callable[[argparse.ArgumentParser], None],
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> argparse.ArgumentParser:
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers ``plan`` on ``subparsers``: its tables (``--tables``, ``--run``, or train's
     data group), train's model group, the job and the output."""
-    from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, TrainConfig
-    from torchrec_cowclip.train.distributed import SHARDING_CHOICES
-    from torchrec_cowclip.train.scaling import RECIPES
-
     d = TrainConfig()
     p = subparsers.add_parser(
         "plan",
@@ -162,20 +161,8 @@ def add_plan_parser(
         action="store_true",
         help="also print TorchRec's own planner statistics table (on stderr)",
     )
-    p.set_defaults(
-        run_plan=functools.partial(
-            run_command, command=_Command(p, add_train_arguments, config_from_args)
-        )
-    )
+    p.set_defaults(run_plan=functools.partial(run_command, parser=p))
     return p
-
-
-class _Command(NamedTuple):
-    """The ``plan`` parser and what it takes from ``train``'s command line."""
-
-    parser: argparse.ArgumentParser
-    add_train_arguments: Callable[[argparse.ArgumentParser], None]
-    config_from_args: Callable[[argparse.Namespace], Any]
 
 
 def _error(message: str) -> int:
@@ -183,15 +170,17 @@ def _error(message: str) -> int:
     return 2
 
 
-def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
+def run_command(
+    args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argparse.ArgumentParser
+) -> int:
     """``plan``'s body: 0 when the job fits, 3 when it does not, 2 for a refused command
     (one line on stderr naming the flag, file or table)."""
     from torchrec_cowclip.data.errors import DataError
-    from torchrec_cowclip.train.config import ConfigError
-    from torchrec_cowclip.train.no_space import one_line
+    from torchrec_cowclip.failures import ConfigError
+    from torchrec_cowclip.run.no_space import one_line
 
     try:
-        return _run(args, argv, command)
+        return _run(args, argv, parser)
     except (ConfigError, DataError, OSError) as e:
         return _error(one_line(e))
 
@@ -241,11 +230,9 @@ def _check_positive(flag: str, value: Optional[float]) -> None:
         raise PlanError(f"{flag} must be > 0, got {value:g}")
 
 
-def _validate(config: Any, parser: argparse.ArgumentParser, source: str) -> None:
+def _validate(config: TrainConfig, parser: argparse.ArgumentParser, source: str) -> None:
     """``train``'s checks of the options (one line naming the flag); the data options
     only where the tables come from ``--data`` (a preset's or a run's data is not read)."""
-    from torchrec_cowclip.train.config import TrainConfig
-
     checked = replace(config, sharding="auto", device="auto")
     if source != "--data":
         fresh = TrainConfig()
@@ -307,9 +294,11 @@ def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
 
 
 def _tables(
-    source: str, args: argparse.Namespace, config: Any, run: Any
-) -> Tuple[Any, int, str, Any]:
-    """``(schema, dense inputs, where the sizes come from, the config a launch trains)``."""
+    source: str, args: argparse.Namespace, data: Optional[DataSettings], run: Any
+) -> Tuple[Any, int, str, Optional[str]]:
+    """``(schema, dense inputs, where the sizes come from, the data a launch trains on)``
+    for the tables of ``source`` (None: the command's own ``--data``, which ``data`` is
+    when the tables come from it)."""
     from torchrec_cowclip.plan.job import PlanError
     from torchrec_cowclip.plan.presets import PRESETS
 
@@ -321,26 +310,22 @@ def _tables(
                 "give --data or --run)"
             )
         schema = preset.schema
-        return (
-            schema,
-            schema.n_dense,
-            f"{preset.name} ({preset.source})",
-            replace(config, data=preset.data),
-        )
+        return schema, schema.n_dense, f"{preset.name} ({preset.source})", preset.data
     if source == "--run":
         arguments = run.model_arguments()
-        return run.schema, int(arguments["num_dense"]), f"run {args.run}", config
-    dataset = config.open_dataset()  # converted once into --cache-dir, as train does
+        return run.schema, int(arguments["num_dense"]), f"run {args.run}", None
+    assert data is not None
+    dataset = data.open()  # converted once into --cache-dir, as train does
     dense = len(dataset.dense_plan.output_names)
-    return dataset.schema, dense, f"{config.data} ({len(dataset):,} rows)", config
+    return dataset.schema, dense, f"{data.spec} ({len(dataset):,} rows)", None
 
 
-def _job_name(args: argparse.Namespace, config: Any) -> str:
+def _job_name(args: argparse.Namespace, data: str) -> str:
     """A name for the launched job's run directory: the preset, the run's folder, or the
     data's first file (``synthetic-3000`` for generated rows)."""
     if args.tables or args.run:
         return str(Path(args.tables or args.run).name)
-    kind, _, rest = config.data.partition(":")
+    kind, _, rest = data.partition(":")
     first = rest.split(",")[0]
     named = Path(first).stem if "/" in first or "." in first else f"{kind}-{first}"
     return named or "job"
@@ -362,15 +347,15 @@ def _torchrec_stats_shown() -> Iterator[None]:
         logger.level, logger.propagate = saved
 
 
-def _run(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Command) -> int:
+def _run(
+    args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argparse.ArgumentParser
+) -> int:
+    from torchrec_cowclip import notices
     from torchrec_cowclip.plan.job import JobSpec, plan_job
-    from torchrec_cowclip.plan.report import does_not_fit, format_plan, launch_commands
-    from torchrec_cowclip.sweep.cli import train_argv, train_parser
-    from torchrec_cowclip.train import notices
-    from torchrec_cowclip.train.run_folder import RunFolder, model_arguments
-    from torchrec_cowclip.train.run_log import write_text_atomically
+    from torchrec_cowclip.plan.printout import does_not_fit, format_plan, launch_commands
+    from torchrec_cowclip.run.log import write_text_atomically
+    from torchrec_cowclip.run.model_folder import RunFolder
 
-    parser, config_from_args = command.parser, command.config_from_args
     notices.install()
     source = _source(args, parser)
     run = None
@@ -383,11 +368,12 @@ def _run(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Comm
     local, per_host = _job_flags(args)
     config = config_from_args(args)
     _validate(config, parser, source)
-    schema, num_dense, tables_from, launch_config = _tables(source, args, config, run)
+    data = config.data_settings() if source == "--data" else None
+    schema, num_dense, tables_from, launch_data = _tables(source, args, data, run)
     hbm, ddr = _device_bytes(args)
     spec = JobSpec(
         model=config.model,
-        model_arguments=model_arguments(config, schema, num_dense),
+        model_arguments=config.model_spec().arguments(schema, num_dense),
         optimizer=config.embedding_optimizer,
         batch_size=config.batch_size,
         world_size=args.world_size,
@@ -405,16 +391,15 @@ def _run(args: argparse.Namespace, argv: Optional[Sequence[str]], command: _Comm
         stats, shown = [EmbeddingStats()], _torchrec_stats_shown()
     with shown:
         plan = plan_job(spec, per_host, stats)
-    out = f"runs/{_job_name(args, config)}-{config.model}-{spec.world_size}x{spec.compute_device}"
+    out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
     launch_config = replace(
-        launch_config,
+        config,
+        data=launch_data or config.data,
         out=out,
         device="cpu" if spec.compute_device == "cpu" else config.device,
         cache_dir=config.cache_dir,
     )
-    train_args = train_argv(
-        train_parser(command.add_train_arguments), config_from_args, launch_config
-    )
+    train_args = train_argv(train_parser(), launch_config, "a cell's train command")
     launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
     sys.stdout.write(format_plan(plan, tables_from, launch))
     if args.json:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, TextIO
 from tensorboardX import SummaryWriter
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
-from torchrec_cowclip.train.no_space import no_space
+from torchrec_cowclip.run.no_space import no_space
 
 
 class RunOutputError(OSError):

@@ -5,7 +5,7 @@ sharding's features by table group and calls one kernel per group; its
 ``_create_embedding_kernel`` is where a kernel is chosen. Overriding that one method
 keeps everything else of TorchRec's lookup (feature splitting, output layout, state
 dict plumbing) and gives every group a
-:class:`~torchrec_cowclip.distributed.kernel.CowClipBatchedEmbeddingBag`. The lookup
+:class:`~torchrec_cowclip.distributed.sharded_kernel.CowClipBatchedEmbeddingBag`. The lookup
 also owns its channel into the row-update coordinator, which its kernels submit their
 row gradients to (:mod:`torchrec_cowclip.embedding.row_updates`).
 """
@@ -24,8 +24,8 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cowclip import compat
-from torchrec_cowclip.distributed.kernel import CowClipBatchedEmbeddingBag
-from torchrec_cowclip.embedding.kernels import RowKernel
+from torchrec_cowclip.distributed.sharded_kernel import CowClipBatchedEmbeddingBag
+from torchrec_cowclip.embedding.row_kernels import RowKernel
 from torchrec_cowclip.embedding.row_updates import LookupChannel
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.optim.options import CowClipOptions

@@ -7,7 +7,7 @@ ordinary train run in ``<out>/cells/<cell>/`` (:mod:`.runner`). The report
 (:mod:`.report`, :mod:`.plots`) is rewritten as cells finish.
 
 This module takes ``train``'s arguments and their conversion to a config from the
-command line that registers it (``train/cli.py``), so that both stay defined once.
+``train`` command (:mod:`torchrec_cowclip.train.command`), so that both stay defined once.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
-
-# Only the standard library here: `torchrec-cowclip --help` imports this module.
+from torchrec_cowclip.train.command import (
+    add_train_arguments,
+    config_from_args,
+    train_argv,
+    train_parser,
+)
 
 _PER_CELL: Dict[str, str] = {
     "--batch-size": "a sweep sets it per cell: give --batch-sizes, e.g. --batch-sizes 1024,16384",
@@ -57,13 +61,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def add_sweep_parser(
-    subparsers: Any,
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> argparse.ArgumentParser:
-    """Registers ``sweep`` on ``subparsers``: ``train``'s arguments (added by
-    ``add_train_arguments``) less the per-cell ones, and the sweep's own."""
+def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers ``sweep`` on ``subparsers``: ``train``'s arguments less the per-cell ones,
+    and the sweep's own."""
     p = subparsers.add_parser(
         "sweep",
         help="train a grid of batch sizes x recipes x seeds and plot AUC against batch size",
@@ -72,10 +72,7 @@ def add_sweep_parser(
         # The sweep replaces a few of train's options (--out, --threads, the per-cell ones).
         conflict_handler="resolve",
     )
-    add_train_arguments(p)
-    for action in p._actions:  # argparse lists a parser's arguments only here
-        if action.dest == "data":
-            action.required = False  # not for --report-only; checked in run_command
+    add_train_arguments(p, data_required=False)  # not for --report-only; run_command checks
     g = p.add_argument_group("sweep")
     g.add_argument(
         "--batch-sizes",
@@ -160,87 +157,19 @@ def add_sweep_parser(
             default=None,
             help=argparse.SUPPRESS,
         )
-    p.set_defaults(
-        run_sweep=functools.partial(
-            run_command, add_train_arguments=add_train_arguments, config_from_args=config_from_args
-        )
-    )
+    p.set_defaults(run_sweep=run_command)
     return p
 
 
-def train_parser(
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-) -> argparse.ArgumentParser:
-    """A parser of ``train``'s arguments alone (to write and check a cell's command)."""
-    parser = argparse.ArgumentParser(prog="torchrec-cowclip train", add_help=False)
-    add_train_arguments(parser)
-    return parser
-
-
-def _flag_value(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
-
-
-def train_argv(
-    parser: argparse.ArgumentParser,
-    config_from_args: Callable[[argparse.Namespace], Any],
-    config: Any,
-) -> List[str]:
-    """The ``train`` arguments that make ``config`` (every option not at its default),
-    checked by parsing them back.
-
-    Raises:
-        SweepError: an option that has no command-line form.
-    """
-    from torchrec_cowclip.sweep.grid import SweepError
-
-    values = config.as_dict()
-    argv: List[str] = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest not in values:
-            continue
-        value, default = values[action.dest], action.default
-        if value == default or (
-            isinstance(default, (list, tuple)) and list(value) == list(default)
-        ):
-            continue
-        flag = action.option_strings[0]
-        if action.nargs == 0:  # store_true / store_false / store_const
-            if value != action.const:
-                raise SweepError(f"{flag}: {value!r} has no command-line form")
-            argv.append(flag)
-        elif action.nargs == "?" and value is action.const:
-            argv.append(flag)
-        elif value is not None:
-            argv += [flag, _flag_value(value)]
-    try:
-        back = config_from_args(parser.parse_args(argv))
-    except SystemExit:
-        back = None
-    if back != config:
-        raise SweepError(
-            f"a cell's train command does not reproduce its settings: {' '.join(argv)}"
-        )
-    return argv
-
-
-def run_command(
-    args: argparse.Namespace,
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> int:
+def run_command(args: argparse.Namespace) -> int:
     """``sweep``'s body: 0 when every cell finished (or diverged, a result kept), 1 when a
     cell failed, 2 for a refused command, 75 when stopped by a signal."""
     from torchrec_cowclip.data.errors import DataError
-    from torchrec_cowclip.train.config import ConfigError
-    from torchrec_cowclip.train.no_space import one_line
+    from torchrec_cowclip.failures import ConfigError
+    from torchrec_cowclip.run.no_space import one_line
 
     try:
-        return _run(args, add_train_arguments, config_from_args)
+        return _run(args)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"torchrec-cowclip sweep: error: {e}", file=sys.stderr)
         return 2
@@ -277,11 +206,7 @@ def _threads(args: argparse.Namespace) -> int:
     return args.threads or args.cores // args.parallel
 
 
-def _run(
-    args: argparse.Namespace,
-    add_train_arguments: Callable[[argparse.ArgumentParser], None],
-    config_from_args: Callable[[argparse.Namespace], Any],
-) -> int:
+def _run(args: argparse.Namespace) -> int:
     from torchrec_cowclip.sweep import report as reporting
     from torchrec_cowclip.sweep.grid import (
         SweepError,
@@ -292,6 +217,7 @@ def _run(
         plan_cells,
     )
     from torchrec_cowclip.sweep.runner import (
+        CELL_COMMAND,
         SweepSpec,
         claim_sweep_dir,
         holds_run,
@@ -314,8 +240,9 @@ def _run(
             "a sweep starts one process per cell: run it as one process, not under torchrun"
         )
     threads = _threads(args)
-    parser = train_parser(add_train_arguments)
-    values = {a.dest: a.default for a in parser._actions if a.option_strings}
+    # train's options as train would parse them, then the sweep's values of those options.
+    parser = train_parser()
+    values = vars(parser.parse_args(["--data", args.data]))
     values.update({k: v for k, v in vars(args).items() if k in values})
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
     rates = {
@@ -346,7 +273,7 @@ def _run(
         rates=rates,
     )
     for cell in spec.cells:  # every cell's command is checked before anything is written
-        train_argv(parser, config_from_args, cell.config)
+        train_argv(parser, cell.config, CELL_COMMAND)
     created = not out.exists()
     lock = claim_sweep_dir(spec)
     try:
@@ -367,7 +294,6 @@ def _run(
 
         outcomes = run_cells(
             spec,
-            functools.partial(train_argv, parser, config_from_args),
             say=say,
             on_end=ended,
         )

@@ -29,7 +29,7 @@ Every file is read back without running code from it (:mod:`.safe_load`).
 Example::
 
     >>> import tempfile, torch
-    >>> from torchrec_cowclip.train.checkpoint import CheckpointStore
+    >>> from torchrec_cowclip.run.checkpoints import CheckpointStore
     >>> store = CheckpointStore(tempfile.mkdtemp())
     >>> weights = {"w": torch.arange(4.0)}
     >>> store.save("latest", "s3", {"model": weights}, {"step": 3}, step=3).path.name
@@ -61,10 +61,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec_cowclip.compat import ShardedTensor
 from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
-from torchrec_cowclip.train.config import ConfigError
-from torchrec_cowclip.train.no_space import no_space
-from torchrec_cowclip.train.notices import single_process_checkpoint
-from torchrec_cowclip.train.safe_load import (
+from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.notices import single_process_checkpoint
+from torchrec_cowclip.run.no_space import no_space
+from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,

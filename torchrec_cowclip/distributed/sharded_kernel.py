@@ -38,10 +38,10 @@ from torchrec_cowclip.compat import (
 )
 from torchrec_cowclip.distributed.optimizer import ShardedCowClipFusedOptimizer, ShardViews
 from torchrec_cowclip.embedding import layout
-from torchrec_cowclip.embedding.kernels import RowKernel
-from torchrec_cowclip.embedding.lookup import RowLookup
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit
+from torchrec_cowclip.embedding.row_kernels import RowKernel
+from torchrec_cowclip.embedding.row_lookup import RowLookup
 from torchrec_cowclip.embedding.row_updates import LookupChannel, Submission
 from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
@@ -83,10 +83,10 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
             kernels).
         index: this kernel's position in the lookup (orders the updates).
         kernel: the row kernel of its table batches
-            (:mod:`torchrec_cowclip.embedding.kernels`; the sharded collection's, the same
+            (:mod:`torchrec_cowclip.embedding.row_kernels`; the sharded collection's, the same
             kind on every rank).
 
-    Example (what :class:`~torchrec_cowclip.distributed.lookup.CowClipPooledEmbeddingsLookup`
+    Example (what :class:`~torchrec_cowclip.distributed.sharded_lookup.CowClipPooledEmbeddingsLookup`
     does for each group)::
 
         kernel = CowClipBatchedEmbeddingBag(config, pg, device, ShardingType.TABLE_WISE,

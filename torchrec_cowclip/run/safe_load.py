@@ -37,7 +37,7 @@ Example::
     >>> read_dcp_metadata(path)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    torchrec_cowclip.train.safe_load.UnsafeFileError: .../.metadata: refused to load: it names ...system, which a checkpoint's metadata never holds (a file that could run code); nothing was loaded
+    torchrec_cowclip.run.safe_load.UnsafeFileError: .../.metadata: refused to load: it names ...system, which a checkpoint's metadata never holds (a file that could run code); nothing was loaded
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrec_cowclip.compat import dcp_metadata_private_classes
-from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.failures import ConfigError
 
 METADATA_FILE = ".metadata"
 

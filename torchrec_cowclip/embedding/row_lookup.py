@@ -4,7 +4,7 @@ Forward: one ``embedding_bag`` call over all features of a table batch (on CPU,
 ATen dispatches sum pooling to FBGEMM's EmbeddingSpMDM kernel), output laid out as
 TorchRec's ``KeyedTensor`` values ``[B, F * D]``.
 Backward: per-row gradients (:mod:`.row_gradients`, grouped and summed by the table
-batch's row kernel, :mod:`.kernels`), submitted to the lookup's step of the row-update
+batch's row kernel, :mod:`.row_kernels`), submitted to the lookup's step of the row-update
 coordinator (:mod:`.row_updates`), which applies the in-place update or holds them for
 Helen; the table weights get no gradient, so they never hold a ``.grad``. Per-sample
 weights that require grad get theirs, exactly as ``torchrec.EmbeddingBagCollection``
@@ -26,6 +26,7 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_cowclip.embedding.row_gradients import RowGradients, RowGrouping, row_segments
+from torchrec_cowclip.embedding.row_kernels import RowLayout
 from torchrec_cowclip.embedding.table_batch import TableBatch
 
 
@@ -137,12 +138,8 @@ def lookup_row_gradients(
 
     def compute() -> RowGrouping:
         starts = lookup.bag_offsets[batch.feature_bag_starts(lookup.batch_size)]
-        return batch.kernel.group_rows(
-            lookup.row_ids,
-            bag_of_positions(batch, lookup),
-            batch.weight.shape[0],
-            (starts, batch.feature_rows),
-        )
+        rows = RowLayout(batch.weight.shape[0], starts, batch.feature_rows)
+        return batch.kernel.group_rows(lookup.row_ids, bag_of_positions(batch, lookup), rows)
 
     grouping = lookup.grouping.get(compute)
     segments = row_segments(grouping, bag_gradients, _position_weights(lookup, batch.pooling))

@@ -31,8 +31,9 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, Optional
 
-#: The exit status of a run stopped by a signal after writing its checkpoint.
-EXIT_STOPPED = 75
+from torchrec_cowclip.failures import EXIT_STOPPED
+
+__all__ = ["EXIT_STOPPED", "RunStopped", "StopRequest", "raising_on_sigterm"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

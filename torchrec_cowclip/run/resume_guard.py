@@ -18,7 +18,7 @@ Example::
     >>> check_resume({"run_record": saved}, now, "runs/x")
     Traceback (most recent call last):
     ...
-    torchrec_cowclip.train.resume_guard.ResumeRefused: --resume refused: the checkpoint in runs/x was trained with --batch-size 1024, this command has 2048; --seed 0 vs 1
+    torchrec_cowclip.run.resume_guard.ResumeRefused: --resume refused: the checkpoint in runs/x was trained with --batch-size 1024, this command has 2048; --seed 0 vs 1
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
 
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.scaling import ScaledHyperparameters
+from torchrec_cowclip.failures import ConfigError
 
 # Settings a resumed run may change, because they change no number the run produces
 # (weights, metrics.json): how often it logs, checkpoints or shows progress, where it
@@ -57,20 +56,6 @@ RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
     }
 )
 
-# Config fields a scaling recipe fills in when left None -> the resolved value's field
-# in ScaledHyperparameters.
-_RESOLVED: Dict[str, str] = {
-    "lr": "dense_lr",
-    "lr_embed": "embedding_lr",
-    "l2": "l2",
-    "clip_r": "clip_r",
-    "clip_zeta": "clip_zeta",
-    "warmup_epochs": "warmup_epochs",
-    "count_lr_power": "count_lr_power",
-    "helen_rho": "helen_rho",
-    "helen_bound": "helen_bound",
-}
-
 # Config fields whose flag is not "--" + the field name with dashes.
 _FLAGS: Dict[str, str] = {"cowclip": "CowClip (--no-cowclip)", "dist_timeout_s": "--dist-timeout"}
 
@@ -79,34 +64,17 @@ class ResumeRefused(ConfigError):
     """``--resume`` with settings or data that differ from the checkpoint's."""
 
 
-def run_record(
-    config: TrainConfig,
-    hp: ScaledHyperparameters,
-    dataset: Any,
-    data_options: Mapping[str, Any],
-) -> Dict[str, Any]:
+def run_record(settings: Mapping[str, Any], data: Mapping[str, Any]) -> Dict[str, Any]:
     """The record a checkpoint keeps of its run: ``{"settings", "data"}``, plain JSON
     types only (so it loads without unpickling classes).
 
     Args:
-        config: the run's options.
-        hp: the scaled hyperparameters the recipe resolved them to.
-        dataset: the opened dataset (``source``, ``len``, and ``meta`` with the cache
-            entry's ``kind`` and ``key`` where it has them).
-        data_options: the options the dataset was opened with.
+        settings: the run's options with every recipe default resolved
+            (``TrainSettings.record_settings``).
+        data: what the run read: its source, options, row count and binary-cache entry
+            (:meth:`DataSettings.record <torchrec_cowclip.data.settings.DataSettings.record>`).
     """
-    settings = config.as_dict()
-    for field, resolved in _RESOLVED.items():
-        settings[field] = getattr(hp, resolved)
-    meta = getattr(dataset, "meta", {}) or {}
-    entry = f"{meta['kind']}-{meta['key']}" if "kind" in meta and "key" in meta else None
-    data = {
-        "source": str(getattr(dataset, "source", config.data)),
-        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in data_options.items()},
-        "rows": len(dataset),
-        "cache_entry": entry,
-    }
-    return {"settings": settings, "data": data}
+    return {"settings": dict(settings), "data": dict(data)}
 
 
 def run_fingerprint(record: Mapping[str, Any]) -> str:

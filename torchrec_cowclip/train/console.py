@@ -1,5 +1,6 @@
-"""What a training run tells its user: the start summary (tables, parameters, processes),
-one line per epoch, the whole run's ETA and the process's peak memory.
+"""What a training run tells its user: the start summary (settings, tables, parameters,
+processes, dense inputs, labels), one line per epoch, the whole run's ETA, the process's
+peak memory, and which weights the run folder keeps.
 
 Example::
 
@@ -19,7 +20,12 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from torchrec_cowclip.train.config import TrainSettings
+    from torchrec_cowclip.train.data import TrainingData
 
 #: Epoch-row columns that are timings or memory (they differ between two runs of one
 #: command, so comparisons of runs leave them out).
@@ -79,7 +85,7 @@ def processes_line(world_size: int, sharding: Optional[str], shardings: Mapping[
     """
     if world_size <= 1:
         return "processes: 1 (the whole model in this process)"
-    from torchrec_cowclip.train.distributed import describe_shardings
+    from torchrec_cowclip.train.processes import describe_shardings
 
     how = "TorchRec's planner" if sharding in (None, "auto") else "every table"
     return (
@@ -136,3 +142,78 @@ def epoch_line(row: Mapping[str, Any]) -> str:
 def without(row: Mapping[str, Any], keys: Sequence[str]) -> Dict[str, Any]:
     """``row`` without ``keys``."""
     return {k: v for k, v in row.items() if k not in keys}
+
+
+def banner(settings: "TrainSettings", data: "TrainingData", device: Any) -> str:
+    """The run's settings in one line: model, data and splits, batch and recipe, the
+    learning rates, L2, the clip, Helen and the device."""
+    hp, count_lr = settings.hp, settings.hp.count_lr
+    embedding = settings.optimizers.embedding
+    clip = (
+        f"CowClip r={hp.clip_r:g} zeta={hp.clip_zeta:.3g}" if embedding.cowclip else "no clipping"
+    )
+    return (
+        f"model {settings.model.name} | data {settings.data.spec}: {len(data.train_idx):,} train, "
+        f"{len(data.val_idx):,} val, {len(data.test_idx):,} test | batch {hp.batch_size} "
+        f"(x{hp.scale:g} of {hp.base_batch_size}, recipe {hp.recipe}) | dense lr {hp.dense_lr:.4g} "
+        f"(warm-up {hp.warmup_epochs:g} epoch) | embedding {settings.model.embedding_backend}/"
+        f"{embedding.optimizer} lr {hp.embedding_lr:.4g}"
+        + (f" x min(count, {count_lr.cap:g})^{count_lr.power:g}" if count_lr else "")
+        + f" | L2 lambda {hp.l2:.4g} "
+        f"(weight_decay {hp.embedding_weight_decay:.4g}) | {clip}"
+        + (f" | Helen rho={hp.helen_rho:.3g} bound={hp.helen_bound:g}" if hp.helen_rho else "")
+        + f" | device {device}"
+    )
+
+
+def start_lines(
+    settings: "TrainSettings",
+    data: "TrainingData",
+    runtime: Any,
+    out: Path,
+    total_steps: int,
+) -> List[str]:
+    """The lines a run starts with: where it writes, the settings, the model's size,
+    the processes and sharding, and how the dense columns enter the model."""
+    plan, run = data.dense_plan, settings.run
+    return [
+        f"run {out}: {run.epochs} epoch(s) of {runtime.steps_per_epoch:,} steps"
+        + (f", stopping at step {total_steps:,}" if run.max_steps else "")
+        + (
+            "; best_epoch by validation AUC"
+            if len(data.val_idx)
+            else "; no validation split (--val-fraction): the final epoch is reported"
+        ),
+        banner(settings, data, runtime.device),
+        runtime.model_size.describe(),
+        processes_line(runtime.world_size, runtime.sharding, runtime.table_shardings()),
+        f"dense inputs: {plan.summary()}; statistics of {plan.fitted_on}"
+        + (f" (read in {data.plan_seconds:.1f} s)" if data.plan_seconds >= 1 else ""),
+        "positive labels: "
+        + ", ".join(
+            f"{rate:.2%} of {name}"
+            + (" (one class: its AUC is undefined)" if rate in (0.0, 1.0) else "")
+            for name, rate in data.positive_rates.items()
+            if rate is not None
+        ),
+    ]
+
+
+def weights_line(
+    out: Path, reported: str, kept: Sequence[str], best_epoch: Optional[int], epochs: int
+) -> str:
+    """Which weights the run folder keeps, and which predict and evaluate use."""
+    where = out / "model" / "weights"
+    if "best" not in kept:
+        return f"weights: {where}/final (the last step's); predict and evaluate use them"
+    best = f"best (epoch {best_epoch}, the best validation AUC)"
+    final = f"final (the last step's, epoch {epochs})"
+    if reported == "best":
+        return (
+            f"weights: {where}/{best}, which predict and evaluate use by default, and "
+            f"{final}: --weights final"
+        )
+    return (
+        f"weights: {where}/{final}, which predict and evaluate use by default, and "
+        f"{best}: --weights best"
+    )

@@ -28,13 +28,13 @@ import weakref
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
-from torchrec_cowclip.train.checkpoint import CHECKPOINTS_DIR, CheckpointStore
-from torchrec_cowclip.train.config import ConfigError
+from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 
 LOCK_NAME = ".lock"
 
 # What a training run writes into --out (trainer.py: checkpoints and metrics.json;
-# run_log.py: the CSVs and TensorBoard's tb/; plots.py: curves.png; run_folder.py: model/).
+# log.py: the CSVs and TensorBoard's tb/; curves.py: curves.png; model_folder.py: model/).
 # Only these, and their temporary forms (see stale_temp_files), are ever deleted; anything
 # else in --out is left alone.
 RUN_FILES = ("checkpoints", "metrics.json", "steps.csv", "epochs.csv", "tb", "curves.png", "model")
@@ -176,7 +176,7 @@ def run_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
 def stale_temp_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
     """Temporary forms of ``names`` that only a killed write leaves behind (``NAME.tmp``,
     e.g. ``metrics.json.tmp``). Inside ``checkpoints/``,
-    :meth:`~torchrec_cowclip.train.checkpoint.CheckpointStore.remove_unfinished` removes a
+    :meth:`~torchrec_cowclip.run.checkpoints.CheckpointStore.remove_unfinished` removes a
     killed checkpoint write."""
     return [out / f"{name}.tmp" for name in names if (out / f"{name}.tmp").exists()]
 

@@ -76,28 +76,29 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data import parse_spec
-from torchrec_cowclip.data.options import SourceOptions
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout, TextRowSource
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file, file_record
-from torchrec_cowclip.data.pipeline.dataset import kind_options
 from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
 from torchrec_cowclip.data.pipeline.run_encoders import keep_encoder, restore_encoder
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
 from torchrec_cowclip.data.schema import Schema
+from torchrec_cowclip.data.settings import DataSettings
+from torchrec_cowclip.data.source_options import SourceOptions
 from torchrec_cowclip.data.sources.table import ParquetRowSource
 from torchrec_cowclip.distributed.comm import run_collective
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS, EMBEDDING_DTYPES
+from torchrec_cowclip.models.spec import ModelSpec
+from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.optim.options import CowClipOptions
-from torchrec_cowclip.train.checkpoint import CheckpointStore, os_reason, require_finite
-from torchrec_cowclip.train.config import ConfigError, TrainConfig
-from torchrec_cowclip.train.no_space import space_checked
-from torchrec_cowclip.train.notices import single_process_checkpoint
-from torchrec_cowclip.train.safe_load import (
+from torchrec_cowclip.run.checkpoints import CheckpointStore, os_reason, require_finite
+from torchrec_cowclip.run.no_space import space_checked
+from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -148,7 +149,7 @@ DATA_KEYS = (
     "source_format",
     "rows",
 )
-#: The model factory's arguments a run folder keeps (:func:`model_arguments`).
+#: The model factory's arguments a run folder keeps (:meth:`ModelSpec.arguments <torchrec_cowclip.models.spec.ModelSpec.arguments>`).
 ARGUMENTS = (
     "num_dense",
     "sparse_names",
@@ -170,7 +171,6 @@ __all__ = [
     "describe_data",
     "describe_model",
     "jsonable",
-    "model_arguments",
 ]
 
 
@@ -206,25 +206,6 @@ def _tuples(value: Any) -> Any:
     return value
 
 
-def model_arguments(config: TrainConfig, schema: Schema, num_dense: int) -> Dict[str, Any]:
-    """The arguments the trainer builds its model with (``build_model(config.model,
-    **these)``), the training-only ones aside: what a run folder rebuilds it from.
-    ``num_dense`` counts the dense plan's inputs (the columns and any missing-value
-    indicators)."""
-    return {
-        "num_dense": int(num_dense),
-        "sparse_names": list(schema.sparse_names),
-        "cardinalities": list(schema.cardinalities),
-        "embedding_dim": config.embedding_dim,
-        "hidden": list(config.hidden),
-        "cross_layers": config.cross_layers,
-        "init_std": config.init_std,
-        "embedding_backend": config.embedding_backend,
-        "embedding_dtype": config.embedding_dtype,
-        "init_seed": config.seed,
-    }
-
-
 def _whole(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
@@ -239,7 +220,7 @@ def _shape(shape: Optional[Tuple[int, ...]]) -> str:
 
 
 def _check_arguments(arguments: Any, refuse: Callable[[str], RunFolderError]) -> Dict[str, Any]:
-    """``model.json``'s ``arguments``, each of the type and range :func:`model_arguments`
+    """``model.json``'s ``arguments``, each of the type and range :meth:`~torchrec_cowclip.models.spec.ModelSpec.arguments`
     writes (checked before any model is built from them).
 
     Raises:
@@ -287,34 +268,36 @@ def _check_arguments(arguments: Any, refuse: Callable[[str], RunFolderError]) ->
 
 
 def describe_model(
-    config: TrainConfig,
+    model: ModelSpec,
+    settings: Mapping[str, Any],
     dataset: Any,
     metrics: Mapping[str, Any],
     weights: Sequence[str],
     reported: str,
 ) -> Dict[str, Any]:
-    """``model.json``: the factory's arguments, the weights and the run's numbers."""
+    """``model.json``: the factory's arguments, the weights and the run's numbers;
+    ``settings`` are the run's options as its record keeps them (``TrainConfig.as_dict``)."""
     inputs = len(dataset.dense_plan.output_names)
     return {
-        "model": config.model,
-        "arguments": model_arguments(config, dataset.schema, inputs),
+        "model": model.name,
+        "arguments": model.arguments(dataset.schema, inputs),
         "weights": {name: f"{WEIGHTS_DIR}/{name}" for name in weights},
         "reported": reported,
         "metrics": {
             k: metrics.get(k)
             for k in ("auc", "logloss", "best_epoch", "epochs", "steps", "train_samples")
         },
-        "eval_batch_size": config.eval_batch_size,
-        "init_from": config.init_from,
-        "config": jsonable(config.as_dict()),
+        "eval_batch_size": settings["eval_batch_size"],
+        "init_from": settings["init_from"],
+        "config": jsonable(dict(settings)),
         "torchrec_cowclip": __version__,
     }
 
 
-def _reader(kind: SourceKind, config: TrainConfig, opts: SourceOptions) -> Dict[str, Any]:
+def _reader(kind: SourceKind, data: DataSettings, opts: SourceOptions) -> Dict[str, Any]:
     """How the training files were read: a text layout (delimiter, header, columns), a
     parquet file's columns, or the kind's own reader."""
-    args = parse_spec(config.data)[1]
+    args = parse_spec(data.spec)[1]
     source = kind.conversion(args, [], opts).source
     if isinstance(source, TextRowSource):
         return {"format": "text", "layout": jsonable(source.layout.payload())}
@@ -329,20 +312,20 @@ def _reader(kind: SourceKind, config: TrainConfig, opts: SourceOptions) -> Dict[
     return {"format": kind.name}
 
 
-def describe_data(config: TrainConfig, dataset: Any, encoder: Mapping[str, Any]) -> Dict[str, Any]:
+def describe_data(data: DataSettings, dataset: Any, encoder: Mapping[str, Any]) -> Dict[str, Any]:
     """``data.json``: the kind, every option of its options dataclass, the schema, the
     reader and the encoder (as :func:`~torchrec_cowclip.data.pipeline.run_encoders.keep_encoder`
     returned it)."""
-    kind = config.source_kind()
-    opts = kind_options(kind, config.data_options())
+    kind = data.kind()
+    opts = data.source_options()
     options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts)}
     return {
         "kind": kind.name,
-        "spec": config.data,
-        "test_spec": config.test_data,
+        "spec": data.spec,
+        "test_spec": data.test_spec,
         "options": options,
         "schema": dataset.schema.to_json(),
-        "reader": _reader(kind, config, opts),
+        "reader": _reader(kind, data, opts),
         "encoder": dict(encoder),
         "dense_transforms": list(dataset.dense_transforms),
         "dense_plan": dataset.dense_plan.to_json(),

@@ -1,9 +1,13 @@
-"""``torchrec-cowclip`` / ``python -m torchrec_cowclip``: the command line.
+"""``torchrec-cowclip train``: its flags, their config, and the command's run.
 
-Example::
-
-    torchrec-cowclip train --model deepfm --data criteo:train.txt --batch-size 131072 \\
-        --epochs 1 --out runs/criteo-128k
+The flags are defined here once, in five groups (data, model, optimizer and recipe, run,
+distributed); the commands that train or read train's data (``sweep``, ``plan``) add the
+same groups, and :func:`train_argv` writes a config back as the flags that make it (a
+sweep cell's command, a plan's launch command). :func:`run_train` is the command itself,
+after its flags: the training run, its summary, and every failure as one line and an exit
+status (:func:`exiting_on_failure`), as the program's command line
+(:mod:`torchrec_cowclip.cli`, whose docstring shows a command) and a sweep's cell
+processes run it.
 """
 
 from __future__ import annotations
@@ -12,19 +16,32 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import sys
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import (
+    Any,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    get_args,
+    get_type_hints,
+)
 
 from torchrec_cowclip.cli_help import HelpFormatter
+from torchrec_cowclip.failures import (
+    EXIT_DIVERGED,
+    EXIT_ENVIRONMENT,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ConfigError,
+)
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
-from torchrec_cowclip.plan.cli import add_plan_parser
-from torchrec_cowclip.serve.cli import COMMANDS as SERVING_COMMANDS
-from torchrec_cowclip.serve.cli import add_commands, run_command
-from torchrec_cowclip.sweep.cli import add_sweep_parser
-from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, ConfigError, TrainConfig
-from torchrec_cowclip.train.distributed import SHARDING_CHOICES
+from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, TrainConfig, TrainSettings
+from torchrec_cowclip.train.processes import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
 
 _DATA_HELP = (
@@ -70,9 +87,55 @@ def _shown_list(values: Sequence[Any]) -> str:
     return ",".join(str(v) for v in values)
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+#: How the data is split: flag -> help.
+_SPLIT_VALUES: Dict[str, str] = {
+    "--test-fraction": "share of --data's rows drawn at random (seeded by --seed) as the test "
+    "split",
+    "--val-fraction": "share of the training rows held out for validation (early stopping, "
+    "best_epoch); 0: no validation split",
+}
+
+#: How ids are numbered, and synthetic data drawn: flag -> help.
+_ID_VALUES: Dict[str, str] = {
+    "--hash-size": "hash categorical values into this many ids per feature; default: an exact "
+    "vocabulary of the training files",
+    "--min-count": "vocabulary: values seen fewer times share one out-of-vocabulary id",
+    "--synthetic-scale": "synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
+    "--synthetic-max-cardinality": "synthetic: cap every table at this many rows "
+    "(default: 1,000,000)",
+    "--synthetic-seed": "synthetic: the generator's seed, to draw other rows than --seed's "
+    "(default: --seed)",
+}
+
+
+#: The model's sizes: flag -> help.
+_MODEL_VALUES: Dict[str, str] = {
+    "--embedding-dim": "embedding size D",
+    "--cross-layers": "dcn, dcnv2, dlrm_dcn: cross layers",
+    "--init-std": "embedding init N(0, std^2)",
+}
+
+
+def _add_value_flags(group: Any, flags: Mapping[str, str]) -> None:
+    """Adds the ``flags`` (flag -> help) whose type and default are their TrainConfig
+    field's (``--min-count``: ``min_count: int = 1``)."""
+    d = TrainConfig()
+    hints = get_type_hints(TrainConfig)
+    for flag, text in flags.items():
+        name = flag[2:].replace("-", "_")
+        kind = next(t for t in (int, float) if t in (hints[name], *get_args(hints[name])))
+        group.add_argument(flag, type=kind, default=getattr(d, name), help=text)
+
+
+def _add_list_flag(group: Any, flag: str, text: str) -> None:
+    """A flag that takes comma-separated names (``A,B,...``; default: none)."""
+    group.add_argument(flag, type=_csv_list, default=[], metavar="A,B,...", help=text)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, data_required: bool = True) -> None:
     """Adds ``train``'s arguments to ``parser``, in five groups: data, model, optimizer and
-    recipe, run, distributed. Another command that trains (a sweep) reuses them.
+    recipe, run, distributed. Another command that trains (a sweep) reuses them
+    (``data_required``: whether ``--data`` must be given).
 
     Example::
 
@@ -82,7 +145,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.dense, args.batch_size, args.out is None
         (['price', 'age'], 1024, True)
     """
-    add_data_arguments(parser)
+    add_data_arguments(parser, required=data_required)
     add_model_arguments(parser)
     _add_run_arguments(parser)
 
@@ -110,34 +173,18 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="explicit test files (the same kind as --data); default: a random "
         "--test-fraction of --data's rows",
     )
-    g.add_argument(
-        "--test-fraction",
-        type=float,
-        default=d.test_fraction,
-        help="share of --data's rows drawn at random (seeded by --seed) as the test split",
-    )
-    g.add_argument(
-        "--val-fraction",
-        type=float,
-        default=d.val_fraction,
-        help="share of the training rows held out for validation (early stopping, "
-        "best_epoch); 0: no validation split",
-    )
+    _add_value_flags(g, _SPLIT_VALUES)
     g.add_argument("--label", default=None, help="table: the label column (0/1); default: none")
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--dense",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table:, avazu: numeric columns (names stripped: 'price, age' is price and "
+        "table:, avazu: numeric columns (names stripped: 'price, age' is price and "
         "age); default: none",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--sparse",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table:, avazu: categorical columns, each its own embedding table; default: "
+        "table:, avazu: categorical columns, each its own embedding table; default: "
         "none for table: (give them), every column but id and the label for avazu:",
     )
     g.add_argument(
@@ -152,20 +199,16 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="table: the files have no header line; their columns are --columns, or "
         "their positions 0, 1, ... (default: the first line names the columns)",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--columns",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table: the columns of header-less files, in order (implies --no-header, "
+        "table: the columns of header-less files, in order (implies --no-header, "
         "as pandas' names=); default: none",
     )
-    g.add_argument(
+    _add_list_flag(
+        g,
         "--na-values",
-        type=_csv_list,
-        default=[],
-        metavar="A,B,...",
-        help="table: texts that mean a missing value in the dense and categorical columns "
+        "table: texts that mean a missing value in the dense and categorical columns "
         "besides an empty field, as pandas' na_values= (e.g. N/A,NA,-): a dense one becomes "
         "0 after the transform (with --missing-indicator, flagged), a categorical one the "
         "missing id; default: none",
@@ -194,41 +237,11 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         help="a malformed row: error stops at file:line with the reason; skip drops it and "
         "counts it per reason (metrics.json: dataset.bad_rows_skipped)",
     )
-    g.add_argument(
-        "--hash-size",
-        type=int,
-        default=None,
-        help="hash categorical values into this many ids per feature; default: an exact "
-        "vocabulary of the training files",
-    )
-    g.add_argument(
-        "--min-count",
-        type=int,
-        default=d.min_count,
-        help="vocabulary: values seen fewer times share one out-of-vocabulary id",
-    )
+    _add_value_flags(g, _ID_VALUES)
     g.add_argument(
         "--cache-dir",
         default=d.cache_dir,
         help="where converted data (a verified binary cache) is kept and reused",
-    )
-    g.add_argument(
-        "--synthetic-scale",
-        type=float,
-        default=None,
-        help="synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
-    )
-    g.add_argument(
-        "--synthetic-max-cardinality",
-        type=int,
-        default=None,
-        help="synthetic: cap every table at this many rows (default: 1,000,000)",
-    )
-    g.add_argument(
-        "--synthetic-seed",
-        type=int,
-        default=None,
-        help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
     )
 
 
@@ -242,7 +255,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.model,
         help="; ".join(f"{name}: {_MODEL_HELP.get(name, name)}" for name in MODELS),
     )
-    m.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="embedding size D")
+    _add_value_flags(m, _MODEL_VALUES)
     m.add_argument(
         "--hidden",
         type=_int_list,
@@ -250,13 +263,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help=f"DNN layer sizes (default: {_shown_list(d.hidden)})",
     )
-    m.add_argument(
-        "--cross-layers",
-        type=int,
-        default=d.cross_layers,
-        help="dcn, dcnv2, dlrm_dcn: cross layers",
-    )
-    m.add_argument("--init-std", type=float, default=d.init_std, help="embedding init N(0, std^2)")
     m.add_argument(
         "--embedding-backend",
         choices=EMBEDDING_BACKENDS,
@@ -273,6 +279,47 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The batch and the one the recipe's base values are for: flag -> help.
+_BATCH_VALUES: Dict[str, str] = {
+    "--batch-size": "global training batch",
+    "--base-batch-size": "the batch the recipe's base values are for (s = batch / base)",
+}
+
+#: The values the recipe sets from ``s = batch / base``, each overridden by its flag:
+#: flag -> help.
+_RECIPE_VALUES: Dict[str, str] = {
+    "--lr": "dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
+    "--lr-embed": "embedding lr (default: the recipe's; paper: 1e-4, not scaled)",
+    "--l2": "embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
+    "--clip-r": "CowClip's ratio r (default: the recipe's, 1)",
+    "--clip-zeta": "CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
+    "Criteo-like, 1e-4 Avazu)",
+    "--warmup-epochs": "linear warm-up of the dense lr, in epochs (default: the recipe's; paper: 1)",
+    "--count-lr-power": "per-id-frequency embedding lr: a row seen c times in the batch steps with "
+    "lr * min(c, s) ** POWER (not in the paper; default: the recipe's, paper: 0 = off; "
+    "docs/scaling.md)",
+    "--helen-rho": "train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
+    "passes per step) with this perturbation radius at this batch (reference: 0.05); "
+    "default: the recipe's (off but for recipes with Helen; docs/algorithm.md)",
+    "--helen-bound": "Helen's lower bound on a row's frequency share n_j / max n (default: the recipe's, 0.3)",
+}
+
+
+#: The run's counts and sizes: flag -> help.
+_RUN_COUNTS: Dict[str, str] = {
+    "--epochs": "passes over the training split",
+    "--max-steps": "stop after this many steps (0: no limit)",
+    "--seed": "initial weights, batch order and the random splits, for every data kind "
+    "(synthetic data is also drawn with it unless --synthetic-seed is given)",
+    "--early-stop-patience": "stop after this many epochs without a better validation AUC and keep the "
+    "best epoch's weights (needs --val-fraction; 0: off)",
+    "--checkpoint-every": "checkpoint every this many steps (0: at epoch ends only)",
+    "--eval-batch-size": "rows per evaluation batch",
+    "--threads": "torch intra-op threads (0: torch's choice)",
+    "--log-every": "write a steps.csv row (and TensorBoard scalars) every this many steps",
+}
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``train``'s optimizer and recipe, run and distributed groups."""
     d = TrainConfig()
@@ -281,13 +328,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "the scaling rule sets every value from --batch-size / --base-batch-size; an "
         "explicit value overrides the recipe's",
     )
-    s.add_argument("--batch-size", type=int, default=d.batch_size, help="global training batch")
-    s.add_argument(
-        "--base-batch-size",
-        type=int,
-        default=d.base_batch_size,
-        help="the batch the recipe's base values are for (s = batch / base)",
-    )
+    _add_value_flags(s, _BATCH_VALUES)
     s.add_argument(
         "--recipe",
         choices=tuple(RECIPES),
@@ -295,48 +336,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="how every value below scales with s; "
         + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values()),
     )
-    s.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
-    )
-    s.add_argument(
-        "--lr-embed",
-        type=float,
-        default=None,
-        help="embedding lr (default: the recipe's; paper: 1e-4, not scaled)",
-    )
-    s.add_argument(
-        "--l2",
-        type=float,
-        default=None,
-        help="embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
-    )
-    s.add_argument(
-        "--clip-r", type=float, default=None, help="CowClip's ratio r (default: the recipe's, 1)"
-    )
-    s.add_argument(
-        "--clip-zeta",
-        type=float,
-        default=None,
-        help="CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
-        "Criteo-like, 1e-4 Avazu)",
-    )
-    s.add_argument(
-        "--warmup-epochs",
-        type=float,
-        default=None,
-        help="linear warm-up of the dense lr, in epochs (default: the recipe's; paper: 1)",
-    )
-    s.add_argument(
-        "--count-lr-power",
-        type=float,
-        default=None,
-        help="per-id-frequency embedding lr: a row seen c times in the batch steps with "
-        "lr * min(c, s) ** POWER (not in the paper; default: the recipe's, paper: 0 = off; "
-        "docs/scaling.md)",
-    )
+    _add_value_flags(s, _RECIPE_VALUES)
     s.add_argument(
         "--no-cowclip",
         dest="cowclip",
@@ -349,21 +349,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EMBEDDING_OPTIMIZERS,
         default=d.embedding_optimizer,
         help="the tables' optimizer (the paper's: adam)",
-    )
-    s.add_argument(
-        "--helen-rho",
-        type=float,
-        default=d.helen_rho,
-        help="train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
-        "passes per step) with this perturbation radius at this batch (reference: 0.05); "
-        "default: the recipe's (off but for recipes with Helen; docs/algorithm.md)",
-    )
-    s.add_argument(
-        "--helen-bound",
-        type=float,
-        default=d.helen_bound,
-        help="Helen's lower bound on a row's frequency share n_j / max n (default: the "
-        "recipe's, 0.3)",
     )
     s.add_argument(
         "--helen-perturb-dense",
@@ -397,33 +382,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint's. 'auto': the same if there is a checkpoint, else start anew (for "
         "torchrun --max-restarts and schedulers' retries); default: a new run",
     )
-    r.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
-    r.add_argument(
-        "--max-steps",
-        type=int,
-        default=d.max_steps,
-        help="stop after this many steps (0: no limit)",
-    )
-    r.add_argument(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="initial weights, batch order and the random splits, for every data kind "
-        "(synthetic data is also drawn with it unless --synthetic-seed is given)",
-    )
-    r.add_argument(
-        "--early-stop-patience",
-        type=int,
-        default=d.early_stop_patience,
-        help="stop after this many epochs without a better validation AUC and keep the "
-        "best epoch's weights (needs --val-fraction; 0: off)",
-    )
-    r.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        help="checkpoint every this many steps (0: at epoch ends only)",
-    )
+    _add_value_flags(r, _RUN_COUNTS)
     r.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -433,21 +392,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "the one before)",
     )
     r.add_argument(
-        "--eval-batch-size", type=int, default=d.eval_batch_size, help="rows per evaluation batch"
-    )
-    r.add_argument(
         "--device",
         default=d.device,
         help="auto (CUDA if there is one, else CPU), cpu or cuda[:N]",
-    )
-    r.add_argument(
-        "--threads", type=int, default=d.threads, help="torch intra-op threads (0: torch's choice)"
-    )
-    r.add_argument(
-        "--log-every",
-        type=int,
-        default=d.log_every,
-        help="write a steps.csv row (and TensorBoard scalars) every this many steps",
     )
     r.add_argument(
         "--no-progress",
@@ -492,44 +439,24 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrec-cowclip",
-        description="Large-batch CTR training on TorchRec with CowClip (Zheng et al., AAAI 2023).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train",
-        help="train a CTR model and write metrics.json",
-        description="Train a CTR model on --data and write metrics.json, logs and checkpoints "
-        "to --out.",
-        formatter_class=HelpFormatter,
-    )
-    add_train_arguments(train)
-    # The sweep runs `train` once per cell: it takes train's arguments from here
-    # (torchrec_cowclip.sweep.cli never imports this module: no cycle).
-    add_sweep_parser(sub, add_train_arguments, config_from_args)
-    # `plan` reads train's data and model flags and writes train's launch command.
-    add_plan_parser(
-        sub, add_data_arguments, add_model_arguments, add_train_arguments, config_from_args
-    )
-    add_commands(sub)
-    return parser
-
-
 def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """``parser``'s command ``name``, or ``parser`` itself when it has no commands."""
     # argparse lists a parser's subcommands only in these attributes.
     actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command: argparse.ArgumentParser = next(actions).choices[name]
+    commands = next(actions, None)
+    if commands is None:
+        return parser
+    command: argparse.ArgumentParser = commands.choices[name]
     return command
 
 
 def train_flags(parser: argparse.ArgumentParser) -> List[str]:
-    """The long flags of ``parser``'s ``train`` command, in ``--help`` order (not ``--help``).
+    """The long flags of ``parser``'s ``train`` command (or of ``parser``, a parser of
+    train's arguments alone), in ``--help`` order (not ``--help``).
 
     Example::
 
-        >>> flags = train_flags(build_parser())
+        >>> flags = train_flags(train_parser())
         >>> flags[:3], "--seed" in flags, "--help" in flags
         (['--data', '--test-data', '--test-fraction'], True, False)
     """
@@ -575,7 +502,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     Example::
 
-        >>> args = build_parser().parse_args(["train", "--data", "synthetic:1000"])
+        >>> args = train_parser().parse_args(["--data", "synthetic:1000"])
         >>> config_from_args(args).data, config_from_args(args).hidden
         ('synthetic:1000', (400, 400, 400))
     """
@@ -585,141 +512,175 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-#: Exit statuses (README, "Reliability"): the command, its data or its checkpoint is
-#: wrong; the training diverged; the environment failed (a full or read-only disk, a
-#: dead or hung peer); a signal stopped the run after its checkpoint (``RunStopped``, 75).
-EXIT_USAGE, EXIT_DIVERGED, EXIT_ENVIRONMENT = 2, 3, 4
-#: Ctrl-C (SIGINT) where no step is in flight: 128 + SIGINT, as a shell reports it.
-EXIT_INTERRUPTED = 130
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers the ``train`` command on ``subparsers``."""
+    train = subparsers.add_parser(
+        "train",
+        help="train a CTR model and write metrics.json",
+        description="Train a CTR model on --data and write metrics.json, logs and checkpoints "
+        "to --out.",
+        formatter_class=HelpFormatter,
+    )
+    add_train_arguments(train)
+    return train
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a redirect):
-    logging assigns ``stream``, which here is always the current stderr."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
+def train_parser() -> argparse.ArgumentParser:
+    """A parser of ``train``'s arguments alone (to write and check a config's command)."""
+    parser = argparse.ArgumentParser(prog="torchrec-cowclip train", add_help=False)
+    add_train_arguments(parser)
+    return parser
 
 
-class _Lines(logging.Formatter):
-    """A record as its message, a warning or worse marked as such."""
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+def train_argv(
+    parser: argparse.ArgumentParser, config: TrainConfig, what: str = "a train command"
+) -> List[str]:
+    """The ``train`` arguments that make ``config`` (every option not at its default),
+    checked by parsing them back with ``parser`` (:func:`train_parser`); ``what`` names
+    the command in the refusal.
+
+    Example::
+
+        >>> train_argv(train_parser(), TrainConfig(data="synthetic:1000", hidden=(16, 8)))
+        ['--data', 'synthetic:1000', '--hidden', '16,8']
+
+    Raises:
+        ConfigError: an option that has no command-line form, or flags that do not
+            reproduce the config.
+    """
+    values = config.as_dict()
+    argv: List[str] = []
+    # argparse lists a parser's arguments only in this attribute.
+    for action in parser._actions:
+        if not action.option_strings or action.dest not in values:
+            continue
+        value, default = values[action.dest], action.default
+        if value == default or (
+            isinstance(default, (list, tuple)) and list(value) == list(default)
+        ):
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false / store_const
+            if value != action.const:
+                raise ConfigError(f"{flag}: {value!r} has no command-line form")
+            argv.append(flag)
+        elif action.nargs == "?" and value is action.const:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, _flag_value(value)]
+    try:
+        back = config_from_args(parser.parse_args(argv))
+    except SystemExit:
+        back = None
+    if back != config:
+        raise ConfigError(f"{what} does not reproduce its settings: {' '.join(argv)}")
+    return argv
 
 
-_HANDLER = _Stderr()
-_HANDLER.setFormatter(_Lines("%(message)s"))
+def command_settings(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]
+) -> Tuple[TrainSettings, Optional[str]]:
+    """The settings of a parsed ``train`` command (its config validated and resolved once),
+    and the line naming what a warm start took from RUN (None without ``--init-from``): the
+    flags not given take RUN's values (its model, its data)."""
+    said = None
+    if args.init_from:
+        from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
+
+        command = _command_parser(parser, "train")
+        given = _given_flags(command, argv)
+        defaults = warm_start_defaults(args.init_from)
+        # argparse lists a parser's arguments only in this attribute.
+        stock = {a.dest: a.default for a in command._actions}
+        inherited = {
+            k: v
+            for k, v in defaults.items()
+            if k not in given and k in stock and _differs(v, stock[k])
+        }
+        command.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+        said = inherited_line(args.init_from, inherited)
+    return config_from_args(args).resolve(), said
+
+
+def failure(error: BaseException, interrupted: str) -> Optional[Tuple[int, str]]:
+    """How a command that raised ``error`` exits: its status and the one line it writes on
+    stderr; None for an error that is no refusal, failure or stop (a bug: shown whole).
+    ``interrupted`` says what a Ctrl-C outside a training loop stopped (the command, and
+    whether anything was written)."""
+    from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
+    from torchrec_cowclip.distributed.comm import CollectiveError
+    from torchrec_cowclip.run.checkpoints import CheckpointWriteError, NonFiniteStateError
+    from torchrec_cowclip.run.no_space import one_line
+    from torchrec_cowclip.run.stop import RunStopped
+    from torchrec_cowclip.train.trainer import NonFiniteLossError
+
+    if isinstance(error, (ConfigError, DataError, FileNotFoundError, ImportError)):
+        return EXIT_USAGE, f"torchrec-cowclip: error: {error}\n"
+    if isinstance(error, (NonFiniteLossError, NonFiniteStateError)):
+        return EXIT_DIVERGED, f"torchrec-cowclip: {error}\n"
+    if isinstance(error, (CheckpointWriteError, CollectiveError, OSError)):
+        return EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {one_line(error)}\n"
+    if isinstance(error, RunStopped):
+        return error.exit_status, f"torchrec-cowclip: {error}\n"
+    if isinstance(error, KeyboardInterrupt):
+        # Ctrl-C outside a training loop (which stops after its step instead): every
+        # writer has removed its temporaries on the way out.
+        return EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({interrupted})\n"
+    return None
 
 
 @contextlib.contextmanager
-def package_log_shown(rank: int) -> Iterator[None]:
-    """The package's log on stderr while the command runs: what converting data is doing
-    and its notes (rows skipped, values clipped or set to 0) from rank 0, errors from every
-    rank. Its records do not also reach the root logger's handlers meanwhile (one that an
-    imported library configured would print each twice); the logger is restored after."""
-    logger = logging.getLogger("torchrec_cowclip")
-    saved = logger.level, logger.propagate
-    logger.addHandler(_HANDLER)
-    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    logger.propagate = False
+def exiting_on_failure(interrupted: str) -> Iterator[None]:
+    """Around a command's work: a :func:`failure` becomes its line on stderr and
+    ``SystemExit`` with its status; anything else propagates."""
     try:
         yield
-    finally:
-        logger.removeHandler(_HANDLER)
-        logger.level, logger.propagate = saved
+    except BaseException as error:
+        failed = failure(error, interrupted)
+        if failed is None:
+            raise
+        status, line = failed
+        sys.stderr.write(line)
+        raise SystemExit(status) from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    with package_log_shown(int(os.environ.get("RANK", "0"))):
-        return _main(argv)
+#: What ``torchrec-cowclip train`` prints when the run ends (rank 0), from metrics.json.
+SUMMARY_KEYS = (
+    "auc",
+    "logloss",
+    "best_epoch",
+    "epochs",
+    "steps",
+    "train_samples_per_s",
+    "rows_updated",
+    "rows_clipped",
+)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "sweep":
-        return int(args.run_sweep(args))
-    if args.command == "plan":
-        return int(args.run_plan(args, argv))
-    from torchrec_cowclip.data.errors import DataError  # deferred: keeps --help fast
-    from torchrec_cowclip.distributed.comm import CollectiveError
-    from torchrec_cowclip.train.checkpoint import CheckpointWriteError, NonFiniteStateError
-    from torchrec_cowclip.train.distributed import shutdown_distributed
-    from torchrec_cowclip.train.no_space import one_line
-    from torchrec_cowclip.train.stop import RunStopped, raising_on_sigterm
-    from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
-    from torchrec_cowclip.train.warm_start import inherited_line, warm_start_defaults
+def run_train(settings: TrainSettings, said: Optional[str] = None) -> int:
+    """The ``train`` command for a resolved config: trains, prints the summary (rank 0)
+    and returns 0; a failure exits (:func:`exiting_on_failure`). ``said``: the warm start's
+    line (:func:`command_settings`), printed once RUN is verified."""
+    from torchrec_cowclip.train.processes import shutdown_distributed
+    from torchrec_cowclip.train.trainer import Trainer
 
-    try:
-        if args.command in SERVING_COMMANDS:
-            with raising_on_sigterm(f"{args.command}: nothing was written; run it again"):
-                summary = run_command(args)
-            print(json.dumps(summary, indent=2, default=str))
-            return 0
-        said = None
-        if args.init_from:
-            # A warm start: the flags not given take RUN's values (its model, its data).
-            command = _command_parser(parser, "train")
-            given = _given_flags(command, argv)
-            defaults = warm_start_defaults(args.init_from)
-            stock = {a.dest: a.default for a in command._actions}
-            inherited = {
-                k: v
-                for k, v in defaults.items()
-                if k not in given and k in stock and _differs(v, stock[k])
-            }
-            command.set_defaults(**defaults)
-            args = parser.parse_args(argv)
-            said = inherited_line(args.init_from, inherited)
-        config = config_from_args(args)
-        config.validate()
-        trainer = Trainer(config)  # RUN verified and the command checked against it
-        if args.init_from and said is not None and int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    with exiting_on_failure("train"):
+        trainer = Trainer(settings)  # RUN verified and the command checked against it
+        if said is not None and main:
             print(said, file=sys.stderr, flush=True)
         metrics = trainer.run()
-    except (ConfigError, DataError, FileNotFoundError, ImportError) as e:
-        parser.exit(EXIT_USAGE, f"torchrec-cowclip: error: {e}\n")
-    except (NonFiniteLossError, NonFiniteStateError) as e:
-        parser.exit(EXIT_DIVERGED, f"torchrec-cowclip: {e}\n")
-    except (CheckpointWriteError, CollectiveError, OSError) as e:
-        parser.exit(EXIT_ENVIRONMENT, f"torchrec-cowclip: error: {one_line(e)}\n")
-    except RunStopped as e:
-        parser.exit(e.exit_status, f"torchrec-cowclip: {e}\n")
-    except KeyboardInterrupt:
-        # Ctrl-C outside a training loop (which stops after its step instead): every
-        # writer has removed its temporaries on the way out.
-        where = (
-            f"{args.command}: nothing was written"
-            if args.command in SERVING_COMMANDS
-            else args.command
-        )
-        parser.exit(EXIT_INTERRUPTED, f"torchrec-cowclip: interrupted by SIGINT ({where})\n")
     shutdown_distributed()
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not main:
         return 0  # rank 0 reports for a multi-process run
-    summary = {
-        k: metrics[k]
-        for k in (
-            "auc",
-            "logloss",
-            "best_epoch",
-            "epochs",
-            "steps",
-            "train_samples_per_s",
-            "rows_updated",
-            "rows_clipped",
-        )
-    }
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({k: metrics[k] for k in SUMMARY_KEYS}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
