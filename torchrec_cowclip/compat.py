@@ -27,11 +27,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Optional,
-)
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist

@@ -242,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
     threads = _threads(args)
     # train's options as train would parse them, then the sweep's values of those options.
     parser = train_parser()
-    values = vars(parser.parse_args(["--data", args.data]))
+    values = vars(parser.parse_args([f"--data={args.data}"]))
     values.update({k: v for k, v in vars(args).items() if k in values})
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
     rates = {

@@ -128,30 +128,24 @@ def check_split_sizes(
     nothing: a ``--batch-size`` larger than the training split (the last incomplete
     batch of an epoch is dropped on any number of processes, so no full batch means no
     step), an empty test or validation split, or one with fewer rows than processes."""
+    if n_train == 0:
+        raise ConfigError(f"no training rows in {data.spec} after the split")
+    if n_train < batch_size:
+        raise ConfigError(
+            f"--batch-size {batch_size} is larger than the {n_train:,} training rows "
+            f"of {data.spec}: no full batch, so no step would train; lower --batch-size"
+        )
     splits = [("test", n_test, "--test-fraction / --test-data")]
     if data.val_fraction > 0:
         splits.append(("validation", n_val, "--val-fraction"))
-    problems = [
-        (n_train == 0, f"no training rows in {data.spec} after the split"),
-        (
-            n_train < batch_size,
-            f"--batch-size {batch_size} is larger than the {n_train:,} training rows of "
-            f"{data.spec}: no full batch, so no step would train; lower --batch-size",
-        ),
-    ]
     for name, rows, flag in splits:
-        problems.append((rows == 0, f"the {name} split of {data.spec} is empty: raise {flag}"))
-        problems.append(
-            (
-                rows < world_size,
+        if rows == 0:
+            raise ConfigError(f"the {name} split of {data.spec} is empty: raise {flag}")
+        if rows < world_size:
+            raise ConfigError(
                 f"the {name} split of {data.spec} has {rows} rows, fewer than the "
-                f"{world_size} processes that evaluate it: raise {flag}",
+                f"{world_size} processes that evaluate it: raise {flag}"
             )
-        )
-    # The first problem in this order, the one a user fixes first.
-    message = next((text for found, text in problems if found), None)
-    if message is not None:
-        raise ConfigError(message)
 
 
 @dataclass
