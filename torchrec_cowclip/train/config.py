@@ -29,6 +29,7 @@ from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
+from torchrec_cowclip.optim.row_step import compiled_update_mode
 from torchrec_cowclip.optim.rules import OPTIMIZERS
 from torchrec_cowclip.train.scaling import RECIPES, ScaledHyperparameters, scale_hyperparameters
 
@@ -508,6 +509,7 @@ class TrainConfig:
             ConfigError: naming the first bad option.
         """
         self.validate()
+        compiled_update_mode()  # the environment's kernel mode, refused by name before any state
         hp = self.hyperparameters()
         clipped = self.cowclip and hp.cowclip
         embedding = CowClipOptions(
