@@ -300,6 +300,10 @@ def test_triton_on_cpu_without_its_interpreter_is_one_line(tmp_path, capsys, mon
         main([*TINY_CLI, "--out", str(tmp_path / "t")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith(
-        "torchrec-cowclip: error: the environment variable TORCHREC_COWCLIP_COMPILE=triton: "
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "torchrec-cowclip: error: the environment variable TORCHREC_COWCLIP_COMPILE=triton: "
+        )
     ), err
