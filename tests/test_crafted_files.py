@@ -235,12 +235,17 @@ def _cell(out: Path, name: str, **fields) -> Path:
     return d / "cell.json"
 
 
-def _report_only(capsys, out: Path) -> str:
+def _returns_2(capsys, *argv) -> str:
+    """A command that returns (not exits) 2: its one line on stderr."""
     capsys.readouterr()
-    assert main(["sweep", "--report-only", f"--out={out}"]) == 2
+    assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
     return err
+
+
+def _report_only(capsys, out: Path) -> str:
+    return _returns_2(capsys, "sweep", "--report-only", f"--out={out}")
 
 
 def test_a_well_formed_cell_is_reported(tmp_path, capsys):
@@ -307,3 +312,27 @@ def test_triton_on_cpu_without_its_interpreter_is_one_line(tmp_path, capsys, mon
             "torchrec-cowclip: error: the environment variable TORCHREC_COWCLIP_COMPILE=triton: "
         )
     ), err
+
+
+# --- plan: sizes, not data ------------------------------------------------------------------
+
+
+def test_plan_computes_generated_tables_from_their_sizes_and_writes_no_row(tmp_path, capsys):
+    """``synthetic:10**15`` is planned from its options: nothing generated, no cache."""
+    cache_dir = tmp_path / "cache"
+    started = time.monotonic()
+    status = main(
+        ["plan", "--data", "synthetic:1000000000000000", "--synthetic-max-cardinality",
+         "1000000000000000", "--cache-dir", str(cache_dir), "--compute-device", "cpu"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and time.monotonic() - started < 60
+    assert "1,000,000,000,000,000 rows, sizes from its options" in out, out
+    assert not cache_dir.exists() or not any(cache_dir.rglob("*.npy"))
+
+
+@pytest.mark.parametrize("flag", ["--ddr-gb", "--hbm-gb"])
+def test_a_device_memory_without_a_byte_count_is_one_line(capsys, flag):
+    err = _returns_2(capsys, "plan", "--tables", "criteo-1tb", flag, "1e308",
+                     "--compute-device", "cpu")  # fmt: skip
+    assert f"{flag} 1e+308 is more than any device holds" in err
