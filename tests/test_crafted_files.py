@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from serving_cases import cli_refusal, copy_run, reseal_run_folder, trained_sample
+from serving_cases import (
+    cli_refusal,
+    copy_run,
+    read_rows,
+    reseal_run_folder,
+    trained_sample,
+    write_rows,
+)
 from tiny import TINY_CLI
 
 from torchrec_cowclip.cli import main
@@ -336,3 +343,60 @@ def test_a_device_memory_without_a_byte_count_is_one_line(capsys, flag):
     err = _returns_2(capsys, "plan", "--tables", "criteo-1tb", flag, "1e308",
                      "--compute-device", "cpu")  # fmt: skip
     assert f"{flag} 1e+308 is more than any device holds" in err
+
+
+# --- scoring files --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command, column", [("predict", "I3"), ("evaluate", "label")])
+def test_a_scoring_file_naming_a_column_twice_is_refused(
+    trained, tmp_path, capsys, command, column
+):
+    """``id,...,I3,...,I3``: which I3 is meant is a guess; the first is not taken silently."""
+    source = trained["unlabeled" if command == "predict" else "test"]
+    header, *body = read_rows(source)
+    write_rows(tmp_path / "twice.csv", [[*header, column], *[[*r, "7"] for r in body]])
+    argv = [command, "--run", trained["run"], "--data", tmp_path / "twice.csv"]
+    if command == "predict":
+        argv += ["--output", tmp_path / "scores.csv"]
+    err = cli_refusal(capsys, *argv)
+    at = f"{header.index(column) + 1}, {len(header) + 1}"
+    assert f"twice.csv:1 names the column {column!r} 2 times (fields {at})" in err, err
+
+
+# --- --require-sha256 -----------------------------------------------------------------------
+
+
+def _as_format_1(run: Path) -> None:
+    """Rewrites the run folder's manifest as version 1 writes it (CRC-32 per file)."""
+    model = run / "model"
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["version"] = 1
+    manifest["files"] = {name: cache.file_record(model / name) for name in manifest["files"]}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_require_sha256_refuses_a_crc32_run_folder_for_scoring_and_warm_start(
+    trained, tmp_path, capsys
+):
+    run = copy_run(trained, tmp_path)
+    _as_format_1(run)
+    assert RunFolder.open(run).manifest["version"] == 1  # still read without the flag
+    why = "format version 1 records crc32 digests, and --require-sha256 asks for SHA-256"
+    out = tmp_path / "scores.csv"
+    predict = ["predict", "--run", run, "--data", trained["test"], "--output", out]
+    assert why in cli_refusal(capsys, *predict, "--require-sha256")
+    assert why in cli_refusal(
+        capsys, "evaluate", "--run", run, "--data", trained["test"], "--require-sha256"
+    )
+    assert why in cli_refusal(
+        capsys, "export", "--run", run, "--out", tmp_path / "m.pt2", "--require-sha256"
+    )
+    warm = ["train", "--init-from", run, "--data", f"table:{trained['train']}",
+            "--out", tmp_path / "warm", "--max-steps", "1", "--no-progress"]  # fmt: skip
+    assert why in cli_refusal(capsys, *warm, "--require-sha256")
+    assert not (tmp_path / "warm" / "model").exists()
+    # A format-2 folder passes the same flag.
+    assert RunFolder.open(trained["run"], require_sha256=True).manifest["version"] == 2
+    err = cli_refusal(capsys, "train", *TINY_CLI[1:], "--require-sha256")
+    assert "--require-sha256 applies to --init-from's run folder: give both" in err

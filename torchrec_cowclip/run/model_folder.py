@@ -582,11 +582,14 @@ class RunFolder:
         self.data_info: Dict[str, Any] = _read_json(model_dir / DATA_FILE)
 
     @classmethod
-    def open(cls, path: Union[str, Path], verify: bool = True) -> "RunFolder":
+    def open(
+        cls, path: Union[str, Path], verify: bool = True, require_sha256: bool = False
+    ) -> "RunFolder":
         """Opens and verifies the run folder at ``path`` (the run's ``--out``, or its
         ``model/``), as the module docstring says; ``verify=False`` checks its shape and
         descriptions but neither the files' bytes nor the weights (nothing but the
-        descriptions may be used then).
+        descriptions may be used then); ``require_sha256`` refuses a format-1 folder
+        (CRC-32s, which an edit can be made to keep: docs/reliability.md).
 
         Raises:
             RunFolderError: not a run folder, another format or a newer version, a path
@@ -599,6 +602,12 @@ class RunFolder:
         model_dir = _model_dir(Path(path).expanduser())
         manifest = _read_json(model_dir / MANIFEST)
         files = _manifest_files(model_dir, manifest)
+        if require_sha256 and VERSION_DIGESTS[manifest["version"]] != SHA256:
+            raise RunFolderError(
+                f"{model_dir / MANIFEST}: format version {manifest['version']} records "
+                f"{VERSION_DIGESTS[manifest['version']]} digests, and --require-sha256 asks "
+                "for SHA-256 (format 2): retrain with this version, or drop --require-sha256"
+            )
         _check_tree(model_dir, files)
         for name in sorted(files) if verify else ():
             why = check_file(model_dir / name, files[name])
