@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -400,3 +401,57 @@ def test_require_sha256_refuses_a_crc32_run_folder_for_scoring_and_warm_start(
     assert RunFolder.open(trained["run"], require_sha256=True).manifest["version"] == 2
     err = cli_refusal(capsys, "train", *TINY_CLI[1:], "--require-sha256")
     assert "--require-sha256 applies to --init-from's run folder: give both" in err
+
+
+# --- resume: nothing deleted on a false premise, the running loss continued -------------------
+
+
+def _tiny(out: Path, cache: Path, **overrides):
+    from tiny import tiny_config
+
+    from torchrec_cowclip.train.trainer import Trainer
+
+    return Trainer(tiny_config(out=str(out), cache_dir=str(cache), **overrides).resolve()).run()
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
+
+
+def test_resume_auto_deletes_no_log_when_the_manifests_are_gone(tmp_path, capsys):
+    from torchrec_cowclip.run.checkpoints import WRITING_MARKER
+    from torchrec_cowclip.run.out_dir import RunDirError
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    _tiny(out, cache, max_steps=4, checkpoint_every=2)
+    (out / "metrics.json").unlink()  # as a run killed after its checkpoints leaves it
+    for manifest in (out / "checkpoints").glob("*/manifest.json"):
+        manifest.unlink()
+    before = _snapshot(out)
+    with pytest.raises(RunDirError, match="no complete checkpoint .* nothing was removed"):
+        _tiny(out, cache, resume="auto")
+    assert _snapshot(out) == before
+    # A killed first checkpoint write (its marker, no manifest) is still cleaned up.
+    fresh = tmp_path / "fresh"
+    _tiny(fresh, cache, max_steps=1)
+    shutil.rmtree(fresh / "checkpoints")
+    (fresh / "metrics.json").unlink()
+    (fresh / "checkpoints" / "latest-e0-s1").mkdir(parents=True)
+    (fresh / "checkpoints" / "latest-e0-s1" / WRITING_MARKER).write_text("")
+    capsys.readouterr()
+    _tiny(fresh, cache, resume="auto", max_steps=1)
+    assert "left by an attempt that wrote none" in capsys.readouterr().err
+
+
+def test_a_resumed_run_logs_the_running_loss_of_the_uninterrupted_one(tmp_path):
+    cache = tmp_path / "cache"
+    _tiny(tmp_path / "whole", cache, epochs=2)
+    _tiny(tmp_path / "resumed", cache, epochs=2, max_steps=13)  # stops mid-epoch 2
+    _tiny(tmp_path / "resumed", cache, epochs=2, resume=True)
+    whole, resumed = (
+        (tmp_path / name / "steps.csv").read_text().splitlines() for name in ("whole", "resumed")
+    )
+    header = whole[0].split(",")
+    keep = [header.index(c) for c in ("step", "loss", "running_loss")]
+    rows = [[[r.split(",")[i] for i in keep] for r in log[1:]] for log in (whole, resumed)]
+    assert len(rows[0]) == 20 and rows[0] == rows[1]
