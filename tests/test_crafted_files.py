@@ -455,3 +455,42 @@ def test_a_resumed_run_logs_the_running_loss_of_the_uninterrupted_one(tmp_path):
     keep = [header.index(c) for c in ("step", "loss", "running_loss")]
     rows = [[[r.split(",")[i] for i in keep] for r in log[1:]] for log in (whole, resumed)]
     assert len(rows[0]) == 20 and rows[0] == rows[1]
+
+
+# --- a forged digest record -------------------------------------------------------------------
+
+CRITEO_TSV = REPO / "tests" / "data" / "criteo_sample.tsv"
+
+
+def test_resume_auto_refuses_an_edit_hidden_by_a_forged_digest_record(tmp_path, capsys):
+    """The source edited (same size, mtime put back), then its current size, mtime,
+    ctime, inode and device written into ``.source-digests.json`` with the old SHA-256:
+    the cache key is the old one, but the run's own record of the file (its stamp then)
+    says it changed, so it is read again and the resume refused."""
+    from tiny import TINY_FILE_RUN, tiny_cli
+
+    src = tmp_path / "train.tsv"
+    src.write_bytes(CRITEO_TSV.read_bytes())
+    argv = tiny_cli(
+        TINY_FILE_RUN, data=f"criteo:{src}", batch_size=32, checkpoint_every=2,
+        out=tmp_path / "run", cache_dir=tmp_path / "c",
+    ) + ["--resume", "auto"]  # fmt: skip
+    assert main(argv + ["--max-steps", "2"]) == 0
+    old = cache.sha256_of(src)[1]
+    data = bytearray(src.read_bytes())
+    st = src.stat()
+    data[0] = ord("1") if data[0] == ord("0") else ord("0")
+    src.write_bytes(bytes(data))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    memo = tmp_path / "c" / cache.DIGEST_MEMO
+    now = src.stat()
+    stamp = [now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino, now.st_dev]
+    memo.write_text(json.dumps({str(src.resolve()): {"stat": stamp, "sha256": old}}))
+    cache._SOURCE_DIGESTS.clear()  # a new process
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(argv + ["--max-steps", "4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert refused.value.code == 2, err
+    assert f"--resume refused: {src.resolve()} is not the file the checkpoint" in err, err
+    assert f"though the cache's digest record ({cache.DIGEST_MEMO}) says it is" in err
