@@ -455,3 +455,11 @@ def test_a_resumed_run_logs_the_running_loss_of_the_uninterrupted_one(tmp_path):
     keep = [header.index(c) for c in ("step", "loss", "running_loss")]
     rows = [[[r.split(",")[i] for i in keep] for r in log[1:]] for log in (whole, resumed)]
     assert len(rows[0]) == 20 and rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])
+def test_a_launch_variable_that_is_no_number_is_one_line(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.setenv(name, "abc")
+    err = cli_refusal(capsys, *TINY_CLI, "--out", tmp_path / "t")
+    assert f"the environment variable {name}='abc' is not a whole number" in err, err
+    assert not (tmp_path / "t").exists()
