@@ -163,6 +163,8 @@ def test_deeply_nested_descriptions_are_one_line(trained, tmp_path, capsys, name
         "--out", tmp_path / "warm",
     )  # fmt: skip
     assert f"{run / 'model' / name}: refused" in err
+    err = _returns_2(capsys, "plan", "--run", run, "--compute-device", "cpu")
+    assert f"{run / 'model' / name}: refused" in err
 
 
 def test_a_name_that_cannot_be_encoded_is_one_line(trained, tmp_path, capsys):
