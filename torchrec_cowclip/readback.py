@@ -98,6 +98,7 @@ def open_member(path: Union[str, Path]) -> Iterator[Tuple[BinaryIO, os.stat_resu
             raise _refuse(path, "a symbolic link, not a file") from None
         raise _refuse(path, f"unreadable ({_first_line(e)})") from None
     f = os.fdopen(fd, "rb")
+    f.raw.name = str(path)  # type: ignore[attr-defined]  # errors name the file, not the fd
     with f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
