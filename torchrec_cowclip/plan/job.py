@@ -440,7 +440,7 @@ class JobPlanner:
                 )
                 raise PlanError(
                     f"table {t.name} ({t.num_embeddings:,} rows x {t.embedding_dim}, "
-                    f"{str(self._dtypes[t.name]).removeprefix('torch.')} with {spec.optimizer} "
+                    f"{str(t.data_type.value).lower()} with {spec.optimizer} "
                     f"state: {format_bytes(self.sizes[t.name])}) is larger than every device "
                     f"({format_bytes(spec.device_bytes)}) and {how} keeps it whole on one: "
                     "give --sharding auto or row_wise (--constrain TABLE=row_wise), devices "

@@ -117,11 +117,11 @@ def _fits_line(plan: JobPlan) -> str:
     tight, headroom = plan.tight_ranks, plan.headroom_bytes
     if headroom is None:
         return f"fits: yes, {on}"
-    share = f"headroom of {format_bytes(headroom)} ({spec.headroom:.0%} of usable)"
+    share = f"the headroom of {format_bytes(headroom)} ({spec.headroom:.0%} of usable)"
     if not tight:
         least = min(plan.free_bytes(r) for r in plan.ranks)
         return (
-            f"fits: yes, {on}; every rank leaves at least {format_bytes(least)} free (the {share})"
+            f"fits: yes, {on}; every rank leaves at least {format_bytes(least)} free, over {share}"
         )
     fullest = tight[0]
     others = (
@@ -132,7 +132,7 @@ def _fits_line(plan: JobPlan) -> str:
     return (
         f"fits, tight: {on}, but rank {fullest.rank}{others} leaves "
         f"{format_bytes(plan.free_bytes(fullest))} of its {format_bytes(plan.usable_bytes or 0)} "
-        f"usable free, under the {share} for activations and the dense optimizer: "
+        f"usable free, under {share} for activations and the dense optimizer: "
         "more devices, row_wise for the largest tables (--constrain TABLE=row_wise), or "
         "--headroom to accept it"
     )
