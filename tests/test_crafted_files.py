@@ -58,7 +58,7 @@ def _predict_refused(capsys, run: Path, trained: dict, tmp_path: Path) -> str:
         ('{"name": "\\udfff"}', "a string no file can hold"),
         (b'{"a": "\xff"}', "not UTF-8"),
         ("[1, 2]", "not a JSON object (a list)"),
-        ("{", "not JSON of this project"),
+        ("{", "not JSON ("),
     ],
 )
 def test_the_json_reader_refuses_in_one_line_naming_the_file(tmp_path, text, why):
@@ -346,6 +346,24 @@ def test_a_device_memory_without_a_byte_count_is_one_line(capsys, flag):
     err = _returns_2(capsys, "plan", "--tables", "criteo-1tb", flag, "1e308",
                      "--compute-device", "cpu")  # fmt: skip
     assert f"{flag} 1e+308 is more than any device holds" in err
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('[{"name": "a", "rows": 10, "rows": 20, "dim": 4}]', "the key 'rows' appears twice"),
+        (DEEP, f"JSON nested more than {MAX_JSON_DEPTH} deep"),
+        (None, "not a regular file"),  # a FIFO: refused, never waited on
+    ],
+)
+def test_a_crafted_table_file_is_one_line(tmp_path, capsys, text, why):
+    path = tmp_path / "tables.json"
+    if text is None:
+        os.mkfifo(path)
+    else:
+        path.write_text(text)
+    err = _returns_2(capsys, "plan", "--tables", path, "--compute-device", "cpu")
+    assert f"{path}: refused: {why}" in err, err
 
 
 # --- scoring files --------------------------------------------------------------------------
