@@ -66,7 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The launcher's variables (torchrun sets them) that every command reads as whole numbers.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _check_launch_variables() -> None:
+    """One line and exit 2 for a launcher's variable that is no whole number, before any
+    command reads it (each would raise its own ``ValueError`` deep inside)."""
+    for name in LAUNCH_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None and not value.strip().isdigit():
+            sys.stderr.write(
+                f"torchrec-cowclip: error: the environment variable {name}={value!r} is not "
+                "a whole number (torchrun sets it; unset it to run one process)\n"
+            )
+            raise SystemExit(EXIT_USAGE)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _check_launch_variables()
     with package_log_shown(int(os.environ.get("RANK", "0"))):
         return _main(argv)
 

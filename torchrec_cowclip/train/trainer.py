@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from torchrec_cowclip import notices
+from torchrec_cowclip.data.pipeline.cache import sources_seen
 from torchrec_cowclip.run.log import RunLog, write_text_atomically
 from torchrec_cowclip.run.model_folder import (
     RunFolderWriter,
@@ -118,14 +119,15 @@ class Trainer:
             torch.set_num_threads(run.threads)
         _seed_everything(run.seed)
         # validate() has checked that the test files are of --data's kind.
-        self.data = open_training_data(
-            settings.data,
-            run.batch_size,
-            settings.model.embedding_dim,
-            settings.optimizers.embedding.optimizer,
-            warm=self.warm,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        )
+        with sources_seen() as sources:
+            self.data = open_training_data(
+                settings.data,
+                run.batch_size,
+                settings.model.embedding_dim,
+                settings.optimizers.embedding.optimizer,
+                warm=self.warm,
+                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            )
         self.dataset = self.data.dataset
         self.train_idx, self.val_idx, self.test_idx = (
             self.data.train_idx,
@@ -134,7 +136,7 @@ class Trainer:
         )
         self.hp = settings.hp
         self.cowclip = settings.optimizers.embedding.cowclip
-        record = run_record(settings.record_settings(), settings.data.record(self.dataset))
+        record = run_record(settings.record_settings(), settings.data.record(self.dataset), sources)
         self.runtime: Runtime = make_runtime(settings, self.dataset, self.train_idx)
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
@@ -251,7 +253,6 @@ class Trainer:
             initial=p.batch_in_epoch,
             desc=f"epoch {p.epoch + 1}/{cfg.epochs}",
         )
-        running = None
         t_last, samples_since = time.perf_counter(), 0
         wall_start = time.perf_counter()
         # This process's mean step time, for the run's ETA (a resumed run has no other).
@@ -281,9 +282,10 @@ class Trainer:
                     )
                 step_s = time.perf_counter() - t0
                 steps_here, step_seconds_here = steps_here + 1, step_seconds_here + step_s
-                p.step_done(step_s, n, loss_value, None if helen is None else helen.last_helen_cost)
+                running = p.step_done(
+                    step_s, n, loss_value, None if helen is None else helen.last_helen_cost
+                )
                 samples_since += n
-                running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
                 if p.global_step % cfg.log_every == 0:
                     now = time.perf_counter()
                     rate = samples_since / max(now - t_last, 1e-9)
