@@ -19,7 +19,11 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import mark_updated_in_backward, qconfig_propagation
+from torchrec_cowclip.compat import (
+    in_backward_mark_count,
+    mark_updated_in_backward,
+    qconfig_propagation,
+)
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.row_gradients import RowGradients
@@ -38,6 +42,7 @@ from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
+    marked_options,
     options_settings,
     resolve_options,
     table_marks,
@@ -194,6 +199,7 @@ class CowClipEmbeddingBagCollection(
             params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
+        self._marks_read = in_backward_mark_count()
         self._bind_views()
         self.reset_parameters()
 
@@ -275,6 +281,8 @@ class CowClipEmbeddingBagCollection(
                 "shard it with DistributedModelParallel, or call to_empty(device=...) and "
                 "reset_parameters() first"
             )
+        if self._marks_read != in_backward_mark_count():
+            self._read_in_backward_marks()
         features = self._in_batched_order(features)
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none() if self._is_weighted else None
@@ -284,6 +292,20 @@ class CowClipEmbeddingBagCollection(
             length_per_key=self._lengths_per_embedding,
             values=self._lookup(values, offsets, weights),
         )
+
+    def _read_in_backward_marks(self) -> None:
+        """Honours ``apply_optimizer_in_backward`` (torch's or TorchRec's) called on the
+        tables' weights after the collection was built: the hyperparameters it names
+        become the fused optimizer's (``param_groups[0]``), as the sharder would set them;
+        another optimizer, other unclipped tables or Helen are refused in one line, before
+        anything changes (:func:`~torchrec_cowclip.optim.torchrec_config.marked_options`).
+        torch's own optimizer in the mark never steps: the tables get no ``.grad``."""
+        count = in_backward_mark_count()
+        marks = in_backward_settings(table_marks(self))
+        if marks:
+            options = marked_options(self.options, marks)
+            self._fused_optimizer.param_groups[0].update(options.hyperparameters())
+        self._marks_read = count
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
