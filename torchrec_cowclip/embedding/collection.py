@@ -281,6 +281,8 @@ class CowClipEmbeddingBagCollection(
                 "shard it with DistributedModelParallel, or call to_empty(device=...) and "
                 "reset_parameters() first"
             )
+        if torch.compiler.is_exporting():
+            return self._exported_forward(features)
         if self._marks_read != in_backward_mark_count():
             self._read_in_backward_marks()
         features = self._in_batched_order(features)
@@ -291,6 +293,43 @@ class CowClipEmbeddingBagCollection(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
             values=self._lookup(values, offsets, weights),
+        )
+
+    def _exported_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The forward ``torch.export`` traces: each table's pooled lookup read from its own
+        parameter (``embedding_bags.<table>.weight``) with aten's ``embedding_bag``, as a
+        stock ``EmbeddingBagCollection`` computes it, so the program holds the tables as
+        its state and runs without this package or the live module (the training forward's
+        op reaches the tables through a handle to this module: it is for training only).
+        Half tables pool in float32, as the training forward does."""
+        by_feature = features.to_dict()
+        pooled: list[Tensor] = []
+        for table in self._embedding_bag_configs:
+            weight = self._table_weight(table.name)
+            for feature in table.feature_names:
+                bags = by_feature[feature]
+                offsets = bags.offsets()
+                sample_weights = bags.weights_or_none() if self._is_weighted else None
+                mean = table.pooling == PoolingType.MEAN
+                out = torch.nn.functional.embedding_bag(
+                    bags.values(),
+                    weight,
+                    offsets,
+                    mode="mean" if mean and sample_weights is None else "sum",
+                    per_sample_weights=None
+                    if sample_weights is None
+                    else sample_weights.to(weight.dtype),
+                    include_last_offset=True,
+                ).to(torch.float32)
+                if mean and sample_weights is not None:
+                    # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
+                    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1)
+                    out = out / lengths.unsqueeze(1).to(out.dtype)
+                pooled.append(out)
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=torch.cat(pooled, dim=1),
         )
 
     def _read_in_backward_marks(self) -> None:
