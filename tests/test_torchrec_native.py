@@ -407,22 +407,33 @@ def test_marks_on_a_built_collection_that_cannot_be_honoured_are_refused_before_
 # --- FBGEMM-compatible state, in memory -----------------------------------------------
 
 
-def test_state_converts_to_fbgemm_names_and_back_sharing_storage():
-    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer="adam"))
+@pytest.mark.parametrize(
+    "optimizer, names, first",
+    [
+        ("adam", ["exp_avg_sq", "momentum1"], "exp_avg"),
+        ("adamw", ["exp_avg_sq", "momentum1"], "exp_avg"),
+        # FBGEMM's EXACT_ADAGRAD keeps one state, [rows, D] 'sum', which TorchRec keys
+        # 'momentum1' (its only state).
+        ("adagrad", ["momentum1"], "sum"),
+    ],
+)
+def test_state_converts_to_fbgemm_names_and_back_sharing_storage(optimizer, names, first):
+    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer=optimizer))
     module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
     ours = module.fused_optimizer.state_dict()
     stock = fbgemm_state_dict(ours)
     assert {k: sorted(v) for k, v in stock["state"].items()} == {
-        "embedding_bags.t0.weight": ["t0.exp_avg_sq", "t0.momentum1"],
-        "embedding_bags.lin.weight": ["lin.exp_avg_sq", "lin.momentum1"],
+        "embedding_bags.t0.weight": [f"t0.{n}" for n in names],
+        "embedding_bags.lin.weight": [f"lin.{n}" for n in names],
     }
-    assert (
-        stock["state"]["embedding_bags.t0.weight"]["t0.momentum1"]
-        is ours["state"]["embedding_bags.t0.weight"]["exp_avg"]
-    )
+    moment = stock["state"]["embedding_bags.t0.weight"]["t0.momentum1"]
+    assert moment is ours["state"]["embedding_bags.t0.weight"][first]
+    assert moment.shape == (10, 4)
     back = cowclip_state_dict(stock, like=ours)
     module.fused_optimizer.load_state_dict(back)
     torch.testing.assert_close(module.fused_optimizer.state_dict(), ours, rtol=0, atol=0)
+    if optimizer == "adagrad":
+        return
     with pytest.raises(ValueError, match=r"has no 't0.exp_avg_sq'"):
         broken = {"state": {k: dict(v) for k, v in stock["state"].items()}}
         del broken["state"]["embedding_bags.t0.weight"]["t0.exp_avg_sq"]
