@@ -154,13 +154,17 @@ def record_launches(
     dims: Sequence[int],
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16),
     rules: Sequence[str] = ("adam", "rowwise_adagrad", "sgd"),
+    options: bool = True,
 ) -> List[Specialization]:
     """Every specialization :mod:`.triton_ops` launches over ``dims`` x ``dtypes`` x
     ``rules``: the pooled lookup (SUM, MEAN, per-sample weights, whole or a KJT's slice,
     batch-major), the ids' mapping (int32 and int64 ids), the fused update (segments with a
     row of many positions, weighted, or one gradient per row; the clip on all tables or
     some, without the clip; CountLR; a column shard's row sums; a padded grouping) and the
-    rounding. Nothing runs on a device: the launches are recorded, not executed."""
+    rounding. The options are recorded on float32 tables (a half table's kernels differ
+    in the store alone); ``options=False``: the plain variants only (SUM lookups; the
+    update over segments with the clip). Nothing runs on a device: the launches are recorded, not
+    executed."""
     with triton_ops.recording_launches(execute=False) as launches:
         for ids_dtype in (torch.int32, torch.int64):
             triton_ops.prepare_rows(
@@ -171,25 +175,26 @@ def record_launches(
             )
         for dim in dims:
             for dtype in dtypes:
-                _record_pool(dim, dtype)
+                wide = options and dtype == torch.float32
+                _record_pool(dim, dtype, wide)
                 for rule in rules:
-                    _record_update(dim, dtype, rule)
+                    _record_update(dim, dtype, rule, wide)
             triton_ops.rounding_row_keys(torch.zeros(3), torch.zeros(3), torch.arange(3))
     return specializations(launches)
 
 
-def _record_pool(dim: int, dtype: torch.dtype) -> None:
+def _record_pool(dim: int, dtype: torch.dtype, options: bool) -> None:
     weight = torch.zeros(16, dim, dtype=dtype)
     ids = torch.zeros(12, dtype=torch.int64)
     offsets = torch.tensor([0, 3, 6, 9, 12])
     psw = torch.ones(12)
-    for per_sample, mean in ((None, False), (psw, False), (None, True)):
+    for per_sample, mean in ((None, False), (psw, False), (None, True))[: 3 if options else 1]:
         triton_ops.pooled_lookup(weight, ids, offsets, per_sample, mean)
         out = torch.empty(2, dim)
         triton_ops.pool_into(out, weight, ids, offsets[2:], per_sample, mean, False, 2)
 
 
-def _record_update(dim: int, dtype: torch.dtype, rule: str) -> None:
+def _record_update(dim: int, dtype: torch.dtype, rule: str, options: bool) -> None:
     code = OPTIMIZER_CODES[rule]
     rows = torch.arange(4, dtype=torch.int64)
     state_rows = 8 * dim if rule == "adam" else 8
@@ -239,6 +244,8 @@ def _record_update(dim: int, dtype: torch.dtype, rule: str) -> None:
         triton_ops.fused_update_padded_(**call)
 
     run()
+    if not options:
+        return
     run(sorted_weights=torch.ones(bags.numel()))
     run(clip=False)
     run(clip_enabled=torch.tensor([True, False]), count_lr_power=0.5, count_lr_cap=4.0)
@@ -253,11 +260,19 @@ def _record_update(dim: int, dtype: torch.dtype, rule: str) -> None:
 # --- compiling ------------------------------------------------------------------------------
 
 
+#: The module whose ``@triton.jit`` kernels the specializations name.
+KERNELS = "torchrec_cowclip.embedding.triton_kernels"
+
+
 def compile_launches(
-    specs: Sequence[Specialization], arches: Sequence[str] = tuple(ARCHES), jobs: int = 1
+    specs: Sequence[Specialization],
+    arches: Sequence[str] = tuple(ARCHES),
+    jobs: int = 1,
+    module: str = KERNELS,
 ) -> List[Build]:
-    """Compiles each specialization for each target in ``jobs`` child processes (without
-    ``TRITON_INTERPRET``); one :class:`Build` per pair, in order (specializations outer)."""
+    """Compiles each specialization (a kernel of ``module``) for each target in ``jobs``
+    child processes (without ``TRITON_INTERPRET``); one :class:`Build` per pair, in order
+    (specializations outer)."""
     work = [(spec, arch) for spec in specs for arch in arches]
     if not work:
         return []
@@ -269,7 +284,7 @@ def compile_launches(
             continue
         payload = json.dumps([[dataclasses.asdict(spec), arch] for spec, arch in share])
         child = subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            [sys.executable, "-m", __name__, module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -384,9 +399,11 @@ def _compile_one(kernels: Any, spec: Specialization, arch: str, ptxas: str) -> D
 
 def _main() -> None:
     """The child of :func:`compile_launches`: work as JSON on stdin, results on stdout."""
+    import importlib
+
     import triton
 
-    from torchrec_cowclip.embedding import triton_kernels
+    kernels = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else KERNELS)
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     work = json.load(sys.stdin)
@@ -397,7 +414,7 @@ def _main() -> None:
             tuple(tuple(a) for a in described["args"]),
             tuple(tuple(c) for c in described["constants"]),
         )
-        results.append(_compile_one(triton_kernels, spec, arch, ptxas))
+        results.append(_compile_one(kernels, spec, arch, ptxas))
     json.dump(results, sys.stdout)
 
 
