@@ -7,7 +7,8 @@ rejects: these tests hold the compiled kernels to no compile failure, no spilled
 at most ``MAX_REGISTERS`` (128) registers per thread - 4 blocks of 4 warps per SM. In
 ``make test`` a representative set (every kernel; the update's options at the paper's
 dim 10; dims 1, 32 and 128, where the compiler failed or spilled before; a bfloat16
-row-wise Adagrad table; what a collection's step launches); the whole matrix
+row-wise Adagrad table; per-element Adagrad and AdamW on float32 and float16 tables, rounded
+stochastically and to nearest; what a collection's step launches); the whole matrix
 (``benchmarks/triton_compile.py``'s dims, dtypes and rules) under ``-m slow``.
 """
 
@@ -76,6 +77,11 @@ def test_the_representative_kernels_compile_without_spills(monkeypatch):
         specs.setdefault(spec)
     for spec in triton_build.record_launches([16], (torch.bfloat16,), ("rowwise_adagrad",), False):
         specs.setdefault(spec)
+    # The rules TorchRec users set beyond the paper's (per-element Adagrad, AdamW), on
+    # float32 and on float16 tables rounded stochastically and to nearest.
+    for dtype in (torch.float32, torch.float16):
+        for spec in triton_build.record_launches([10], (dtype,), ("adagrad", "adamw"), False):
+            specs.setdefault(spec)
     collection = _collection_launches()
     assert {s.kernel for s in collection} >= {"prepare", "pool", "check_update", "update"}
     for spec in collection:

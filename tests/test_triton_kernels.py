@@ -74,8 +74,28 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
     )
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamw"])
+@pytest.mark.parametrize("dim", [4, 16])
+def test_the_rules_torchrec_users_set_match_the_functional_core(optimizer, dim, device):
+    """Per-element Adagrad and AdamW, after the clip (binding on some rows, a table that
+    opts out), weighted positions, a non-finite row."""
+    check_update_matches_functional(
+        triton_ops, optimizer, True, True, dim, num_rows=240, num_positions=600,
+        device=device, rtol=RTOL,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_half_tables_round_to_nearest_without_rounding_keys(dtype, device):
+    """``stochastic_rounding=False``: the updated rows round to nearest."""
+    check_update_matches_functional(
+        triton_ops, "adamw", True, True, 6, dtype=dtype, device=device, rtol=RTOL,
+        stochastic=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad"])
 def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtype, device):
     """float16 / bfloat16 tables: stepped in float32, rounded stochastically with the
     functional core's counter-based bits (the same keys: at most one unit in the last
@@ -85,7 +105,7 @@ def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtyp
     )
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"])
 def test_column_shard_row_sums_match_the_functional_core(optimizer, device):
     check_column_shard_row_sums(triton_ops, optimizer, device=device, rtol=RTOL)
 

@@ -34,6 +34,7 @@ import torch
 
 from torchrec_cowclip.embedding import triton_ops
 from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
+from torchrec_cowclip.optim.rules import update_rule
 
 __all__ = [
     "ARCHES",
@@ -153,15 +154,15 @@ def specializations(launches: Iterable[triton_ops.Launch]) -> List[Specializatio
 def record_launches(
     dims: Sequence[int],
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16),
-    rules: Sequence[str] = ("adam", "rowwise_adagrad", "sgd"),
+    rules: Sequence[str] = triton_ops.OPTIMIZERS,
     options: bool = True,
 ) -> List[Specialization]:
     """Every specialization :mod:`.triton_ops` launches over ``dims`` x ``dtypes`` x
     ``rules``: the pooled lookup (SUM, MEAN, per-sample weights, whole or a KJT's slice,
     batch-major), the ids' mapping (int32 and int64 ids), the fused update (segments with a
     row of many positions, weighted, or one gradient per row; the clip on all tables or
-    some, without the clip; CountLR; a column shard's row sums; a padded grouping) and the
-    rounding. The options are recorded on float32 tables (a half table's kernels differ
+    some, without the clip; CountLR; a column shard's row sums; a padded grouping; a half
+    table rounded to nearest, ``stochastic_rounding=False``) and the rounding. The options are recorded on float32 tables (a half table's kernels differ
     in the store alone); ``options=False``: the plain variants only (SUM lookups; the
     update over segments with the clip). Nothing runs on a device: the launches are recorded, not
     executed."""
@@ -197,11 +198,11 @@ def _record_pool(dim: int, dtype: torch.dtype, options: bool) -> None:
 def _record_update(dim: int, dtype: torch.dtype, rule: str, options: bool) -> None:
     code = OPTIMIZER_CODES[rule]
     rows = torch.arange(4, dtype=torch.int64)
-    state_rows = 8 * dim if rule == "adam" else 8
-    state = [torch.zeros(state_rows) for _ in range({"adam": 2, "rowwise_adagrad": 1}.get(rule, 0))]
+    layout = update_rule(rule).state_layout
+    state = [torch.zeros(8 * dim if per == "D" else 8) for _, per in layout]
     state0 = state[0] if state else None
     state1 = state[1] if len(state) > 1 else None
-    bias = torch.ones(2) if rule == "adam" else None
+    bias = torch.ones(2) if update_rule(rule).adam_bias_corrections else None
     rounding = None if dtype == torch.float32 else torch.zeros(8, dtype=torch.int64)
     hot = triton_ops.HOT_CHUNK * 3
     counts = torch.tensor([1, hot, 1, 1])
@@ -244,6 +245,8 @@ def _record_update(dim: int, dtype: torch.dtype, rule: str, options: bool) -> No
         triton_ops.fused_update_padded_(**call)
 
     run()
+    if dtype != torch.float32:
+        run(rounding=None)  # stochastic_rounding=False: round to nearest
     if not options:
         return
     run(sorted_weights=torch.ones(bags.numel()))

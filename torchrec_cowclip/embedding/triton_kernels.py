@@ -254,7 +254,8 @@ def check_update(
 # rows: the rows and their tables (``block_rows``), each row's gradient (``row_gradient``,
 # hot rows from ``segment_partials``), the CowClip clip (``cowclip``), coupled L2 and the
 # per-row learning rate (``row_lr``), the rule's step (``rule_step``: one helper per rule,
-# chosen by OPTIMIZER), the store (``store_rows``) and the counts (``count_rows``). The
+# chosen by OPTIMIZER; AdamW's decoupled decay replaces the coupled L2), the store
+# (``store_rows``: stochastic or nearest rounding of half rows) and the counts (``count_rows``). The
 # scalar hyperparameters come as one value (``hyper``: triton_ops.UpdateHyperparameters,
 # read by field name). A new rule is a new ``*_step`` helper, one branch of ``rule_step``
 # and its fields in UpdateHyperparameters.
@@ -500,6 +501,21 @@ def adam_step(
 
 
 @triton.jit
+def decay_weight(w, lr, hyper):
+    # functional.decay_weight_: AdamW's decoupled weight decay, before Adam's step.
+    return w * (1.0 - lr[:, None] * hyper.weight_decay)
+
+
+@triton.jit
+def adagrad_step(w, g, lr, state0_ptr, rows, cols, step_mask, hyper, DIM: tl.constexpr):
+    # functional.adagrad_rows_: per-element Adagrad (FBGEMM's EXACT_ADAGRAD).
+    s_ptrs = rows[:, None] * DIM + cols[None, :]
+    s = tl.load(state0_ptr + s_ptrs, mask=step_mask, other=0.0) + g * g
+    tl.store(state0_ptr + s_ptrs, s, mask=step_mask)
+    return w - lr[:, None] * g / (tl.sqrt(s) + hyper.eps)
+
+
+@triton.jit
 def rowwise_adagrad_step(
     w,
     g,
@@ -558,8 +574,10 @@ def rule_step(
     DIM: tl.constexpr,
 ):
     # Step 5: the rule (OPTIMIZER: native.OPTIMIZER_CODES), returning the new rows; the
-    # rule's state is written here.
-    if OPTIMIZER == 0:
+    # rule's state is written here. AdamW (4) is Adam after the decoupled decay.
+    if OPTIMIZER == 0 or OPTIMIZER == 4:
+        if OPTIMIZER == 4:
+            w = decay_weight(w, lr, hyper)
         w = adam_step(
             w,
             g,
@@ -593,6 +611,8 @@ def rule_step(
             ROW_SUMS,
             DIM,
         )
+    elif OPTIMIZER == 3:
+        w = adagrad_step(w, g, lr, state0_ptr, rows, cols, step_mask, hyper, DIM)
     else:
         w = w - lr[:, None] * g
     return w
@@ -610,11 +630,15 @@ def store_rows(
     step_rows,
     step_mask,
     STORE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
     # The new rows, float32 as they are, float16 / bfloat16 rounded stochastically with
-    # the table's keys (STORE: 0 float32, 1 float16, 2 bfloat16).
+    # the table's keys, or (not STOCHASTIC: stochastic_rounding=False) to nearest even
+    # (STORE: 0 float32, 1 float16, 2 bfloat16).
     if STORE == 0:
         tl.store(w_ptrs, w, mask=step_mask)
+    elif not STOCHASTIC:
+        tl.store(w_ptrs, w.to(w_ptrs.dtype.element_ty), mask=step_mask)
     else:
         keys = rounding_ptr + table * 4
         seed = tl.load(keys, mask=step_rows, other=0)
@@ -686,6 +710,7 @@ def update(
     COUNT_LR: tl.constexpr,
     PADDED: tl.constexpr,
     STORE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     LOG_TABLES: tl.constexpr,
     DIM: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -764,8 +789,10 @@ def update(
             CLIP_MASK,
             ROW_SUMS,
         )
-    # Step 4: coupled L2 and the row's learning rate; step 5: the rule.
-    g = g + hyper.weight_decay * w
+    # Step 4: coupled L2 (not AdamW's: it decays the weight in its step) and the row's
+    # learning rate; step 5: the rule.
+    if OPTIMIZER != 4:
+        g = g + hyper.weight_decay * w
     lr = row_lr(count, hyper, COUNT_LR)
     w = rule_step(
         w,
@@ -791,7 +818,17 @@ def update(
         DIM,
     )
     store_rows(
-        w_ptrs, w, rounding_ptr, row_offsets_ptr, rows, cols, table, step_rows, step_mask, STORE
+        w_ptrs,
+        w,
+        rounding_ptr,
+        row_offsets_ptr,
+        rows,
+        cols,
+        table,
+        step_rows,
+        step_mask,
+        STORE,
+        STOCHASTIC,
     )
     count_rows(
         status_ptr,

@@ -48,7 +48,7 @@ from torch import Tensor
 from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
 
 #: The rules the Triton update implements (their codes are :data:`OPTIMIZER_CODES`').
-OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd", "adagrad", "adamw")
 
 __all__ = [
     "INTERPRET_ENV",
@@ -408,14 +408,16 @@ def fused_update_padded_(
         _check(grad.shape[0] == num_touched, "grad: one row per touched row without segments")
         _check(sorted_weights is None, "sorted_weights need segments")
     _optional_float(sorted_weights, num_positions, "sorted_weights")
+    adam = optimizer in (OPTIMIZER_CODES["adam"], OPTIMIZER_CODES["adamw"])
     _check(
-        optimizer != OPTIMIZER_CODES["adam"]
+        not adam
         or (state0 is not None and state1 is not None and bias1 is not None and bias2 is not None),
         "Adam needs both moments and both bias corrections",
     )
     _check(
-        optimizer != OPTIMIZER_CODES["rowwise_adagrad"] or state0 is not None,
-        "row-wise Adagrad needs its sum",
+        optimizer not in (OPTIMIZER_CODES["rowwise_adagrad"], OPTIMIZER_CODES["adagrad"])
+        or state0 is not None,
+        "Adagrad needs its sum",
     )
     if clip_enabled is not None:
         _check(
@@ -429,14 +431,13 @@ def fused_update_padded_(
     _check(store is not None, f"weight must be float32, float16 or bfloat16, got {weight.dtype}")
     if store == 0:
         _check(rounding is None, "float32 tables take no rounding keys")
-    else:
-        _check(rounding is not None, f"{weight.dtype} tables need rounding keys")
-        assert rounding is not None
+    elif rounding is not None:  # without keys: round to nearest (stochastic_rounding=False)
         _check(
             rounding.dtype == torch.int64 and rounding.numel() == 4 * num_tables,
             "rounding: [T, 4] int64",
         )
-    state_numel = num_weight_rows * dim if optimizer == OPTIMIZER_CODES["adam"] else num_weight_rows
+    per_column = adam or optimizer == OPTIMIZER_CODES["adagrad"]
+    state_numel = num_weight_rows * dim if per_column else num_weight_rows
     for name, state in (("state0", state0), ("state1", state1)):
         if state is not None and optimizer != OPTIMIZER_CODES["sgd"]:
             _check(
@@ -547,6 +548,7 @@ def fused_update_padded_(
         COUNT_LR=count_lr_power != 0.0,
         PADDED=padded,
         STORE=store,
+        STOCHASTIC=rounding is not None,
         LOG_TABLES=max(1, math.ceil(math.log2(num_tables))),
         DIM=dim,
         CHUNK=HOT_CHUNK,
