@@ -475,7 +475,7 @@ def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKerne
     if mode == "triton":
         if rule not in _TRITON_RULES:
             raise ValueError(
-                f"{COMPILE_ENV}=triton: the Triton kernels implement the rules "
+                f"{COMPILE_ENV}=triton: the Triton kernels implement the built-in rules "
                 f"({', '.join(r.name for r in _TRITON_RULES)}), not {rule.name!r}; use "
                 f"{COMPILE_ENV}=inductor or 0 for it"
             )
