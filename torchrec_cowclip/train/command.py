@@ -213,6 +213,14 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         "0 after the transform (with --missing-indicator, flagged), a categorical one the "
         "missing id; default: none",
     )
+    _add_list_flag(
+        g,
+        "--time-columns",
+        "table: timestamp columns (Unix seconds or milliseconds, an ISO 8601 date-time, a "
+        "parquet timestamp), each entering the model as two categorical features, its hour "
+        "of day (NAME_hour) and day of week (NAME_weekday, 0 Monday), in UTC: the cycles a "
+        "click log's time drives, not a trend that new days sit outside of; default: none",
+    )
     g.add_argument(
         "--dense-transform",
         default=None,

@@ -101,6 +101,7 @@ class TrainConfig:
     no_header: bool = False
     columns: List[str] = field(default_factory=list)
     na_values: List[str] = field(default_factory=list)
+    time_columns: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
     synthetic_seed: Optional[int] = None
@@ -473,6 +474,7 @@ class TrainConfig:
             "header": False if self.no_header else None,
             "columns": self.columns or None,
             "na_values": self.na_values or None,
+            "time_columns": self.time_columns or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,
