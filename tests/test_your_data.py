@@ -397,7 +397,8 @@ def test_a_one_class_label_is_refused_in_one_line(tmp_path, capsys):
         )
     err = capsys.readouterr().err.splitlines()[-1]  # after the conversion's progress lines
     assert refused.value.code == 2 and err.startswith("torchrec-cowclip: error: every one of ")
-    assert "the 270 training labels of table:" in err and "is 0 (the --label column" in err, err
+    # 300 rows: 30 test, then 27 of the other 270 held out for validation (table:'s default).
+    assert "the 243 training labels of table:" in err and "is 0 (the --label column" in err, err
     assert not (tmp_path / "o" / "metrics.json").exists()
 
 
@@ -405,3 +406,45 @@ def test_a_file_without_a_kind_is_pointed_to_table(tmp_path, capsys, csv_file):
     err = _refused(tmp_path, capsys, "--data", str(csv_file), "--label", "click")
     assert f"--data {csv_file}: no data kind; a click log of your own (CSV, TSV, parquet) is " \
         f"table:{csv_file} with --label, --dense and --sparse" in err, err  # fmt: skip
+
+
+def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(tmp_path, capsys):
+    """table: data left at the defaults trains up to 10 epochs on a 10% validation split
+    with early stopping at --lr-embed 1e-2, and the start summary says so and why; a
+    flag given wins; synthetic data keeps the paper's one epoch at 1e-4 without a word.
+    The epoch line and metrics.json carry each split's calibration."""
+    from torchrec_cowclip.train import TrainConfig
+
+    table = TrainConfig(data=f"table:{tmp_path / 'x.csv'}", early_stop_patience=3)
+    filled, said = table.with_data_defaults()
+    assert (filled.epochs, filled.val_fraction, filled.early_stop_patience) == (10, 0.1, 3)
+    assert filled.lr_embed == 1e-2 and said is not None
+    assert "--epochs 10 --val-fraction 0.1 --lr-embed 0.01" in said
+    no_val, _ = TrainConfig(data="table:x.csv", val_fraction=0.0).with_data_defaults()
+    assert no_val.early_stop_patience == 0
+    paper, said = TrainConfig(data="synthetic:1000").with_data_defaults()
+    assert (paper.epochs, paper.val_fraction, paper.early_stop_patience) == (1, 0.0, 0)
+    assert paper.lr_embed is None and said is None
+    assert paper.resolve().optimizers.embedding.lr == 1e-4
+
+    _hourly_log(tmp_path / "log.csv", 2000, seed=2)
+    out = tmp_path / "run"
+    argv = ["train", "--data", f"table:{tmp_path / 'log.csv'}", "--label", "click"]
+    argv += ["--sparse", "site", "--time-columns", "ts", "--na-values", "NA", "--hidden", "8"]
+    argv += ["--epochs", "3", "--no-progress", "--out", str(out), "--cache-dir", str(tmp_path)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "defaults for your own table (flags not given): --val-fraction 0.1 " in err, err
+    assert "--early-stop-patience 2 --lr-embed 0.01" in err and "--epochs" not in err, err
+    assert "1,620 train, 180 val, 200 test" in err and "test_calibration " in err, err
+    assert "val_calibration " in err, err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["hyperparameters"]["lr_embed"] == 1e-2
+    assert metrics["hyperparameters"]["val_fraction"] == 0.1
+    assert len(metrics["epoch_calibration"]) == metrics["epochs"]
+    assert len(metrics["epoch_val_calibration"]) == metrics["epochs"]
+    reported = metrics["final_epoch"] - 1
+    assert metrics["calibration"] == metrics["epoch_calibration"][reported]
+    # Two steps an epoch from a 50% start: far above the 27% rate, and said so.
+    assert metrics["calibration"] > 1.05
+    assert f"predict {metrics['calibration'] - 1:.0%} above the test split's positive" in err
