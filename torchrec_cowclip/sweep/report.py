@@ -64,6 +64,7 @@ CSV_COLUMNS = (
     "best_auc_change",
     "last_auc_change",
     "wall_s",
+    "load",
     "train_s",
     "train_s_per_epoch",
     "samples_per_s",
@@ -149,6 +150,8 @@ def cell_row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[st
         last_auc=_auc_value(metrics["epoch_auc"][-1]),
         last_logloss=metrics["epoch_logloss"][-1],
         train_s=train_s,
+        # The 5-minute load average as the cell ended (None for older runs).
+        load=(metrics.get("load_average") or [None, None])[1],
         train_s_per_epoch=train_s / max(metrics["epochs"], 1),
         samples_per_s=metrics["train_samples_per_s"],
         rows_updated=updated,
