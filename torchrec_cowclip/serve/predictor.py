@@ -225,28 +225,27 @@ class Predictor:
         """One line naming the dense columns of the last pass with values outside the
         training range after the transform (None when there were none): a model
         extrapolates there (a standardized timestamp's next week)."""
-        seen = {k: n for k, n in (self.outside or {}).items() if n}
-        if not seen:
-            return None
-        rows = max(self.rows, 1)
-        shown = ", ".join(f"{k} {n:,} ({n / rows:.1%})" for k, n in seen.items())
-        return (
-            f"dense values outside the training range (after the transform), scored as they "
-            f"are, of {self.rows:,} rows: {shown}"
+        return self._counted(
+            self.outside,
+            "dense values outside the training range (after the transform), scored as they are",
         )
 
     def unseen_summary(self) -> Optional[str]:
         """One line naming the columns of the last pass with values the vocabulary lacks
         (None when there were none)."""
-        seen = {k: n for k, n in (self.unseen or {}).items() if n}
+        return self._counted(
+            self.unseen,
+            "categorical values never seen in training, scored with the out-of-vocabulary row",
+        )
+
+    def _counted(self, counts: Optional[Dict[str, int]], what: str) -> Optional[str]:
+        """``what``, of the last pass's rows, per column with a count (None if none has)."""
+        seen = {k: n for k, n in (counts or {}).items() if n}
         if not seen:
             return None
         rows = max(self.rows, 1)
         shown = ", ".join(f"{k} {n:,} ({n / rows:.1%})" for k, n in seen.items())
-        return (
-            f"categorical values never seen in training, scored with the out-of-vocabulary "
-            f"row, of {self.rows:,} rows: {shown}"
-        )
+        return f"{what}, of {self.rows:,} rows: {shown}"
 
 
 def _progress_bar(desc: str, enabled: bool) -> tqdm:
