@@ -410,7 +410,7 @@ def test_a_file_without_a_kind_is_pointed_to_table(tmp_path, capsys, csv_file):
 
 def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(tmp_path, capsys):
     """table: data left at the defaults trains up to 10 epochs on a 10% validation split
-    with early stopping at --lr-embed 1e-2, and the start summary says so and why; a
+    with early stopping at --lr-embed 3e-3, and the start summary says so and why; a
     flag given wins; synthetic data keeps the paper's one epoch at 1e-4 without a word.
     The epoch line and metrics.json carry each split's calibration."""
     from torchrec_cowclip.train import TrainConfig
@@ -418,8 +418,8 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     table = TrainConfig(data=f"table:{tmp_path / 'x.csv'}", early_stop_patience=3)
     filled, said = table.with_data_defaults()
     assert (filled.epochs, filled.val_fraction, filled.early_stop_patience) == (10, 0.1, 3)
-    assert filled.lr_embed == 1e-2 and said is not None
-    assert "--epochs 10 --val-fraction 0.1 --lr-embed 0.01" in said
+    assert filled.lr_embed == 3e-3 and said is not None
+    assert "--epochs 10 --val-fraction 0.1 --lr-embed 0.003" in said
     no_val, _ = TrainConfig(data="table:x.csv", val_fraction=0.0).with_data_defaults()
     assert no_val.early_stop_patience == 0
     paper, said = TrainConfig(data="synthetic:1000").with_data_defaults()
@@ -435,11 +435,11 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "defaults for your own table (flags not given): --val-fraction 0.1 " in err, err
-    assert "--early-stop-patience 2 --lr-embed 0.01" in err and "--epochs" not in err, err
+    assert "--early-stop-patience 2 --lr-embed 0.003" in err and "--epochs" not in err, err
     assert "1,620 train, 180 val, 200 test" in err and "test_calibration " in err, err
     assert "val_calibration " in err, err
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["hyperparameters"]["lr_embed"] == 1e-2
+    assert metrics["hyperparameters"]["lr_embed"] == 3e-3
     assert metrics["hyperparameters"]["val_fraction"] == 0.1
     assert len(metrics["epoch_calibration"]) == metrics["epochs"]
     assert len(metrics["epoch_val_calibration"]) == metrics["epochs"]

@@ -297,7 +297,7 @@ _BATCH_VALUES: Dict[str, str] = {
 #: flag -> help.
 _RECIPE_VALUES: Dict[str, str] = {
     "--lr": "dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
-    "--lr-embed": "embedding lr (default: 1e-2 for table:; else the recipe's, paper: 1e-4, "
+    "--lr-embed": "embedding lr (default: 3e-3 for table:; else the recipe's, paper: 1e-4, "
     "not scaled)",
     "--l2": "embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
     "--clip-r": "CowClip's ratio r (default: the recipe's, 1)",
