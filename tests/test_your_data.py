@@ -479,3 +479,42 @@ def test_values_outside_training_are_counted_at_scoring_and_output_folders_made(
     with pytest.raises(SystemExit):
         main([*argv, "--output", str(tmp_path / "file" / "scores.csv")])
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_a_parquet_timestamp_is_a_time_column_as_it_is(tmp_path):
+    """A parquet timestamp column (UTC) and an in-memory datetime64 column give the same
+    hour and weekday as the Unix seconds they stand for, in training and scoring."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    hours = _hourly_log(tmp_path / "log.csv", 1500, seed=4)
+    rows = [line.split(",") for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
+    seconds = [None if r[1] == "NA" else int(r[1]) for r in rows]
+    table = pa.table(
+        {
+            "click": [int(r[0]) for r in rows],
+            "ts": pa.array(seconds, pa.timestamp("s", tz="UTC")),
+            "site": [r[2] for r in rows],
+        }
+    )
+    pq.write_table(table, tmp_path / "log.parquet")
+    opened = {
+        suffix: open_dataset(
+            f"table:{tmp_path / f'log.{suffix}'}", tmp_path / f"c-{suffix}", label="click",
+            dense=[], sparse=["site"], time_columns=["ts"], na_values=["NA"],
+        )
+        for suffix in ("csv", "parquet")
+    }  # fmt: skip
+    ids = {k: np.asarray(ds.sparse)[:, 1:] for k, ds in opened.items()}
+    np.testing.assert_array_equal(ids["csv"], ids["parquet"])
+    assert (ids["parquet"][hours < 0] == MISSING_ID).all()
+    _train_log(tmp_path, "", "run", "--time-columns", "ts", "--na-values", "NA")
+    import torchrec_cowclip
+
+    model = torchrec_cowclip.load_model(tmp_path / "run")
+    stamps = np.array([np.datetime64("NaT") if s is None else np.datetime64(s, "s")
+                       for s in seconds])  # fmt: skip
+    in_memory = {"ts": stamps, "site": [r[2] for r in rows]}
+    from_csv = model.predict(str(tmp_path / "log.csv"))
+    np.testing.assert_array_equal(from_csv, model.predict(in_memory))
+    np.testing.assert_array_equal(from_csv, model.predict(str(tmp_path / "log.parquet")))
