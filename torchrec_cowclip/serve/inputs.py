@@ -47,7 +47,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ from torchrec_cowclip.data.parsing.columns import (
     split_line,
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
+from torchrec_cowclip.data.parsing.dense import stored_values
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
 from torchrec_cowclip.data.parsing.rows import (
     RowBlock,
@@ -70,6 +71,7 @@ from torchrec_cowclip.data.parsing.rows import (
     TextRowSource,
     missing_as_empty,
 )
+from torchrec_cowclip.data.parsing.time import parts_of_seconds, time_parts
 from torchrec_cowclip.data.parsing.vocab import OOV_ID
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.registry import source_kinds
@@ -96,6 +98,8 @@ class EncodedBlock:
         out_of_range: how many ids were outside their table (scored as row 0).
         unseen: per categorical column, the values (not missing) its vocabulary lacks,
             scored with the out-of-vocabulary row; None for hashed ids (no vocabulary).
+        outside: per dense column, the values outside the training range after the
+            transform (scored as they are); None where the run recorded no range.
     """
 
     dense: torch.Tensor
@@ -104,6 +108,7 @@ class EncodedBlock:
     keep: Optional[np.ndarray] = None
     out_of_range: int = 0
     unseen: Optional[np.ndarray] = None
+    outside: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -136,7 +141,8 @@ class RunEncoder:
         n_outside = int(outside.sum())
         if n_outside:
             ids[outside] = FALLBACK_ID
-        dense = self.plan.transform(block.dense)
+        stored = stored_values(block.dense, self.plan.transforms, clip_before=self.plan.clip_before)
+        dense = self.plan.apply(stored)
         return EncodedBlock(
             dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             ids=torch.from_numpy(np.ascontiguousarray(ids)),
@@ -144,6 +150,7 @@ class RunEncoder:
             keep=keep,
             out_of_range=n_outside,
             unseen=unseen,
+            outside=self.plan.outside(stored),
         )
 
     def numbers_for_text(self, column: int, values: np.ndarray) -> Optional[str]:
@@ -246,6 +253,7 @@ class FileInput(Input):
                 dense=tuple(reader["dense"]),
                 sparse=tuple(reader["sparse"]),
                 na_values=run.na_values(),
+                time=tuple(reader.get("time") or ()),
             )
         if layout is not None:
             return self._text_part(layout, path, labels)
@@ -273,6 +281,7 @@ class FileInput(Input):
                 {
                     "the run's dense columns": [str(c) for c in layout.dense],
                     "the run's categorical columns": [str(c) for c in layout.sparse],
+                    "the run's time columns": [str(c) for c in layout.time],
                 },
                 where=self.run.kind.name,
             )
@@ -346,9 +355,11 @@ class FileInput(Input):
         layout = self.run.text_layout()
         if layout is not None:
             label, dense, sparse = layout.label, layout.dense, layout.sparse
+            time: Sequence[Any] = layout.time
         else:
             reader = self.run.reader
             label, dense, sparse = reader["label"], reader["dense"], reader["sparse"]
+            time = reader.get("time") or ()
         import pyarrow.parquet as pq
 
         present = pq.ParquetFile(path).schema_arrow.names
@@ -364,6 +375,7 @@ class FileInput(Input):
             [str(c) for c in dense],
             [str(c) for c in sparse],
             self.run.na_values(),
+            [str(c) for c in time],
         )
         keep = None
         if self.keep_column is not None:
@@ -457,6 +469,24 @@ def _to_numbers(values: Any, name: str, na_values: Sequence[str] = ()) -> np.nda
     return parsed
 
 
+def _time_parts(values: Any, name: str, na_values: Sequence[str]) -> List[np.ndarray]:
+    """A time column's hour and weekday (``data.parsing.time``): numbers as Unix seconds
+    or milliseconds, text as ISO 8601, numpy/pandas datetimes as they are."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "M":
+        seconds = arr.astype("datetime64[ms]").astype(np.int64) / 1000.0
+        seconds[np.isnat(arr)] = np.nan
+        return parts_of_seconds(seconds)[0]
+    parts, bad = time_parts(missing_as_empty(_to_bytes(arr), na_values))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise DataError(
+            f"column {name!r}, row {row}: {arr[row]!r} is not a timestamp (Unix seconds or "
+            "milliseconds, or an ISO 8601 date-time)"
+        )
+    return parts
+
+
 def _columns_of(data: Any) -> Mapping[str, Any]:
     """A mapping of column name -> values from a mapping, a pandas DataFrame or a
     pyarrow Table (duck-typed: neither library is imported)."""
@@ -483,7 +513,9 @@ class ColumnsInput(Input):
         self.columns = _columns_of(data)
         schema = run.schema
         label = _label_name(run)
-        wanted = [*schema.dense_names, *schema.sparse_names, *([keep] if keep else [])]
+        self.time = list(run.time_columns())
+        self.categorical = list(schema.sparse_names[: schema.n_sparse - 2 * len(self.time)])
+        wanted = [*schema.dense_names, *self.categorical, *self.time, *([keep] if keep else [])]
         missing = [c for c in wanted if c not in self.columns]
         if missing:
             raise DataError(
@@ -505,14 +537,14 @@ class ColumnsInput(Input):
             if schema.n_dense
             else None
         )
-        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in schema.sparse_names]
+        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in self.categorical]
+        for name in self.time:
+            sparse += _time_parts(columns[name], name, na)
         n = len(sparse[0])
         if dense is None:
             dense = np.zeros((n, 0))
         if not self.encoder.text_ids:
-            sparse = np.stack(
-                [np.asarray(columns[c], dtype=np.int64) for c in schema.sparse_names], 1
-            )
+            sparse = np.stack([np.asarray(columns[c], dtype=np.int64) for c in self.categorical], 1)
         if self.has_labels:
             labels, bad = check_labels(_to_numbers(columns[self.label], self.label))
             if bad.any():
@@ -523,7 +555,7 @@ class ColumnsInput(Input):
         block = RowBlock(
             path=self.name, lines=np.arange(1, n + 1), labels=labels, dense=dense, sparse=sparse
         )
-        for c, name in enumerate(schema.sparse_names):
+        for c, name in enumerate(self.categorical):
             warning = self.encoder.numbers_for_text(c, np.asarray(columns[name]))
             if warning is not None:
                 warnings.warn(warning, UnseenValuesWarning, stacklevel=4)

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
@@ -108,14 +109,21 @@ def run_metrics(
             else {}
         ),
         "logloss": test["logloss"],
+        # Mean prediction over the positive rate (1: calibrated), as evaluate reports it.
+        "calibration": test.get("calibration"),
         "epoch_auc": p.epoch_auc,
         "epoch_logloss": p.epoch_logloss,
+        "epoch_calibration": p.epoch_calibration,
         "epoch_val_auc": p.epoch_val_auc,
+        "epoch_val_calibration": p.epoch_val_calibration,
         "best_epoch": best_epoch,
         "final_epoch": final_epoch + 1 if final_epoch >= 0 else None,
         "stopped_early": p.stopped_early,
         "epochs": len(p.epoch_auc),
         "steps": p.global_step,
+        # The machine's load when the run ended (1, 5, 15 minutes): timings on a shared
+        # machine are read against it (the sweep's time figure says it).
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "batch_size": settings.run.batch_size,
         "train_samples": p.train_samples,
         "train_samples_per_s": p.train_samples / max(p.train_seconds, 1e-9),
