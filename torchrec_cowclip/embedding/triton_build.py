@@ -160,7 +160,8 @@ def record_launches(
     ``rules``: the pooled lookup (SUM, MEAN, per-sample weights, whole or a KJT's slice,
     batch-major), the ids' mapping (int32 and int64 ids), the fused update (segments with a
     row of many positions, weighted, or one gradient per row; the clip on all tables or
-    some, without the clip; CountLR; a column shard's row sums; a padded grouping) and the
+    some, without the clip; CountLR; a column shard's row sums; a padded grouping, with and
+    without per-row clip counts) and the
     rounding. The options are recorded on float32 tables (a half table's kernels differ
     in the store alone); ``options=False``: the plain variants only (SUM lookups; the
     update over segments with the clip). Nothing runs on a device: the launches are recorded, not
@@ -250,6 +251,8 @@ def _record_update(dim: int, dtype: torch.dtype, rule: str, options: bool) -> No
     run(clip=False)
     run(clip_enabled=torch.tensor([True, False]), count_lr_power=0.5, count_lr_cap=4.0)
     run(num_valid=torch.tensor([3]), gate=torch.zeros(1, dtype=torch.int32))
+    padded = dict(num_valid=torch.tensor([3]), gate=torch.zeros(1, dtype=torch.int32))
+    run(**padded, row_counters=torch.zeros(2, 8, dtype=torch.int64))
     run(segment_offsets=None, sorted_bags=None, row_sums=torch.zeros(20))
     run(segment_offsets=None, sorted_bags=None)
     if dtype != torch.float32:

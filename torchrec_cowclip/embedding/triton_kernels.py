@@ -631,6 +631,9 @@ def store_rows(
 def count_rows(
     status_ptr,
     per_table_ptr,
+    row_updated_ptr,
+    row_clipped_ptr,
+    rows,
     us,
     limit,
     num_touched,
@@ -640,13 +643,20 @@ def count_rows(
     finite,
     clipped,
     refused,
+    COUNT_ROWS: tl.constexpr,
 ):
-    # Status 0 updated, 1 clipped, 2 skipped (non-finite), 3 padding; per table, counted
+    # COUNT_ROWS: each real row's counts of steps that updated and that clipped it
+    # (the rows are distinct: no atomics; padding rows touch nothing). Status 0 updated, 1 clipped, 2 skipped (non-finite), 3 padding; per table, counted
     # (relaxed: the counts are read after the kernel).
     status = tl.where(finite, clipped.to(tl.int32), 2)
     status = tl.where(us < limit, status, 3)
     tl.store(status_ptr + us, status.to(tl.int8), mask=(us < num_touched) & (refused == 0))
     step_rows = live & finite
+    if COUNT_ROWS:
+        updated = tl.load(row_updated_ptr + rows, mask=step_rows, other=0)
+        tl.store(row_updated_ptr + rows, updated + 1, mask=step_rows)
+        was_clipped = tl.load(row_clipped_ptr + rows, mask=clipped, other=0)
+        tl.store(row_clipped_ptr + rows, was_clipped + 1, mask=clipped)
     tl.atomic_add(per_table_ptr + table, 1, mask=step_rows, sem="relaxed")
     tl.atomic_add(per_table_ptr + num_tables + table, 1, mask=clipped, sem="relaxed")
     tl.atomic_add(per_table_ptr + 2 * num_tables + table, 1, mask=live & ~finite, sem="relaxed")
@@ -674,6 +684,8 @@ def update(
     num_valid_ptr,
     status_ptr,
     per_table_ptr,
+    row_updated_ptr,
+    row_clipped_ptr,
     num_touched,
     num_tables,
     hyper,
@@ -686,6 +698,7 @@ def update(
     COUNT_LR: tl.constexpr,
     PADDED: tl.constexpr,
     STORE: tl.constexpr,
+    COUNT_ROWS: tl.constexpr,
     LOG_TABLES: tl.constexpr,
     DIM: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -796,6 +809,9 @@ def update(
     count_rows(
         status_ptr,
         per_table_ptr,
+        row_updated_ptr,
+        row_clipped_ptr,
+        rows,
         us,
         limit,
         num_touched,
@@ -805,6 +821,7 @@ def update(
         finite,
         clipped,
         refused,
+        COUNT_ROWS,
     )
 
 
