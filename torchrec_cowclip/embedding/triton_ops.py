@@ -81,8 +81,9 @@ HOT_CHUNK = 64
 #: Columns of one program of ``segment_partials`` (CHUNK x columns elements).
 _PARTIAL_COLUMNS = 32
 
-#: Elements of one lookup block (bags x column block): several bags per program.
-_POOL_BLOCK = 1024
+#: Elements of one lookup block (bags x column block): several bags per program, 4 a
+#: thread (at 8, ptxas spills 24 bytes at dims 24, 48 and 100: docs/triton.md).
+_POOL_BLOCK = 512
 
 #: Bags of one program of the ids' check and mapping.
 _PREPARE_BAGS = 256
