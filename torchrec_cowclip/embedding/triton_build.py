@@ -286,24 +286,30 @@ def compile_launches(
         if not share:
             continue
         payload = json.dumps([[dataclasses.asdict(spec), arch] for spec, arch in share])
+        # stderr to a file, not a pipe: a failing compile writes pages of MLIR there,
+        # which would fill a pipe and stall the child while this process reads stdout.
+        log = tempfile.TemporaryFile("w+")
         child = subprocess.Popen(
             [sys.executable, "-m", __name__, module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=log,
             text=True,
             env=env,
         )
         assert child.stdin is not None
         child.stdin.write(payload)
         child.stdin.close()
-        children.append((share, child))
+        children.append((share, child, log))
     results: Dict[Tuple[Specialization, str], Build] = {}
-    for share, child in children:
-        assert child.stdout is not None and child.stderr is not None
+    for share, child, log in children:
+        assert child.stdout is not None
         out = child.stdout.read()
-        err = child.stderr.read()
-        if child.wait() != 0:
+        failed = child.wait() != 0
+        log.seek(0)
+        err = log.read()
+        log.close()
+        if failed:
             raise RuntimeError(f"triton_build: the compiling process failed: {err.strip()[-2000:]}")
         for (spec, arch), built in zip(share, json.loads(out)):
             results[(spec, arch)] = Build(spec, arch, **built)
