@@ -48,7 +48,9 @@ from torch import Tensor
 from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
 
 __all__ = [
+    "HOT_CHUNK",
     "INTERPRET_ENV",
+    "Launch",
     "PADDING",
     "UpdateHyperparameters",
     "availability",
@@ -59,6 +61,7 @@ __all__ = [
     "pooled_lookup",
     "prepare_rows",
     "raise_pool_errors",
+    "recording_launches",
     "stochastic_round",
 ]
 
