@@ -301,6 +301,7 @@ def run_interleaved(
     warmup: int,
     time_limit_s: float,
     device: torch.device = CPU,
+    failures: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Timing]:
     """Each round runs every variant once on the same batch, the order rotated by one
     every round; the first ``warmup`` rounds are not recorded. Timed rounds stop early
@@ -308,10 +309,12 @@ def run_interleaved(
 
     On CUDA a call is timed by CUDA events and starts on an idle device (synchronised
     first), so its time runs from its first launch to the end of its last kernel and no
-    variant hides its host work behind another's kernels; elsewhere by the wall clock."""
+    variant hides its host work behind another's kernels; elsewhere by the wall clock.
+
+    ``failures``: a variant that raises is recorded there (``Type: message``, one line)
+    and left out of the later rounds, the others go on; without it the error propagates."""
     names = list(variants)
     timings = {name: Timing() for name in names}
-    cuda = device.type == "cuda"
     gc.collect()
     gc.disable()
     try:
@@ -323,21 +326,16 @@ def run_interleaved(
             shift = r % len(names)
             pending: List[Tuple[str, Callable[[], float]]] = []
             for name in names[shift:] + names[:shift]:
-                if cuda:
-                    begin, end = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    sync(device)
-                    begin.record()
-                    variants[name](batch)
-                    end.record()
-                    pending.append((name, lambda b=begin, e=end: b.elapsed_time(e)))
-                else:
-                    start = time.perf_counter()
-                    variants[name](batch)
-                    elapsed = (time.perf_counter() - start) * 1e3
-                    pending.append((name, lambda ms=elapsed: ms))
+                if failures is not None and name in failures:
+                    continue
+                try:
+                    pending.append((name, _timed_call(variants[name], batch, device)))
+                except Exception as error:
+                    if failures is None:
+                        raise
+                    message = " ".join(str(error).split())
+                    failures[name] = f"{type(error).__name__}: {message[:300]}"
+                    print(f"{name} failed, left out of the later rounds: {failures[name]}")
             sync(device)
             if r >= warmup:
                 for name, ms in pending:
@@ -348,6 +346,24 @@ def run_interleaved(
     finally:
         gc.enable()
     return timings
+
+
+def _timed_call(
+    call: Callable[[Any], None], batch: Any, device: torch.device
+) -> Callable[[], float]:
+    """Runs ``call(batch)``; returns how to read its milliseconds once the device is idle."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync(device)
+        begin.record()
+        call(batch)
+        end.record()
+        sync(device)  # an asynchronous error surfaces here, charged to this variant
+        return lambda: begin.elapsed_time(end)
+    start = time.perf_counter()
+    call(batch)
+    elapsed = (time.perf_counter() - start) * 1e3
+    return lambda: elapsed
 
 
 def paired_ratio(ours: Timing, reference: Timing) -> float:

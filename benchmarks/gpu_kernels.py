@@ -229,12 +229,18 @@ def run_kernels(device: torch.device, args: argparse.Namespace, deadline: float)
                 )
         limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
         print(f"  kernels, batch {bs:,}: {len(variants)} variants ...", flush=True)
-        timings = run_interleaved(variants, batches, args.steps, args.warmup, limit, device)
+        failed: Dict[str, str] = {}
+        timings = run_interleaved(
+            variants, batches, args.steps, args.warmup, limit, device, failures=failed
+        )
         result["per_batch"].append(
             {
                 "batch_size": bs,
                 "distinct_rows": [b.unique_rows for b in batches],
-                "variants": {n: t.summary() for n, t in timings.items() if t.samples},
+                "variants": {
+                    n: t.summary() for n, t in timings.items() if t.samples and n not in failed
+                },
+                "failed": failed,
             }
         )
     return result
@@ -252,6 +258,8 @@ def kernel_table(result: Dict[str, Any], format_table: Callable[[List[List[str]]
                     f"{t['min_ms']:.3f}", f"{t['median_ms'] / ref:.2f}" if ref else "-",
                 ]
             )  # fmt: skip
+        for name, error in entry.get("failed", {}).items():
+            rows.append([f"{entry['batch_size']:,}", name, "FAILED", error[:60], ""])
         rows.append(
             [f"{entry['batch_size']:,}", "distinct rows per step (mean)",
              f"{statistics.fmean(entry['distinct_rows']):,.0f}", "", ""]

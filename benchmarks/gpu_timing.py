@@ -270,8 +270,11 @@ def run_embedding(
             flush=True,
         )
         limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
+        failed: Dict[str, str] = {}
         try:
-            timings = run_interleaved(variants, batches, args.steps, args.warmup, limit, device)
+            timings = run_interleaved(
+                variants, batches, args.steps, args.warmup, limit, device, failures=failed
+            )
         except Exception as error:  # noqa: BLE001 - e.g. out of memory: report, go on
             result["skipped"].append(f"batch {bs}: {type(error).__name__}: {error}")
             traceback.print_exc()
@@ -292,8 +295,10 @@ def run_embedding(
                         "samples_ms": t.samples,
                     }
                     for n, t in timings.items()
-                    if t.samples
+                    if t.samples and n not in failed
                 },
+                # Each failing variant alone (the others' timings stand): its error.
+                "failed": failed,
             }
         )
         del batches, variants
@@ -330,6 +335,8 @@ def embedding_table(result: Dict[str, Any]) -> str:
                     f"{entry['batch_size'] / (t['median_ms'] / 1e3):,.0f}" if whole else "",
                 ]
             )
+        for name, error in entry.get("failed", {}).items():
+            rows.append([f"{entry['batch_size']:,}", name, "FAILED", error[:60], "", "", ""])
         rows.append(
             [
                 f"{entry['batch_size']:,}",
@@ -431,8 +438,14 @@ def run_cuda_graph(
         "CUDA graph replay": replay,
     }
     limit = min(args.part_time_limit_s, max(deadline - time.perf_counter(), 1.0))
-    timings = run_interleaved(variants, batches, args.steps, args.warmup, limit, device)
-    result["variants"] = {n: t.summary() for n, t in timings.items() if t.samples}
+    failed: Dict[str, str] = {}
+    timings = run_interleaved(
+        variants, batches, args.steps, args.warmup, limit, device, failures=failed
+    )
+    result["variants"] = {
+        n: t.summary() for n, t in timings.items() if t.samples and n not in failed
+    }
+    result["failed"] = failed
     result["last_graph_loss"] = float(static_loss)
     result["table_steps"] = {
         name: s.steps for name, s in graph_model.embedding_collection.clip_stats().items()
@@ -454,6 +467,8 @@ def cuda_graph_table(r: Dict[str, Any]) -> str:
                 f"{t['median_ms'] / eager:.2f}" if eager else "-",
             ]
         )
+    for name, error in r.get("failed", {}).items():
+        rows.append([name, "FAILED", error[:60], "", ""])
     return format_table(rows)
 
 

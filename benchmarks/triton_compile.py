@@ -11,7 +11,7 @@ Exit 1 if a specialization fails to compile, spills, or passes ``--max-registers
 Usage::
 
     python benchmarks/triton_compile.py [--dims 1,4,10,...] [--arches sm_90a,sm_80]
-        [--jobs 2] [--json out.json] [--every-row]
+        [--jobs 2] [--json out.json] [--every-row] [--plain]
 
 About 1 s a compile on a 2-core AMD EPYC (Triton caches what it compiled: a second run
 with unchanged kernels reads ptxas only).
@@ -113,11 +113,15 @@ def main() -> int:
     parser.add_argument("--max-registers", type=int, default=triton_build.MAX_REGISTERS)
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--every-row", action="store_true", help="one table row per variant")
+    parser.add_argument(
+        "--plain", action="store_true", help="no options: SUM lookups, the update with the clip"
+    )
     args = parser.parse_args()
     specs = triton_build.record_launches(
         [int(d) for d in args.dims.split(",")],
         [getattr(torch, name) for name in args.dtypes.split(",")],
         args.rules.split(","),
+        options=not args.plain,
     )
     started = time.perf_counter()
     builds = triton_build.compile_launches(specs, args.arches.split(","), jobs=args.jobs)

@@ -248,3 +248,26 @@ def test_compare_checkouts_refuses_a_directory_without_the_package(bench, tmp_pa
         compare_checkouts.main(["--before", str(tmp_path)])
     assert refused.value.code == 2
     assert f"--before {tmp_path}: not a checkout of this project" in capsys.readouterr().err
+
+
+def test_a_failing_variant_fails_alone_in_interleaved_rounds(bench):
+    """gpu_timing.py's rounds: a variant that raises is reported with its error and left
+    out; the others keep every round's sample. Without ``failures`` the error propagates."""
+    import common
+
+    calls = []
+
+    def good(batch):
+        calls.append(batch)
+
+    def bad(batch):
+        raise RuntimeError("out of memory\nsecond line")
+
+    variants = {"good": good, "bad": bad, "also good": good}
+    failed: dict = {}
+    timings = common.run_interleaved(variants, [1, 2], 4, 1, 60.0, failures=failed)
+    assert failed == {"bad": "RuntimeError: out of memory second line"}
+    assert len(timings["good"].samples) == len(timings["also good"].samples) == 4
+    assert timings["bad"].samples == [] and len(calls) == 10
+    with pytest.raises(RuntimeError, match="out of memory"):
+        common.run_interleaved(variants, [1], 1, 0, 60.0)

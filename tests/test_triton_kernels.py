@@ -137,6 +137,24 @@ def test_rows_outside_the_weight_are_refused_before_any_change(device):
     assert not w.any()
 
 
+def test_a_padded_update_counts_real_rows_only(device):
+    """Per-row clip counts of a grouping of fixed size: the real rows' counts step up (the
+    clipped one's both), the padding rows - row id R, past the weight - touch no row."""
+    w = torch.ones(6, 2, device=device)
+    w[1] = 1e-6  # row 1's gradient is clipped
+    counters = torch.zeros(2, 6, dtype=torch.int64, device=device)
+    rows = torch.tensor([1, 3, 5, 6, 6], device=device)
+    triton_ops.fused_update_padded_(
+        w, None, None, rows, torch.ones(5, dtype=torch.int64, device=device),
+        torch.ones(5, 2, device=device), torch.arange(6, device=device),
+        torch.arange(5, device=device), None, torch.tensor([0, 6], device=device), None, None,
+        None, None, None, 2, 0.1, 0.9, 0.999, 1e-8, 0.0, True, 1.0, 1e-3, 0.0, 1.0,
+        num_valid=torch.tensor([3], device=device), gate=torch.zeros(1, dtype=torch.int32, device=device),
+        row_counters=counters,
+    )  # fmt: skip
+    assert counters.cpu().tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 0, 0, 0, 0]]
+
+
 @pytest.mark.gpu
 def test_a_large_update_matches_the_functional_core_on_the_gpu(device):
     """Thousands of rows per table, dim 128, hot rows: the real kernels' scale."""

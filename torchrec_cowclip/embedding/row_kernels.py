@@ -198,10 +198,12 @@ class RowKernel(abc.ABC):
         status, per_table = self._update_rows_(
             batch, StepInputs(row_grads, options, adam_bias, row_sums)
         )
-        if batch.row_counters is not None:
-            # Increments of 0 or 1 at every row (padding rows, past the weight, add 0 at
-            # its last row): no value read back to the host.
-            rows = row_grads.rows.clamp(max=batch.weight.shape[0] - 1)
+        segments = row_grads.segments
+        padded = segments is not None and segments.grouping.num_valid is not None
+        if batch.row_counters is not None and not padded:
+            # Increments of 0 or 1 at every (real) row: no value read back to the host. A
+            # padded grouping's update counts its real rows itself.
+            rows = row_grads.rows
             updated = ((status == UPDATED) | (status == CLIPPED)).to(torch.int64)
             batch.row_counters[0].index_add_(0, rows, updated)
             batch.row_counters[1].index_add_(0, rows, (status == CLIPPED).to(torch.int64))
@@ -359,7 +361,10 @@ class FusedKernel(RowKernel):
         grouping = None if segments is None else segments.grouping
         if grouping is not None and grouping.num_valid is not None:
             padded: Tuple[Tensor, Tensor] = triton_ops.fused_update_padded_(
-                *arguments, num_valid=grouping.num_valid, gate=grouping.consumed
+                *arguments,
+                num_valid=grouping.num_valid,
+                gate=grouping.consumed,
+                row_counters=batch.row_counters,
             )
             return padded
         result: Tuple[Tensor, Tensor] = self.library.fused_update_(*arguments)

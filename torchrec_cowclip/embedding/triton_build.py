@@ -161,8 +161,9 @@ def record_launches(
     ``rules``: the pooled lookup (SUM, MEAN, per-sample weights, whole or a KJT's slice,
     batch-major), the ids' mapping (int32 and int64 ids), the fused update (segments with a
     row of many positions, weighted, or one gradient per row; the clip on all tables or
-    some, without the clip; CountLR; a column shard's row sums; a padded grouping; a half
-    table rounded to nearest, ``stochastic_rounding=False``) and the rounding. The options are recorded on float32 tables (a half table's kernels differ
+    some, without the clip; CountLR; a column shard's row sums; a padded grouping, with and
+    without per-row clip counts; a half table rounded to nearest, ``stochastic_rounding=False``)
+    and the rounding. The options are recorded on float32 tables (a half table's kernels differ
     in the store alone); ``options=False``: the plain variants only (SUM lookups; the
     update over segments with the clip). Nothing runs on a device: the launches are recorded, not
     executed."""
@@ -253,6 +254,8 @@ def _record_update(dim: int, dtype: torch.dtype, rule: str, options: bool) -> No
     run(clip=False)
     run(clip_enabled=torch.tensor([True, False]), count_lr_power=0.5, count_lr_cap=4.0)
     run(num_valid=torch.tensor([3]), gate=torch.zeros(1, dtype=torch.int32))
+    padded = dict(num_valid=torch.tensor([3]), gate=torch.zeros(1, dtype=torch.int32))
+    run(**padded, row_counters=torch.zeros(2, 8, dtype=torch.int64))
     run(segment_offsets=None, sorted_bags=None, row_sums=torch.zeros(20))
     run(segment_offsets=None, sorted_bags=None)
     if dtype != torch.float32:
@@ -286,24 +289,30 @@ def compile_launches(
         if not share:
             continue
         payload = json.dumps([[dataclasses.asdict(spec), arch] for spec, arch in share])
+        # stderr to a file, not a pipe: a failing compile writes pages of MLIR there,
+        # which would fill a pipe and stall the child while this process reads stdout.
+        log = tempfile.TemporaryFile("w+")
         child = subprocess.Popen(
             [sys.executable, "-m", __name__, module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=log,
             text=True,
             env=env,
         )
         assert child.stdin is not None
         child.stdin.write(payload)
         child.stdin.close()
-        children.append((share, child))
+        children.append((share, child, log))
     results: Dict[Tuple[Specialization, str], Build] = {}
-    for share, child in children:
-        assert child.stdout is not None and child.stderr is not None
+    for share, child, log in children:
+        assert child.stdout is not None
         out = child.stdout.read()
-        err = child.stderr.read()
-        if child.wait() != 0:
+        failed = child.wait() != 0
+        log.seek(0)
+        err = log.read()
+        log.close()
+        if failed:
             raise RuntimeError(f"triton_build: the compiling process failed: {err.strip()[-2000:]}")
         for (spec, arch), built in zip(share, json.loads(out)):
             results[(spec, arch)] = Build(spec, arch, **built)

@@ -365,10 +365,7 @@ def block_rows(
 @triton.jit
 def row_gradient(
     grad_ptr,
-    seg_ptr,
-    bags_ptr,
-    sorted_w_ptr,
-    partials_ptr,
+    segments,
     us,
     live,
     cols,
@@ -380,7 +377,9 @@ def row_gradient(
     BLOCK_D: tl.constexpr,
 ):
     # Each row's gradient: a row of at most CHUNK positions sums them in input order; a
-    # hot row adds its chunks' sums from segment_partials, in order.
+    # hot row adds its chunks' sums from segment_partials, in order. ``segments``: the
+    # pointers to the segment offsets, sorted bags, sorted weights and chunk sums.
+    seg_ptr, bags_ptr, sorted_w_ptr, partials_ptr = segments
     first = tl.load(seg_ptr + us, mask=live, other=0)
     n = tl.load(seg_ptr + us + 1, mask=live, other=0) - first
     hot = n > CHUNK
@@ -421,23 +420,29 @@ def row_gradient(
     return g
 
 
+# The block's rows as the steps below share them (``at``): row ids, columns, tables, the
+# rows that step and their elements' mask; a column shard's whole-row sums (``sums``:
+# squared gradient, squared weight, their dot, the whole dim; unused without ROW_SUMS);
+# the rule's state (``state``: two state pointers, two bias-correction pointers).
+
+
 @triton.jit
 def cowclip(
     g,
     w,
     count,
-    table,
-    step_rows,
-    clip_enabled_ptr,
+    at,
     live,
-    grad_sq,
-    weight_sq,
+    clip_enabled_ptr,
+    sums,
     hyper,
     CLIP_MASK: tl.constexpr,
     ROW_SUMS: tl.constexpr,
 ):
     # Step 3: the CowClip clip of each row's gradient to count * max(r * ||w||, zeta);
     # returns the gradient, the scale applied and which rows it clipped.
+    rows, cols, table, step_rows, step_mask = at
+    grad_sq, weight_sq, grad_dot_weight, whole_dim = sums
     if ROW_SUMS:
         grad_norm = tl.sqrt(grad_sq)
         weight_norm = tl.sqrt(weight_sq)
@@ -470,23 +475,10 @@ def row_lr(count, hyper, COUNT_LR: tl.constexpr):
 
 
 @triton.jit
-def adam_step(
-    w,
-    g,
-    lr,
-    state0_ptr,
-    state1_ptr,
-    bias1_ptr,
-    bias2_ptr,
-    rows,
-    cols,
-    table,
-    step_rows,
-    step_mask,
-    hyper,
-    DIM: tl.constexpr,
-):
+def adam_step(w, g, lr, at, state, hyper, DIM: tl.constexpr):
     # functional.adam_rule: the moments, bias-corrected by the table's step.
+    rows, cols, table, step_rows, step_mask = at
+    state0_ptr, state1_ptr, bias1_ptr, bias2_ptr = state
     s_ptrs = rows[:, None] * DIM + cols[None, :]
     m = tl.load(state0_ptr + s_ptrs, mask=step_mask, other=0.0)
     v = tl.load(state1_ptr + s_ptrs, mask=step_mask, other=0.0)
@@ -507,8 +499,10 @@ def decay_weight(w, lr, hyper):
 
 
 @triton.jit
-def adagrad_step(w, g, lr, state0_ptr, rows, cols, step_mask, hyper, DIM: tl.constexpr):
+def adagrad_step(w, g, lr, at, state, hyper, DIM: tl.constexpr):
     # functional.adagrad_rows_: per-element Adagrad (FBGEMM's EXACT_ADAGRAD).
+    rows, cols, table, step_rows, step_mask = at
+    state0_ptr = state[0]
     s_ptrs = rows[:, None] * DIM + cols[None, :]
     s = tl.load(state0_ptr + s_ptrs, mask=step_mask, other=0.0) + g * g
     tl.store(state0_ptr + s_ptrs, s, mask=step_mask)
@@ -517,23 +511,13 @@ def adagrad_step(w, g, lr, state0_ptr, rows, cols, step_mask, hyper, DIM: tl.con
 
 @triton.jit
 def rowwise_adagrad_step(
-    w,
-    g,
-    lr,
-    state0_ptr,
-    rows,
-    step_rows,
-    scale,
-    grad_sq,
-    weight_sq,
-    grad_dot_weight,
-    whole_dim,
-    hyper,
-    ROW_SUMS: tl.constexpr,
-    DIM: tl.constexpr,
+    w, g, lr, scale, at, state, sums, hyper, ROW_SUMS: tl.constexpr, DIM: tl.constexpr
 ):
     # functional.rowwise_adagrad_rule: one sum of mean squares per row (over the whole
     # row: a column shard's from its row sums).
+    rows, cols, table, step_rows, step_mask = at
+    state0_ptr = state[0]
+    grad_sq, weight_sq, grad_dot_weight, whole_dim = sums
     if ROW_SUMS:
         decay = hyper.weight_decay
         total_sq = (
@@ -554,20 +538,10 @@ def rule_step(
     w,
     g,
     lr,
-    state0_ptr,
-    state1_ptr,
-    bias1_ptr,
-    bias2_ptr,
-    rows,
-    cols,
-    table,
-    step_rows,
-    step_mask,
     scale,
-    grad_sq,
-    weight_sq,
-    grad_dot_weight,
-    whole_dim,
+    at,
+    state,
+    sums,
     hyper,
     OPTIMIZER: tl.constexpr,
     ROW_SUMS: tl.constexpr,
@@ -578,41 +552,11 @@ def rule_step(
     if OPTIMIZER == 0 or OPTIMIZER == 4:
         if OPTIMIZER == 4:
             w = decay_weight(w, lr, hyper)
-        w = adam_step(
-            w,
-            g,
-            lr,
-            state0_ptr,
-            state1_ptr,
-            bias1_ptr,
-            bias2_ptr,
-            rows,
-            cols,
-            table,
-            step_rows,
-            step_mask,
-            hyper,
-            DIM,
-        )
+        w = adam_step(w, g, lr, at, state, hyper, DIM)
     elif OPTIMIZER == 1:
-        w = rowwise_adagrad_step(
-            w,
-            g,
-            lr,
-            state0_ptr,
-            rows,
-            step_rows,
-            scale,
-            grad_sq,
-            weight_sq,
-            grad_dot_weight,
-            whole_dim,
-            hyper,
-            ROW_SUMS,
-            DIM,
-        )
+        w = rowwise_adagrad_step(w, g, lr, scale, at, state, sums, hyper, ROW_SUMS, DIM)
     elif OPTIMIZER == 3:
-        w = adagrad_step(w, g, lr, state0_ptr, rows, cols, step_mask, hyper, DIM)
+        w = adagrad_step(w, g, lr, at, state, hyper, DIM)
     else:
         w = w - lr[:, None] * g
     return w
@@ -620,21 +564,12 @@ def rule_step(
 
 @triton.jit
 def store_rows(
-    w_ptrs,
-    w,
-    rounding_ptr,
-    row_offsets_ptr,
-    rows,
-    cols,
-    table,
-    step_rows,
-    step_mask,
-    STORE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
+    w_ptrs, w, rounding_ptr, row_offsets_ptr, at, STORE: tl.constexpr, STOCHASTIC: tl.constexpr
 ):
     # The new rows, float32 as they are, float16 / bfloat16 rounded stochastically with
     # the table's keys, or (not STOCHASTIC: stochastic_rounding=False) to nearest even
     # (STORE: 0 float32, 1 float16, 2 bfloat16).
+    rows, cols, table, step_rows, step_mask = at
     if STORE == 0:
         tl.store(w_ptrs, w, mask=step_mask)
     elif not STOCHASTIC:
@@ -655,22 +590,32 @@ def store_rows(
 def count_rows(
     status_ptr,
     per_table_ptr,
+    row_counts,
+    at,
     us,
     limit,
     num_touched,
     num_tables,
-    table,
     live,
     finite,
     clipped,
     refused,
+    COUNT_ROWS: tl.constexpr,
 ):
     # Status 0 updated, 1 clipped, 2 skipped (non-finite), 3 padding; per table, counted
-    # (relaxed: the counts are read after the kernel).
+    # (relaxed: the counts are read after the kernel). COUNT_ROWS: each real row's counts
+    # of steps that updated and that clipped it (``row_counts``: their two pointers; the
+    # rows are distinct: no atomics; padding rows touch nothing).
+    rows, cols, table, step_rows, step_mask = at
     status = tl.where(finite, clipped.to(tl.int32), 2)
     status = tl.where(us < limit, status, 3)
     tl.store(status_ptr + us, status.to(tl.int8), mask=(us < num_touched) & (refused == 0))
-    step_rows = live & finite
+    if COUNT_ROWS:
+        updated_ptr, clipped_ptr = row_counts
+        updated = tl.load(updated_ptr + rows, mask=step_rows, other=0)
+        tl.store(updated_ptr + rows, updated + 1, mask=step_rows)
+        was_clipped = tl.load(clipped_ptr + rows, mask=clipped, other=0)
+        tl.store(clipped_ptr + rows, was_clipped + 1, mask=clipped)
     tl.atomic_add(per_table_ptr + table, 1, mask=step_rows, sem="relaxed")
     tl.atomic_add(per_table_ptr + num_tables + table, 1, mask=clipped, sem="relaxed")
     tl.atomic_add(per_table_ptr + 2 * num_tables + table, 1, mask=live & ~finite, sem="relaxed")
@@ -698,6 +643,8 @@ def update(
     num_valid_ptr,
     status_ptr,
     per_table_ptr,
+    row_updated_ptr,
+    row_clipped_ptr,
     num_touched,
     num_tables,
     hyper,
@@ -711,6 +658,7 @@ def update(
     PADDED: tl.constexpr,
     STORE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    COUNT_ROWS: tl.constexpr,
     LOG_TABLES: tl.constexpr,
     DIM: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -734,40 +682,28 @@ def update(
 
     # Step 2: the row's gradient.
     if SEGMENTS:
+        segments = (seg_ptr, bags_ptr, sorted_w_ptr, partials_ptr)
         g = row_gradient(
-            grad_ptr,
-            seg_ptr,
-            bags_ptr,
-            sorted_w_ptr,
-            partials_ptr,
-            us,
-            live,
-            cols,
-            col_ok,
-            WEIGHTED,
-            DIM,
-            CHUNK,
-            BLOCK_U,
-            BLOCK_D,
+            grad_ptr, segments, us, live, cols, col_ok, WEIGHTED, DIM, CHUNK, BLOCK_U, BLOCK_D
         )
     else:
         g = tl.load(grad_ptr + us[:, None].to(tl.int64) * DIM + cols[None, :], mask=mask, other=0.0)
     if ROW_SUMS:
-        sums = row_sums_ptr + us * 5
-        finite = tl.load(sums, mask=live, other=0.0) == 0.0
-        grad_sq = tl.load(sums + 1, mask=live, other=0.0)
-        weight_sq = tl.load(sums + 2, mask=live, other=0.0)
-        grad_dot_weight = tl.load(sums + 3, mask=live, other=0.0)
-        whole_dim = tl.load(sums + 4, mask=live, other=1.0)
+        row_sums = row_sums_ptr + us * 5
+        finite = tl.load(row_sums, mask=live, other=0.0) == 0.0
+        sums = (
+            tl.load(row_sums + 1, mask=live, other=0.0),
+            tl.load(row_sums + 2, mask=live, other=0.0),
+            tl.load(row_sums + 3, mask=live, other=0.0),
+            tl.load(row_sums + 4, mask=live, other=1.0),
+        )
     else:
         total = tl.sum(g, axis=1)
         finite = (total == total) & (tl.abs(total) < float("inf"))
-        grad_sq = total
-        weight_sq = total
-        grad_dot_weight = total
-        whole_dim = total
+        sums = (total, total, total, total)
     step_rows = live & finite
     step_mask = step_rows[:, None] & col_ok[None, :]
+    at = (rows, cols, table, step_rows, step_mask)
     w_ptrs = weight_ptr + rows[:, None] * DIM + cols[None, :]
     w = tl.load(w_ptrs, mask=step_mask, other=0.0).to(tl.float32)
 
@@ -776,72 +712,31 @@ def update(
     clipped = tl.zeros([BLOCK_U], dtype=tl.int1)
     if CLIP:
         g, scale, clipped = cowclip(
-            g,
-            w,
-            count,
-            table,
-            step_rows,
-            clip_enabled_ptr,
-            live,
-            grad_sq,
-            weight_sq,
-            hyper,
-            CLIP_MASK,
-            ROW_SUMS,
+            g, w, count, at, live, clip_enabled_ptr, sums, hyper, CLIP_MASK, ROW_SUMS
         )
     # Step 4: coupled L2 (not AdamW's: it decays the weight in its step) and the row's
     # learning rate; step 5: the rule.
     if OPTIMIZER != 4:
         g = g + hyper.weight_decay * w
     lr = row_lr(count, hyper, COUNT_LR)
-    w = rule_step(
-        w,
-        g,
-        lr,
-        state0_ptr,
-        state1_ptr,
-        bias1_ptr,
-        bias2_ptr,
-        rows,
-        cols,
-        table,
-        step_rows,
-        step_mask,
-        scale,
-        grad_sq,
-        weight_sq,
-        grad_dot_weight,
-        whole_dim,
-        hyper,
-        OPTIMIZER,
-        ROW_SUMS,
-        DIM,
-    )
-    store_rows(
-        w_ptrs,
-        w,
-        rounding_ptr,
-        row_offsets_ptr,
-        rows,
-        cols,
-        table,
-        step_rows,
-        step_mask,
-        STORE,
-        STOCHASTIC,
-    )
+    state = (state0_ptr, state1_ptr, bias1_ptr, bias2_ptr)
+    w = rule_step(w, g, lr, scale, at, state, sums, hyper, OPTIMIZER, ROW_SUMS, DIM)
+    store_rows(w_ptrs, w, rounding_ptr, row_offsets_ptr, at, STORE, STOCHASTIC)
+    row_counts = (row_updated_ptr, row_clipped_ptr)
     count_rows(
         status_ptr,
         per_table_ptr,
+        row_counts,
+        at,
         us,
         limit,
         num_touched,
         num_tables,
-        table,
         live,
         finite,
         clipped,
         refused,
+        COUNT_ROWS,
     )
 
 

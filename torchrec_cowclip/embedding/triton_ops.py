@@ -51,7 +51,9 @@ from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
 OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd", "adagrad", "adamw")
 
 __all__ = [
+    "HOT_CHUNK",
     "INTERPRET_ENV",
+    "Launch",
     "PADDING",
     "UpdateHyperparameters",
     "availability",
@@ -62,6 +64,7 @@ __all__ = [
     "pooled_lookup",
     "prepare_rows",
     "raise_pool_errors",
+    "recording_launches",
     "stochastic_round",
 ]
 
@@ -84,8 +87,9 @@ HOT_CHUNK = 64
 #: Columns of one program of ``segment_partials`` (CHUNK x columns elements).
 _PARTIAL_COLUMNS = 32
 
-#: Elements of one lookup block (bags x column block): several bags per program.
-_POOL_BLOCK = 1024
+#: Elements of one lookup block (bags x column block): several bags per program, 4 a
+#: thread (at 8, ptxas spills 24 bytes at dims 24, 48 and 100: docs/triton.md).
+_POOL_BLOCK = 512
 
 #: Bags of one program of the ids' check and mapping.
 _PREPARE_BAGS = 256
@@ -361,12 +365,15 @@ def fused_update_padded_(
     *,
     num_valid: Optional[Tensor],
     gate: Optional[Tensor],
+    row_counters: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`fused_update_` over a grouping of fixed size: the rows past ``num_valid``
     (a one-element int64 device tensor; None: every row is real) are padding, their status
     :data:`PADDING`; a set ``gate`` (one-element int32 device tensor) refuses the update
     on the device - nothing is written - with the error of a second backward of one
-    forward. No value is read back to the host while a CUDA graph is being captured."""
+    forward. No value is read back to the host while a CUDA graph is being captured.
+    ``row_counters`` (``[2, R]`` int64): each real row's steps that updated it and that
+    clipped it, counted here (a padding row touches none)."""
     _check(weight.dim() == 2 and weight.is_contiguous(), "weight: contiguous [R, D]")
     num_weight_rows, dim = weight.shape
     _check(dim <= MAX_DIM, f"Triton update: embedding dim {dim} above {MAX_DIM}")
@@ -427,6 +434,13 @@ def fused_update_padded_(
     _optional_float(bias1, num_tables, "bias1")
     _optional_float(bias2, num_tables, "bias2")
     _optional_float(row_sums, num_touched * 5, "row_sums")
+    if row_counters is not None:
+        _check(
+            row_counters.dtype == torch.int64
+            and row_counters.shape == (2, num_weight_rows)
+            and row_counters.is_contiguous(),
+            "row_counters: contiguous [2, R] int64",
+        )
     store = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}.get(weight.dtype)
     _check(store is not None, f"weight must be float32, float16 or bfloat16, got {weight.dtype}")
     if store == 0:
@@ -536,6 +550,8 @@ def fused_update_padded_(
         num_valid if num_valid is not None else flags,
         status,
         per_table,
+        row_counters[0] if row_counters is not None else status,
+        row_counters[1] if row_counters is not None else status,
         num_touched,
         num_tables,
         hyper,
@@ -549,6 +565,7 @@ def fused_update_padded_(
         PADDED=padded,
         STORE=store,
         STOCHASTIC=rounding is not None,
+        COUNT_ROWS=row_counters is not None,
         LOG_TABLES=max(1, math.ceil(math.log2(num_tables))),
         DIM=dim,
         CHUNK=HOT_CHUNK,
