@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -30,6 +29,7 @@ from torchrec_cowclip.failures import (
     EXIT_USAGE,
 )
 from torchrec_cowclip.plan.command import add_plan_parser
+from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.serve.command import COMMANDS as SERVING_COMMANDS
 from torchrec_cowclip.serve.command import add_commands, run_command
 from torchrec_cowclip.stderr_log import package_log_shown
@@ -67,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    with package_log_shown(int(os.environ.get("RANK", "0"))):
-        return _main(argv)
+    # The launch this process is part of, read once and handed to the command.
+    process = ProcessContext.from_environment()
+    with package_log_shown(process.rank):
+        return _main(argv, process)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+def _main(argv: Optional[Sequence[str]], process: ProcessContext) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "sweep":
@@ -87,7 +89,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(json.dumps(summary, indent=2, default=str))
         return 0
     with exiting_on_failure(args.command):
-        settings, said = command_settings(parser, args, argv)
+        settings, said = command_settings(parser, args, argv, process)
     return run_train(settings, said)
 
 

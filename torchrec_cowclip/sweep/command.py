@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
+from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.train.command import (
     add_train_arguments,
     config_from_args,
@@ -235,7 +236,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SweepError("--data is required (but for --report-only)")
     if args.batch_sizes is None:
         raise SweepError("--batch-sizes is required, e.g. --batch-sizes 1024,16384")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if ProcessContext.from_environment().is_distributed:
         raise SweepError(
             "a sweep starts one process per cell: run it as one process, not under torchrun"
         )

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 from typing import (
     Any,
@@ -40,6 +39,7 @@ from torchrec_cowclip.failures import (
     ConfigError,
 )
 from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
+from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, MODELS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.processes import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES
@@ -586,7 +586,10 @@ def train_argv(
 
 
 def command_settings(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    argv: Optional[Sequence[str]],
+    process: Optional[ProcessContext] = None,
 ) -> Tuple[TrainSettings, Optional[str]]:
     """The settings of a parsed ``train`` command (its config validated and resolved once),
     and the line naming what a warm start took from RUN (None without ``--init-from``): the
@@ -608,7 +611,7 @@ def command_settings(
         command.set_defaults(**defaults)
         args = parser.parse_args(argv)
         said = inherited_line(args.init_from, inherited)
-    return config_from_args(args).resolve(), said
+    return config_from_args(args).resolve(process), said
 
 
 def failure(error: BaseException, interrupted: str) -> Optional[Tuple[int, str]]:
@@ -673,7 +676,7 @@ def run_train(settings: TrainSettings, said: Optional[str] = None) -> int:
     from torchrec_cowclip.train.processes import shutdown_distributed
     from torchrec_cowclip.train.trainer import Trainer
 
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = settings.process.is_main
     with exiting_on_failure("train"):
         trainer = Trainer(settings)  # RUN verified and the command checked against it
         if said is not None and main:

@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -30,6 +29,7 @@ from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.rules import OPTIMIZERS
+from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
 from torchrec_cowclip.train.scaling import RECIPES, ScaledHyperparameters, scale_hyperparameters
 
 #: The CLI's choices, read from the registries they select from.
@@ -118,8 +118,10 @@ class TrainConfig:
     init_from: Optional[str] = None
     init_optimizer_state: bool = False
 
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` naming the first bad option."""
+    def validate(self, process: Optional[ProcessContext] = None) -> None:
+        """Raises :class:`ConfigError` naming the first bad option; ``process``: the launch
+        the run is checked against (default: this process's,
+        :meth:`ProcessContext.from_environment`)."""
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.count_lr_power and self.embedding_backend != "cowclip":
@@ -217,7 +219,7 @@ class TrainConfig:
             raise ConfigError(f"--dist-timeout must be > 0, got {self.dist_timeout_s}")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
-        self._validate_placement()
+        self._validate_placement(process or ProcessContext.from_environment())
 
     def _validate_data(self) -> None:
         """``--data``, ``--test-data`` and every data option against the data kind, before
@@ -330,14 +332,14 @@ class TrainConfig:
             flag = "--helen-rho" if "rho" in str(e) else "--helen-bound"
             raise ConfigError(f"{flag}: {e}") from None
 
-    def _validate_placement(self) -> None:
+    def _validate_placement(self, process: ProcessContext) -> None:
         """Options that depend on the machine and the launcher: the device must exist,
-        ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
+        ``--sharding`` needs more than one process (``process``, named by torchrun), and
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = process.world_size
         # Without --out a torchrun job's directory is named by its run id (the same for
         # every rank and restart); anything else gets a new one (run/out_dir.py).
-        elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        elastic = bool(process.run_id)
         if self.out is None and self.resume and not elastic:
             raise ConfigError(
                 "--resume continues the run in --out: give --out (the default, a new "
@@ -500,14 +502,18 @@ class TrainConfig:
             values["hidden"] = tuple(values["hidden"])
         return cls(**values)
 
-    def resolve(self) -> "TrainSettings":
+    def resolve(self, process: Optional[ProcessContext] = None) -> "TrainSettings":
         """The options, validated (:meth:`validate`), resolved once into what each part of
         a run consumes (see the module docstring); the scaling recipe is applied here.
+        ``process``: the launch the run is part of (default: read now from this process's
+        environment, :meth:`ProcessContext.from_environment`), handed down with the
+        settings.
 
         Raises:
             ConfigError: naming the first bad option.
         """
-        self.validate()
+        process = process or ProcessContext.from_environment()
+        self.validate(process)
         hp = self.hyperparameters()
         clipped = self.cowclip and hp.cowclip
         embedding = CowClipOptions(
@@ -527,6 +533,7 @@ class TrainConfig:
             run=RunSettings(**{f: getattr(self, f) for f in RunSettings.__dataclass_fields__}),
             hp=hp,
             record=self.as_dict(),
+            process=process,
         )
 
 
@@ -591,6 +598,8 @@ class TrainSettings:
         hp: every value of the scaling recipe at this batch, for the run's record and lines.
         record: the options as the run writes them (``metrics.json``'s hyperparameters,
             ``model.json``'s config, each checkpoint's config).
+        process: the launch the run is part of (rank, world size, local ranks), resolved
+            once with the options.
     """
 
     data: DataSettings
@@ -599,6 +608,7 @@ class TrainSettings:
     run: RunSettings
     hp: ScaledHyperparameters
     record: Dict[str, Any]
+    process: ProcessContext = ONE_PROCESS
 
     def record_settings(self) -> Dict[str, Any]:
         """The options with every recipe default resolved (``--lr 8e-4`` and the recipe's
