@@ -27,6 +27,7 @@ BAD_LABEL = "label not 0/1"
 BAD_DENSE = "non-numeric dense value"
 BAD_HEX = "bad hex categorical"
 BAD_SPARSE_ID = "bad sparse id"
+BAD_TIME = "bad timestamp"
 
 MAX_EXAMPLES = 20
 

@@ -78,6 +78,7 @@ from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data import parse_spec
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout, TextRowSource
+from torchrec_cowclip.data.parsing.time import time_feature_names
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file, file_record
 from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
@@ -308,6 +309,7 @@ def _reader(kind: SourceKind, data: DataSettings, opts: SourceOptions) -> Dict[s
             "dense": list(source.dense),
             "sparse": list(source.sparse),
             "na_values": list(source.na_values),
+            **({"time": list(source.time)} if source.time else {}),
         }
     return {"format": kind.name}
 
@@ -747,24 +749,26 @@ class RunFolder:
             "the model's dense inputs": ((arguments["num_dense"],), (len(plan.output_names),)),
         }
         reader = self.reader
+        # Each time column is read as two categoricals after the others (data.parsing.time).
+        time = time_feature_names(self.time_columns())
         if layout is not None and isinstance(layout.label, str):
             names["the reader's dense columns"] = (
                 tuple(map(str, layout.dense)),
                 schema.dense_names,
             )
             names["the reader's categorical columns"] = (
-                tuple(map(str, layout.sparse)),
+                (*map(str, layout.sparse), *time),
                 schema.sparse_names,
             )
         elif layout is not None:
             names["the reader's column counts"] = (
-                (len(layout.dense), len(layout.sparse)),
+                (len(layout.dense), len(layout.sparse) + len(time)),
                 (schema.n_dense, schema.n_sparse),
             )
         elif reader.get("format") == "parquet":
             names["the reader's dense columns"] = (tuple(reader["dense"]), schema.dense_names)
             names["the reader's categorical columns"] = (
-                tuple(reader["sparse"]),
+                (*reader["sparse"], *time),
                 schema.sparse_names,
             )
         transforms = tuple(self.data_info["dense_transforms"])
@@ -780,7 +784,10 @@ class RunFolder:
                     f"has {shown[0][1]!r})",
                 )
         options = self.data_info["options"]
-        for key, schema_has in (("dense", schema.dense_names), ("sparse", schema.sparse_names)):
+        for key, schema_has in (
+            ("dense", schema.dense_names),
+            ("sparse", schema.sparse_names[: schema.n_sparse - len(time)]),
+        ):
             given = options.get(key)
             if given and tuple(given) != tuple(schema_has):
                 raise self._refuse(
@@ -908,6 +915,10 @@ class RunFolder:
         if reader["format"] != "text":
             return None
         return TextLayout(**{k: _tuples(v) for k, v in reader["layout"].items()})
+
+    def time_columns(self) -> Tuple[str, ...]:
+        """The columns the run read as timestamps (``--time-columns``), by name."""
+        return tuple(self.data_info["options"].get("time_columns") or ())
 
     def na_values(self) -> Tuple[str, ...]:
         """The texts the run read as missing values (``--na-values``), for new rows."""

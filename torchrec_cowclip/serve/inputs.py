@@ -47,7 +47,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ from torchrec_cowclip.data.parsing.rows import (
     TextRowSource,
     missing_as_empty,
 )
+from torchrec_cowclip.data.parsing.time import parts_of_seconds, time_parts
 from torchrec_cowclip.data.parsing.vocab import OOV_ID
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.registry import source_kinds
@@ -245,6 +246,7 @@ class FileInput(Input):
                 dense=tuple(reader["dense"]),
                 sparse=tuple(reader["sparse"]),
                 na_values=run.na_values(),
+                time=tuple(reader.get("time") or ()),
             )
         if layout is not None:
             return self._text_part(layout, path, labels)
@@ -272,6 +274,7 @@ class FileInput(Input):
                 {
                     "the run's dense columns": [str(c) for c in layout.dense],
                     "the run's categorical columns": [str(c) for c in layout.sparse],
+                    "the run's time columns": [str(c) for c in layout.time],
                 },
                 where=self.run.kind.name,
             )
@@ -343,9 +346,11 @@ class FileInput(Input):
         layout = self.run.text_layout()
         if layout is not None:
             label, dense, sparse = layout.label, layout.dense, layout.sparse
+            time: Sequence[Any] = layout.time
         else:
             reader = self.run.reader
             label, dense, sparse = reader["label"], reader["dense"], reader["sparse"]
+            time = reader.get("time") or ()
         import pyarrow.parquet as pq
 
         present = pq.ParquetFile(path).schema_arrow.names
@@ -361,6 +366,7 @@ class FileInput(Input):
             [str(c) for c in dense],
             [str(c) for c in sparse],
             self.run.na_values(),
+            [str(c) for c in time],
         )
         keep = None
         if self.keep_column is not None:
@@ -454,6 +460,24 @@ def _to_numbers(values: Any, name: str, na_values: Sequence[str] = ()) -> np.nda
     return parsed
 
 
+def _time_parts(values: Any, name: str, na_values: Sequence[str]) -> List[np.ndarray]:
+    """A time column's hour and weekday (``data.parsing.time``): numbers as Unix seconds
+    or milliseconds, text as ISO 8601, numpy/pandas datetimes as they are."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "M":
+        seconds = arr.astype("datetime64[ms]").astype(np.int64) / 1000.0
+        seconds[np.isnat(arr)] = np.nan
+        return parts_of_seconds(seconds)[0]
+    parts, bad = time_parts(missing_as_empty(_to_bytes(arr), na_values))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise DataError(
+            f"column {name!r}, row {row}: {arr[row]!r} is not a timestamp (Unix seconds or "
+            "milliseconds, or an ISO 8601 date-time)"
+        )
+    return parts
+
+
 def _columns_of(data: Any) -> Mapping[str, Any]:
     """A mapping of column name -> values from a mapping, a pandas DataFrame or a
     pyarrow Table (duck-typed: neither library is imported)."""
@@ -480,7 +504,9 @@ class ColumnsInput(Input):
         self.columns = _columns_of(data)
         schema = run.schema
         label = _label_name(run)
-        wanted = [*schema.dense_names, *schema.sparse_names, *([keep] if keep else [])]
+        self.time = list(run.time_columns())
+        self.categorical = list(schema.sparse_names[: schema.n_sparse - 2 * len(self.time)])
+        wanted = [*schema.dense_names, *self.categorical, *self.time, *([keep] if keep else [])]
         missing = [c for c in wanted if c not in self.columns]
         if missing:
             raise DataError(
@@ -502,14 +528,14 @@ class ColumnsInput(Input):
             if schema.n_dense
             else None
         )
-        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in schema.sparse_names]
+        sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in self.categorical]
+        for name in self.time:
+            sparse += _time_parts(columns[name], name, na)
         n = len(sparse[0])
         if dense is None:
             dense = np.zeros((n, 0))
         if not self.encoder.text_ids:
-            sparse = np.stack(
-                [np.asarray(columns[c], dtype=np.int64) for c in schema.sparse_names], 1
-            )
+            sparse = np.stack([np.asarray(columns[c], dtype=np.int64) for c in self.categorical], 1)
         if self.has_labels:
             labels, bad = check_labels(_to_numbers(columns[self.label], self.label))
             if bad.any():
@@ -520,7 +546,7 @@ class ColumnsInput(Input):
         block = RowBlock(
             path=self.name, lines=np.arange(1, n + 1), labels=labels, dense=dense, sparse=sparse
         )
-        for c, name in enumerate(schema.sparse_names):
+        for c, name in enumerate(self.categorical):
             warning = self.encoder.numbers_for_text(c, np.asarray(columns[name]))
             if warning is not None:
                 warnings.warn(warning, UnseenValuesWarning, stacklevel=4)

@@ -283,7 +283,9 @@ def plan_cells(
     """
     grid = {k: list(v) for k, v in (rates or {}).items() if k in LR_GRID}
     fixed: Dict[str, Any] = {k: v[0] for k, v in grid.items() if len(v) == 1 and v[0] is not None}
-    base = replace(base, **fixed)
+    # Every cell runs with the data kind's defaults (table: more epochs, a validation
+    # split), as train would give them.
+    base = replace(base, **fixed).with_data_defaults()[0]
     searched = [k for k, v in grid.items() if len(v) > 1]
     combos: List[Dict[str, float]] = [{}]
     for k in searched:
@@ -291,7 +293,7 @@ def plan_cells(
     cells = []
     for seed in seeds:
         for batch_size in batch_sizes:
-            epochs = cell_epochs(base.epochs, batch_size, base.base_batch_size, equal)
+            epochs = cell_epochs(base.epochs or 1, batch_size, base.base_batch_size, equal)
             for recipe in recipes:
                 for combo in combos:
                     config = replace(

@@ -92,7 +92,7 @@ _SPLIT_VALUES: Dict[str, str] = {
     "--test-fraction": "share of --data's rows drawn at random (seeded by --seed) as the test "
     "split",
     "--val-fraction": "share of the training rows held out for validation (early stopping, "
-    "best_epoch); 0: no validation split",
+    "best_epoch); 0: no validation split (default: 0.1 for table:, 0 for the paper's data)",
 }
 
 #: How ids are numbered, and synthetic data drawn: flag -> help.
@@ -213,6 +213,14 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         "0 after the transform (with --missing-indicator, flagged), a categorical one the "
         "missing id; default: none",
     )
+    _add_list_flag(
+        g,
+        "--time-columns",
+        "table: timestamp columns (Unix seconds or milliseconds, an ISO 8601 date-time, a "
+        "parquet timestamp), each entering the model as two categorical features, its hour "
+        "of day (NAME_hour) and day of week (NAME_weekday, 0 Monday), in UTC: the cycles a "
+        "click log's time drives, not a trend that new days sit outside of; default: none",
+    )
     g.add_argument(
         "--dense-transform",
         default=None,
@@ -289,7 +297,8 @@ _BATCH_VALUES: Dict[str, str] = {
 #: flag -> help.
 _RECIPE_VALUES: Dict[str, str] = {
     "--lr": "dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
-    "--lr-embed": "embedding lr (default: the recipe's; paper: 1e-4, not scaled)",
+    "--lr-embed": "embedding lr (default: 1e-2 for table:; else the recipe's, paper: 1e-4, "
+    "not scaled)",
     "--l2": "embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
     "--clip-r": "CowClip's ratio r (default: the recipe's, 1)",
     "--clip-zeta": "CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
@@ -307,12 +316,14 @@ _RECIPE_VALUES: Dict[str, str] = {
 
 #: The run's counts and sizes: flag -> help.
 _RUN_COUNTS: Dict[str, str] = {
-    "--epochs": "passes over the training split",
+    "--epochs": "passes over the training split (default: 10 for table:, stopped early on the "
+    "validation AUC; 1 for the paper's data)",
     "--max-steps": "stop after this many steps (0: no limit)",
     "--seed": "initial weights, batch order and the random splits, for every data kind "
     "(synthetic data is also drawn with it unless --synthetic-seed is given)",
     "--early-stop-patience": "stop after this many epochs without a better validation AUC and keep the "
-    "best epoch's weights (needs --val-fraction; 0: off)",
+    "best epoch's weights (needs --val-fraction; 0: off; default: 2 for table:, 0 for the "
+    "paper's data)",
     "--checkpoint-every": "checkpoint every this many steps (0: at epoch ends only)",
     "--eval-batch-size": "rows per evaluation batch",
     "--threads": "torch intra-op threads (0: torch's choice)",

@@ -59,7 +59,9 @@ class TrainConfig:
     test_data: Optional[str] = None
     batch_size: int = 1024
     base_batch_size: int = 1024
-    epochs: int = 1
+    # None: the data kind's default (DATA_DEFAULTS: 1 for the paper's data, more with early
+    # stopping for table:), as are val_fraction and early_stop_patience.
+    epochs: Optional[int] = None
     lr: Optional[float] = None
     lr_embed: Optional[float] = None
     l2: Optional[float] = None
@@ -78,8 +80,8 @@ class TrainConfig:
     init_std: float = 1e-2
     seed: int = 0
     test_fraction: float = 0.1
-    val_fraction: float = 0.0
-    early_stop_patience: int = 0
+    val_fraction: Optional[float] = None
+    early_stop_patience: Optional[int] = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     # False, True (--resume) or "auto" (--resume auto: resume if there is a checkpoint).
@@ -101,6 +103,7 @@ class TrainConfig:
     no_header: bool = False
     columns: List[str] = field(default_factory=list)
     na_values: List[str] = field(default_factory=list)
+    time_columns: List[str] = field(default_factory=list)
     synthetic_scale: Optional[float] = None
     synthetic_max_cardinality: Optional[int] = None
     synthetic_seed: Optional[int] = None
@@ -118,10 +121,45 @@ class TrainConfig:
     init_from: Optional[str] = None
     init_optimizer_state: bool = False
 
+    def with_data_defaults(self) -> Tuple["TrainConfig", Optional[str]]:
+        """This config with the options left None that depend on the data kind filled in
+        (:data:`DATA_DEFAULTS`), and the line that says which were chosen and why (None
+        when none was chosen for the kind's sake: the paper's data keeps the paper's).
+
+        Example::
+
+            >>> cfg, said = TrainConfig(data="table:x.csv", epochs=3).with_data_defaults()
+            >>> cfg.epochs, cfg.val_fraction, cfg.early_stop_patience, cfg.lr_embed
+            (3, 0.1, 2, 0.01)
+            >>> TrainConfig(data="synthetic:1000").with_data_defaults()[0].epochs
+            1
+        """
+        kind = self.data.partition(":")[0].strip().lower()
+        table = kind in DATA_DEFAULTS
+        defaults = DATA_DEFAULTS.get(kind, PAPER_DEFAULTS)
+        chosen = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        val = chosen.get("val_fraction", self.val_fraction)
+        if "early_stop_patience" in chosen and not val:
+            chosen["early_stop_patience"] = 0  # no validation split to stop on
+        filled = replace(self, **chosen)
+        shown = {k: v for k, v in chosen.items() if k in defaults and v != PAPER_DEFAULTS.get(k)}
+        if not table or not shown:
+            return filled, None
+        return filled, (
+            f"defaults for your own table (flags not given): {_shown_defaults(shown)}: a "
+            "log of thousands to millions of rows needs more than the paper's one epoch at "
+            "its Criteo lr (1e-4); the validation split picks the epoch and keeps its "
+            "weights (README: your first model on your own data)"
+        )
+
     def validate(self, process: Optional[ProcessContext] = None) -> None:
-        """Raises :class:`ConfigError` naming the first bad option; ``process``: the launch
+        """Raises :class:`ConfigError` naming the first bad option (the data kind's
+        defaults filled in first: :meth:`with_data_defaults`); ``process``: the launch
         the run is checked against (default: this process's,
         :meth:`ProcessContext.from_environment`)."""
+        if self.epochs is None or self.val_fraction is None or self.early_stop_patience is None:
+            self.with_data_defaults()[0].validate(process)
+            return
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.count_lr_power and self.embedding_backend != "cowclip":
@@ -430,7 +468,7 @@ class TrainConfig:
             cache_dir=self.cache_dir,
             options=self.data_options(),
             test_fraction=self.test_fraction,
-            val_fraction=self.val_fraction,
+            val_fraction=float(self.with_data_defaults()[0].val_fraction or 0.0),
             split_seed=self.seed,
         )
 
@@ -475,6 +513,7 @@ class TrainConfig:
             "header": False if self.no_header else None,
             "columns": self.columns or None,
             "na_values": self.na_values or None,
+            "time_columns": self.time_columns or None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,
@@ -514,6 +553,10 @@ class TrainConfig:
         """
         process = process or ProcessContext.from_environment()
         self.validate(process)
+        config, said = self.with_data_defaults()
+        return config._resolved(said, process)
+
+    def _resolved(self, defaults_line: Optional[str], process: ProcessContext) -> "TrainSettings":
         hp = self.hyperparameters()
         clipped = self.cowclip and hp.cowclip
         embedding = CowClipOptions(
@@ -533,8 +576,30 @@ class TrainConfig:
             run=RunSettings(**{f: getattr(self, f) for f in RunSettings.__dataclass_fields__}),
             hp=hp,
             record=self.as_dict(),
+            defaults_line=defaults_line,
             process=process,
         )
+
+
+#: The options the paper's data (criteo:, criteo-npy:, avazu:, synthetic:) leaves None take.
+PAPER_DEFAULTS: Dict[str, Any] = {"epochs": 1, "val_fraction": 0.0, "early_stop_patience": 0}
+#: The options your own table (``table:``) leaves None take: a validation split with early
+#: stopping over up to 10 epochs, and an embedding lr for small logs (measured against
+#: logistic regression and LightGBM in docs/results.md, benchmarks/own_log.py).
+DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "table": {"epochs": 10, "val_fraction": 0.1, "early_stop_patience": 2, "lr_embed": 1e-2},
+}
+
+
+def _shown_defaults(chosen: Mapping[str, Any]) -> str:
+    flags = {
+        "epochs": "--epochs",
+        "val_fraction": "--val-fraction",
+        "early_stop_patience": "--early-stop-patience",
+        "lr_embed": "--lr-embed",
+        "l2": "--l2",
+    }
+    return " ".join(f"{flags[k]} {v:g}" for k, v in chosen.items())
 
 
 @dataclass(frozen=True)
@@ -597,7 +662,9 @@ class TrainSettings:
     Attributes:
         hp: every value of the scaling recipe at this batch, for the run's record and lines.
         record: the options as the run writes them (``metrics.json``'s hyperparameters,
-            ``model.json``'s config, each checkpoint's config).
+            ``model.json``'s config, each checkpoint's config), the data kind's defaults
+            filled in.
+        defaults_line: which options the data kind chose and why (the start summary's).
         process: the launch the run is part of (rank, world size, local ranks), resolved
             once with the options.
     """
@@ -608,6 +675,7 @@ class TrainSettings:
     run: RunSettings
     hp: ScaledHyperparameters
     record: Dict[str, Any]
+    defaults_line: Optional[str] = None
     process: ProcessContext = ONE_PROCESS
 
     def record_settings(self) -> Dict[str, Any]:

@@ -122,9 +122,20 @@ def epoch_line(row: Mapping[str, Any]) -> str:
     """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``); an
     AUC of None (its split's labels hold one class) reads ``undefined (one class)``."""
     metrics = ", ".join(
-        f"{k} {row[k]:.5f}" if isinstance(row[k], float) else f"{k} undefined (one class)"
-        for k in ("test_auc", "test_logloss", "val_auc", "val_logloss", "train_loss")
-        if isinstance(row.get(k), float) or (k.endswith("_auc") and k in row and row[k] is None)
+        f"{k} {row[k]:.{3 if k.endswith('calibration') else 5}f}"
+        if isinstance(row[k], float)
+        else f"{k} undefined (one class)"
+        for k in (
+            "test_auc",
+            "test_logloss",
+            "test_calibration",
+            "val_auc",
+            "val_logloss",
+            "val_calibration",
+            "train_loss",
+        )
+        if (isinstance(row.get(k), float) and not (k.endswith("calibration") and row[k] != row[k]))
+        or (k.endswith("_auc") and k in row and row[k] is None)
     )
     parts = [f"epoch {row['epoch']}/{row['epochs']}: {metrics}"]
     if "epoch_s" in row:
@@ -137,6 +148,31 @@ def epoch_line(row: Mapping[str, Any]) -> str:
     if row.get("eta_s") is not None:
         parts.append(f"run ETA {duration(row['eta_s'])}")
     return " | ".join(parts)
+
+
+#: How far from 1 a calibration (mean prediction / positive rate) is named at the end.
+CALIBRATION_TOLERANCE = 0.05
+
+
+def calibration_line(calibration: Optional[float]) -> Optional[str]:
+    """A line when the reported weights' test calibration is more than
+    :data:`CALIBRATION_TOLERANCE` from 1 (None otherwise, or without one).
+
+    Example::
+
+        >>> calibration_line(1.10)
+        'calibration: the reported weights predict 10% above the test split's positive rate (mean prediction / rate 1.100); rank-based AUC does not see it, probabilities used as such (bids, expected clicks) do'
+        >>> calibration_line(0.98) is None
+        True
+    """
+    if calibration is None or not abs(calibration - 1.0) > CALIBRATION_TOLERANCE:
+        return None
+    way = "above" if calibration > 1 else "below"
+    return (
+        f"calibration: the reported weights predict {abs(calibration - 1):.0%} {way} the test "
+        f"split's positive rate (mean prediction / rate {calibration:.3f}); rank-based AUC "
+        "does not see it, probabilities used as such (bids, expected clicks) do"
+    )
 
 
 def without(row: Mapping[str, Any], keys: Sequence[str]) -> Dict[str, Any]:
@@ -184,6 +220,7 @@ def start_lines(
             if len(data.val_idx)
             else "; no validation split (--val-fraction): the final epoch is reported"
         ),
+        *([settings.defaults_line] if settings.defaults_line else []),
         banner(settings, data, runtime.device),
         runtime.model_size.describe(),
         processes_line(runtime.world_size, runtime.sharding, runtime.table_shardings()),

@@ -108,9 +108,13 @@ def run_metrics(
             else {}
         ),
         "logloss": test["logloss"],
+        # Mean prediction over the positive rate (1: calibrated), as evaluate reports it.
+        "calibration": test.get("calibration"),
         "epoch_auc": p.epoch_auc,
         "epoch_logloss": p.epoch_logloss,
+        "epoch_calibration": p.epoch_calibration,
         "epoch_val_auc": p.epoch_val_auc,
+        "epoch_val_calibration": p.epoch_val_calibration,
         "best_epoch": best_epoch,
         "final_epoch": final_epoch + 1 if final_epoch >= 0 else None,
         "stopped_early": p.stopped_early,

@@ -41,6 +41,9 @@ class Progress:
     epoch_auc: List[float] = field(default_factory=list)
     epoch_logloss: List[float] = field(default_factory=list)
     epoch_val_auc: List[float] = field(default_factory=list)
+    # Mean prediction over the positive rate, per epoch, of the test and validation splits.
+    epoch_calibration: List[float] = field(default_factory=list)
+    epoch_val_calibration: List[float] = field(default_factory=list)
     best_epoch: int = -1
     best_val_auc: float = -math.inf
     epochs_without_improvement: int = 0

@@ -44,6 +44,7 @@ from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, 
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.config import TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
+    calibration_line,
     duration,
     epoch_line,
     peak_rss_mb,
@@ -332,16 +333,21 @@ class Trainer:
         test = self._evaluate(self.test_idx, log, "test")
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
+        p.epoch_calibration.append(test["calibration"])
         row: Dict[str, Any] = {
             "epoch": p.epoch + 1,
             "step": p.global_step,
             "train_samples": p.train_samples,
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
+            "test_calibration": test["calibration"],
         }
         if len(self.val_idx):
             val = self._evaluate(self.val_idx, log, "validation")
-            row.update(val_auc=val["auc"], val_logloss=val["logloss"])
+            p.epoch_val_calibration.append(val["calibration"])
+            row.update(
+                val_auc=val["auc"], val_logloss=val["logloss"], val_calibration=val["calibration"]
+            )
             if p.validated(val["auc"], cfg.early_stop_patience):
                 self.checkpoints.save_best(p)
         counts = clip_counts(self.runtime.embedding_module())
@@ -428,6 +434,8 @@ class Trainer:
         best_epoch = p.best_epoch + 1 if len(self.val_idx) and p.best_epoch >= 0 else None
         if p.epoch_auc:
             test = {"auc": p.epoch_auc[final_epoch], "logloss": p.epoch_logloss[final_epoch]}
+            if len(p.epoch_calibration) == len(p.epoch_auc):  # not a run resumed from older
+                test["calibration"] = p.epoch_calibration[final_epoch]
         else:  # --max-steps ended the run before the first epoch finished
             test = self._evaluate(self.test_idx)
         metrics = run_metrics(
@@ -460,6 +468,9 @@ class Trainer:
         )
         if self.runtime.is_main:
             _say(weights_line(self.out, reported, folder.weights, best_epoch, len(p.epoch_auc)))
+            said = calibration_line(test.get("calibration"))
+            if said is not None:
+                _say(said)
         self.model.eval()
         return TrainResult(metrics, self.out if self.runtime.is_main else None, self.model)
 

@@ -239,7 +239,7 @@ def constant_columns(
         >>> for line in constant_columns(s, ("none", "signed-log", "log"), s.names):
         ...     print(line)
         dense column 'a' is constant after its transform none (every training value 1): it carries nothing into the model
-        dense column 'ts' varies by 0.0002 around 21.2502 after signed-log: nearly constant to the model; --dense-transform ts=standardize centres and scales it
+        dense column 'ts' varies by 0.0002 around 21.2502 after signed-log: nearly constant to the model; if it is a Unix time, --time-columns ts (instead of --dense) gives the model its hour of day and day of week
     """
     lines = []
     for j, (name, transform) in enumerate(zip(names, transforms)):
@@ -252,12 +252,24 @@ def constant_columns(
                 f"training value {stats.min[j]:.6g}): it carries nothing into the model"
             )
         elif transform not in STATISTICAL_TRANSFORMS and std < 1e-3 * abs(mean):
+            fix = (
+                f"if it is a Unix time, --time-columns {name} (instead of --dense) gives the "
+                "model its hour of day and day of week"
+                if _timestamp_like(mean, transform)
+                else f"--dense-transform {name}=standardize centres and scales it"
+            )
             lines.append(
                 f"dense column {name!r} varies by {std:.3g} around {mean:.6g} after "
-                f"{transform}: nearly constant to the model; --dense-transform "
-                f"{name}=standardize centres and scales it"
+                f"{transform}: nearly constant to the model; {fix}"
             )
     return lines
+
+
+def _timestamp_like(mean: float, transform: str) -> bool:
+    """Whether a column's mean after ``transform`` is that of Unix seconds or milliseconds
+    between 1973 and 2100 (where a nearly constant column is most likely a timestamp)."""
+    raw = math.expm1(mean) if transform in ("log", "signed-log") and mean < 700 else mean
+    return 1e8 <= raw <= 4.2e9 or 1e11 <= raw <= 4.2e12
 
 
 class DenseStats:

@@ -31,12 +31,14 @@ import numpy as np
 from torchrec_cowclip.data.errors import (
     BAD_DENSE,
     BAD_LABEL,
+    BAD_TIME,
     WRONG_COLUMN_COUNT,
     BadRowLog,
     DataError,
 )
 from torchrec_cowclip.data.parsing.delimited import DelimitedFile, infer_delimiter
 from torchrec_cowclip.data.parsing.fields import parse_labels, parse_numeric
+from torchrec_cowclip.data.parsing.time import time_feature_names, time_parts
 
 # Given the raw categoricals of a block: None if every row is encodable, else
 # (bad-row mask, reason, one detail per bad row).
@@ -97,13 +99,16 @@ def validate_block(
     raw_dense: Union[np.ndarray, Sequence[np.ndarray]],
     sparse_check: Optional[SparseCheck],
     wrong_count: Sequence[Tuple[int, str]] = (),
+    bad_time: Sequence[Tuple[str, np.ndarray, np.ndarray]] = (),
 ) -> RowBlock:
     """Report the bad rows of ``block`` in line order and return the good ones.
 
-    ``bad_dense`` is ``[n, n_dense]``: which dense values are bad. Each bad row is
-    reported once, under its first failing check in this order: column count, label,
-    dense, categorical; a detail shows the raw field (``raw_labels[i]``,
-    ``raw_dense[column][i]``).
+    ``bad_dense`` is ``[n, n_dense]``: which dense values are bad; ``bad_time`` one
+    ``(column, bad mask, raw fields)`` per time column. Each bad row is reported once,
+    under its first failing check in this order: column count, label, dense, time,
+    categorical; a detail shows the raw field (``raw_labels[i]``, ``raw_dense[column][i]``).
+    A dense field that is no number at all names ``--na-values``, in case it means
+    missing (``'?'``).
     """
     bad: List[Tuple[int, str, str]] = [(line, WRONG_COLUMN_COUNT, d) for line, d in wrong_count]
     flagged = np.asarray(bad_label, dtype=bool).copy()
@@ -112,8 +117,22 @@ def validate_block(
     dense_rows = bad_dense.any(axis=1) if bad_dense.size else np.zeros(len(block), dtype=bool)
     for i in np.flatnonzero(dense_rows & ~flagged).tolist():
         c = int(np.argmax(bad_dense[i]))
-        bad.append((int(block.lines[i]), BAD_DENSE, f"{dense_names[c]}={_show(raw_dense[c][i])}"))
+        raw = raw_dense[c][i]
+        bad.append(
+            (int(block.lines[i]), BAD_DENSE, f"{dense_names[c]}={_show(raw)}{_na_hint(raw)}")
+        )
     flagged |= dense_rows
+    for name, mask, raw_time in bad_time:
+        for i in np.flatnonzero(mask & ~flagged).tolist():
+            bad.append(
+                (
+                    int(block.lines[i]),
+                    BAD_TIME,
+                    f"{name}={_show(raw_time[i])} (Unix seconds or milliseconds, or an ISO "
+                    "8601 date-time)",
+                )
+            )
+        flagged |= mask
     if sparse_check is not None and len(block):
         checked = sparse_check(block.sparse)
         if checked is not None:
@@ -133,6 +152,18 @@ def no_labels(n: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(raw labels, labels, bad-label mask)`` of ``n`` rows read without a label
     column: empty fields, NaN labels, none bad."""
     return np.zeros(n, dtype="S1"), np.full(n, np.nan, np.float32), np.zeros(n, dtype=bool)
+
+
+def _na_hint(raw: Any) -> str:
+    """``--na-values`` named for a text field that is no number (``'?'``, ``'NA'``)."""
+    if not isinstance(raw, bytes):
+        return ""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        float(text)
+    except ValueError:
+        return f" (if it means a missing value: --na-values {text})"
+    return ""
 
 
 def _show(raw: Any) -> str:
@@ -158,6 +189,10 @@ class TextLayout:
         dense_names, sparse_names: feature names when columns are given by index.
         na_values: field texts that mean a missing value in the dense and categorical
             columns besides the empty field (pandas' ``na_values``: ``("N/A", "-")``).
+        time: time columns (indices or header names), each read as a timestamp and
+            appended to the categoricals as its hour of day and day of week
+            (:mod:`~torchrec_cowclip.data.parsing.time`); ``time_names`` name them when
+            given by index.
     """
 
     delimiter: Optional[str] = None
@@ -170,6 +205,8 @@ class TextLayout:
     dense_names: Optional[Tuple[str, ...]] = None
     sparse_names: Optional[Tuple[str, ...]] = None
     na_values: Tuple[str, ...] = ()
+    time: Tuple[ColumnRef, ...] = ()
+    time_names: Optional[Tuple[str, ...]] = None
 
     def open(self, path: Union[str, Path]) -> DelimitedFile:
         header: Union[bool, Callable[[List[bytes]], bool]] = (
@@ -193,19 +230,20 @@ class TextLayout:
         return bool(bad.all())
 
     def payload(self) -> Dict[str, Any]:
-        """JSON description of the layout, for cache keys (``na_values`` only when given,
-        so that layouts without them keep the keys they had)."""
+        """JSON description of the layout, for cache keys (``na_values`` and the time
+        columns only when given, so that layouts without them keep the keys they had)."""
         return {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in asdict(self).items()
-            if k != "na_values" or v
+            if k not in ("na_values", "time", "time_names") or v
         }
 
     def resolve(
         self, f: DelimitedFile
     ) -> Tuple[Optional[int], List[int], List[int], List[str], List[str]]:
-        """Column indices (the label's None without one) and feature names for one
-        opened file."""
+        """Column indices (the label's None without one; the categoricals' followed by
+        the time columns') and feature names (the categoricals' followed by the time
+        columns' parts) for one opened file."""
 
         def index(ref: ColumnRef) -> int:
             if isinstance(ref, int):
@@ -218,7 +256,7 @@ class TextLayout:
 
         label = None if self.label is None else index(self.label)
         dense = [index(r) for r in self.dense]
-        sparse = [index(r) for r in self.sparse]
+        sparse = [index(r) for r in (*self.sparse, *self.time)]
 
         def names(refs: Tuple[ColumnRef, ...], given: Optional[Tuple[str, ...]]) -> List[str]:
             if given is not None:
@@ -232,7 +270,8 @@ class TextLayout:
             dense,
             sparse,
             names(self.dense, self.dense_names),
-            names(self.sparse, self.sparse_names),
+            names(self.sparse, self.sparse_names)
+            + time_feature_names(names(self.time, self.time_names)),
         )
 
 
@@ -301,8 +340,12 @@ class TextRowSource:
     ) -> Iterator[RowBlock]:
         f = self.layout.open(path)
         label_col, dense_cols, sparse_cols, dense_names, _ = self.layout.resolve(f)
+        n_time = len(self.layout.time)
+        time_cols = sparse_cols[len(sparse_cols) - n_time :]
+        sparse_cols = sparse_cols[: len(sparse_cols) - n_time]
+        time_names = [str(t) for t in (self.layout.time_names or self.layout.time)]
         labeled = [] if label_col is None else [label_col]
-        wanted = sorted(set([*labeled, *dense_cols, *sparse_cols]))
+        wanted = sorted(set([*labeled, *dense_cols, *sparse_cols, *time_cols]))
         for raw in f.blocks(wanted):
             n = len(raw.lines)
             if label_col is None:
@@ -317,14 +360,19 @@ class TextRowSource:
             ]
             for j, col in enumerate(raw_dense):
                 dense[:, j], bad_dense[:, j] = parse_numeric(col)
+            sparse = [missing_as_empty(raw.columns[c], self.layout.na_values) for c in sparse_cols]
+            bad_time = []
+            for name, c in zip(time_names, time_cols):
+                raw_time = missing_as_empty(raw.columns[c], self.layout.na_values)
+                parts, bad_t = time_parts(raw_time)
+                sparse += parts
+                bad_time.append((name, bad_t, raw_time))
             block = RowBlock(
                 path=str(path),
                 lines=raw.lines,
                 labels=labels,
                 dense=dense,
-                sparse=[
-                    missing_as_empty(raw.columns[c], self.layout.na_values) for c in sparse_cols
-                ],
+                sparse=sparse,
                 fraction=raw.fraction,
             )
             block = validate_block(
@@ -337,6 +385,7 @@ class TextRowSource:
                 raw_dense,
                 sparse_check,
                 raw.bad_lines,
+                bad_time,
             )
             if len(block):
                 yield block

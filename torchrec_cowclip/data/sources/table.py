@@ -63,6 +63,12 @@ from torchrec_cowclip.data.parsing.rows import (
     no_labels,
     validate_block,
 )
+from torchrec_cowclip.data.parsing.time import (
+    parts_of_seconds,
+    seconds_of_arrow,
+    time_feature_names,
+    time_parts,
+)
 from torchrec_cowclip.data.pipeline.cache import fingerprint
 from torchrec_cowclip.data.pipeline.encode import (
     Conversion,
@@ -95,7 +101,9 @@ def _pyarrow() -> Any:
 
 class ParquetRowSource:
     """Row blocks of parquet files (label, dense and sparse columns by name; ``label=None``
-    reads no label: every label is NaN)."""
+    reads no label: every label is NaN). Each ``time`` column becomes its hour of day and
+    day of week after the categoricals (:mod:`~torchrec_cowclip.data.parsing.time`; a
+    parquet timestamp or date column as it is)."""
 
     def __init__(
         self,
@@ -103,9 +111,11 @@ class ParquetRowSource:
         dense: Sequence[str],
         sparse: Sequence[str],
         na_values: Sequence[str] = (),
+        time: Sequence[str] = (),
     ) -> None:
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
         self.na_values = tuple(na_values)
+        self.time = list(time)
 
     def _open(self, path: Union[str, Path]) -> Any:
         pa = _pyarrow()
@@ -126,11 +136,29 @@ class ParquetRowSource:
 
     def _columns(self) -> List[str]:
         labeled = [] if self.label is None else [self.label]
-        return list(dict.fromkeys([*labeled, *self.dense, *self.sparse]))
+        return list(dict.fromkeys([*labeled, *self.dense, *self.sparse, *self.time]))
 
     def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
         self._open(path)
-        return list(self.dense), list(self.sparse)
+        return list(self.dense), [*self.sparse, *time_feature_names(self.time)]
+
+    def _time_parts(
+        self, pa: Any, batch: Any
+    ) -> Tuple[List[np.ndarray], List[Tuple[str, np.ndarray, np.ndarray]]]:
+        """The time columns' parts and ``(column, bad mask, raw fields)`` of one batch."""
+        parts: List[np.ndarray] = []
+        bad: List[Tuple[str, np.ndarray, np.ndarray]] = []
+        for c in self.time:
+            col = batch.column(c)
+            seconds = seconds_of_arrow(pa, col)
+            if seconds is not None:
+                parts += parts_of_seconds(seconds)[0]
+                continue
+            raw = missing_as_empty(_as_bytes(pa, col), self.na_values)
+            got, bad_t = time_parts(raw)
+            parts += got
+            bad.append((c, bad_t, raw))
+        return parts, bad
 
     def part_name(self, path: Union[str, Path]) -> str:
         return str(Path(path).resolve())
@@ -157,6 +185,7 @@ class ParquetRowSource:
             bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
             for j, c in enumerate(self.dense):
                 dense[:, j], bad_dense[:, j] = _numeric(pa, batch.column(c), raw_dense[j])
+            time, bad_time = self._time_parts(pa, batch)
             block = RowBlock(
                 path=str(path),
                 lines=np.arange(first_row, first_row + n, dtype=np.int64),
@@ -165,11 +194,20 @@ class ParquetRowSource:
                 sparse=[
                     missing_as_empty(_as_bytes(pa, batch.column(c)), self.na_values)
                     for c in self.sparse
-                ],
+                ]
+                + time,
             )
             first_row += n
             block = validate_block(
-                block, log, bad_label, bad_dense, self.dense, raw_labels, raw_dense, sparse_check
+                block,
+                log,
+                bad_label,
+                bad_dense,
+                self.dense,
+                raw_labels,
+                raw_dense,
+                sparse_check,
+                bad_time=bad_time,
             )
             if len(block):
                 yield block
@@ -209,6 +247,7 @@ def table_layout(
     delimiter: Optional[str] = None,
     names: Optional[Sequence[str]] = None,
     na_values: Sequence[str] = (),
+    time: Sequence[str] = (),
 ) -> TextLayout:
     """Layout of a text table: with a header naming its columns, or, given ``names`` (the
     columns of a header-less file, in order), without one."""
@@ -220,6 +259,7 @@ def table_layout(
             dense=tuple(dense),
             sparse=tuple(sparse),
             na_values=tuple(na_values),
+            time=tuple(time),
         )
     index = {n: i for i, n in enumerate(names)}
     return TextLayout(
@@ -232,6 +272,8 @@ def table_layout(
         dense_names=tuple(dense),
         sparse_names=tuple(sparse),
         na_values=tuple(na_values),
+        time=tuple(index[n] for n in time),
+        time_names=tuple(time) if time else None,
     )
 
 
@@ -303,11 +345,15 @@ class TableOptions(ColumnOptions):
             besides the empty field or a parquet null (``--na-values N/A,-``, as pandas'
             ``na_values=``): a dense one then takes the missing value's path (0 after the
             transform, ``--missing-indicator``), a categorical one the missing id.
+        time_columns: columns read as timestamps (``--time-columns``), each becoming
+            two categorical features, its hour of day and day of week
+            (:mod:`~torchrec_cowclip.data.parsing.time`).
     """
 
     header: bool = option_field(True, "--no-header")
     columns: Optional[Sequence[str]] = option_field(None, "--columns")
     na_values: Optional[Sequence[str]] = option_field(None, "--na-values")
+    time_columns: Optional[Sequence[str]] = option_field(None, "--time-columns")
 
     def __post_init__(self) -> None:
         if self.label is None or self.sparse is None:
@@ -326,9 +372,29 @@ class TableOptions(ColumnOptions):
                     "(an empty field is missing already)"
                 )
             object.__setattr__(self, "na_values", na)
+        time = normalize_names(self.time_columns, "--time-columns")
+        object.__setattr__(self, "time_columns", time or None)
+        taken = {self.label: "--label", **dict.fromkeys(self.dense or (), "--dense")}
+        taken.update(dict.fromkeys(self.sparse or (), "--sparse"))
+        for t in time or ():
+            if t in taken:
+                raise DataOptionError(
+                    f"{self.where}: time column {t!r} (--time-columns) is also {taken[t]}: a "
+                    "time column becomes its hour of day and day of week; drop it from "
+                    f"{taken[t]}"
+                )
         if names is not None:
             object.__setattr__(self, "header", False)
             check_choice(self.label, self.dense or (), self.sparse or (), self.where, names)
+            missing = [t for t in time or () if t not in names]
+            if missing:
+                raise DataOptionError(
+                    f"{self.where}: no column {', '.join(map(repr, missing))} "
+                    f"(--time-columns); the columns are {list(names)}"
+                )
+
+    def wanted(self, label: Optional[str] = None) -> Dict[str, Sequence[str]]:
+        return {**super().wanted(label), "--time-columns": list(self.time_columns or ())}
 
     def key_columns(self) -> Dict[str, Any]:
         d = super().key_columns()
@@ -336,6 +402,8 @@ class TableOptions(ColumnOptions):
             d.update(header=False, columns=list(self.columns or ()) or None)
         if self.na_values:
             d.update(na_values=list(self.na_values))
+        if self.time_columns:
+            d.update(time_columns=list(self.time_columns))
         return d
 
     def names(self, path: Union[str, Path], delimiter: str) -> Optional[List[str]]:
@@ -392,7 +460,9 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
                 )
             assert opts.label is not None and opts.sparse is not None  # TableOptions checked
             for p in all_paths:
-                ParquetRowSource(opts.label, opts.dense or (), opts.sparse).names(p)
+                ParquetRowSource(
+                    opts.label, opts.dense or (), opts.sparse, time=opts.time_columns or ()
+                ).names(p)
             return
         for p in all_paths:
             check_file_columns(
@@ -425,6 +495,7 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
                     opts.delimiter,
                     opts.names(args[0], delimiter),
                     opts.na_values or (),
+                    opts.time_columns or (),
                 ),
                 args,
                 test_paths,
@@ -441,8 +512,12 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
         }
         if opts.na_values:
             layout["na_values"] = list(opts.na_values)
+        if opts.time_columns:
+            layout["time"] = list(opts.time_columns)
         return Conversion(
-            ParquetRowSource(opts.label, dense, sparse, opts.na_values or ()),
+            ParquetRowSource(
+                opts.label, dense, sparse, opts.na_values or (), opts.time_columns or ()
+            ),
             args,
             test_paths,
             opts.encoding("fnv"),
