@@ -208,6 +208,24 @@ def test_mark_updated_in_backward():
         assert [n for n, _ in in_backward_optimizer_filter(iter(named), include=True)] == ["fused"]
 
 
+def test_a_mark_updated_in_backward_takes_torchs_apply_optimizer_in_backward():
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    fused = nn.Parameter(torch.zeros(3, 2))
+    compat.mark_updated_in_backward(fused)
+    assert not hasattr(fused, "_optimizer_classes")  # TorchRec reads a present one as a mark
+    count = compat.in_backward_mark_count()
+    with private_name(
+        "Parameter._in_backward_optimizers/_optimizer_classes/_optimizer_kwargs "
+        "(created together by torch, appended to in that order)",
+        "mark_updated_in_backward",
+    ):
+        _apply_optimizer_in_backward(torch.optim.Adam, [fused], {"lr": 0.5})
+        assert compat.in_backward_optimizer(fused) == (torch.optim.Adam, {"lr": 0.5})
+        assert len(fused._in_backward_optimizers) == 2
+    assert compat.in_backward_mark_count() == count + 1
+
+
 def test_set_planner_optimizer_class():
     import torchrec.distributed.planner.shard_estimators as estimators
 

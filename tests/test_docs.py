@@ -57,6 +57,19 @@ def test_the_compile_snippet_of_the_triton_notes_runs():
     assert all(s.steps == 1 for s in stats.values()) and stats["emb_f0"].rows_updated == 2
 
 
+def test_the_torch_export_snippet_of_the_serving_notes_runs(tmp_path, monkeypatch):
+    """docs/serving.md's own model exported whole: saved, loaded, equal to eager."""
+    snippet = next(
+        b
+        for b in _blocks((REPO / "docs" / "serving.md").read_text(), "python")
+        if "torch.export.export(" in b
+    )
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(snippet, "docs/serving.md", "exec"), namespace)  # noqa: S102 - our own docs
+    assert "ebc.embedding_bags.t0.weight" in namespace["program"].state_dict
+
+
 def test_readme_own_csv_command_prints_what_it_shows_and_the_model_snippet_scores(
     tmp_path, monkeypatch, capsys
 ):

@@ -138,3 +138,145 @@ def test_export_refusals(trained, tmp_path, capsys):
     assert "exists: add --overwrite" in err and taken.read_text() == "mine"
     err = cli_refusal(capsys, "export", "--run", tmp_path, "--out", tmp_path / "x.pt2")
     assert "not a run folder" in err and not (tmp_path / "x.pt2").exists()
+
+
+# --- torch.export of a model holding the collection ------------------------------------
+
+# Loads the programs in a fresh process with TorchRec (the KJT's pytree) but not this
+# package: the program must hold its tables and need no live collection.
+LOAD_PROGRAMS = textwrap.dedent("""
+    import sys
+
+    class Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "torchrec_cowclip":
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    for stem in sys.argv[1:]:
+        inputs = torch.load(stem + ".inputs.pt", weights_only=True)
+        kjt = KeyedJaggedTensor(keys=inputs["keys"], values=inputs["values"],
+                                lengths=inputs["lengths"], weights=inputs.get("weights"))
+        kjt.offsets()  # the fields the exported example carried
+        model = torch.export.load(stem + ".pt2").module()
+        args = (inputs["dense"], kjt) if "dense" in inputs else (kjt,)
+        torch.save(model(*args).detach(), stem + ".out.pt")
+""")
+
+
+class _OwnModel(torch.nn.Module):
+    """A user's own model: a linear layer over the collection's pooled output."""
+
+    def __init__(self, ebc: torch.nn.Module, width: int) -> None:
+        super().__init__()
+        self.ebc, self.head = ebc, torch.nn.Linear(width, 1)
+
+    def forward(self, kjt):
+        return self.head(self.ebc(kjt).values()).squeeze(1)
+
+
+def _saved_program(model, args, stem: Path, inputs) -> torch.Tensor:
+    program = torch.export.export(model, args)
+    # No pickled example inputs in the file (torch.export.load would unpickle a KJT).
+    program.example_inputs = None
+    torch.export.save(program, str(stem) + ".pt2")
+    torch.save(inputs, str(stem) + ".inputs.pt")
+    assert not [n for n in program.graph.nodes if "torchrec_cowclip" in str(n.target)]
+    return program
+
+
+def test_a_model_holding_the_collection_exports_whole_and_scores_as_eager_in_a_fresh_process(
+    tmp_path,
+):
+    from cowclip_testing import kjt_from_bags
+    from torchrec import EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import DataType, PoolingType
+
+    from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions
+    from torchrec_cowclip.models import build_model
+
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(
+            name="t1",
+            embedding_dim=4,
+            num_embeddings=20,
+            feature_names=["f1", "f2"],
+            pooling=PoolingType.MEAN,
+        ),
+        EmbeddingBagConfig(
+            name="t2",
+            embedding_dim=2,
+            num_embeddings=20,
+            feature_names=["f3"],
+            data_type=DataType.FP16,
+        ),
+    ]
+    ebc = CowClipEmbeddingBagCollection(tables, CowClipOptions(lr=0.1), is_weighted=True)
+    own = _OwnModel(ebc, 14)
+    bags = {"f0": [[1, 2], [3]], "f1": [[4], [5, 6]], "f2": [[], [7]], "f3": [[8], [9]]}
+    weights = {"f0": [[0.5, 2.0], [1.0]], "f1": [[1.5], [1.0, 0.5]], "f2": [[], [2.0]]}
+    weights["f3"] = [[1.0], [3.0]]
+    kjt = kjt_from_bags(bags, weights)
+    for _ in range(2):  # trained: the program holds the tables as they are now
+        own(kjt).square().sum().backward()
+    own_program = _saved_program(
+        own,
+        (kjt,),
+        tmp_path / "own",
+        {
+            "keys": kjt.keys(),
+            "values": kjt.values(),
+            "lengths": kjt.lengths(),
+            "weights": kjt.weights(),
+        },
+    )
+    # The tables are the program's own state, under the collection's names.
+    for table in ("t0", "t1", "t2"):
+        key = f"ebc.embedding_bags.{table}.weight"
+        assert torch.equal(
+            own_program.state_dict[key], ebc.state_dict()[f"embedding_bags.{table}.weight"]
+        )
+
+    deepfm = build_model(
+        "deepfm",
+        sparse_names=["C1", "C2"],
+        cardinalities=[30, 40],
+        num_dense=3,
+        hidden=(8,),
+        embedding_dim=4,
+        init_seed=1,
+    )
+    sparse = kjt_from_bags({"C1": [[3], [29], [7]], "C2": [[0], [39], [5]]})
+    dense = torch.randn(3, 3)
+    deepfm(dense, sparse).sum().backward()
+    deepfm.eval()
+    _saved_program(
+        deepfm,
+        (dense, sparse),
+        tmp_path / "deepfm",
+        {
+            "keys": sparse.keys(),
+            "values": sparse.values(),
+            "lengths": sparse.lengths(),
+            "dense": dense,
+        },
+    )
+
+    stems = [str(tmp_path / "own"), str(tmp_path / "deepfm")]
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_PROGRAMS, *stems], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        for stem, eager in zip(stems, (own(kjt), deepfm(dense, sparse))):
+            loaded = torch.load(stem + ".out.pt", weights_only=True)
+            torch.testing.assert_close(loaded, eager, rtol=1e-6, atol=1e-6)
+    # Exporting changed nothing: the collection still trains through its own op.
+    before = ebc.state_dict()["embedding_bags.t0.weight"].clone()
+    own(kjt).sum().backward()
+    assert not torch.equal(before, ebc.state_dict()["embedding_bags.t0.weight"])

@@ -22,6 +22,7 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cowclip import CowClip, CowClipEmbeddingBagCollection, CowClipOptions, Helen
 from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
@@ -284,6 +285,65 @@ def test_from_ebc_trains_as_the_marks_say_like_the_same_options_given_natively()
     torch.testing.assert_close(marked.state_dict(), native.state_dict(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="disagree"):
         CowClipEmbeddingBagCollection.from_ebc(stock, options=CowClipOptions(lr=0.1))
+
+
+@pytest.mark.parametrize("apply", ["torch", "torchrec"])
+def test_marks_on_a_built_collection_train_as_the_same_options_given_natively(apply):
+    # torch's mark on the collection's own weights once crashed inside torch
+    # ('Parameter' object has no attribute '_optimizer_classes').
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    mark = _apply_optimizer_in_backward if apply == "torch" else apply_optimizer_in_backward
+    tables = [bag_config("t", 4, 20)]
+    marked = CowClipEmbeddingBagCollection(tables, CowClipOptions(lr=1e-4), init_seed=3)
+    native = CowClipEmbeddingBagCollection(
+        tables, CowClipOptions(lr=0.01, betas=(0.8, 0.99)), init_seed=3
+    )
+    mark(torch.optim.Adam, marked.parameters(), {"lr": 0.01, "betas": (0.8, 0.99)})
+    kjt = kjt_from_bags({"f": [[1, 2, 2], [3], []]})
+    for ebc in (marked, native):
+        for _ in range(3):
+            ebc(kjt).values().square().sum().backward()
+    assert marked.options == native.options
+    torch.testing.assert_close(marked.state_dict(), native.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        marked.fused_optimizer.state_dict(), native.fused_optimizer.state_dict(), rtol=0, atol=0
+    )
+    # The weights stay out of dense optimizers, and a sharder reads the same mark.
+    assert list(in_backward_optimizer_filter(marked.named_parameters())) == []
+    assert CowClipEmbeddingBagCollectionSharder().options_for(marked).lr == 0.01
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, message",
+    [
+        (
+            torch.optim.SGD,
+            {"lr": 0.1},
+            r"asks for optimizer='sgd' but this .* built with optimizer='adam': build it with CowClipOptions",
+        ),
+        (torch.optim.Adagrad, {"lr": 0.1}, r"the CowClip update trains"),
+        (
+            CowClipAdam,
+            {"lr": 0.1, "helen": Helen()},
+            r"asks for helen=Helen.* built with helen=None",
+        ),
+    ],
+    ids=["other_rule", "unknown_class", "helen"],
+)
+def test_marks_on_a_built_collection_that_cannot_be_honoured_are_refused_before_a_change(
+    cls, kwargs, message
+):
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    ebc = CowClipEmbeddingBagCollection([bag_config("t", 4, 20)], CowClipOptions(lr=1e-4))
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    _apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+    kjt = kjt_from_bags({"f": [[1], [2]]})
+    with pytest.raises(ValueError, match=message):
+        ebc(kjt)
+    assert ebc.options.lr == 1e-4
+    torch.testing.assert_close(ebc.state_dict(), before, rtol=0, atol=0)
 
 
 # --- FBGEMM-compatible state, in memory -----------------------------------------------

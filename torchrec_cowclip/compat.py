@@ -62,6 +62,7 @@ __all__ = [
     "grouped_configs",
     "import_modules_holding_the_default_group",
     "pipelined_forward_target",
+    "in_backward_mark_count",
     "in_backward_marks_hidden",
     "in_backward_optimizer",
     "is_fx_symbolic_tracing",
@@ -243,14 +244,49 @@ def kernel_pooling_mode(kernel: BaseBatchedEmbeddingBag[Any]) -> PoolingMode:
     return kernel._pooling
 
 
+class _InBackwardOptimizers(list):
+    """The ``_in_backward_optimizers`` list of a parameter the fused update trains.
+
+    torch's ``_apply_optimizer_in_backward`` (TorchRec's ``apply_optimizer_in_backward``
+    calls it) creates ``_in_backward_optimizers``, ``_optimizer_classes`` and
+    ``_optimizer_kwargs`` together, only when the first is missing, then appends to all
+    three; this list is appended to first, so it creates the other two (empty) on the
+    marked parameters before torch appends to them, and counts the mark
+    (:func:`in_backward_mark_count`) for the collection to read it at its next forward.
+    Until a mark, the parameter carries no ``_optimizer_classes`` (TorchRec's planner and
+    sharders read a present one as the mark)."""
+
+    def append(self, optimizer: Any) -> None:
+        global _MARKS
+        for group in getattr(optimizer, "param_groups", ()):
+            for param in group.get("params", ()):
+                if not hasattr(param, "_optimizer_classes"):
+                    param._optimizer_classes = []
+                    param._optimizer_kwargs = []
+        _MARKS += 1
+        super().append(optimizer)
+
+
+_MARKS = 0
+
+
+def in_backward_mark_count() -> int:
+    """How many ``apply_optimizer_in_backward`` marks have reached parameters marked by
+    :func:`mark_updated_in_backward` in this process: a collection whose count is behind
+    reads its tables' marks again."""
+    return _MARKS
+
+
 def mark_updated_in_backward(param: Tensor) -> None:
     """Marks ``param`` as updated inside backward (``_in_backward_optimizers``), as
     TorchRec's fused kernels do: ``in_backward_optimizer_filter`` then keeps it out of
-    dense optimizers, and the plan helpers pick the ``fused`` kernel for it."""
+    dense optimizers, and the plan helpers pick the ``fused`` kernel for it. A later
+    ``apply_optimizer_in_backward`` on it is recorded as on any parameter
+    (:class:`_InBackwardOptimizers`), not crashed on."""
     from torchrec.optim.fused import EmptyFusedOptimizer
 
     # A new attribute on a torch Parameter, which the stubs do not declare.
-    param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+    param._in_backward_optimizers = _InBackwardOptimizers([EmptyFusedOptimizer()])  # type: ignore[attr-defined]
 
 
 def in_backward_optimizer(param: Tensor) -> Optional[tuple[type, dict[str, Any]]]:

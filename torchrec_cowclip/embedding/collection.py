@@ -19,7 +19,11 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import mark_updated_in_backward, qconfig_propagation
+from torchrec_cowclip.compat import (
+    in_backward_mark_count,
+    mark_updated_in_backward,
+    qconfig_propagation,
+)
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.row_gradients import RowGradients
@@ -38,6 +42,7 @@ from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
+    marked_options,
     options_settings,
     resolve_options,
     table_marks,
@@ -194,6 +199,7 @@ class CowClipEmbeddingBagCollection(
             params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
+        self._marks_read = in_backward_mark_count()
         self._bind_views()
         self.reset_parameters()
 
@@ -275,6 +281,10 @@ class CowClipEmbeddingBagCollection(
                 "shard it with DistributedModelParallel, or call to_empty(device=...) and "
                 "reset_parameters() first"
             )
+        if torch.compiler.is_exporting():
+            return self._exported_forward(features)
+        if self._marks_read != in_backward_mark_count():
+            self._read_in_backward_marks()
         features = self._in_batched_order(features)
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none() if self._is_weighted else None
@@ -284,6 +294,57 @@ class CowClipEmbeddingBagCollection(
             length_per_key=self._lengths_per_embedding,
             values=self._lookup(values, offsets, weights),
         )
+
+    def _exported_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The forward ``torch.export`` traces: each table's pooled lookup read from its own
+        parameter (``embedding_bags.<table>.weight``) with aten's ``embedding_bag``, as a
+        stock ``EmbeddingBagCollection`` computes it, so the program holds the tables as
+        its state and runs without this package or the live module (the training forward's
+        op reaches the tables through a handle to this module: it is for training only).
+        Half tables pool in float32, as the training forward does."""
+        by_feature = features.to_dict()
+        pooled: list[Tensor] = []
+        for table in self._embedding_bag_configs:
+            weight = self._table_weight(table.name)
+            for feature in table.feature_names:
+                bags = by_feature[feature]
+                offsets = bags.offsets()
+                sample_weights = bags.weights_or_none() if self._is_weighted else None
+                mean = table.pooling == PoolingType.MEAN
+                out = torch.nn.functional.embedding_bag(
+                    bags.values(),
+                    weight,
+                    offsets,
+                    mode="mean" if mean and sample_weights is None else "sum",
+                    per_sample_weights=None
+                    if sample_weights is None
+                    else sample_weights.to(weight.dtype),
+                    include_last_offset=True,
+                ).to(torch.float32)
+                if mean and sample_weights is not None:
+                    # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
+                    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1)
+                    out = out / lengths.unsqueeze(1).to(out.dtype)
+                pooled.append(out)
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=torch.cat(pooled, dim=1),
+        )
+
+    def _read_in_backward_marks(self) -> None:
+        """Honours ``apply_optimizer_in_backward`` (torch's or TorchRec's) called on the
+        tables' weights after the collection was built: the hyperparameters it names
+        become the fused optimizer's (``param_groups[0]``), as the sharder would set them;
+        another optimizer, other unclipped tables or Helen are refused in one line, before
+        anything changes (:func:`~torchrec_cowclip.optim.torchrec_config.marked_options`).
+        torch's own optimizer in the mark never steps: the tables get no ``.grad``."""
+        count = in_backward_mark_count()
+        marks = in_backward_settings(table_marks(self))
+        if marks:
+            options = marked_options(self.options, marks)
+            self._fused_optimizer.param_groups[0].update(options.hyperparameters())
+        self._marks_read = count
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs

@@ -24,6 +24,10 @@ autograd's too, which cannot trace effect tokens - calls it.
 Run eagerly, the same two implementations are called by an ``autograd.Function`` without
 the dispatcher (:class:`_EagerLookup`: a custom op's round trips cost about 0.2 ms a step):
 one lookup path, compiled or not, with the op as the compiler's boundary.
+
+The handle names a live module, so the ops are for training: under ``torch.export`` the
+collection takes neither (``CowClipEmbeddingBagCollection._exported_forward`` reads its
+tables as parameters), and the program holds its tables and outlives the module.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ __all__ = [
     "Setting",
     "fused_params_settings",
     "in_backward_settings",
+    "marked_options",
     "options_settings",
     "resolve_options",
     "table_marks",
@@ -352,6 +353,43 @@ def _table_settings(table: str, cls: type, kwargs: Mapping[str, Any]) -> Setting
         else:
             params[key] = value
     return fused_params_settings(params, where)
+
+
+#: What a mark on a built collection's tables cannot change: how its state is laid out
+#: (the optimizer), which tables its batches clip, and whether it steps in two passes.
+_BUILT_FIELDS = ("optimizer", "unclipped_tables", "helen")
+
+
+def marked_options(current: CowClipOptions, marks: Settings) -> CowClipOptions:
+    """The options of a built collection after ``apply_optimizer_in_backward`` marked its
+    tables (``marks``: :func:`in_backward_settings` of them): the hyperparameters the
+    marks state explicitly replace the collection's, as the sharder reads them; a field
+    they leave out (FBGEMM's defaults included) keeps the collection's value.
+
+    Raises:
+        ValueError: the marks ask for another optimizer, other unclipped tables or Helen
+            than the collection was built with, named in one line with what to do.
+    """
+    explicit = {name: s for name, s in marks.items() if s.explicit}
+    if "cowclip" in explicit and "unclipped_tables" not in explicit:
+        # CowClip* marks say of every table whether it is clipped.
+        explicit["unclipped_tables"] = Setting(frozenset(), explicit["cowclip"].spelled)
+    for name in _BUILT_FIELDS:
+        setting = explicit.get(name)
+        if setting is not None and _normal(setting.value) != _normal(getattr(current, name)):
+            raise ValueError(
+                f"{setting.spelled} asks for {name}={setting.value!r} but this "
+                f"CowClipEmbeddingBagCollection was built with {name}="
+                f"{getattr(current, name)!r}: build it with CowClipOptions({name}=...), or "
+                "mark a stock EmbeddingBagCollection and convert it with "
+                "CowClipEmbeddingBagCollection.from_ebc"
+            )
+    changes = {name: s.value for name, s in explicit.items() if name not in _BUILT_FIELDS}
+    try:
+        return current.replace(**changes)
+    except (TypeError, ValueError) as e:
+        spelled = "; ".join(s.spelled for s in explicit.values())
+        raise ValueError(f"{e} (from {spelled})") from None
 
 
 def options_settings(options: CowClipOptions, where: str) -> Settings:
