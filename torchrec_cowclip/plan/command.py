@@ -16,18 +16,17 @@ This module takes ``train``'s argument groups and their conversion to a config f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import logging
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
 from torchrec_cowclip.data.settings import DataSettings
+from torchrec_cowclip.plan.job import DEFAULT_HEADROOM
 from torchrec_cowclip.train.command import (
     add_data_arguments,
     add_model_arguments,
@@ -78,9 +77,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument(
         "--tables",
         default=None,
-        metavar="PRESET",
+        metavar="PRESET|FILE",
         help="a public table set: criteo-kaggle (26 tables, 33.8M rows) or criteo-1tb "
-        "(26 tables, 177.9M rows), Criteo's 13 dense inputs (default: none)",
+        "(26 tables, 177.9M rows), Criteo's 13 dense inputs; or your own tables, a .json, "
+        ".yaml or .csv file of name, rows, dim and optional dtype, pooling_factor, "
+        "sharding per table, planned alone with their rows as written (default: none)",
     )
     t.add_argument(
         "--run",
@@ -147,6 +148,25 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="auto: TorchRec's planner chooses per table (as train's --sharding auto); "
         "or one sharding type for every table",
     )
+    j.add_argument(
+        "--constrain",
+        action="append",
+        default=[],
+        metavar="TABLE=SHARDING",
+        help="the one sharding type TABLE may take (repeatable; over --sharding and a "
+        "table file's own): data_parallel, table_wise, row_wise, column_wise, "
+        "table_row_wise or table_column_wise",
+    )
+    j.add_argument(
+        "--headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        metavar="FRACTION",
+        help="the share of each device's usable memory (after TorchRec's reservation) a "
+        "rank should leave free for what the plan does not count (activations, the dense "
+        "optimizer); a plan with a rank leaving less is 'fits, tight' (exit 0) "
+        f"(default: {DEFAULT_HEADROOM:g})",
+    )
     o = p.add_argument_group("output")
     o.add_argument(
         "--json",
@@ -159,7 +179,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument(
         "--planner-stats",
         action="store_true",
-        help="also print TorchRec's own planner statistics table (on stderr)",
+        help="also print the planner's statistics (on stderr): per rank its storage, "
+        "share of the device and step-time estimates, per table its shards, in B/KiB/MiB/GiB",
     )
     p.set_defaults(run_plan=functools.partial(run_command, parser=p))
     return p
@@ -272,6 +293,8 @@ def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
         ("--ddr-gb", args.ddr_gb),
     ):
         _check_positive(flag, value)
+    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
+        raise PlanError(f"--headroom must be in [0, 1), got {args.headroom:g}")
     world = args.world_size
     if args.batch_size % world:
         raise PlanError(
@@ -293,21 +316,48 @@ def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
     return local, per_host
 
 
+def _table_file(name: str) -> bool:
+    """Whether ``--tables NAME`` names a file of tables (not a preset)."""
+    from torchrec_cowclip.plan.tables import TABLE_FILE_SUFFIXES
+
+    return Path(name).suffix.lower() in TABLE_FILE_SUFFIXES or Path(name).exists()
+
+
+def _model_flags_unused(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses a model flag with a table file: its tables are planned alone, as written."""
+    from torchrec_cowclip.plan.job import PlanError
+
+    group = next(g for g in parser._action_groups if g.title == "model")
+    for action in group._group_actions:
+        if getattr(args, action.dest) != action.default:
+            flag = action.option_strings[-1]
+            raise PlanError(
+                f"{flag} says how train builds its model: --tables {args.tables} plans your "
+                f"own tables alone, each with its rows, dim and dtype as written: drop {flag}"
+            )
+
+
 def _tables(
     source: str, args: argparse.Namespace, data: Optional[DataSettings], run: Any
 ) -> Tuple[Any, int, str, Optional[str]]:
     """``(schema, dense inputs, where the sizes come from, the data a launch trains on)``
     for the tables of ``source`` (None: the command's own ``--data``, which ``data`` is
-    when the tables come from it)."""
+    when the tables come from it); a table file's tables come as their list (schema
+    ``None``)."""
     from torchrec_cowclip.plan.job import PlanError
     from torchrec_cowclip.plan.presets import PRESETS
+    from torchrec_cowclip.plan.tables import read_table_file
 
     if source == "--tables":
         preset = PRESETS.get(args.tables)
+        if preset is None and _table_file(args.tables):
+            tables = read_table_file(Path(args.tables))
+            rows = sum(t.rows for t in tables)
+            return tables, 0, f"{args.tables} ({len(tables)} tables, {rows:,} rows)", None
         if preset is None:
             raise PlanError(
                 f"--tables: unknown preset {args.tables!r}; known: {', '.join(PRESETS)} (or "
-                "give --data or --run)"
+                "a .json, .yaml or .csv file of tables; or give --data or --run)"
             )
         schema = preset.schema
         return schema, schema.n_dense, f"{preset.name} ({preset.source})", preset.data
@@ -317,7 +367,21 @@ def _tables(
     assert data is not None
     dataset = data.open()  # converted once into --cache-dir, as train does
     dense = len(dataset.dense_plan.output_names)
-    return dataset.schema, dense, f"{data.spec} ({len(dataset):,} rows)", None
+    return dataset.schema, dense, f"{data.spec} ({len(dataset):,} rows{_ids_note(dataset)})", None
+
+
+def _ids_note(dataset: Any) -> str:
+    """How a vocabulary's table sizes relate to the data: each table has a row per
+    distinct value and two more (out-of-vocabulary id 0, missing id 1); hashed tables
+    have the --hash-size asked."""
+    from torchrec_cowclip.data import MISSING_ID, OOV_ID
+
+    if dataset.meta.get("encoding", {}).get("kind") == "vocabulary":
+        return (
+            f"; each table: its distinct values + 2 rows, ids {OOV_ID} out of vocabulary "
+            f"and {MISSING_ID} missing"
+        )
+    return ""
 
 
 def _job_name(args: argparse.Namespace, data: str) -> str:
@@ -331,28 +395,18 @@ def _job_name(args: argparse.Namespace, data: str) -> str:
     return named or "job"
 
 
-@contextlib.contextmanager
-def _torchrec_stats_shown() -> Iterator[None]:
-    """TorchRec's planner statistics table (its logger's INFO records) on stderr."""
-    logger = logging.getLogger("torchrec.distributed.planner.stats")
-    handler = logging.StreamHandler(sys.stderr)
-    saved = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # once, not again through a handler a library gave the root
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.level, logger.propagate = saved
-
-
 def _run(
     args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argparse.ArgumentParser
 ) -> int:
     from torchrec_cowclip import notices
     from torchrec_cowclip.plan.job import JobSpec, plan_job
-    from torchrec_cowclip.plan.printout import does_not_fit, format_plan, launch_commands
+    from torchrec_cowclip.plan.printout import (
+        does_not_fit,
+        format_plan,
+        format_planner_stats,
+        launch_commands,
+    )
+    from torchrec_cowclip.plan.tables import parse_constraint
     from torchrec_cowclip.run.log import write_text_atomically
     from torchrec_cowclip.run.model_folder import RunFolder
 
@@ -366,14 +420,18 @@ def _run(
         parser.set_defaults(**_run_defaults(run, parser))
         args = parser.parse_args(list(sys.argv[2:] if argv is None else argv[1:]))
     local, per_host = _job_flags(args)
+    constraints = dict(parse_constraint(c) for c in args.constrain)
     config = config_from_args(args)
     _validate(config, parser, source)
     data = config.data_settings() if source == "--data" else None
     schema, num_dense, tables_from, launch_data = _tables(source, args, data, run)
+    own_tables = isinstance(schema, list)
+    if own_tables:
+        _model_flags_unused(args, parser)
     hbm, ddr = _device_bytes(args)
     spec = JobSpec(
-        model=config.model,
-        model_arguments=config.model_spec().arguments(schema, num_dense),
+        model="tables" if own_tables else config.model,
+        model_arguments={} if own_tables else config.model_spec().arguments(schema, num_dense),
         optimizer=config.embedding_optimizer,
         batch_size=config.batch_size,
         world_size=args.world_size,
@@ -382,26 +440,26 @@ def _run(
         hbm_bytes=hbm,
         ddr_bytes=ddr,
         sharding=config.sharding,
+        tables=tuple(schema) if own_tables else (),
+        constraints=constraints,
+        headroom=args.headroom,
     )
-    stats: List[Any] = []
-    shown: Any = contextlib.nullcontext()
-    if args.planner_stats:
-        from torchrec.distributed.planner.stats import EmbeddingStats
-
-        stats, shown = [EmbeddingStats()], _torchrec_stats_shown()
-    with shown:
-        plan = plan_job(spec, per_host, stats)
-    out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
-    launch_config = replace(
-        config,
-        data=launch_data or config.data,
-        out=out,
-        device="cpu" if spec.compute_device == "cpu" else config.device,
-        cache_dir=config.cache_dir,
-    )
-    train_args = train_argv(train_parser(), launch_config, "a cell's train command")
-    launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
+    plan = plan_job(spec, per_host)
+    launch: Optional[Dict[str, str]] = None
+    if not own_tables and not spec.constraints:
+        out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
+        launch_config = replace(
+            config,
+            data=launch_data or config.data,
+            out=out,
+            device="cpu" if spec.compute_device == "cpu" else config.device,
+            cache_dir=config.cache_dir,
+        )
+        train_args = train_argv(train_parser(), launch_config, "a cell's train command")
+        launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
     sys.stdout.write(format_plan(plan, tables_from, launch))
+    if args.planner_stats:
+        sys.stderr.write(format_planner_stats(plan))
     if args.json:
         launched = launch if plan.fits else None  # a job that does not fit is not launched
         document = {**plan.to_json(), "tables_from": tables_from, "launch": launched}

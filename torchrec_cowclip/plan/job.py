@@ -33,8 +33,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.plan.tables import TableSpec, check_names
 
 __all__ = [
+    "DEFAULT_HEADROOM",
     "JobPlan",
     "JobPlanner",
     "JobSpec",
@@ -47,6 +49,10 @@ __all__ = [
     "world_size_candidates",
 ]
 
+#: The share of each device's usable memory (after TorchRec's reservation) a rank should
+#: leave free for what the plan does not count (activations, the dense optimizer, the
+#: allocator's fragmentation); a rank with less is reported "fits, tight".
+DEFAULT_HEADROOM = 0.10
 #: Planner runs the search for the smallest world size that fits makes at most.
 MAX_SEARCH_PLANS = 24
 #: The largest world size that search considers.
@@ -74,6 +80,13 @@ class JobSpec:
         compute_device: ``"cuda"`` (tables in HBM) or ``"cpu"`` (tables in DDR).
         hbm_bytes, ddr_bytes: each device's memory.
         sharding: ``auto`` (the planner chooses per table) or one sharding type for all.
+        tables: a list of tables to plan by themselves (``model`` is then ``"tables"``
+            and ``model_arguments`` empty): a :class:`~torchrec_cowclip.plan.tables.TableSpec`
+            each, its sharding constraint and pooling factor honoured.
+        constraints: table name -> the one sharding type the planner may give it (over
+            ``sharding`` and a table's own).
+        headroom: the share of each device's usable memory a rank should leave free;
+            less is "fits, tight" (:attr:`JobPlan.tight_ranks`).
     """
 
     model: str
@@ -86,6 +99,15 @@ class JobSpec:
     hbm_bytes: int
     ddr_bytes: int
     sharding: str = "auto"
+    tables: Tuple[TableSpec, ...] = ()
+    constraints: Mapping[str, str] = field(default_factory=dict)
+    headroom: float = DEFAULT_HEADROOM
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", tuple(self.tables))
+        check_names(self.tables, "the table list")
+        if not (math.isfinite(self.headroom) and 0 <= self.headroom < 1):
+            raise PlanError(f"--headroom must be in [0, 1), got {self.headroom:g}")
 
     @property
     def device_bytes(self) -> int:
@@ -94,7 +116,31 @@ class JobSpec:
 
     @property
     def embedding_dtype(self) -> str:
+        """The tables' storage type (``"fp16/fp32"`` for a table list of several)."""
+        if self.tables:
+            return "/".join(sorted({t.dtype for t in self.tables}))
         return str(self.model_arguments.get("embedding_dtype", "fp32"))
+
+    def table_shardings(self, table_names: Sequence[str]) -> Dict[str, str]:
+        """Each constrained table's one sharding type: ``constraints``, else the table's
+        own (a table list's), else ``sharding`` unless it is ``auto``.
+
+        Raises:
+            PlanError: a constraint naming no table.
+        """
+        unknown = sorted(set(self.constraints) - set(table_names))
+        if unknown:
+            known = ", ".join(table_names[:6]) + (", ..." if len(table_names) > 6 else "")
+            raise PlanError(f"--constrain {unknown[0]}: no such table; the tables: {known}")
+        own = {t.name: t.sharding for t in self.tables if t.sharding}
+        shardings = {}
+        for name in table_names:
+            chosen = self.constraints.get(name) or own.get(name)
+            if chosen is None and self.sharding != "auto":
+                chosen = self.sharding
+            if chosen is not None:
+                shardings[name] = chosen
+        return shardings
 
     @property
     def hosts(self) -> int:
@@ -206,6 +252,7 @@ class JobPlan:
         smallest_world_size: when it does not fit, the smallest world size that does
             (None: none up to the search's limit; see ``searched``).
         searched: the world sizes planned in that search, in order.
+        constraints: each constrained table's one sharding type.
     """
 
     spec: JobSpec
@@ -221,11 +268,31 @@ class JobPlan:
     error: Optional[str] = None
     smallest_world_size: Optional[int] = None
     searched: List[int] = field(default_factory=list)
+    constraints: Dict[str, str] = field(default_factory=dict)
 
     @property
     def largest_rank(self) -> Optional[RankPlan]:
         """The rank holding the most table and state bytes (None without a plan)."""
         return max(self.ranks, key=lambda r: (r.bytes, -r.rank)) if self.ranks else None
+
+    @property
+    def headroom_bytes(self) -> Optional[int]:
+        """The bytes a rank should leave free: ``spec.headroom`` of the usable memory."""
+        return None if self.usable_bytes is None else int(self.spec.headroom * self.usable_bytes)
+
+    def free_bytes(self, rank: RankPlan) -> int:
+        """What ``rank`` leaves free of the usable memory, after the planner's estimate of
+        its storage (its tables, state and input/output buffers)."""
+        assert self.usable_bytes is not None
+        return self.usable_bytes - rank.planner_bytes
+
+    @property
+    def tight_ranks(self) -> List[RankPlan]:
+        """The ranks of a plan that fits leaving less than the headroom free, fullest first."""
+        if not self.fits or self.headroom_bytes is None:
+            return []
+        tight = [r for r in self.ranks if self.free_bytes(r) < self.headroom_bytes]
+        return sorted(tight, key=self.free_bytes)
 
     @property
     def reserved_bytes(self) -> Optional[int]:
@@ -265,6 +332,13 @@ class JobPlan:
             "usable_bytes": self.usable_bytes,
             "reserved_bytes": self.reserved_bytes,
             "sharding": spec.sharding,
+            "constraints": dict(self.constraints),
+            "headroom": spec.headroom,
+            "headroom_bytes": self.headroom_bytes,
+            "tight": bool(self.tight_ranks),
+            "tight_ranks": [
+                {"rank": r.rank, "free_bytes": self.free_bytes(r)} for r in self.tight_ranks
+            ],
             "planner": {
                 "proposals": self.proposals,
                 "plans": self.plans,
@@ -308,19 +382,28 @@ class JobPlanner:
         import torch
 
         from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+        from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
         from torchrec_cowclip.embedding.table_batch import storage_bytes, storage_dtype
         from torchrec_cowclip.models import build_model
         from torchrec_cowclip.models.task import CTRTrainTask
         from torchrec_cowclip.optim.options import CowClipOptions
 
-        model = build_model(
-            spec.model,
-            **dict(spec.model_arguments),
-            table_device="meta",
-            embedding_options=CowClipOptions(optimizer=spec.optimizer),
-        )
-        ebc = model.embedding_collection
-        self.module = CTRTrainTask(model)
+        options = CowClipOptions(optimizer=spec.optimizer)
+        if spec.tables:
+            # The user's own tables, alone: their model is theirs, its dense part unknown.
+            ebc = CowClipEmbeddingBagCollection(
+                [t.config() for t in spec.tables], options=options, device="meta"
+            )
+            self.module: torch.nn.Module = ebc
+        else:
+            model = build_model(
+                spec.model,
+                **dict(spec.model_arguments),
+                table_device="meta",
+                embedding_options=options,
+            )
+            ebc = model.embedding_collection
+            self.module = CTRTrainTask(model)
         self.sharders: List[Any] = [CowClipEmbeddingBagCollectionSharder(module_type=type(ebc))]
         self.configs = list(ebc.embedding_bag_configs())
         self.table_names = [t.name for t in self.configs]
@@ -342,18 +425,45 @@ class JobPlanner:
         """Refuses (:class:`PlanError`) a table larger than a device when ``spec``'s
         sharding keeps every table whole on one device (``table_wise``,
         ``data_parallel``): no number of devices would fit it."""
-        if spec.sharding not in ("table_wise", "data_parallel"):
-            return  # row and column shards split a table over devices
+        shardings = spec.table_shardings(self.table_names)
         for t in self.configs:
-            if self.sizes[t.name] > spec.device_bytes:
+            sharding = shardings.get(t.name)
+            # Row and column shards split a table over devices; these keep it whole.
+            if (
+                sharding in ("table_wise", "data_parallel")
+                and self.sizes[t.name] > spec.device_bytes
+            ):
+                how = (
+                    f"--sharding {sharding}"
+                    if spec.sharding == sharding and t.name not in spec.constraints
+                    else f"its constraint {sharding}"
+                )
                 raise PlanError(
                     f"table {t.name} ({t.num_embeddings:,} rows x {t.embedding_dim}, "
-                    f"{spec.embedding_dtype} with {spec.optimizer} state: "
-                    f"{format_bytes(self.sizes[t.name])}) is larger than every device "
-                    f"({format_bytes(spec.device_bytes)}) and --sharding {spec.sharding} "
-                    "keeps it whole on one: give --sharding auto or row_wise, devices with "
-                    "more memory, or fewer rows (--hash-size)"
+                    f"{str(t.data_type.value).lower()} with {spec.optimizer} "
+                    f"state: {format_bytes(self.sizes[t.name])}) is larger than every device "
+                    f"({format_bytes(spec.device_bytes)}) and {how} keeps it whole on one: "
+                    "give --sharding auto or row_wise (--constrain TABLE=row_wise), devices "
+                    "with more memory, or fewer rows (--hash-size)"
                 )
+
+    def constraints(self, spec: JobSpec) -> Optional[Dict[str, Any]]:
+        """TorchRec's ``ParameterConstraints`` per table: its one sharding type
+        (:meth:`JobSpec.table_shardings`) and a table list's pooling factors (None: none)."""
+        from torchrec.distributed.planner.types import ParameterConstraints
+
+        shardings = spec.table_shardings(self.table_names)
+        pooling = {t.name: t.pooling_factor for t in spec.tables if t.pooling_factor}
+        constraints = {}
+        for name in self.table_names:
+            kwargs: Dict[str, Any] = {}
+            if name in shardings:
+                kwargs["sharding_types"] = [shardings[name]]
+            if name in pooling:
+                kwargs["pooling_factors"] = [float(pooling[name])]
+            if kwargs:
+                constraints[name] = ParameterConstraints(**kwargs)
+        return constraints or None
 
     def plan(self, spec: JobSpec, stats: Sequence[Any] = ()) -> JobPlan:
         """Runs TorchRec's planner for ``spec``'s devices (``stats``: more TorchRec
@@ -365,7 +475,6 @@ class JobPlanner:
             make_planner,
             planner_topology,
         )
-        from torchrec_cowclip.train.processes import sharding_constraints
 
         topology = planner_topology(
             spec.world_size,
@@ -378,7 +487,7 @@ class JobPlanner:
         planner = make_planner(
             topology,
             spec.batch_size // spec.world_size,
-            sharding_constraints(self.table_names, spec.sharding),
+            self.constraints(spec),
             stats=[recorder, *stats],
         )
         plan = JobPlan(
@@ -389,6 +498,7 @@ class JobPlanner:
             table_bytes=self.table_bytes,
             largest_table=self.largest_table,
             usable_bytes=None,
+            constraints=spec.table_shardings(self.table_names),
         )
         try:
             planner.plan(self.module, self.sharders)
