@@ -209,6 +209,7 @@ ROWS: Dict[str, tuple] = {
         ["--init-from", "runs/earlier", "--init-optimizer-state"],
         EVERY_KIND,
     ),
+    "--require-sha256": (["--init-from", "runs/earlier", "--require-sha256"], EVERY_KIND),
 }
 
 

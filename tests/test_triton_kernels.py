@@ -19,6 +19,7 @@ from fused_update_cases import (
 )
 
 from torchrec_cowclip.embedding import triton_ops
+from torchrec_cowclip.failures import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy casts, interpreter
 
@@ -212,6 +213,6 @@ def test_the_triton_mode_forces_the_triton_kernel(monkeypatch):
     with pytest.raises(ValueError, match="=triton: the Triton kernels implement the built-in"):
         select_kernel(cpu, own, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match=r"=triton: .*TRITON_INTERPRET=1") as raised:
+    with pytest.raises(ConfigError, match=r"=triton: .*TRITON_INTERPRET=1") as raised:
         select_kernel(cpu, update_rule("adam"), "triton")
     assert "\n" not in str(raised.value)

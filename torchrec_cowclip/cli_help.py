@@ -16,7 +16,18 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["HelpFormatter", "RawDescriptionHelpFormatter"]
+__all__ = ["HelpFormatter", "RawDescriptionHelpFormatter", "add_require_sha256"]
+
+
+def add_require_sha256(parser: "argparse._ActionsContainer", context: str = "") -> None:
+    """``--require-sha256``, declared once for every command that reads a run folder
+    (``predict``, ``evaluate``, ``export``; ``train`` with ``--init-from``)."""
+    parser.add_argument(
+        "--require-sha256",
+        action="store_true",
+        help=f"{context}refuse a run folder whose manifest records CRC-32s (format 1, "
+        "which a crafted edit can keep) rather than SHA-256s (format 2)",
+    )
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Sequence, Tuple, Type, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from torchrec_cowclip.data.pipeline.encode import Conversion
+from torchrec_cowclip.data.schema import Schema
 from torchrec_cowclip.data.source_options import SourceOptions
 
 BUILTIN_MODULES = (
@@ -68,6 +69,12 @@ class SourceKind(ABC):
         """Refuse, before any row is read (reading at most each file's first line or
         schema), sources whose columns do not fit ``opts`` (a chosen column missing, a
         file the delimiter or header setting does not fit)."""
+
+    def planned_sizes(self, args: List[str], opts: Any) -> Optional[Tuple[Schema, int, int]]:
+        """``(schema, dense inputs, rows)`` from the options alone, for a source whose rows
+        are generated (``plan`` computes from them instead of writing the rows); None:
+        ``plan`` reads the rows (files, already on disk, bound what it converts)."""
+        return None
 
     @abstractmethod
     def payload(self, args: List[str], test_paths: List[str], opts: Any) -> Dict[str, Any]:

@@ -46,6 +46,7 @@ from torchrec_cowclip.embedding.row_gradients import (
     RowSegments,
     group_rows,
 )
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.optim.functional import RowSums, adam_bias_corrections
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import COMPILE_ENV, row_step, toolchain_available
@@ -470,14 +471,14 @@ def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKerne
     built_in = rule in _FUSED_RULES
     if mode == "triton":
         if not built_in:
-            raise ValueError(
-                f"{COMPILE_ENV}=triton: the Triton kernels implement the built-in rules "
+            raise ConfigError(
+                f"the environment variable {COMPILE_ENV}=triton: the Triton kernels implement the built-in rules "
                 f"({', '.join(r.name for r in _FUSED_RULES)}), not {rule.name!r}; use "
                 f"{COMPILE_ENV}=inductor or 0 for it"
             )
         reason = triton_ops.availability(device)
         if reason is not None:
-            raise RuntimeError(f"{COMPILE_ENV}=triton: {reason}")
+            raise ConfigError(f"the environment variable {COMPILE_ENV}=triton: {reason}")
         return TritonKernel(device)
     if device.type == "cpu" and built_in:
         built = native.build()

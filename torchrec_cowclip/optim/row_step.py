@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from torchrec_cowclip.compat import mark_static_dim, recompile_limit_at_least
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.optim.functional import RowSums, cowclip_row_update_, stochastic_round
 from torchrec_cowclip.optim.options import CountLR, CowClip
 from torchrec_cowclip.optim.rules import UpdateRule, update_rule
@@ -71,7 +72,10 @@ def compiled_update_mode() -> str:
     (:func:`kernel_mode`), never per step."""
     mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
     if mode not in MODES:
-        raise ValueError(f"{COMPILE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        raise ConfigError(
+            f"the environment variable {COMPILE_ENV}={mode!r}: expected one of "
+            f"{', '.join(MODES)} (unset it for auto)"
+        )
     return mode
 
 

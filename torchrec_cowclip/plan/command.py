@@ -41,6 +41,9 @@ from torchrec_cowclip.train.scaling import RECIPES
 #: Exit status of a plan that does not fit the devices.
 EXIT_DOES_NOT_FIT = 3
 _GIB = float(1 << 30)
+#: The most memory --hbm-gb or --ddr-gb may say a device has (1 PiB: any real device
+#: holds less; a larger number is a typo, and 1e308 GB has no byte count).
+MAX_DEVICE_GB = 1 << 20
 
 DESCRIPTION = """\
 Plan a sharded training job before launching it: TorchRec's planner, run on this machine
@@ -249,6 +252,10 @@ def _check_positive(flag: str, value: Optional[float]) -> None:
 
     if value is not None and not (math.isfinite(value) and value > 0):
         raise PlanError(f"{flag} must be > 0, got {value:g}")
+    if flag.endswith("-gb") and value is not None and value > MAX_DEVICE_GB:
+        raise PlanError(
+            f"{flag} {value:g} is more than any device holds (at most {MAX_DEVICE_GB:,} GB)"
+        )
 
 
 def _validate(config: TrainConfig, parser: argparse.ArgumentParser, source: str) -> None:
@@ -344,6 +351,7 @@ def _tables(
     for the tables of ``source`` (None: the command's own ``--data``, which ``data`` is
     when the tables come from it); a table file's tables come as their list (schema
     ``None``)."""
+    from torchrec_cowclip.data.pipeline.dataset import parse_spec
     from torchrec_cowclip.plan.job import PlanError
     from torchrec_cowclip.plan.presets import PRESETS
     from torchrec_cowclip.plan.tables import read_table_file
@@ -365,6 +373,10 @@ def _tables(
         arguments = run.model_arguments()
         return run.schema, int(arguments["num_dense"]), f"run {args.run}", None
     assert data is not None
+    sized = data.kind().planned_sizes(parse_spec(data.spec)[1], data.source_options())
+    if sized is not None:  # generated rows: their sizes from the options, nothing written
+        schema, dense, rows = sized
+        return schema, dense, f"{data.spec} ({rows:,} rows, sizes from its options)", None
     dataset = data.open()  # converted once into --cache-dir, as train does
     dense = len(dataset.dense_plan.output_names)
     return dataset.schema, dense, f"{data.spec} ({len(dataset):,} rows{_ids_note(dataset)})", None

@@ -63,6 +63,7 @@ from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
+from torchrec_cowclip.readback import read_json
 from torchrec_cowclip.run.no_space import no_space
 from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
@@ -174,10 +175,10 @@ def _size(value: Any) -> Tuple[int, ...]:
 def _read_manifest(directory: Path) -> Optional[Dict[str, Any]]:
     """The manifest of ``directory`` if it is one of this format (JSON: nothing runs)."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest = read_json(directory / MANIFEST)
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if manifest.get("format") != MANIFEST_FORMAT:
         return None
     return manifest
 

@@ -97,14 +97,14 @@ from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS, EMBEDDING_DTY
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.row_step import compiled_update_mode
+from torchrec_cowclip.readback import RefusedFileError, read_json
 from torchrec_cowclip.run.checkpoints import CheckpointStore, os_reason, require_finite
 from torchrec_cowclip.run.no_space import space_checked
 from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
-    UnsafeFileError,
-    regular_file,
 )
 
 MODEL_DIR = "model"
@@ -428,23 +428,14 @@ def encoder_writer(dataset: Any) -> Callable[[Path], Dict[str, Any]]:
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
-    """A description of the folder: a plain file (no link, device or FIFO) of at most
-    :data:`MAX_DESCRIPTION_BYTES`, holding a JSON object."""
+    """A description of the folder (:func:`~torchrec_cowclip.readback.read_json`: a plain
+    file opened once, of at most :data:`MAX_DESCRIPTION_BYTES`, holding a JSON object)."""
     try:
-        size = regular_file(path).st_size
-        if size > MAX_DESCRIPTION_BYTES:
-            raise RunFolderError(
-                f"{path}: {size} bytes, more than a run folder's description has "
-                f"({MAX_DESCRIPTION_BYTES >> 20} MiB)"
-            )
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RunFolderError(f"{path}: unreadable ({_reason(e)})") from None
-    except UnsafeFileError as e:
-        raise RunFolderError(str(e).replace("refused to load: ", "")) from None
-    if not isinstance(value, dict):
-        raise RunFolderError(f"{path}: not a JSON object")
-    return value
+        return read_json(path, MAX_DESCRIPTION_BYTES)
+    except FileNotFoundError:
+        raise RunFolderError(f"{path}: missing") from None
+    except RefusedFileError as e:
+        raise RunFolderError(str(e)) from None
 
 
 def _reason(error: BaseException) -> str:
@@ -593,11 +584,14 @@ class RunFolder:
         self.data_info: Dict[str, Any] = _read_json(model_dir / DATA_FILE)
 
     @classmethod
-    def open(cls, path: Union[str, Path], verify: bool = True) -> "RunFolder":
+    def open(
+        cls, path: Union[str, Path], verify: bool = True, require_sha256: bool = False
+    ) -> "RunFolder":
         """Opens and verifies the run folder at ``path`` (the run's ``--out``, or its
         ``model/``), as the module docstring says; ``verify=False`` checks its shape and
         descriptions but neither the files' bytes nor the weights (nothing but the
-        descriptions may be used then).
+        descriptions may be used then); ``require_sha256`` refuses a format-1 folder
+        (CRC-32s, which an edit can be made to keep: docs/reliability.md).
 
         Raises:
             RunFolderError: not a run folder, another format or a newer version, a path
@@ -610,6 +604,12 @@ class RunFolder:
         model_dir = _model_dir(Path(path).expanduser())
         manifest = _read_json(model_dir / MANIFEST)
         files = _manifest_files(model_dir, manifest)
+        if require_sha256 and VERSION_DIGESTS[manifest["version"]] != SHA256:
+            raise RunFolderError(
+                f"{model_dir / MANIFEST}: format version {manifest['version']} records "
+                f"{VERSION_DIGESTS[manifest['version']]} digests, and --require-sha256 asks "
+                "for SHA-256 (format 2): retrain with this version, or drop --require-sha256"
+            )
         _check_tree(model_dir, files)
         for name in sorted(files) if verify else ():
             why = check_file(model_dir / name, files[name])
@@ -836,6 +836,7 @@ class RunFolder:
         for name, value in counts.items():
             if value > len(saved):
                 raise mismatch(f"{name} number {value}, more than its {len(saved)} tensors")
+        compiled_update_mode()  # the environment's value refused as itself, not the folder
         try:
             expected = {
                 k: tuple(v.shape)

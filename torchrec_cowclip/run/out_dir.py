@@ -195,6 +195,26 @@ def _remove(paths: Sequence[Path], say: Callable[[str], None]) -> None:
             p.unlink()
 
 
+def _refuse_unproven_start(out: Path) -> None:
+    """Refuses ``--resume auto``'s fresh start where ``checkpoints/`` holds anything but
+    this project's unfinished writes: a pointer or a directory there says an earlier
+    attempt got past a checkpoint (its manifests damaged or deleted since), so its logs
+    are not "left by an attempt that wrote none", and nothing is removed."""
+    store = CheckpointStore(out / CHECKPOINTS_DIR)
+    if not store.root.is_dir():
+        return
+    unfinished = set(store.unfinished())
+    other = [e.name for e in sorted(store.root.iterdir()) if e not in unfinished]
+    if other:
+        raise RunDirError(
+            f"--resume auto: {store.root} holds {', '.join(other[:4])}"
+            f"{' ...' if len(other) > 4 else ''} but no complete checkpoint (none has the "
+            "manifest naming its directory): an earlier attempt wrote checkpoints that are "
+            "damaged now, so nothing was removed; restore them, or add --overwrite to "
+            "start anew"
+        )
+
+
 def has_checkpoint(out: Path) -> bool:
     """Whether ``out`` holds a complete ``latest`` checkpoint (not verified here)."""
     return CheckpointStore(out / CHECKPOINTS_DIR).newest("latest") is not None
@@ -251,6 +271,7 @@ def claim_run_dir(
                     f"--out {out} holds a finished run's files ({', '.join(p.name for p in previous)}) "
                     "but no checkpoint to resume: add --overwrite to delete them or choose another --out"
                 )
+            _refuse_unproven_start(out)
             _remove(previous, say)
             say(
                 f"--resume auto: no checkpoint in {out}, starting anew; removed "

@@ -53,6 +53,7 @@ RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
         "dist_timeout_s",
         "sharding",
         "keep_checkpoints",
+        "require_sha256",
     }
 )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Dict
 
-from torchrec_cowclip.cli_help import HelpFormatter
+from torchrec_cowclip.cli_help import HelpFormatter, add_require_sha256
 
 COMMANDS = ("predict", "evaluate", "export")
 
@@ -49,6 +49,7 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
         "epoch's, kept with --val-fraction); default: those the run reported, best under "
         "--early-stop-patience, else final",
     )
+    add_require_sha256(p)
 
 
 def _reading(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,7 @@ def _predictor(args: argparse.Namespace) -> Any:
         device=args.device,
         batch_size=args.batch_size,
         quantize=args.quantize,
+        require_sha256=args.require_sha256,
     )
 
 
@@ -198,6 +200,7 @@ def _export(args: argparse.Namespace) -> Dict[str, Any]:
         fmt=args.fmt,
         raw_dense=args.dense_input == "raw",
         overwrite=args.overwrite,
+        require_sha256=args.require_sha256,
     )
     return {**report, "files": [str(p) for p in report["files"]]}
 

@@ -413,8 +413,10 @@ def export_run(
     fmt: str = "export",
     raw_dense: bool = True,
     overwrite: bool = False,
+    require_sha256: bool = False,
 ) -> Dict[str, Any]:
-    """Exports a run folder's model for serving (see the module docstring).
+    """Exports a run folder's model for serving (see the module docstring);
+    ``require_sha256`` refuses a format-1 (CRC-32) run folder.
 
     Returns:
         ``{"files": [paths], "max_abs_difference": float, "rows_checked": int}``.
@@ -438,7 +440,7 @@ def export_run(
             f"--out {out}: {present[0]} exists: add --overwrite to replace it (an export "
             f"writes {', '.join(p.name for p in names)})"
         )
-    run = RunFolder.open(run_dir)
+    run = RunFolder.open(run_dir, require_sha256=require_sha256)
     check_not_inputs("--out", out, [], run.model_dir)
     predictor = Predictor(run, weights=weights)
     module = serving_model(run, predictor.weights, table_dtype, raw_dense)

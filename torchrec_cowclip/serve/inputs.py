@@ -58,6 +58,7 @@ from torchrec_cowclip.data.parsing.columns import (
     first_line,
     guess_delimiter,
     parse_delimiter,
+    refuse_repeated_columns,
     shown_delimiter,
     split_line,
 )
@@ -279,6 +280,8 @@ class FileInput(Input):
                 where=self.run.kind.name,
             )
             has_label = layout.label in header
+            if labels:
+                refuse_repeated_columns(path, header, [layout.label])
         elif isinstance(layout.label, int) and layout.n_columns is not None:
             line = first_line(path)
             first = split_line(line, delimiter)

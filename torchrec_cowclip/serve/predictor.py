@@ -268,6 +268,7 @@ def load_model(
     device: Union[str, torch.device] = "cpu",
     batch_size: Optional[int] = None,
     quantize: Optional[str] = None,
+    require_sha256: bool = False,
 ) -> Predictor:
     """The trained model of a run folder, ready to score.
 
@@ -278,13 +279,14 @@ def load_model(
         batch_size: rows per forward (default: the run's ``--eval-batch-size``).
         quantize: score on TorchRec's quantized inference tables, ``"int8"`` or
             ``"fp16"`` (:func:`quantized_model`); default: the tables as trained.
+        require_sha256: refuse a format-1 (CRC-32) run folder.
 
     Raises:
         RunFolderError: not a run folder, a newer format, or a file changed since it was
             written (named).
     """
     return Predictor(
-        RunFolder.open(run_dir),
+        RunFolder.open(run_dir, require_sha256=require_sha256),
         weights=weights,
         device=device,
         batch_size=batch_size,

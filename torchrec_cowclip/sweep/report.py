@@ -31,6 +31,7 @@ from torchrec_cowclip.run.log import write_text_atomically
 from torchrec_cowclip.sweep.runner import (
     CELLS_DIR,
     SETTINGS_FILE,
+    SweepError,
     cell_dir,
     cell_status,
     iter_cell_records,
@@ -373,12 +374,23 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[str, Any]:
+    """:func:`cell_row`, a run's ``metrics.json`` of another shape refused in one line."""
+    try:
+        return cell_row(out, record, base_batch_size)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+        metrics = cell_dir(out, record.get("shares") or record["cell"]) / "metrics.json"
+        raise SweepError(
+            f"{metrics}: not what a run writes ({type(e).__name__}: {e}); move the cell away"
+        ) from None
+
+
 def build_report(out: Path) -> Dict[str, Any]:
     """Every cell of the sweep in ``out`` as rows, their summary, the base batch and the
     sweep's settings (``sweep.json``'s content)."""
     settings = read_json(Path(out) / SETTINGS_FILE) or {}
     base_batch_size = int((settings.get("settings") or {}).get("base_batch_size", 1024))
-    rows = [cell_row(Path(out), rec, base_batch_size) for rec in iter_cell_records(out)]
+    rows = [_row(Path(out), rec, base_batch_size) for rec in iter_cell_records(out)]
     base = base_batch(rows, base_batch_size)
     for r in rows:
         r["scale"] = r["batch_size"] / base_batch_size

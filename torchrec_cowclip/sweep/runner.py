@@ -40,6 +40,8 @@ from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from torchrec_cowclip.failures import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
+from torchrec_cowclip.readback import RefusedFileError
+from torchrec_cowclip.readback import read_json as read_back
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.run.log import write_text_atomically
 from torchrec_cowclip.run.model_folder import MANIFEST, MODEL_DIR
@@ -110,17 +112,12 @@ def cell_dir(out: Path, name: str) -> Path:
 
 def read_json(path: Path) -> Optional[Dict[str, Any]]:
     """A JSON file of the sweep, or None if absent; a damaged one is refused by name."""
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SweepError(
-            f"{path} cannot be read ({e}): restore it or move the folder away"
-        ) from None
-    if not isinstance(data, dict):
-        raise SweepError(f"{path} is not a sweep file (no JSON object): move it away")
-    return data
+        return read_back(path)
+    except FileNotFoundError:
+        return None
+    except RefusedFileError as e:
+        raise SweepError(f"{e}: restore it or move the folder away") from None
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> None:
@@ -499,4 +496,51 @@ def iter_cell_records(out: Path) -> Iterator[Dict[str, Any]]:
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
         record = read_json(d / CELL_RECORD)
         if record is not None:
-            yield record
+            yield checked_record(d, record)
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def checked_record(d: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """``record``, the ``cell.json`` of cell directory ``d``, if it has the fields and
+    types the sweep writes: it names ``d`` itself, a cell it shares lies beside it (a
+    plain name under ``cells/``), and its sizes are whole numbers.
+
+    Raises:
+        SweepError: naming the file, the field and its value.
+    """
+
+    def refuse(why: str) -> SweepError:
+        return SweepError(f"{d / CELL_RECORD}: {why}: not what the sweep writes; move it away")
+
+    if record.get("cell") != d.name:
+        raise refuse(f"'cell' is {record.get('cell')!r}, not its own folder's name {d.name!r}")
+    shares = record.get("shares")
+    if shares is not None and (
+        not isinstance(shares, str)
+        or shares in ("", ".", "..")
+        or "/" in shares
+        or "\\" in shares
+        or "\0" in shares
+        or not (d.parent / shares).is_dir()
+    ):
+        raise refuse(f"'shares' is {shares!r}, not another cell of this sweep")
+    for key, least in (("batch_size", 1), ("seed", 0)):
+        if not _whole(record.get(key), least):
+            raise refuse(f"'{key}' is {record.get(key)!r}, not a whole number >= {least}")
+    for key, kinds in (("recipe", (str,)), ("variant", (str, type(None)))):
+        if not isinstance(record.get(key), kinds):
+            raise refuse(f"'{key}' is {record.get(key)!r}, not a name")
+    if not isinstance(record.get("rates") or {}, dict):
+        raise refuse(f"'rates' is {record.get('rates')!r}, not a mapping")
+    attempts = record.get("attempts") or []
+    if not isinstance(attempts, list) or not all(
+        isinstance(a, dict)
+        and isinstance(a.get("wall_s", 0.0), (int, float))
+        and not isinstance(a.get("wall_s", 0.0), bool)
+        for a in attempts
+    ):
+        raise refuse("'attempts' is not a list of attempts with their wall_s")
+    return record

@@ -30,7 +30,7 @@ from typing import (
     get_type_hints,
 )
 
-from torchrec_cowclip.cli_help import HelpFormatter
+from torchrec_cowclip.cli_help import HelpFormatter, add_require_sha256
 from torchrec_cowclip.failures import (
     EXIT_DIVERGED,
     EXIT_ENVIRONMENT,
@@ -432,6 +432,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
     )
+    add_require_sha256(r, "with --init-from: ")
 
     t = parser.add_argument_group("distributed", "under torchrun or torchx (README, Scale out)")
     t.add_argument(

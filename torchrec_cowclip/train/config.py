@@ -28,6 +28,7 @@ from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
+from torchrec_cowclip.optim.row_step import compiled_update_mode
 from torchrec_cowclip.optim.rules import OPTIMIZERS
 from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
 from torchrec_cowclip.train.scaling import RECIPES, ScaledHyperparameters, scale_hyperparameters
@@ -120,6 +121,7 @@ class TrainConfig:
     # Warm start (train.warm_start): the weights and encoders of a finished run's folder.
     init_from: Optional[str] = None
     init_optimizer_state: bool = False
+    require_sha256: bool = False
 
     def with_data_defaults(self) -> Tuple["TrainConfig", Optional[str]]:
         """This config with the options left None that depend on the data kind filled in
@@ -215,6 +217,8 @@ class TrainConfig:
             raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
         if self.init_optimizer_state and not self.init_from:
             raise ConfigError("--init-optimizer-state carries --init-from's optimizer: give both")
+        if self.require_sha256 and not self.init_from:
+            raise ConfigError("--require-sha256 applies to --init-from's run folder: give both")
         if self.init_from is not None and not str(self.init_from).strip():
             raise ConfigError("--init-from needs a run directory, got an empty one")
         if self.resume and self.overwrite:
@@ -553,6 +557,7 @@ class TrainConfig:
         """
         process = process or ProcessContext.from_environment()
         self.validate(process)
+        compiled_update_mode()  # the environment's kernel mode, refused by name before any state
         config, said = self.with_data_defaults()
         return config._resolved(said, process)
 
@@ -638,6 +643,7 @@ class RunSettings:
     dist_timeout_s: float
     init_from: Optional[str]
     init_optimizer_state: bool
+    require_sha256: bool
 
 
 #: Config fields a scaling recipe fills in when left None -> the resolved value's field

@@ -59,13 +59,17 @@ class Progress:
     epoch_wall_seconds: float = 0.0
     rows_updated_before_epoch: int = 0
     rows_clipped_before_epoch: int = 0
+    # The epoch's running loss (steps.csv, the progress bar): an exponential average,
+    # kept here so that a resumed run continues it rather than starting it again.
+    running_loss: Optional[float] = None
     # Seconds of every evaluation pass so far, and how many (for the run's ETA).
     eval_seconds: float = 0.0
     evaluations: int = 0
 
-    def step_done(self, seconds: float, samples: int, loss: float, helen: Any = None) -> None:
+    def step_done(self, seconds: float, samples: int, loss: float, helen: Any = None) -> float:
         """Counts one training step of the global batch: its ``seconds``, ``samples``,
-        mean ``loss`` and, for a Helen step, its cost (``HelenCost``)."""
+        mean ``loss`` and, for a Helen step, its cost (``HelenCost``); returns the epoch's
+        running loss."""
         self.train_seconds += seconds
         self.epoch_train_seconds += seconds
         self.epoch_samples += samples
@@ -74,8 +78,13 @@ class Progress:
             self.helen_first_pass_s += helen.first_pass_s
             self.helen_extra_s += helen.extra_s
         self.train_samples += samples
+        if self.running_loss is None:
+            self.running_loss = loss
+        else:
+            self.running_loss = 0.98 * self.running_loss + 0.02 * loss
         self.global_step += 1
         self.batch_in_epoch += 1
+        return self.running_loss
 
     def validated(self, auc: Optional[float], patience: int) -> bool:
         """Counts this epoch's validation AUC; whether it is the best so far (an undefined
@@ -96,6 +105,7 @@ class Progress:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.epoch_samples, self.epoch_loss_sum = 0, 0.0
+        self.running_loss = None
         self.epoch_train_seconds, self.epoch_wall_seconds = 0.0, 0.0
         self.rows_updated_before_epoch = rows_updated or 0
         self.rows_clipped_before_epoch = rows_clipped or 0

@@ -251,7 +251,6 @@ class Trainer:
             initial=p.batch_in_epoch,
             desc=f"epoch {p.epoch + 1}/{cfg.epochs}",
         )
-        running = None
         t_last, samples_since = time.perf_counter(), 0
         wall_start = time.perf_counter()
         # This process's mean step time, for the run's ETA (a resumed run has no other).
@@ -281,9 +280,10 @@ class Trainer:
                     )
                 step_s = time.perf_counter() - t0
                 steps_here, step_seconds_here = steps_here + 1, step_seconds_here + step_s
-                p.step_done(step_s, n, loss_value, None if helen is None else helen.last_helen_cost)
+                running = p.step_done(
+                    step_s, n, loss_value, None if helen is None else helen.last_helen_cost
+                )
                 samples_since += n
-                running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
                 if p.global_step % cfg.log_every == 0:
                     now = time.perf_counter()
                     rate = samples_since / max(now - t_last, 1e-9)

@@ -103,6 +103,7 @@ NOT_INHERITED_SETTINGS = frozenset(
         "overwrite",
         "init_from",
         "init_optimizer_state",
+        "require_sha256",
         "cache_dir",
         "device",
         "threads",
@@ -255,7 +256,7 @@ class WarmStart:
                 f"--init-from {path} is this run's --out: write the warm-started run "
                 "to another --out"
             )
-        run = RunFolder.open(path)
+        run = RunFolder.open(path, require_sha256=settings.run.require_sha256)
         check_command(run, settings)
         return cls(run, settings)
 

@@ -235,4 +235,24 @@ def check_file_columns(
                 f"{shown_delimiter(other)} splits it: give --delimiter {shown_delimiter(other)})"
             )
     _check_known(f"{where}: {path}", fields, wanted, hint)
+    refuse_repeated_columns(path, fields, [n for names in wanted.values() for n in names])
     return fields
+
+
+def refuse_repeated_columns(
+    path: Union[str, Path], header: Sequence[str], read: Sequence[Optional[str]]
+) -> None:
+    """Refuses a header that names a column to be ``read`` more than once: which of the
+    two holds the values is anybody's guess, so neither is read silently.
+
+    Raises:
+        DataOptionError: naming the column and its positions (1-based).
+    """
+    for name in dict.fromkeys(n for n in read if n is not None):
+        at = [i + 1 for i, field in enumerate(header) if field == name]
+        if len(at) > 1:
+            raise DataOptionError(
+                f"{path}:1 names the column {name!r} {len(at)} times (fields "
+                f"{', '.join(map(str, at))}): rename all but one, so the column read is the "
+                "one meant"
+            )

@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import time
 import zlib
@@ -58,12 +57,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, BinaryIO, Optional, Union
 
 import numpy as np
 
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
+from torchrec_cowclip.readback import RefusedFileError, open_member, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,9 @@ def _stat_key(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, 
 
 def _read_memo(memo: Path) -> dict[str, Any]:
     try:
-        entries = json.loads(memo.read_text())
+        return read_json(memo)
     except (OSError, ValueError):
-        return {}  # absent or damaged: the digests are computed again
-    return entries if isinstance(entries, dict) else {}
+        return {}  # absent, damaged, a link or a FIFO: the digests are computed again
 
 
 def _write_memo(memo: Path, path: str, record: dict[str, Any]) -> None:
@@ -198,46 +197,44 @@ def cache_key(payload: Mapping[str, Any]) -> str:
 
 
 def read_meta(entry: Union[str, Path]) -> dict[str, Any]:
-    """The ``meta.json`` of a cache entry."""
-    with open(Path(entry) / META_FILE) as f:
-        meta: dict[str, Any] = json.load(f)
-    return meta
+    """The ``meta.json`` of a cache entry (:func:`~torchrec_cowclip.readback.read_json`).
+
+    Raises:
+        FileNotFoundError: the entry has none.
+        RefusedFileError: it is not the JSON object the cache writes.
+    """
+    return read_json(Path(entry) / META_FILE)
 
 
-def _crc(path: Path, offset: int = 0) -> tuple[int, str]:
-    """``(bytes read, CRC-32)`` of ``path`` from ``offset`` on."""
+def _digest_read(kind: str, f: BinaryIO, offset: int = 0) -> tuple[int, str]:
+    """``(bytes read, digest)`` of the open file ``f`` from ``offset`` on, streamed in
+    8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers): CRC-32
+    (the cache's and the checkpoints' own files, against accidents) or SHA-256 (files
+    that travel: run folders; the sources a cache key names). Its cost:
+    docs/performance.md, "Source digests"."""
+    h = hashlib.sha256() if kind == SHA256 else None
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while chunk := f.read(_READ_BYTES):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return size, f"{crc:08x}"
+    f.seek(offset)
+    while chunk := f.read(_READ_BYTES):
+        if h is None:
+            crc = zlib.crc32(chunk, crc)
+        else:
+            h.update(chunk)
+        size += len(chunk)
+    return size, f"{crc:08x}" if h is None else h.hexdigest()
 
 
 def sha256_of(path: Union[str, Path], offset: int = 0) -> tuple[int, str]:
-    """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on, streamed in
-    8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers). Its cost:
-    docs/performance.md, "Source digests"."""
-    h, size = hashlib.sha256(), 0
+    """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on."""
     with open(path, "rb") as f:
-        f.seek(offset)
-        while chunk := f.read(_READ_BYTES):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-def _digest(kind: str, path: Path, offset: int = 0) -> tuple[int, str]:
-    """``(bytes read, digest)``: a record's digest is CRC-32 (the cache's and the
-    checkpoints' own files, against accidents) or SHA-256 (files that travel: run
-    folders; the sources a cache key names)."""
-    return sha256_of(path, offset) if kind == SHA256 else _crc(path, offset)
+        return _digest_read(SHA256, f, offset)
 
 
 def file_record(path: Path, digest: str = CHECKSUM) -> dict[str, Any]:
     """Size and digest (``"crc32"`` or ``"sha256"``) of a file written without a
     checksum of its own (e.g. ``.npz``)."""
-    size, value = _digest(digest, path)
+    with open_member(path) as (f, _):
+        size, value = _digest_read(digest, f)
     return {"bytes": size, digest: value}
 
 
@@ -249,28 +246,34 @@ def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> 
     their digest (the record's SHA-256 if it has one, else its CRC-32).
     """
     try:
-        st = path.stat()
+        with open_member(path) as (f, st):
+            return _file_differs(f, st, record, checksum)
     except FileNotFoundError:
         return "missing"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"  # a device or FIFO would never end a read
+    except RefusedFileError as e:  # a link, a device or a FIFO (which never ends a read)
+        return str(e).partition(": refused: ")[2]
+
+
+def _file_differs(
+    f: BinaryIO, st: os.stat_result, record: Mapping[str, Any], checksum: bool
+) -> Optional[str]:
+    """:func:`check_file` on the file it opened."""
     size = st.st_size
     if size != record["bytes"]:
         return f"size {size} bytes, expected {record['bytes']}"
     if "shape" in record:
-        with open(path, "rb") as f:
-            try:
-                np.lib.format.read_magic(f)
-                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-            except ValueError as e:
-                return f"unreadable header ({e})"
+        try:
+            np.lib.format.read_magic(f)
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        except ValueError as e:
+            return f"unreadable header ({e})"
         if list(shape) != list(record["shape"]) or dtype.str != record["dtype"]:
             return (
                 f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
             )
     if checksum:
         digest = SHA256 if SHA256 in record else CHECKSUM
-        if _digest(digest, path, record.get("data_offset", 0))[1] != record[digest]:
+        if _digest_read(digest, f, record.get("data_offset", 0))[1] != record[digest]:
             return "checksum mismatch"
     return None
 

@@ -678,6 +678,16 @@ class SyntheticSource(
                 f"{self.name}: takes no test files (--test-data), got {list(test_paths)}"
             )
 
+    def planned_sizes(
+        self, args: List[str], opts: SyntheticOptions
+    ) -> Optional[Tuple[Schema, int, int]]:
+        """The tables from the options: no row is generated, no planted model built (its
+        dense inputs are its 13 columns: the generator's rows take no missing-value
+        indicators)."""
+        rows = parse_rows(self.name, args[0])
+        schema = opts.config(rows).schema()
+        return schema, schema.n_dense, rows
+
     def payload(
         self, args: List[str], test_paths: List[str], opts: SyntheticOptions
     ) -> Dict[str, Any]:
