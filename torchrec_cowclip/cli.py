@@ -89,7 +89,7 @@ def _main(argv: Optional[Sequence[str]], process: ProcessContext) -> int:
             print(json.dumps(summary, indent=2, default=str))
         return 0
     with exiting_on_failure(args.command):
-        settings, said = command_settings(parser, args, argv, process)
+        settings, said = command_settings(args, argv, process)
     return run_train(settings, said)
 
 
