@@ -72,13 +72,17 @@ def _zipf(rng: np.random.Generator, n: int, k: int, a: float = 1.0) -> np.ndarra
     return rng.choice(k, size=n, p=p / p.sum())
 
 
-def _times(rng: np.random.Generator, n: int, weeks: float, peak_hours: Sequence[int]) -> np.ndarray:
-    """Unix seconds over ``weeks`` weeks, busier at ``peak_hours``."""
+def _times(
+    rng: np.random.Generator, n: int, weeks: float, peak_hours: Sequence[int]
+) -> Dict[str, np.ndarray]:
+    """Unix seconds over ``weeks`` weeks, busier at ``peak_hours``, with their hour of day
+    and day of week (0 Monday)."""
     day = rng.integers(0, int(weeks * 7), n)
     weights = np.ones(24)
     weights[list(peak_hours)] += 2.0
     hour = rng.choice(24, size=n, p=weights / weights.sum())
-    return START + day * 86400 + hour * 3600 + rng.integers(0, 3600, n)
+    ts = START + day * 86400 + hour * 3600 + rng.integers(0, 3600, n)
+    return {"ts": ts, "hour": (ts // 3600) % 24, "weekday": ((ts // 86400) + 3) % 7}
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -90,9 +94,7 @@ def _auc(y: np.ndarray, p: np.ndarray) -> float:
 
 
 def _clicks(rng: np.random.Generator, n: int, weeks: float, new: bool) -> Dict[str, Any]:
-    ts = _times(rng, n, weeks, (12, 13, 19, 20, 21))
-    hour = (ts // 3600) % 24
-    weekday = ((ts // 86400) + 3) % 7
+    times = _times(rng, n, weeks, (12, 13, 19, 20, 21))
     user = _zipf(rng, n, 60_000, 1.05)
     zipc = _zipf(rng, n, 1_500)
     site, ad = _zipf(rng, n, 300), _zipf(rng, n, 2_000)
@@ -101,9 +103,7 @@ def _clicks(rng: np.random.Generator, n: int, weeks: float, new: bool) -> Dict[s
     price = rng.lognormal(3.0, 1.5, n)
     num_a, num_b = rng.poisson(4.0, n).astype(float), rng.normal(0.0, 1.0, n)
     return dict(
-        ts=ts,
-        hour=hour,
-        weekday=weekday,
+        **times,
         user=user,
         zip=zipc,
         site=site,
@@ -127,9 +127,7 @@ def _clicks_logit(c: Dict[str, Any], eff: Dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _sessions(rng: np.random.Generator, n: int, weeks: float, new: bool) -> Dict[str, Any]:
-    ts = _times(rng, n, weeks, (7, 8, 22, 23))
-    hour = (ts // 3600) % 24
-    weekday = ((ts // 86400) + 3) % 7
+    times = _times(rng, n, weeks, (7, 8, 22, 23))
     item = _zipf(rng, n, 30_000, 0.9)
     device = rng.integers(0, 3, n)
     country = _zipf(rng, n, 80)
@@ -137,16 +135,7 @@ def _sessions(rng: np.random.Generator, n: int, weeks: float, new: bool) -> Dict
     x = rng.normal(0.0, 1.0, (n, 5))
     x[:, 1] = rng.exponential(2.0, n)
     x[:, 3] = rng.poisson(1.0, n)
-    return dict(
-        ts=ts,
-        hour=hour,
-        weekday=weekday,
-        item=item,
-        device=device,
-        country=country,
-        version=version,
-        x=x,
-    )
+    return dict(**times, item=item, device=device, country=country, version=version, x=x)
 
 
 def _sessions_logit(c: Dict[str, Any], eff: Dict[str, np.ndarray]) -> np.ndarray:

@@ -159,6 +159,7 @@ ROWS: Dict[str, tuple] = {
     "--no-header": (_headerless("--no-header", "--columns", ALL_COLUMNS), {TABLE_TEXT}),
     "--columns": (_headerless("--columns", ALL_COLUMNS), {TABLE_TEXT}),
     "--na-values": (["--na-values", "N/A,-"], {"table"}),
+    "--time-columns": (["--time-columns", "I1"], {"table"}),
     "--label": (_by_kind(["--label", "click"], ["--label", "label"]), {"avazu", "table"}),
     "--dense": (_by_kind(["--dense", "hour"], ["--dense", "I1,I2"]), {"avazu", "table"}),
     "--sparse": (_by_kind(["--sparse", "C1,site_id"], ["--sparse", "C1,C2"]), {"avazu", "table"}),

@@ -476,3 +476,90 @@ def test_a_learning_rate_search_draws_the_same_table_and_plots(tmp_path):
     assert sum("base" in line for line in table.splitlines()[1:]) == 2  # one base row each
     paths = write_plots(built, tmp_path)
     assert all(p.read_bytes()[:8] == PNG for p in paths.values())
+
+
+def test_a_learning_rate_search_chooses_on_validation_and_plots_against_the_rate(tmp_path):
+    """The issue's case: the table's best AUC was test AUC, the cells' epochs were not
+    shown, and sweep_auc.png had batch size on its x axis with one point and two panels
+    of zeros. Now the validation AUC that chose each epoch is a column, the best cell is
+    chosen by it (test AUC beside it, named), each cell's epochs are shown, and the
+    figure plots validation and test AUC against --lr-embed on plain log ticks."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from torchrec_cowclip.sweep.plots import (
+        curves_figure,
+        rates_figure,
+        searched_rate,
+        time_figure,
+        write_plots,
+    )
+
+    (tmp_path / report.SETTINGS_FILE).write_text(
+        json.dumps({"settings": {"base_batch_size": 1024, "epochs": 6,
+                                 "early_stop_patience": 2}})
+    )  # fmt: skip
+    # lr 1e-3: better on validation, worse on test; lr 1e-2 the other way round.
+    runs = {1e-3: ([0.70, 0.74, 0.73, 0.72], [0.71, 0.72, 0.74, 0.73]),
+            1e-2: ([0.72, 0.71, 0.70], [0.76, 0.75, 0.74])}  # fmt: skip
+    for rate, (val, test) in runs.items():
+        name = f"b1024-paper-le{rate:g}-s0"
+        run = tmp_path / "cells" / name
+        run.mkdir(parents=True)
+        record = {"cell": name, "batch_size": 1024, "recipe": "paper", "seed": 0,
+                  "rates": {"lr_embed": rate}, "variant": f"paper --lr-embed {rate:g}"}  # fmt: skip
+        (run / "cell.json").write_text(json.dumps(record))
+        metrics = {"epoch_auc": test, "epoch_val_auc": val, "epoch_logloss": [0.5] * len(val),
+                   "epochs": len(val), "steps": 10, "train_samples": 10_000,
+                   "train_samples_per_s": 1e4, "rows_updated": 100, "rows_clipped": 0,
+                   "load_average": [1.0, 2.5, 3.0], "hyperparameters": {}}  # fmt: skip
+        (run / "metrics.json").write_text(json.dumps(metrics))
+        rows = "".join(
+            f"{e + 1},{e + 1},{(e + 1) * 150_000},{t},{v},0.5\n"
+            for e, (t, v) in enumerate(zip(test, val))
+        )
+        (run / "epochs.csv").write_text(
+            "epoch,step,train_samples,test_auc,val_auc,train_loss\n" + rows
+        )
+    built = report.build_report(tmp_path)
+    cells = {c["rates"]["lr_embed"]: c for c in built["cells"]}
+    assert (cells[1e-3]["best_epoch"], cells[1e-3]["best_val_auc"], cells[1e-3]["best_auc"]) == (
+        2, 0.74, 0.72)  # fmt: skip
+    assert cells[1e-3]["epochs"] == 4 and cells[1e-2]["epochs"] == 3
+    assert cells[1e-3]["load"] == 2.5
+    line = report.best_cell(built["summary"])
+    assert line == (
+        "best cell by validation AUC: paper --lr-embed 0.001 at batch 1024 (validation "
+        "0.7400, test 0.7200)"
+    )
+    table = report.format_table(built["summary"], 1024).splitlines()
+    assert "epochs" in table[0] and "val AUC" in table[0] and "test AUC" in table[0]
+    assert " 4 " in table[1] and "0.7400" in table[1] and "0.7200" in table[1]
+    assert "up to 6 epoch(s)" in report.title(built)
+    assert searched_rate(built["cells"]) == "lr_embed"
+    fig = rates_figure(built, "lr_embed")
+    (ax,) = fig.axes[:1]
+    assert len([a for a in fig.axes if a.has_data()]) == 1  # no panel of zeros
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "--lr-embed (batch 1024)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.01"]
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["paper s0: test", "paper s0: validation"]
+    curves = curves_figure(built, tmp_path)
+    auc_ax = curves.axes[0]
+    assert auc_ax.get_ylabel() == "validation AUC" and "star: best epoch" in auc_ax.get_title()
+    stars = [line for ax in curves.axes for line in ax.get_lines() if line.get_marker() == "*"]
+    assert sorted(float(line.get_ydata()[0]) for line in stars) == [0.72, 0.74]
+    FigureCanvasAgg(curves).draw()
+    ticks = [t.get_text() for t in auc_ax.get_xticklabels() if t.get_text()]
+    assert ticks and not any("e+" in t for t in ticks), ticks
+    assert (
+        "load average (5 min) as the cells ended: 2.5-2.5"
+        in time_figure(built)._suptitle.get_text()
+    )
+    paths = write_plots(built, tmp_path)
+    assert all(p.read_bytes()[:8] == PNG for p in paths.values())
+    (tmp_path / "cells" / "b1024-paper-le0.01-s0" / "metrics.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "cells" / "b1024-paper-le0.01-s0" / "metrics.json").read_text()),
+         "epoch_val_auc": []}))  # fmt: skip
+    line = report.best_cell(report.build_report(tmp_path)["summary"])
+    assert line.startswith("best cell by test AUC: paper --lr-embed 0.01 at batch 1024 (0.7600)")
+    assert "made on the test set" in line

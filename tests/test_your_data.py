@@ -448,3 +448,34 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     # Two steps an epoch from a 50% start: far above the 27% rate, and said so.
     assert metrics["calibration"] > 1.05
     assert f"predict {metrics['calibration'] - 1:.0%} above the test split's positive" in err
+
+
+def test_values_outside_training_are_counted_at_scoring_and_output_folders_made(tmp_path, capsys):
+    """The issue's case: a standardized timestamp's next week lies outside everything the
+    model saw, and neither predict nor evaluate said so. Now both count, per dense
+    column, the rows outside the training range after the transform (console and
+    JSON); predict --output into a missing folder creates it."""
+    _timestamps(tmp_path / "log.csv", 2000, seed=3)
+    _train_log(tmp_path, "ts", "run", "--dense-transform", "ts=standardize")
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    week = [rows[0]] + [f"{c},{int(float(t)) + 30 * 86400},{s}" for c, t, s in
+                        (r.split(",") for r in rows[1:101])]  # fmt: skip
+    (tmp_path / "next.csv").write_text("\n".join(week) + "\n")
+    out = tmp_path / "new" / "folder" / "scores.csv"
+    capsys.readouterr()
+    argv = ["predict", "--run", str(tmp_path / "run"), "--data", str(tmp_path / "next.csv")]
+    assert main([*argv, "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outside_training_range"] == {"ts": 100}
+    assert "dense values outside the training range (after the transform)" in captured.err
+    assert "of 100 rows: ts 100 (100.0%)" in captured.err, captured.err
+    assert len(out.read_text().splitlines()) == 101
+    argv = ["evaluate", "--run", str(tmp_path / "run"), "--data", str(tmp_path / "log.csv")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outside_training_range"]["ts"] <= 40  # test rows only
+    (tmp_path / "file").write_text("")
+    argv = ["predict", "--run", str(tmp_path / "run"), "--data", str(tmp_path / "next.csv")]
+    with pytest.raises(SystemExit):
+        main([*argv, "--output", str(tmp_path / "file" / "scores.csv")])
+    assert "is a file, not a directory" in capsys.readouterr().err

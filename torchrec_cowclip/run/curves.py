@@ -97,12 +97,14 @@ def short_number(value: float) -> str:
 
     Example::
 
-        >>> [short_number(v) for v in (7.0, 0.5, 1500, 20000, 1234567, 3e9)]
-        ['7', '0.5', '1.5K', '20K', '1.2M', '3G']
+        >>> [short_number(v) for v in (7.0, 0.5, 1500, 20000, 153000, 1234567, 3e9)]
+        ['7', '0.5', '1.5K', '20K', '153K', '1.2M', '3G']
     """
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
         if abs(value) >= scale:
-            return f"{value / scale:.2g}{suffix}"
+            scaled = value / scale
+            # Two significant digits, but never an exponent: 153K, not 1.5e+02K.
+            return (f"{scaled:.2g}" if abs(scaled) < 100 else f"{scaled:.0f}") + suffix
     return f"{value:.3g}"
 
 

@@ -170,15 +170,16 @@ def _predict(args: argparse.Namespace) -> Dict[str, Any]:
         "weights": predictor.weights,
         "out_of_range_ids": predictor.out_of_range,
         "unseen_values": predictor.unseen,
+        "outside_training_range": predictor.outside,
     }
 
 
 def _say_unseen(predictor: Any) -> None:
     import sys
 
-    line = predictor.unseen_summary()
-    if line is not None:
-        print(f"torchrec-cowclip: {line}", file=sys.stderr)
+    for line in (predictor.unseen_summary(), predictor.outside_summary()):
+        if line is not None:
+            print(f"torchrec-cowclip: {line}", file=sys.stderr)
 
 
 def _evaluate(args: argparse.Namespace) -> Dict[str, Any]:

@@ -63,6 +63,7 @@ from torchrec_cowclip.data.parsing.columns import (
     split_line,
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
+from torchrec_cowclip.data.parsing.dense import stored_values
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
 from torchrec_cowclip.data.parsing.rows import (
     RowBlock,
@@ -97,6 +98,8 @@ class EncodedBlock:
         out_of_range: how many ids were outside their table (scored as row 0).
         unseen: per categorical column, the values (not missing) its vocabulary lacks,
             scored with the out-of-vocabulary row; None for hashed ids (no vocabulary).
+        outside: per dense column, the values outside the training range after the
+            transform (scored as they are); None where the run recorded no range.
     """
 
     dense: torch.Tensor
@@ -105,6 +108,7 @@ class EncodedBlock:
     keep: Optional[np.ndarray] = None
     out_of_range: int = 0
     unseen: Optional[np.ndarray] = None
+    outside: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -137,7 +141,8 @@ class RunEncoder:
         n_outside = int(outside.sum())
         if n_outside:
             ids[outside] = FALLBACK_ID
-        dense = self.plan.transform(block.dense)
+        stored = stored_values(block.dense, self.plan.transforms, clip_before=self.plan.clip_before)
+        dense = self.plan.apply(stored)
         return EncodedBlock(
             dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             ids=torch.from_numpy(np.ascontiguousarray(ids)),
@@ -145,6 +150,7 @@ class RunEncoder:
             keep=keep,
             out_of_range=n_outside,
             unseen=unseen,
+            outside=self.plan.outside(stored),
         )
 
     def numbers_for_text(self, column: int, values: np.ndarray) -> Optional[str]:

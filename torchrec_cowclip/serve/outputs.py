@@ -52,7 +52,8 @@ SCORE_COLUMN = "probability"
 
 def check_output(path: Union[str, Path], overwrite: bool = False) -> Path:
     """Refuses, before anything is scored, an output of an unknown format, a directory,
-    an existing file without ``overwrite``, or one in a missing directory."""
+    an existing file without ``overwrite``, or one under a file. A missing directory is
+    created when the writer starts (:class:`ScoreWriter`), as ``--out`` is."""
     path = Path(path).expanduser()
     suffix = path.suffix.lower()
     if suffix not in CSV_SUFFIXES + PARQUET_SUFFIXES:
@@ -63,8 +64,9 @@ def check_output(path: Union[str, Path], overwrite: bool = False) -> Path:
         raise DataOptionError(f"--output {path} is a directory: name a file")
     if path.exists() and not overwrite:
         raise DataOptionError(f"--output {path} exists: add --overwrite to replace it")
-    if not path.parent.is_dir():
-        raise DataOptionError(f"--output {path}: directory {path.parent} does not exist")
+    above = next(p for p in path.parents if p.exists() or p == p.parent)
+    if not above.is_dir():
+        raise DataOptionError(f"--output {path}: {above} is a file, not a directory")
     return path
 
 
@@ -167,6 +169,7 @@ class ScoreWriter:
         self._lock: Optional[RunDirLock] = None
 
     def __enter__(self) -> "ScoreWriter":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = claim_output("--output", self.path, [f".{self.path.name}.tmp-*"])
         try:
             if self.path.exists() and not self.overwrite:

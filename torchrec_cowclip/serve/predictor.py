@@ -96,6 +96,10 @@ class Predictor:
         #: Per categorical column, the values of the last pass its vocabulary lacks
         #: (scored with the out-of-vocabulary row); None where ids are hashed.
         self.unseen: Optional[Dict[str, int]] = None
+        self.dense_names: List[str] = list(run.schema.dense_names)
+        #: Per dense column, the values of the last pass outside the training range after
+        #: the transform; None where the run folder records no range (an older run).
+        self.outside: Optional[Dict[str, int]] = None
         #: Rows of the last pass.
         self.rows = 0
 
@@ -115,7 +119,7 @@ class Predictor:
         """Fixed-size batches (the last one shorter) cut from a stream of blocks."""
         pending: List[EncodedBlock] = []
         size = 0
-        self.out_of_range, self.rows, self.unseen = 0, 0, None
+        self.out_of_range, self.rows, self.unseen, self.outside = 0, 0, None, None
 
         def cut(n: int) -> Tuple[Batch, Optional[np.ndarray]]:
             nonlocal pending, size
@@ -137,6 +141,11 @@ class Predictor:
                 for name, n in zip(self.keys, block.unseen.tolist()):
                     counts[name] += int(n)
                 self.unseen = counts
+            if block.outside is not None:
+                outside = self.outside or dict.fromkeys(self.dense_names, 0)
+                for name, n in zip(self.dense_names, block.outside.tolist()):
+                    outside[name] += int(n)
+                self.outside = outside
             pending.append(block)
             size += len(block)
             while size >= self.batch_size:
@@ -207,22 +216,36 @@ class Predictor:
             **metrics,
             "out_of_range_ids": self.out_of_range,
             "unseen_values": self.unseen,
+            "outside_training_range": self.outside,
             "weights": self.weights,
             "tables": self.quantize or "as trained",
         }
 
+    def outside_summary(self) -> Optional[str]:
+        """One line naming the dense columns of the last pass with values outside the
+        training range after the transform (None when there were none): a model
+        extrapolates there (a standardized timestamp's next week)."""
+        return self._counted(
+            self.outside,
+            "dense values outside the training range (after the transform), scored as they are",
+        )
+
     def unseen_summary(self) -> Optional[str]:
         """One line naming the columns of the last pass with values the vocabulary lacks
         (None when there were none)."""
-        seen = {k: n for k, n in (self.unseen or {}).items() if n}
+        return self._counted(
+            self.unseen,
+            "categorical values never seen in training, scored with the out-of-vocabulary row",
+        )
+
+    def _counted(self, counts: Optional[Dict[str, int]], what: str) -> Optional[str]:
+        """``what``, of the last pass's rows, per column with a count (None if none has)."""
+        seen = {k: n for k, n in (counts or {}).items() if n}
         if not seen:
             return None
         rows = max(self.rows, 1)
         shown = ", ".join(f"{k} {n:,} ({n / rows:.1%})" for k, n in seen.items())
-        return (
-            f"categorical values never seen in training, scored with the out-of-vocabulary "
-            f"row, of {self.rows:,} rows: {shown}"
-        )
+        return f"{what}, of {self.rows:,} rows: {shown}"
 
 
 def _progress_bar(desc: str, enabled: bool) -> tqdm:

@@ -318,8 +318,13 @@ def _result(row: Dict[str, Any]) -> str:
         return ""
     clipped = row["clipped_fraction"]
     return (
-        f": best AUC {row['best_auc']:.4f} (epoch {row['best_epoch']}, by {row['best_by']}), "
-        f"last {row['last_auc']:.4f}, {row['epochs']} epoch(s), {row['wall_s']:.0f} s"
+        (
+            f": validation AUC {row['best_val_auc']:.4f}, test AUC {row['best_auc']:.4f} "
+            if row["best_by"] == "val"
+            else f": test AUC {row['best_auc']:.4f} (chosen on test: no validation split) "
+        )
+        + f"(epoch {row['best_epoch']}), last test AUC {row['last_auc']:.4f}, "
+        f"{row['epochs']} epoch(s), {row['wall_s']:.0f} s"
         + (f", {100 * clipped:.3g}% row updates clipped" if clipped is not None else "")
     )
 
@@ -338,10 +343,11 @@ def _report(out: Path) -> int:
     base = report["sweep"]["base_batch"]
     print(f"\n{reporting.title(report)}")
     print(
-        f"test AUC (mean ± sd over seeds); change: {report['sweep']['changes']}, "
+        f"AUC: mean ± sd over seeds; change: {report['sweep']['changes']}, "
         "mean (min..max) over seeds; best epoch: by validation AUC with --val-fraction, "
         "else by test AUC"
     )
     print(reporting.format_table(report["summary"], base))
+    print(reporting.best_cell(report["summary"]))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0

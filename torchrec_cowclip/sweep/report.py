@@ -3,7 +3,10 @@ per recipe and batch size over seeds, and the table the console and ``sweep.md``
 
 The *best* epoch of a cell is the one with the best validation AUC when the run has a
 validation split (``--val-fraction``: the epoch a user would keep), else the one with the
-best test AUC (``best_by`` says which). AUC changes are in AUC points (x100) against the
+best test AUC (``best_by`` says which). ``best_val_auc`` is the validation AUC that chose
+it, ``best_auc`` that epoch's *test* AUC; the best cell is chosen by validation AUC too
+(:func:`best_cell`), and where a cell has no validation split the report says the choice
+is on the test set. AUC changes are in AUC points (x100) against the
 cell of the same recipe and seed at the base batch (``--base-batch-size`` when the sweep
 ran it, else its smallest batch size).
 
@@ -54,6 +57,7 @@ CSV_COLUMNS = (
     "train_samples",
     "best_epoch",
     "best_by",
+    "best_val_auc",
     "best_auc",
     "best_logloss",
     "last_auc",
@@ -61,6 +65,7 @@ CSV_COLUMNS = (
     "best_auc_change",
     "last_auc_change",
     "wall_s",
+    "load",
     "train_s",
     "train_s_per_epoch",
     "samples_per_s",
@@ -123,12 +128,14 @@ def cell_row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[st
         shares=record.get("shares"),
         wall_s=_wall_s(run_record),
         best_auc=NAN,
+        best_val_auc=NAN,
         last_auc=NAN,
     )
     metrics = read_json(run / "metrics.json")
     if metrics is None or not metrics.get("epoch_auc"):
         return row
     best, best_by = _best_epoch(metrics)
+    val = metrics.get("epoch_val_auc") or []
     train_s = metrics["train_samples"] / max(metrics["train_samples_per_s"], 1e-9)
     hp = metrics.get("hyperparameters") or {}
     updated, clipped = metrics.get("rows_updated"), metrics.get("rows_clipped")
@@ -138,11 +145,14 @@ def cell_row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[st
         train_samples=metrics["train_samples"],
         best_epoch=best + 1,
         best_by=best_by,
+        best_val_auc=_auc_value(val[best]) if best_by == "val" else NAN,
         best_auc=_auc_value(metrics["epoch_auc"][best]),
         best_logloss=metrics["epoch_logloss"][best],
         last_auc=_auc_value(metrics["epoch_auc"][-1]),
         last_logloss=metrics["epoch_logloss"][-1],
         train_s=train_s,
+        # The 5-minute load average as the cell ended (None for older runs).
+        load=(metrics.get("load_average") or [None, None])[1],
         train_s_per_epoch=train_s / max(metrics["epochs"], 1),
         samples_per_s=metrics["train_samples_per_s"],
         rows_updated=updated,
@@ -233,7 +243,12 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 "seeds_done": len(done),
                 "statuses": sorted({r["status"] for r in group}),
             }
+            record["chosen_on"] = (
+                "validation" if done and all(r.get("best_by") == "val" for r in done) else "test"
+            )
             for key in (
+                "epochs",
+                "best_val_auc",
                 "best_auc",
                 "last_auc",
                 "best_auc_change",
@@ -274,14 +289,23 @@ def _seeds(s: Dict[str, Any]) -> str:
     return text + (f" {','.join(others)}" if others else "")
 
 
+def _epochs(s: Dict[str, Any]) -> str:
+    low, high = s["epochs_min"], s["epochs_max"]
+    if not math.isfinite(low):
+        return "-"
+    return f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
+
+
 TABLE_HEADERS = (
     "recipe",
     "batch",
     "x base",
     "seeds",
-    "best AUC",
+    "epochs",
+    "val AUC",
+    "test AUC",
     "change, points",
-    "last AUC",
+    "last test AUC",
     "change, points ",
     "clipped",
     "s/epoch",
@@ -299,6 +323,8 @@ def table_rows(summary: Sequence[Dict[str, Any]], base: int) -> List[List[str]]:
                 f"{s['batch_size']}",
                 f"{s['scale']:g}",
                 _seeds(s),
+                _epochs(s),
+                _auc(s, "best_val_auc"),
                 _auc(s, "best_auc"),
                 _change(s, "best_auc_change", base),
                 _auc(s, "last_auc"),
@@ -317,21 +343,26 @@ def table_rows(summary: Sequence[Dict[str, Any]], base: int) -> List[List[str]]:
 
 def format_table(summary: Sequence[Dict[str, Any]], base: int, markdown: bool = False) -> str:
     """The summary as aligned text (or a Markdown table): per recipe and batch size, the
-    seeds done, best- and last-epoch test AUC (mean ± sd over seeds), their change against
-    the base batch in AUC points (mean (min..max) over seeds), the share of row updates
-    clipped, training seconds per epoch and training samples per second.
+    seeds done, the epochs trained (min-max over seeds: early stopping ends cells at
+    different epochs), the validation AUC that chose the best epoch and that epoch's test
+    AUC (mean ± sd over seeds), its change against the base batch in AUC points (mean
+    (min..max) over seeds), the last epoch's test AUC and change, the share of row
+    updates clipped, training seconds per epoch and training samples per second.
 
     Example::
 
         >>> s = summarize([{"recipe": "none", "batch_size": 64, "scale": 1.0, "seed": 0,
-        ...                 "status": "finished", "best_auc": 0.7, "last_auc": 0.7,
+        ...                 "status": "finished", "epochs": 3, "best_by": "val",
+        ...                 "best_val_auc": 0.71, "best_auc": 0.7, "last_auc": 0.7,
         ...                 "best_auc_change": 0.0, "last_auc_change": 0.0,
         ...                 "clipped_fraction": None, "train_s_per_epoch": 2.0,
         ...                 "samples_per_s": 5e4, "best_logloss": 0.5, "last_logloss": 0.5}])
         >>> print(format_table(s, 64, markdown=True))
-        | recipe | batch | x base | seeds | best AUC | change, points | last AUC | change, points  | clipped | s/epoch | samples/s |
-        |---|---|---|---|---|---|---|---|---|---|---|
-        | none | 64 | 1 | 1/1 | 0.7000 | base | 0.7000 | base | - | 2.0 | 50,000 |
+        | recipe | batch | x base | seeds | epochs | val AUC | test AUC | change, points | last test AUC | change, points  | clipped | s/epoch | samples/s |
+        |---|---|---|---|---|---|---|---|---|---|---|---|---|
+        | none | 64 | 1 | 1/1 | 3 | 0.7100 | 0.7000 | base | 0.7000 | base | - | 2.0 | 50,000 |
+        >>> best_cell(s)
+        'best cell by validation AUC: none at batch 64 (validation 0.7100, test 0.7000)'
     """
     rows = table_rows(summary, base)
     if markdown:
@@ -347,6 +378,29 @@ def format_table(summary: Sequence[Dict[str, Any]], base: int, markdown: bool = 
         ).rstrip()
 
     return "\n".join([line(TABLE_HEADERS)] + [line(r) for r in rows])
+
+
+def best_cell(summary: Sequence[Dict[str, Any]]) -> str:
+    """The line naming the best (recipe with its rates, batch size) by mean validation
+    AUC over seeds, with its test AUC beside it; where some cell has no validation split,
+    by test AUC, and the line says that this choice is on the test set."""
+    done = [s for s in summary if math.isfinite(s["best_auc_mean"])]
+    if not done:
+        return "best cell: none finished"
+    on_val = all(s["chosen_on"] == "validation" for s in done)
+    key = "best_val_auc_mean" if on_val else "best_auc_mean"
+    top = max(done, key=lambda s: s[key])
+    name = f"{top.get('variant') or top['recipe']} at batch {top['batch_size']}"
+    if on_val:
+        return (
+            f"best cell by validation AUC: {name} (validation {top['best_val_auc_mean']:.4f}, "
+            f"test {top['best_auc_mean']:.4f})"
+        )
+    return (
+        f"best cell by test AUC: {name} ({top['best_auc_mean']:.4f}); some cells have no "
+        "validation split (--val-fraction), so this choice, and each cell's best epoch, is "
+        "made on the test set: its AUC is optimistic"
+    )
 
 
 def _csv_text(rows: Sequence[Dict[str, Any]]) -> str:
@@ -420,6 +474,7 @@ def write_report(out: Path, report: Dict[str, Any]) -> Dict[str, Path]:
     write_text_atomically(
         paths["md"],
         f"{title(report)}\n\n{format_table(report['summary'], base, markdown=True)}\n\n"
+        f"{best_cell(report['summary'])}.\n\n"
         f"Changes: {report['sweep']['changes']}; best epoch: {report['sweep']['best_epoch']}.\n",
     )
     return paths
@@ -429,10 +484,11 @@ def title(report: Dict[str, Any]) -> str:
     """One line naming the sweep: model, data, epochs, base batch."""
     s = report["sweep"].get("settings") or {}
     equal = report["sweep"].get("equal", "epochs")
+    upto = "up to " if s.get("early_stop_patience") else ""
     length = (
-        f"{s.get('epochs')} epoch(s) at every batch"
+        f"{upto}{s.get('epochs')} epoch(s) at every batch"
         if equal == "epochs"
-        else f"the steps of {s.get('epochs')} epoch(s) at the base batch"
+        else f"{upto}the steps of {s.get('epochs')} epoch(s) at the base batch"
     )
     return (
         f"{s.get('model', '?')} on {s.get('data', '?')}, {length}, base batch "

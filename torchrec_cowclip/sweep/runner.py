@@ -103,7 +103,9 @@ class SweepSpec:
 
     def settings(self) -> Dict[str, Any]:
         """``sweep-settings.json``'s content: what every cell of this directory shares."""
-        return {"equal": self.equal, "settings": shared_settings(self.base.as_dict())}
+        # With the data kind's defaults, as every cell runs (table: epochs, validation).
+        base = self.base.with_data_defaults()[0]
+        return {"equal": self.equal, "settings": shared_settings(base.as_dict())}
 
 
 def cell_dir(out: Path, name: str) -> Path:

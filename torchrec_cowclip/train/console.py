@@ -160,8 +160,8 @@ def calibration_line(calibration: Optional[float]) -> Optional[str]:
 
     Example::
 
-        >>> calibration_line(1.10)
-        'calibration: the reported weights predict 10% above the test split's positive rate (mean prediction / rate 1.100); rank-based AUC does not see it, probabilities used as such (bids, expected clicks) do'
+        >>> print(calibration_line(1.10))
+        calibration: the reported weights predict 10% above the test split's positive rate (mean prediction / rate 1.100); rank-based AUC does not see it, probabilities used as such (bids, expected clicks) do
         >>> calibration_line(0.98) is None
         True
     """

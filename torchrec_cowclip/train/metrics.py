@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
@@ -120,6 +121,9 @@ def run_metrics(
         "stopped_early": p.stopped_early,
         "epochs": len(p.epoch_auc),
         "steps": p.global_step,
+        # The machine's load when the run ended (1, 5, 15 minutes): timings on a shared
+        # machine are read against it (the sweep's time figure says it).
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "batch_size": settings.run.batch_size,
         "train_samples": p.train_samples,
         "train_samples_per_s": p.train_samples / max(p.train_seconds, 1e-9),

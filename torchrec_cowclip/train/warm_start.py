@@ -282,6 +282,10 @@ class WarmStart:
                 f"{list(plan.transforms)}, the new data's {list(dataset.schema.dense_names)} "
                 f"take {list(transforms)}"
             )
+        # The start line names what the statistics were taken over: RUN's rows, not these.
+        plan = dataclasses.replace(
+            plan, fitted_on=f"{plan.fitted_on or 'its rows'} of --init-from {self.run.path}"
+        )
         dataset.dense_plan = plan
         return plan
 

@@ -51,7 +51,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -377,6 +377,10 @@ class DensePlan:
     #: A legacy run's bound on the raw values, clipped before the transform (None: the
     #: stored values are clipped at ``DENSE_CLIP`` after it).
     clip_before: Optional[float] = None
+    #: Per column, the smallest and largest stored value (after the transform) of the
+    #: training rows; empty where the run did not record them (an older run folder).
+    low: Tuple[float, ...] = ()
+    high: Tuple[float, ...] = ()
 
     @classmethod
     def fit(
@@ -407,9 +411,34 @@ class DensePlan:
         indicators = tuple(
             n for n, m in zip(stats.names, stats.missing.tolist()) if missing_indicator and m
         )
-        return cls(
+        plan = cls(
             stats.names, tuple(transforms), tuple(shift), tuple(scale), indicators, fitted_on
         )
+        return plan.with_range(stats)
+
+    def with_range(self, stats: "DenseStats") -> "DensePlan":
+        """This plan with the training range of ``stats`` (stored values) recorded."""
+        low = tuple(float(v) if math.isfinite(v) else math.nan for v in stats.min.tolist())
+        high = tuple(float(v) if math.isfinite(v) else math.nan for v in stats.max.tolist())
+        return replace(self, low=low, high=high)
+
+    def outside(self, stored: np.ndarray) -> Optional[np.ndarray]:
+        """Per column, how many of ``stored`` (``[n, k]``, after the transform) lie
+        outside the training range (missing values do not count); None without a range.
+
+        Example::
+
+            >>> s = DenseStats(["a"]); s.update(np.array([[0.0], [2.0]]))
+            >>> plan = DensePlan.fit(s, ("none",))
+            >>> plan.outside(np.array([[-1.0], [1.0], [3.0], [np.nan]])).tolist()
+            [2]
+        """
+        if not self.low:
+            return None
+        v = np.asarray(stored, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            out = (v < np.asarray(self.low)) | (v > np.asarray(self.high))
+        return out.sum(axis=0).astype(np.int64)
 
     @property
     def output_names(self) -> Tuple[str, ...]:
@@ -441,8 +470,15 @@ class DensePlan:
                     "shift": a,
                     "scale": b,
                     "missing_indicator": n in self.indicators,
+                    **(
+                        {"low": _json_number(self.low[j]), "high": _json_number(self.high[j])}
+                        if self.low
+                        else {}
+                    ),
                 }
-                for n, t, a, b in zip(self.names, self.transforms, self.shift, self.scale)
+                for j, (n, t, a, b) in enumerate(
+                    zip(self.names, self.transforms, self.shift, self.scale)
+                )
             ],
             "clip": DENSE_CLIP if self.clip_before is None else self.clip_before,
             "clip_after_transform": self.clip_before is None,
@@ -462,6 +498,7 @@ class DensePlan:
             tuple(c["name"] for c in columns if c["missing_indicator"]),
             str(d.get("fitted_on", "")),
             None if d.get("clip_after_transform") else float(d.get("clip", LEGACY_DENSE_CLIP)),
+            *_ranges(columns),
         )
 
     def summary(self) -> str:
@@ -479,3 +516,18 @@ def _names(names: Sequence[str]) -> str:
     if len(names) <= 4:
         return ", ".join(names)
     return f"{names[0]}, ..., {names[-1]}: {len(names)} columns"
+
+
+def _json_number(v: float) -> Optional[float]:
+    return v if math.isfinite(v) else None
+
+
+def _ranges(columns: Sequence[Mapping[str, Any]]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """The recorded training ranges of a plan's columns (empty when not recorded)."""
+    if not columns or any("low" not in c for c in columns):
+        return (), ()
+
+    def value(v: Any) -> float:
+        return math.nan if v is None else float(v)
+
+    return tuple(value(c["low"]) for c in columns), tuple(value(c["high"]) for c in columns)

@@ -229,6 +229,11 @@ class CTRDataset:
             self.dense_plan = DensePlan.fit(
                 None, self.dense_transforms, fitted_on=fitted_on, names=self.schema.dense_names
             )
+            if self.meta.get("dense_stats"):
+                # The range scoring names values outside of: the training files' (no pass
+                # over the split for a plan that needs no statistics).
+                stats = DenseStats.from_json(self.meta["dense_stats"])
+                self.dense_plan = self.dense_plan.with_range(stats)
             return self.dense_plan
         stats = DenseStats(self.schema.dense_names)
         for start in range(0, len(rows), _FIT_BLOCK_ROWS):
