@@ -128,10 +128,11 @@ def make_ours(
     optimizer: str,
     device: torch.device = CPU,
     data_type: str = "fp32",
+    weight_decay: float = 0.0,
 ) -> Any:
     """``CowClipEmbeddingBagCollection`` over tables ``t{i}`` of ``rows[i]`` rows (feature
     ``f{i}``) stored in ``data_type`` (fp32, fp16, bf16), CowClip r = 1, zeta = 1e-5;
-    Adam lr 1e-3, other optimizers lr 1e-2."""
+    Adam and AdamW lr 1e-3, other optimizers lr 1e-2."""
     from torchrec import DataType, EmbeddingBagConfig
 
     from torchrec_cowclip import CowClipEmbeddingBagCollection
@@ -146,11 +147,13 @@ def make_ours(
         )
         for t, n in enumerate(rows)
     ]
-    lr = ADAM_LR if optimizer == "adam" else ADAGRAD_LR
+    lr = ADAM_LR if optimizer in ("adam", "adamw") else ADAGRAD_LR
     return CowClipEmbeddingBagCollection(
         tables,
         device=device,
-        options=CowClipOptions(optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP),
+        options=CowClipOptions(
+            optimizer=optimizer, lr=lr, eps=EPS, cowclip=COWCLIP, weight_decay=weight_decay
+        ),
     )
 
 

@@ -13,6 +13,9 @@ What it measures: forward + backward + in-backward optimizer update, per step, o
 5. ours with Adam on the previous CPU path (``TORCHREC_COWCLIP_COMPILE=inductor``: torch
    sort + segment ``embedding_bag`` + the Inductor-compiled row step);
 6. with ``--half``: ours with Adam on float16 and on bfloat16 tables;
+7. with ``--rules``: ours with the rules TorchRec users set beyond the paper's - per-element
+   Adagrad (``EXACT_ADAGRAD``) and AdamW (decoupled weight decay 1e-4) - each with the clip,
+   reported as paired ratios to ours with Adam and with row-wise Adagrad;
 
 plus, for ours with Adam, the forward alone (under ``torch.no_grad()``) and the
 backward + update part of the full step.
@@ -96,6 +99,9 @@ ADAGRAD_NAME = "ours rowwise_adagrad+cowclip"
 INDUCTOR_NAME = "ours adam+cowclip, Inductor update"
 FORWARD_NAME = "ours adam: forward only (no_grad)"
 HALF_NAMES = {"fp16": "ours adam+cowclip, fp16 tables", "bf16": "ours adam+cowclip, bf16 tables"}
+#: ``--rules``: the variant of each rule (AdamW with decoupled weight decay 1e-4).
+RULE_NAMES = {"adagrad": "ours adagrad+cowclip (per-element)", "adamw": "ours adamw+cowclip"}
+RULE_WEIGHT_DECAY = {"adagrad": 0.0, "adamw": 1e-4}
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--half", action="store_true", help="also time ours with Adam on fp16 and bf16 tables"
     )
     parser.add_argument(
+        "--rules",
+        action="store_true",
+        help="also time ours with per-element Adagrad and with AdamW",
+    )
+    parser.add_argument(
         "--no-inductor",
         action="store_true",
         help="leave out ours on the Inductor-compiled update (its first step compiles)",
@@ -311,6 +322,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             ours_modules[name] = bench.make_ours(
                 shape.table_rows, shape.dim, "adam", data_type=kind
             )
+    if args.rules:
+        for rule, name in RULE_NAMES.items():
+            ours_modules[name] = bench.make_ours(
+                shape.table_rows, shape.dim, rule, weight_decay=RULE_WEIGHT_DECAY[rule]
+            )
     with torch.no_grad():  # all start from the same tables
         initial = [adam.embedding_bags[f"t{t}"].weight for t in range(shape.tables)]
         for module in ours_modules.values():
@@ -333,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         variants[INDUCTOR_NAME] = backward_step(ours_modules[INDUCTOR_NAME], grad, args.loss)
         print("compiling the Inductor variant's update (first step) ...", flush=True)
         variants[INDUCTOR_NAME](batches[0])
-    for name in HALF_NAMES.values():
+    for name in (*HALF_NAMES.values(), *RULE_NAMES.values()):
         if name in ours_modules:
             variants[name] = backward_step(ours_modules[name], grad, args.loss)
     print(
@@ -365,6 +381,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for name in compared
         if name != FBGEMM_COWCLIP_NAME
     }
+    rules_paired = {
+        name: {
+            "vs_adam": paired_ratio(timings[name], timings[ADAM_NAME]),
+            "vs_rowwise_adagrad": paired_ratio(timings[name], timings[ADAGRAD_NAME]),
+        }
+        for name in RULE_NAMES.values()
+        if name in timings
+    }
     rounds_done = len(timings[FBGEMM_NAME].samples)
     slow = slow_rounds(timings)
 
@@ -384,6 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "ratio_median_vs_fbgemm": ratios,
         "ratio_paired_vs_fbgemm": paired,
         "ratio_paired_vs_fbgemm_cowclip": paired_cowclip,
+        "ratio_paired_rules": rules_paired,
         "floor_ratio_adam": timings[ADAM_NAME].median / floor_ms,
         "storage_bytes": storage,
         "loss": args.loss,
@@ -459,6 +484,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         f"rowwise_adagrad+cowclip / fbgemm rowwise_adagrad COWCLIP (paired) = "
         f"{paired_cowclip[ADAGRAD_NAME]:.2f}"
     )
+    for name, pair in rules_paired.items():
+        print(
+            f"{name} / ours adam+cowclip (paired) = {pair['vs_adam']:.2f}; "
+            f"/ ours rowwise_adagrad+cowclip = {pair['vs_rowwise_adagrad']:.2f}"
+        )
     print(f"adam+cowclip / memory-bandwidth floor = {timings[ADAM_NAME].median / floor_ms:.1f}")
     print(f"load average before: {load_before}; after: {load_after}")
 

@@ -43,7 +43,19 @@ PLAIN = dict(
     count_lr=None,
 )
 
-STATE_NAMES = {"adam": ["exp_avg", "exp_avg_sq"], "rowwise_adagrad": ["sum"], "sgd": []}
+STATE_NAMES = {
+    "adam": ["exp_avg", "exp_avg_sq"],
+    "rowwise_adagrad": ["sum"],
+    "sgd": [],
+    "adagrad": ["sum"],
+    "adamw": ["exp_avg", "exp_avg_sq"],
+}
+
+
+def adam_bias_of(optimizer: str, bias):
+    """Adam's bias corrections for the rules that take them (Adam, AdamW), else None."""
+    return bias if update_rule(optimizer).adam_bias_corrections else None
+
 
 #: Bad index inputs of a 2-row SGD update from 3 bag gradients (:func:`segment_call`), and
 #: the one-line error each must raise before any change.
@@ -130,13 +142,15 @@ def problem(optimizer, dim=6, num_rows=60, num_positions=90, seed=0):
     weight = torch.randn(num_rows, dim, generator=gen) * 0.05
     weight[:6] *= 1e-4  # tiny rows: the clip binds on them
     state = []
-    if optimizer == "adam":
+    if optimizer in ("adam", "adamw"):
         state = [
             torch.randn(num_rows, dim, generator=gen) * 1e-2,
             torch.rand(num_rows, dim, generator=gen) * 1e-3,
         ]
     elif optimizer == "rowwise_adagrad":
         state = [torch.rand(num_rows, generator=gen)]
+    elif optimizer == "adagrad":
+        state = [torch.rand(num_rows, dim, generator=gen) * 1e-3]
     row_offsets = torch.tensor([0, num_rows // 3, (3 * num_rows) // 4, num_rows])
     # Positions (with duplicates) over rows of every table.
     positions = torch.randint(0, num_rows, (num_positions,), generator=gen)
@@ -165,8 +179,16 @@ def reference(optimizer, weight, state, rows, grad, counts, step, **kw):
     st = [s.clone() for s in state]
     w_rows = w[rows].clone()
     s_rows = {name: s[rows].clone() for name, s in zip(STATE_NAMES[optimizer], st)}
+    rule = update_rule(optimizer)
     clipped = cowclip_row_update_(
-        update_rule(optimizer).step, w_rows, grad, counts, s_rows, step, **kw
+        rule.step,
+        w_rows,
+        grad,
+        counts,
+        s_rows,
+        step,
+        decoupled_weight_decay=rule.decoupled_weight_decay,
+        **kw,
     )
     w[rows] = w_rows
     for name, s in zip(STATE_NAMES[optimizer], st):
@@ -190,12 +212,14 @@ def check_update_matches_functional(
     num_positions: int = 90,
     device: Optional[torch.device] = None,
     rtol: float = 1e-6,
+    stochastic: bool = True,
 ) -> None:
     """``library``'s update against the functional core, fed the rows' gradients whole
     and as segments of bag gradients: the weights and state (to ``rtol``; half tables
     within one unit in the last place of their type, rounded with the same keys), each
     row's status, a non-finite row skipped and counted, the per-table counts, and - with
-    ``clip`` - rows on both sides of the clip's threshold."""
+    ``clip`` - rows on both sides of the clip's threshold. ``stochastic=False``: half
+    tables without rounding keys, rounded to nearest."""
     device = device or torch.device("cpu")
     weight, state, row_offsets, positions, bags, bag_grads, gen = problem(
         optimizer, dim, num_rows, num_positions
@@ -240,7 +264,11 @@ def check_update_matches_functional(
         adam_bias=(bias[0][table_of_row[keep]], bias[1][table_of_row[keep]]),
         count_lr=count_lr,
     )
-    if dtype != torch.float32:
+    if dtype != torch.float32 and not stochastic:
+        rounded = weight.clone()
+        rounded[rows[keep]] = ref_w[rows[keep]].to(dtype)
+        ref_w = rounded
+    elif dtype != torch.float32:
         t = table_of_row[keep]
         keys = rounding_row_keys(
             rounding[t, 0], rounding[t, 1], rows[keep] - row_offsets[t] + rounding[t, 2]
@@ -272,8 +300,8 @@ def check_update_matches_functional(
             **given,
             row_offsets=on(row_offsets),
             clip_enabled=on(clip_enabled),
-            adam_bias=tuple(on(b) for b in bias) if optimizer == "adam" else None,
-            rounding=None if dtype == torch.float32 else on(rounding),
+            adam_bias=adam_bias_of(optimizer, tuple(on(b) for b in bias)),
+            rounding=None if dtype == torch.float32 or not stochastic else on(rounding),
             optimizer=optimizer,
             lr=lr,
             betas=betas,
@@ -355,7 +383,7 @@ def check_column_shard_row_sums(library, optimizer: str, device=None, rtol: floa
         counts.to(device),
         grad=grad.to(device),
         row_offsets=row_offsets.to(device),
-        adam_bias=tuple(b.to(device) for b in bias) if optimizer == "adam" else None,
+        adam_bias=adam_bias_of(optimizer, tuple(b.to(device) for b in bias)),
         row_sums=packed.to(device),
         optimizer=optimizer,
         clip=(1.0, 1e-3),

@@ -115,6 +115,7 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
             "1",
             "--no-inductor",
             "--half",
+            "--rules",
             "--out",
             str(out),
             "--json",
@@ -122,6 +123,8 @@ def test_embedding_step_writes_csv_json_png(bench, tmp_path):
         ]
     )
     assert set(result["ratio_paired_vs_fbgemm_cowclip"]) >= {embedding_step.ADAGRAD_NAME}
+    assert set(result["ratio_paired_rules"]) == set(embedding_step.RULE_NAMES.values())
+    assert all(r["vs_adam"] > 0 for r in result["ratio_paired_rules"].values())
     assert (
         result["storage_bytes"][embedding_step.HALF_NAMES["fp16"]]
         < result["storage_bytes"][embedding_step.ADAM_NAME]

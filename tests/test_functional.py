@@ -144,6 +144,84 @@ def test_rowwise_adagrad_and_sgd_rows():
     assert w2.flatten().tolist() == pytest.approx([0.9, 1.1])
 
 
+@pytest.mark.parametrize(
+    "name, torch_class, kwargs",
+    [
+        ("adagrad", torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-6}),
+        (
+            "adamw",
+            torch.optim.AdamW,
+            {"lr": 0.02, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.5},
+        ),
+    ],
+)
+def test_the_new_rules_equal_torchs_optimizer_on_a_fully_touched_table_without_a_clip(
+    name, torch_class, kwargs
+):
+    torch.manual_seed(4)
+    p = torch.nn.Parameter(torch.randn(5, 4))
+    opt = torch_class([p], **kwargs)
+    rule = update_rule(name)
+    w = p.detach().clone()
+    state = {n: torch.zeros_like(w) for n, _ in rule.state_layout}
+    hyper = {"lr": kwargs["lr"], "eps": kwargs["eps"], "betas": kwargs.get("betas", (0.9, 0.999))}
+    for t in range(1, 6):
+        g = torch.randn(5, 4)
+        p.grad = g.clone()
+        opt.step()
+        cowclip_row_update_(
+            rule.step,
+            w,
+            g,
+            torch.ones(5),
+            state,
+            torch.tensor(t),
+            weight_decay=kwargs.get("weight_decay", 0.0),
+            decoupled_weight_decay=rule.decoupled_weight_decay,
+            **hyper,
+        )
+    torch.testing.assert_close(w, p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_clip_comes_before_adagrad_and_adamw_and_adamw_decays_the_weight_not_the_gradient():
+    w0 = torch.tensor([[3.0, 4.0]])  # ||W|| = 5, tau = 1 * 5 at count 1, r 1
+    g = torch.tensor([[30.0, 40.0]])  # clipped to [3, 4]
+    w, state = w0.clone(), {"sum": torch.zeros(1, 2)}
+    clipped = cowclip_row_update_(
+        update_rule("adagrad").step,
+        w,
+        g,
+        torch.tensor([1]),
+        state,
+        None,
+        lr=1.0,
+        eps=0.0,
+        cowclip=CowClip(r=1.0, zeta=0.0),
+    )
+    assert clipped.tolist() == [True]
+    assert state["sum"].tolist() == [[9.0, 16.0]]  # the clipped gradient's squares
+    torch.testing.assert_close(w, w0 - 1.0)  # lr * g / sqrt(g**2) = 1 per element
+    rule = update_rule("adamw")
+    w, state = w0.clone(), {"exp_avg": torch.zeros(1, 2), "exp_avg_sq": torch.zeros(1, 2)}
+    cowclip_row_update_(
+        rule.step,
+        w,
+        g,
+        torch.tensor([1]),
+        state,
+        torch.tensor(1),
+        lr=0.1,
+        eps=0.0,
+        weight_decay=0.5,
+        cowclip=CowClip(r=1.0, zeta=0.0),
+        decoupled_weight_decay=rule.decoupled_weight_decay,
+    )
+    # The moments saw the clipped gradient only (no L2 in it); the weight decayed by
+    # lr * wd, then took Adam's first step of lr * sign(g).
+    torch.testing.assert_close(state["exp_avg"], 0.1 * torch.tensor([[3.0, 4.0]]))
+    torch.testing.assert_close(w, w0 * (1 - 0.1 * 0.5) - 0.1)
+
+
 def test_cowclip_validation_and_reference_mapping():
     with pytest.raises(ValueError, match="r must be > 0"):
         CowClip(r=0.0)
@@ -157,8 +235,8 @@ def test_cowclip_validation_and_reference_mapping():
 
 
 def test_unknown_optimizer_is_rejected():
-    with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
-        update_rule("adamw")
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        update_rule("lamb")
 
 
 def test_count_lr_multiplier_and_validation():

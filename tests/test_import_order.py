@@ -36,7 +36,10 @@ EVERY_MODULE_FIRST = textwrap.dedent("""
         import torchrec_cowclip
         from torchrec_cowclip.optim.options import DEFAULT_OPTIONS
         from torchrec_cowclip.optim.rules import OPTIMIZERS, UPDATE_RULES
-        assert tuple(OPTIMIZERS) == ("adam", "rowwise_adagrad", "sgd"), (order, OPTIMIZERS)
+        assert tuple(OPTIMIZERS) == ("adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"), (
+            order,
+            OPTIMIZERS,
+        )
         assert DEFAULT_OPTIONS.rule is UPDATE_RULES["adam"], order
     print("ok", len(ORDERS))
 """)

@@ -23,6 +23,7 @@ from fused_update_cases import (
     fused,
     reference,
     segment_sums,
+    ulp,
 )
 from tiny import HYPER, bag_config, mixed_tables
 from torchrec import DataType, EmbeddingBagConfig
@@ -121,7 +122,7 @@ def _fused(weight, state, rows, counts, **overrides):
 # --- the row update against the functional core ---------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"])
 @pytest.mark.parametrize("clip", [True, False], ids=["cowclip", "noclip"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dim", [6, 16, 1])
@@ -130,9 +131,15 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"])
 def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtype):
     check_update_matches_functional(native, optimizer, True, True, 6, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_tables_round_to_nearest_without_rounding_keys(dtype):
+    """``stochastic_rounding=False``: the updated rows round to nearest, as ``.to(dtype)``."""
+    check_update_matches_functional(native, "adam", True, True, 6, dtype=dtype, stochastic=False)
 
 
 def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
@@ -162,7 +169,7 @@ def test_unweighted_segment_sums_equal_embedding_bag_bit_for_bit():
     assert torch.equal(w[g.rows], -expected)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"])
 def test_column_shard_row_sums_match_the_functional_core(optimizer):
     """A column shard's update with the whole rows' sums (column-wise sharding)."""
     check_column_shard_row_sums(native, optimizer)
@@ -671,3 +678,33 @@ def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):
         test_several_steps_match_dense_autograd_reference(
             "adam", True, "compiled", torch.device("cpu")
         )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mode", ["1", "0", "inductor"])
+def test_stochastic_rounding_false_rounds_half_tables_to_nearest_in_every_kernel(dtype, mode):
+    """An update of a quarter of a unit in the last place: rounded to nearest
+    (``stochastic_rounding=False``, FBGEMM's ``fused_params`` key) no row moves; rounded
+    stochastically about a quarter of the entries move, on average the update."""
+    if mode == "triton" and triton_ops.availability(torch.device("cpu")) is not None:
+        pytest.skip("Triton's interpreter is not available here")
+    data_type = DataType.FP16 if dtype == torch.float16 else DataType.BF16
+    table = replace(bag_config("t", 64, 8), data_type=data_type)
+    quarter_ulp = 0.25 * ulp(dtype)
+    moved = {}
+    for stochastic in (True, False):
+        ebc = CowClipEmbeddingBagCollection(
+            [replace(table)],
+            CowClipOptions(
+                optimizer="sgd", lr=quarter_ulp, cowclip=None, stochastic_rounding=stochastic
+            ),
+            kernel_mode=mode,
+        )
+        with torch.no_grad():
+            ebc.embedding_bags["t"].weight.fill_(1.0)
+        kjt = kjt_from_bags({"f": [[i] for i in range(8)]})
+        ebc(kjt).values().sum().neg().backward()  # grad -1 on every entry: W += lr
+        moved[stochastic] = float((ebc.embedding_bags["t"].weight != 1.0).float().mean())
+        assert ebc.options.stochastic_rounding is stochastic
+    assert moved[False] == 0.0
+    assert 0.1 < moved[True] < 0.4

@@ -43,6 +43,8 @@ STATE_PER_ROW = {
     "adam": lambda dim: 2 * 4 * dim,
     "rowwise_adagrad": lambda dim: 4,
     "sgd": lambda dim: 0,
+    "adagrad": lambda dim: 4 * dim,
+    "adamw": lambda dim: 2 * 4 * dim,
 }
 
 

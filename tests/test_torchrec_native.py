@@ -15,7 +15,7 @@ import torch
 import torchrec_native_cases as native
 from cowclip_testing import kjt_from_bags
 from distributed_harness import run_ranks
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from tiny import TINY_PROCESSES, bag_config, tiny_config
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
@@ -72,6 +72,28 @@ HONOURED = [
     # FBGEMM's defaults for what the optimizer's entry leaves out: lr 0.01, eps 1e-8
     ({"optimizer": EmbOptimType.SGD}, CowClipOptions(optimizer="sgd", lr=0.01)),
     (
+        {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.2, "eps": 1e-6},
+        CowClipOptions(optimizer="adagrad", lr=0.2, eps=1e-6),
+    ),
+    (
+        {
+            "optimizer": EmbOptimType.ADAM,
+            "learning_rate": 1e-3,
+            "weight_decay": 0.05,
+            "weight_decay_mode": WeightDecayMode.DECOUPLE,
+        },
+        CowClipOptions(optimizer="adamw", lr=1e-3, weight_decay=0.05),
+    ),
+    (
+        {
+            "optimizer": EmbOptimType.ADAM,
+            "learning_rate": 1e-3,
+            "stochastic_rounding": False,
+            "output_dtype": SparseType.FP16,
+        },
+        CowClipOptions(lr=1e-3, stochastic_rounding=False, output_dtype=torch.float16),
+    ),
+    (
         {
             "optimizer": EmbOptimType.ADAM,
             "learning_rate": 1e-4,
@@ -98,13 +120,23 @@ def test_fused_params_are_honoured(fused_params, expected):
 
 REFUSED = [
     (
-        {"optimizer": EmbOptimType.EXACT_ADAGRAD},
-        r"\['optimizer'\]=exact_adagrad is not an optimizer",
+        {"optimizer": EmbOptimType.PARTIAL_ROWWISE_ADAM},
+        r"\['optimizer'\]=partial_row_wise_adam is refused: Adam with a per-element first and "
+        r"a per-row second moment is a third state layout",
     ),
-    ({"optimizer": EmbOptimType.LAMB}, r"\['optimizer'\]=lamb is not an optimizer"),
+    ({"optimizer": EmbOptimType.LAMB}, r"\['optimizer'\]=lamb is refused: its trust ratio"),
     (
-        {"optimizer": EmbOptimType.ADAM, "stochastic_rounding": True},
-        r"\['stochastic_rounding'\] is not honoured",
+        {"optimizer": EmbOptimType.PARTIAL_ROWWISE_LAMB},
+        r"=partial_row_wise_lamb is refused: its trust ratio",
+    ),
+    ({"optimizer": EmbOptimType.SHAMPOO}, r"=shampoo is not an optimizer the CowClip update has"),
+    (
+        {"optimizer": EmbOptimType.ADAM, "stochastic_rounding": 1},
+        r"\['stochastic_rounding'\]=1: give True or False",
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "output_dtype": SparseType.INT8},
+        r"\['output_dtype'\]=int8 is refused: the pooled outputs are SparseType.FP32, FP16 or BF16",
     ),
     (
         {"optimizer": EmbOptimType.ADAM, "cache_load_factor": 0.2},
@@ -121,11 +153,15 @@ REFUSED = [
     ),
     (
         {
-            "optimizer": EmbOptimType.ADAM,
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
             "weight_decay": 0.1,
             "weight_decay_mode": WeightDecayMode.DECOUPLE,
         },
-        r"\['weight_decay_mode'\]=DECOUPLE is refused",
+        r"\['weight_decay_mode'\]=DECOUPLE is honoured with Adam \(AdamW\), not rowwise_adagrad",
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "weight_decay_mode": WeightDecayMode.DECOUPLE_GLOBAL},
+        r"\['weight_decay_mode'\]=DECOUPLE_GLOBAL is refused: FBGEMM scales it by the steps",
     ),
     (
         {"optimizer": EmbOptimType.ADAM, "weight_decay_mode": WeightDecayMode.COUNTER},
@@ -204,9 +240,9 @@ def test_apply_optimizer_in_backward_marks_are_honoured():
     [
         (
             lambda ebc: apply_optimizer_in_backward(
-                torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1}
+                torch.optim.RMSprop, ebc.parameters(), {"lr": 0.1}
             ),
-            r"apply_optimizer_in_backward\(Adagrad\) on 't0': the CowClip update trains",
+            r"apply_optimizer_in_backward\(RMSprop\) on 't0': the CowClip update trains",
         ),
         (
             lambda ebc: apply_optimizer_in_backward(
@@ -236,13 +272,35 @@ def test_apply_optimizer_in_backward_marks_are_honoured():
             r"'t0' with CowClipAdam: one fused update trains every table of a collection alike",
         ),
     ],
-    ids=["full_adagrad", "some_tables", "two_lrs", "sgd_momentum", "two_classes"],
+    ids=["rmsprop", "some_tables", "two_lrs", "sgd_momentum", "two_classes"],
 )
 def test_apply_optimizer_in_backward_marks_that_cannot_be_honoured_are_refused(mark, message):
     ebc = _ebc()
     mark(ebc)
     with pytest.raises(ValueError, match=message):
         CowClipEmbeddingBagCollectionSharder().options_for(ebc)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, expected",
+    [
+        (
+            torch.optim.Adagrad,
+            {"lr": 0.2, "eps": 1e-6},
+            CowClipOptions(optimizer="adagrad", lr=0.2, eps=1e-6),
+        ),
+        (
+            torch.optim.AdamW,
+            {"lr": 1e-3, "betas": (0.8, 0.99), "weight_decay": 0.05},
+            CowClipOptions(optimizer="adamw", lr=1e-3, betas=(0.8, 0.99), weight_decay=0.05),
+        ),
+    ],
+    ids=["adagrad", "adamw"],
+)
+def test_adagrad_and_adamw_marks_are_honoured(cls, kwargs, expected):
+    ebc = _ebc()
+    apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+    assert CowClipEmbeddingBagCollectionSharder().options_for(ebc) == expected
 
 
 def test_cowclip_optimizer_classes_validate_and_refuse_a_dense_step():
@@ -322,7 +380,7 @@ def test_marks_on_a_built_collection_train_as_the_same_options_given_natively(ap
             {"lr": 0.1},
             r"asks for optimizer='sgd' but this .* built with optimizer='adam': build it with CowClipOptions",
         ),
-        (torch.optim.Adagrad, {"lr": 0.1}, r"the CowClip update trains"),
+        (torch.optim.RMSprop, {"lr": 0.1}, r"the CowClip update trains"),
         (
             CowClipAdam,
             {"lr": 0.1, "helen": Helen()},
@@ -349,22 +407,33 @@ def test_marks_on_a_built_collection_that_cannot_be_honoured_are_refused_before_
 # --- FBGEMM-compatible state, in memory -----------------------------------------------
 
 
-def test_state_converts_to_fbgemm_names_and_back_sharing_storage():
-    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer="adam"))
+@pytest.mark.parametrize(
+    "optimizer, names, first",
+    [
+        ("adam", ["exp_avg_sq", "momentum1"], "exp_avg"),
+        ("adamw", ["exp_avg_sq", "momentum1"], "exp_avg"),
+        # FBGEMM's EXACT_ADAGRAD keeps one state, [rows, D] 'sum', which TorchRec keys
+        # 'momentum1' (its only state).
+        ("adagrad", ["momentum1"], "sum"),
+    ],
+)
+def test_state_converts_to_fbgemm_names_and_back_sharing_storage(optimizer, names, first):
+    module = CowClipEmbeddingBagCollection(_tables(), options=CowClipOptions(optimizer=optimizer))
     module(kjt_from_bags({"f0": [[1, 2], [3]]})).values().sum().backward()
     ours = module.fused_optimizer.state_dict()
     stock = fbgemm_state_dict(ours)
     assert {k: sorted(v) for k, v in stock["state"].items()} == {
-        "embedding_bags.t0.weight": ["t0.exp_avg_sq", "t0.momentum1"],
-        "embedding_bags.lin.weight": ["lin.exp_avg_sq", "lin.momentum1"],
+        "embedding_bags.t0.weight": [f"t0.{n}" for n in names],
+        "embedding_bags.lin.weight": [f"lin.{n}" for n in names],
     }
-    assert (
-        stock["state"]["embedding_bags.t0.weight"]["t0.momentum1"]
-        is ours["state"]["embedding_bags.t0.weight"]["exp_avg"]
-    )
+    moment = stock["state"]["embedding_bags.t0.weight"]["t0.momentum1"]
+    assert moment is ours["state"]["embedding_bags.t0.weight"][first]
+    assert moment.shape == (10, 4)
     back = cowclip_state_dict(stock, like=ours)
     module.fused_optimizer.load_state_dict(back)
     torch.testing.assert_close(module.fused_optimizer.state_dict(), ours, rtol=0, atol=0)
+    if optimizer == "adagrad":
+        return
     with pytest.raises(ValueError, match=r"has no 't0.exp_avg_sq'"):
         broken = {"state": {k: dict(v) for k, v in stock["state"].items()}}
         del broken["state"]["embedding_bags.t0.weight"]["t0.exp_avg_sq"]

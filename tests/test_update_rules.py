@@ -44,9 +44,13 @@ def toy_rule(monkeypatch):
 
 
 def test_the_built_in_views_are_the_registry():
-    assert OPTIMIZERS == ("adam", "rowwise_adagrad", "sgd") == tuple(UPDATE_RULES)
+    assert (
+        OPTIMIZERS == ("adam", "rowwise_adagrad", "sgd", "adagrad", "adamw") == tuple(UPDATE_RULES)
+    )
     assert STATE_LAYOUT["rowwise_adagrad"] == (("sum", "1"),)
     assert PLANNER_OPTIMIZER_CLASS["adam"] is torch.optim.Adam
+    assert PLANNER_OPTIMIZER_CLASS["adamw"] is torch.optim.AdamW
+    assert STATE_LAYOUT["adagrad"] == (("sum", "D"),)
 
 
 def test_a_registered_rule_trains_a_collection_end_to_end(toy_rule):

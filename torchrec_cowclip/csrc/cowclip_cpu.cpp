@@ -383,7 +383,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> group_rows(
 
 // --- fused_update_ ---------------------------------------------------------------------
 
-enum Optimizer : int64_t { kAdam = 0, kRowwiseAdagrad = 1, kSgd = 2 };
+enum Optimizer : int64_t { kAdam = 0, kRowwiseAdagrad = 1, kSgd = 2, kAdagrad = 3, kAdamW = 4 };
 
 constexpr int8_t kUpdated = 0;
 constexpr int8_t kClipped = 1;
@@ -416,8 +416,8 @@ struct UpdateArgs {
   const float* bias2;
   const float* row_sums;  // [U, 5]: nonfinite, grad_sq, weight_sq, grad_dot_weight, dim; or null
   const int64_t* rounding;  // [T, 4]: seed, step, row base, column base; or null
-  float* state0;  // Adam exp_avg [R, D]; row-wise Adagrad sum [R]
-  float* state1;  // Adam exp_avg_sq [R, D]
+  float* state0;  // Adam / AdamW exp_avg [R, D]; row-wise Adagrad sum [R]; Adagrad sum [R, D]
+  float* state1;  // Adam / AdamW exp_avg_sq [R, D]
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
   bool clip;
   float r, zeta;
@@ -457,9 +457,11 @@ void update_rows(const UpdateArgs& a, W* weight, int64_t begin, int64_t end) {
     if (u + kRowPrefetch < end) {
       const int64_t ahead = a.rows[u + kRowPrefetch];
       prefetch_bytes(weight + ahead * D, D * static_cast<int64_t>(sizeof(W)));
-      if (OPT == kAdam) {
+      if (OPT == kAdam || OPT == kAdamW) {
         prefetch_bytes(a.state0 + ahead * D, D * 4);
         prefetch_bytes(a.state1 + ahead * D, D * 4);
+      } else if (OPT == kAdagrad) {
+        prefetch_bytes(a.state0 + ahead * D, D * 4);
       } else if (OPT == kRowwiseAdagrad) {
         __builtin_prefetch(a.state0 + ahead, 1, 1);
       }
@@ -529,8 +531,8 @@ void update_rows(const UpdateArgs& a, W* weight, int64_t begin, int64_t end) {
         for (int64_t d = 0; d < D; ++d) g[d] = g[d] * scale;
       }
     }
-    // Step 4: coupled L2.
-    if (a.weight_decay != 0.0f) {
+    // Step 4: coupled L2 (AdamW decays the weight instead, in its step).
+    if (OPT != kAdamW && a.weight_decay != 0.0f) {
       for (int64_t d = 0; d < D; ++d) g[d] = g[d] + a.weight_decay * w[d];
     }
     float lr = a.lr;
@@ -538,10 +540,15 @@ void update_rows(const UpdateArgs& a, W* weight, int64_t begin, int64_t end) {
       lr = a.lr * pow_like_torch(std::min(count, a.count_lr_cap), a.count_lr_power);
     }
     // Step 5: the optimizer.
-    if (OPT == kAdam) {
+    if (OPT == kAdam || OPT == kAdamW) {
       float* m = a.state0 + row * D;
       float* v = a.state1 + row * D;
       const float b1 = a.bias1[t], b2 = a.bias2[t];
+      if (OPT == kAdamW && a.weight_decay != 0.0f) {
+        // Decoupled weight decay (optim/functional.py: decay_weight_).
+        const float keep = 1.0f - lr * a.weight_decay;
+        for (int64_t d = 0; d < D; ++d) w[d] = w[d] * keep;
+      }
       for (int64_t d = 0; d < D; ++d) {
         const float md = m[d] * a.beta1 + a.one_minus_beta1 * g[d];
         const float vd = v[d] * a.beta2 + a.one_minus_beta2 * g[d] * g[d];
@@ -549,6 +556,13 @@ void update_rows(const UpdateArgs& a, W* weight, int64_t begin, int64_t end) {
         v[d] = vd;
         const float denom = std::sqrt(vd / b2) + a.eps;
         w[d] = w[d] - lr * (md / b1) / denom;
+      }
+    } else if (OPT == kAdagrad) {
+      float* s = a.state0 + row * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float sd = s[d] + g[d] * g[d];
+        s[d] = sd;
+        w[d] = w[d] - lr * g[d] / (std::sqrt(sd) + a.eps);
       }
     } else if (OPT == kRowwiseAdagrad) {
       float mean_square;
@@ -569,14 +583,15 @@ void update_rows(const UpdateArgs& a, W* weight, int64_t begin, int64_t end) {
     } else {
       for (int64_t d = 0; d < D; ++d) w[d] = w[d] - lr * g[d];
     }
-    uint32_t key = 0;
-    int64_t column_base = 0;
     if (a.rounding != nullptr) {
       const int64_t* k = a.rounding + 4 * t;
-      key = row_key(k[0], k[1], row - a.row_offsets[t] + k[2]);
-      column_base = k[3];
+      const uint32_t key = row_key(k[0], k[1], row - a.row_offsets[t] + k[2]);
+      const int64_t column_base = k[3];
+      for (int64_t d = 0; d < D; ++d) wp[d] = store_value<W>(w[d], key, column_base + d);
+    } else {
+      // float32, or a half table with stochastic_rounding=False: round to nearest even.
+      for (int64_t d = 0; d < D; ++d) wp[d] = static_cast<W>(w[d]);
     }
-    for (int64_t d = 0; d < D; ++d) wp[d] = store_value<W>(w[d], key, column_base + d);
     a.status[u] = clipped ? kClipped : kUpdated;
     local[t] += 1;
     local[T + t] += clipped;
@@ -611,6 +626,8 @@ void update_dispatch_optimizer(const UpdateArgs& a, W* weight, int64_t optimizer
     case kAdam: update_dispatch_dim<W, kAdam>(a, weight); break;
     case kRowwiseAdagrad: update_dispatch_dim<W, kRowwiseAdagrad>(a, weight); break;
     case kSgd: update_dispatch_dim<W, kSgd>(a, weight); break;
+    case kAdagrad: update_dispatch_dim<W, kAdagrad>(a, weight); break;
+    case kAdamW: update_dispatch_dim<W, kAdamW>(a, weight); break;
     default: TORCH_CHECK(false, "unknown optimizer code ", optimizer);
   }
 }
@@ -675,10 +692,12 @@ std::tuple<Tensor, Tensor> fused_update(
     TORCH_CHECK(grad.size(0) == U, "grad: one row per touched row without segments");
     TORCH_CHECK(!sorted_weights.has_value(), "sorted_weights need segments");
   }
-  TORCH_CHECK(optimizer != kAdam || (state0.has_value() && state1.has_value() &&
-                                     bias1.has_value() && bias2.has_value()),
+  const bool adam = optimizer == kAdam || optimizer == kAdamW;
+  TORCH_CHECK(!adam || (state0.has_value() && state1.has_value() && bias1.has_value() &&
+                        bias2.has_value()),
               "Adam needs both moments and both bias corrections");
-  TORCH_CHECK(optimizer != kRowwiseAdagrad || state0.has_value(), "row-wise Adagrad needs its sum");
+  TORCH_CHECK((optimizer != kRowwiseAdagrad && optimizer != kAdagrad) || state0.has_value(),
+              "Adagrad needs its sum");
 
   UpdateArgs a{};
   a.dim = D;
@@ -719,14 +738,14 @@ std::tuple<Tensor, Tensor> fused_update(
                 "rounding: [T, 4] int64");
     a.rounding = rounding->data_ptr<int64_t>();
   }
-  const int64_t state_rows = optimizer == kAdam ? R * D : R;
-  if (optimizer == kAdam || optimizer == kRowwiseAdagrad) {
+  const int64_t state_rows = adam || optimizer == kAdagrad ? R * D : R;
+  if (optimizer != kSgd) {
     TORCH_CHECK(state0->scalar_type() == at::kFloat && state0->is_contiguous() &&
                     state0->numel() == state_rows,
                 "state0: contiguous float32 over every row");
     a.state0 = state0->data_ptr<float>();
   }
-  if (optimizer == kAdam) {
+  if (adam) {
     TORCH_CHECK(state1->scalar_type() == at::kFloat && state1->is_contiguous() &&
                     state1->numel() == state_rows,
                 "state1: contiguous float32 over every row");
@@ -796,11 +815,10 @@ std::tuple<Tensor, Tensor> fused_update(
       update_dispatch_optimizer<float>(a, weight.data_ptr<float>(), optimizer);
       break;
     case at::kHalf:
-      TORCH_CHECK(rounding.has_value(), "float16 tables need rounding keys");
+      // Without rounding keys a half table rounds to nearest (stochastic_rounding=False).
       update_dispatch_optimizer<c10::Half>(a, weight.data_ptr<c10::Half>(), optimizer);
       break;
     case at::kBFloat16:
-      TORCH_CHECK(rounding.has_value(), "bfloat16 tables need rounding keys");
       update_dispatch_optimizer<c10::BFloat16>(a, weight.data_ptr<c10::BFloat16>(), optimizer);
       break;
     default:

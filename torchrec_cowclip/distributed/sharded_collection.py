@@ -105,6 +105,12 @@ class ShardedCowClipEmbeddingBagCollection(HelenSteps, ShardedEmbeddingBagCollec
     ) -> None:
         plan = _checked_plan(table_name_to_parameter_sharding, env)
         options.check_tables(t.name for t in module.embedding_bag_configs())
+        if options.output_dtype != torch.float32:
+            raise ValueError(
+                f"output_dtype={options.output_dtype} is honoured by the unsharded "
+                "CowClipEmbeddingBagCollection only; a sharded one gives float32 pooled "
+                "outputs (cast them in the model, or drop output_dtype)"
+            )
         # TorchRec's constructor creates the lookups (`_create_lookups`), which need the
         # options, and initialises the tables (`reset_parameters`), which needs the
         # initialisers; plain attributes may be set before nn.Module.__init__. The

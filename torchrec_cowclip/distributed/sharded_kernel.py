@@ -165,6 +165,7 @@ class CowClipBatchedEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizer
                     [_shard_offsets(shards[k]) for k in group],
                 )
             )
+            self._batches[-1].stochastic_rounding = options.stochastic_rounding
             self._whole_dims.append(
                 torch.tensor(
                     [shards[k].embedding_dim for k in group], dtype=torch.float32, device=device

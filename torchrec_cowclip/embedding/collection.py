@@ -173,6 +173,9 @@ class CowClipEmbeddingBagCollection(
             )
             for group in group_into_table_batches(tables)
         ]
+        for batch in self._batches:
+            batch.stochastic_rounding = options.stochastic_rounding
+        self._output_dtype = options.output_dtype
         self._key_permutations: dict[tuple[str, ...], Optional[list[int]]] = {}
         # All of the collection's table batches are one lookup whose rows are local; the
         # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
@@ -289,10 +292,15 @@ class CowClipEmbeddingBagCollection(
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none() if self._is_weighted else None
         _check_structure(features, values, weights, self._is_weighted)
+        pooled = self._lookup(values, offsets, weights)
+        if self._output_dtype != pooled.dtype:
+            # Pooled in float32, cast once (FBGEMM's output_dtype); the cast's backward
+            # hands the update a float32 gradient.
+            pooled = pooled.to(self._output_dtype)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=self._lookup(values, offsets, weights),
+            values=pooled,
         )
 
     def _exported_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -329,7 +337,7 @@ class CowClipEmbeddingBagCollection(
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1),
+            values=torch.cat(pooled, dim=1).to(self._output_dtype),
         )
 
     def _read_in_backward_marks(self) -> None:
@@ -363,7 +371,11 @@ class CowClipEmbeddingBagCollection(
         fused = self._fused_optimizer
         return CowClipOptions.from_param_group(
             fused.hyperparameters, fused.optimizer_name, self.unclipped_tables
-        ).replace(helen=self.helen)
+        ).replace(
+            helen=self.helen,
+            stochastic_rounding=self._batches[0].stochastic_rounding,
+            output_dtype=self._output_dtype,
+        )
 
     @property
     def unclipped_tables(self) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fope
 STALE_LOCK_S = 600.0
 
 #: Codes of the optimizers in the kernel (``Optimizer`` in the C++ source).
-OPTIMIZER_CODES = {"adam": 0, "rowwise_adagrad": 1, "sgd": 2}
+OPTIMIZER_CODES = {"adam": 0, "rowwise_adagrad": 1, "sgd": 2, "adagrad": 3, "adamw": 4}
 
 #: ``fused_update_``'s per-row status values.
 UPDATED, CLIPPED, SKIPPED = 0, 1, 2

@@ -68,9 +68,10 @@ __all__ = [
 #: machine can run.
 KINDS = ("native_cpu", "triton", "inductor", "eager")
 
-#: The rules the fused kernels implement (the native and Triton ``OPTIMIZER`` codes), as
-#: the registry has them.
+#: The rules the native kernels implement (their ``OPTIMIZER`` codes), as the registry has
+#: them; and those the Triton kernels implement (the same codes).
 _FUSED_RULES = tuple(rule for rule in BUILT_IN_RULES if rule.name in native.OPTIMIZER_CODES)
+_TRITON_RULES = tuple(rule for rule in _FUSED_RULES if rule.name in triton_ops.OPTIMIZERS)
 
 #: Float types whose tables pool in float32 (their rows are widened as they are summed).
 _HALF = (torch.float16, torch.bfloat16)
@@ -87,6 +88,7 @@ class BatchTensors(Protocol):
     row_offsets: Tensor
     clip_enabled: Tensor
     all_clipped: bool
+    stochastic_rounding: bool
 
     @property
     def state(self) -> Dict[str, Tensor]: ...
@@ -261,7 +263,7 @@ class TorchKernel(RowKernel):
                 per_row = torch.stack(adam_bias, dim=1).to(grad.dtype)[step_tables]  # one gather
                 per_row_bias = (per_row[:, 0], per_row[:, 1])
             rounding = None
-            if batch.weight.dtype != torch.float32:
+            if batch.weight.dtype != torch.float32 and batch.stochastic_rounding:
                 keys = batch.rounding_keys()[step_tables]
                 rounding = (batch.row_rounding_keys(step_rows, step_tables), keys[:, 3])
             clipped = self._step(
@@ -341,7 +343,9 @@ class FusedKernel(RowKernel):
             clip_enabled=None if batch.all_clipped else batch.clip_enabled,
             adam_bias=adam_bias,
             row_sums=packed_sums,
-            rounding=batch.rounding_keys() if batch.weight.dtype != torch.float32 else None,
+            rounding=batch.rounding_keys()
+            if batch.weight.dtype != torch.float32 and batch.stochastic_rounding
+            else None,
             optimizer=options.rule.name,
             lr=options.lr,
             betas=options.betas,
@@ -470,10 +474,10 @@ def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKerne
         return TorchKernel(compiled=True)
     built_in = rule in _FUSED_RULES
     if mode == "triton":
-        if not built_in:
+        if rule not in _TRITON_RULES:
             raise ConfigError(
-                f"the environment variable {COMPILE_ENV}=triton: the Triton kernels implement the built-in rules "
-                f"({', '.join(r.name for r in _FUSED_RULES)}), not {rule.name!r}; use "
+                f"the environment variable {COMPILE_ENV}=triton: the Triton kernels implement the "
+                f"built-in rules ({', '.join(r.name for r in _TRITON_RULES)}), not {rule.name!r}; use "
                 f"{COMPILE_ENV}=inductor or 0 for it"
             )
         reason = triton_ops.availability(device)
@@ -498,7 +502,7 @@ def select_kernel(device: torch.device, rule: UpdateRule, mode: str) -> RowKerne
             stacklevel=2,
         )
         return TorchKernel(compiled=compiled)
-    if device.type == "cuda" and built_in:
+    if device.type == "cuda" and rule in _TRITON_RULES:
         reason = triton_ops.availability(device)
         if reason is None:
             return TritonKernel(device)

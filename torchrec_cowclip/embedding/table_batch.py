@@ -114,6 +114,9 @@ class TableBatch(nn.Module):
     ) -> None:
         super().__init__()
         self.kernel = kernel
+        #: Half tables round their updated rows stochastically, else to nearest
+        #: (``CowClipOptions.stochastic_rounding``, set by the owning collection).
+        self.stochastic_rounding = True
         self.tables: List[EmbeddingBagConfig] = list(tables)
         self.dim: int = tables[0].embedding_dim
         self.pooling: PoolingType = tables[0].pooling

@@ -42,6 +42,9 @@ from torch import Tensor
 
 from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
 
+#: The rules the Triton update implements (their codes are :data:`OPTIMIZER_CODES`').
+OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+
 __all__ = [
     "INTERPRET_ENV",
     "PADDING",

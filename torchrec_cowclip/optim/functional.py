@@ -12,7 +12,12 @@ are that section's):
    batch touched);
 3. :func:`adam_rows_`, :func:`rowwise_adagrad_rows_`, :func:`sgd_rows_` - step 5,
    with an optional per-row learning rate from the row's count
-   (:func:`count_lr_multiplier`, not in the paper; off by default).
+   (:func:`count_lr_multiplier`, not in the paper; off by default); and two rules
+   TorchRec users set that the paper does not use: per-element Adagrad
+   (:func:`adagrad_rows_`, FBGEMM's ``EXACT_ADAGRAD``) and AdamW (:func:`adamw_step`:
+   Adam with *decoupled* weight decay, which replaces step 4: ``W <- W * (1 - lr *
+   weight_decay)`` before Adam's step, as ``torch.optim.AdamW`` and FBGEMM's
+   ``WeightDecayMode.DECOUPLE`` do). The clip of step 3 comes before every rule.
 
 :func:`cowclip_row_update_` composes the three, with the settings of
 :mod:`.options` (``CowClip``, ``CountLR``, ``Helen``, read through the protocols
@@ -419,6 +424,31 @@ def rowwise_adagrad_rows_(
     weight.sub_(_per_row(lr) * grad / (sum_sq.sqrt() + eps).unsqueeze(1))
 
 
+def adagrad_rows_(
+    weight: Tensor, grad: Tensor, sum_sq: Tensor, lr: LearningRate, eps: float
+) -> None:
+    """Step 5, per-element Adagrad (FBGEMM's ``EXACT_ADAGRAD``; ``torch.optim.Adagrad``
+    without lr decay): ``s_jd += g_jd**2``; ``W -= lr * g / (sqrt(s) + eps)``, ``sum_sq``
+    ``[U, D]``.
+
+    Example::
+
+        >>> w, s = torch.zeros(1, 2), torch.zeros(1, 2)
+        >>> adagrad_rows_(w, torch.tensor([[3.0, -4.0]]), s, lr=1.0, eps=0.0)
+        >>> w, s
+        (tensor([[-1.,  1.]]), tensor([[ 9., 16.]]))
+    """
+    sum_sq.addcmul_(grad, grad)
+    weight.sub_(_per_row(lr) * grad / (sum_sq.sqrt() + eps))
+
+
+def decay_weight_(weight: Tensor, lr: LearningRate, weight_decay: float) -> None:
+    """Decoupled weight decay, ``W <- W * (1 - lr * weight_decay)`` (``torch.optim.AdamW``'s
+    first move; FBGEMM's ``WeightDecayMode.DECOUPLE``), in place, before the rule's step."""
+    if weight_decay != 0.0:
+        weight.mul_(1.0 - _per_row(lr) * weight_decay)
+
+
 def sgd_rows_(weight: Tensor, grad: Tensor, lr: LearningRate) -> None:
     """Step 5, SGD: ``W -= lr * g`` (``lr`` a scalar or ``[U]``)."""
     weight.sub_(_per_row(lr) * grad)
@@ -449,6 +479,40 @@ def adam_step(
         eps,
         bias_corrections=adam_bias,
     )
+
+
+def adamw_step(
+    weight: Tensor,
+    grad: Tensor,
+    state: Dict[str, Tensor],
+    *,
+    lr: LearningRate,
+    step: Optional[Tensor],
+    betas: Tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adam_bias: Optional[Tuple[Tensor, Tensor]],
+    **_: Any,
+) -> None:
+    """AdamW as a :data:`OptimizerStep` (Adam's state): :func:`decay_weight_`, then
+    :func:`adam_rows_` on the clipped gradient, which carries no L2 (the rule is
+    registered with ``decoupled_weight_decay``, so :func:`cowclip_row_update_` adds none)."""
+    decay_weight_(weight, lr, weight_decay)
+    adam_step(weight, grad, state, lr=lr, step=step, betas=betas, eps=eps, adam_bias=adam_bias)
+
+
+def adagrad_step(
+    weight: Tensor,
+    grad: Tensor,
+    state: Dict[str, Tensor],
+    *,
+    lr: LearningRate,
+    eps: float,
+    **_: Any,
+) -> None:
+    """Per-element Adagrad as a :data:`OptimizerStep` (state ``sum``, ``[U, D]``):
+    :func:`adagrad_rows_`."""
+    adagrad_rows_(weight, grad, state["sum"], lr, eps)
 
 
 def rowwise_adagrad_step(
@@ -588,6 +652,7 @@ def cowclip_row_update_(
     row_sums: Optional[RowSums] = None,
     adam_bias: Optional[Tuple[Tensor, Tensor]] = None,
     count_lr: Optional[CountScaling] = None,
+    decoupled_weight_decay: bool = False,
 ) -> Tensor:
     """One full CowClip step (steps 3-5) on a block of distinct rows, in place.
 
@@ -614,6 +679,8 @@ def cowclip_row_update_(
         count_lr: optional per-row learning rate ``lr * min(c_j, cap) ** power``
             (:class:`~torchrec_cowclip.optim.options.CountLR`); default one ``lr`` for every
             row, as in the paper.
+        decoupled_weight_decay: the rule applies ``weight_decay`` itself, to the weight
+            (AdamW: :func:`adamw_step`); step 4 then adds no L2 to the gradient.
 
     Returns:
         ``[U]`` bool, True for rows whose gradient was clipped.
@@ -634,7 +701,8 @@ def cowclip_row_update_(
     else:
         scale = torch.ones(grad.shape[0], dtype=grad.dtype, device=grad.device)
         was_clipped = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
-    grad = couple_weight_decay(grad, weight, weight_decay)
+    if not decoupled_weight_decay:
+        grad = couple_weight_decay(grad, weight, weight_decay)
     row_lr: LearningRate = lr
     if count_lr is not None and count_lr.power != 0.0:
         row_lr = lr * count_lr_multiplier(counts, count_lr.power, count_lr.cap, grad.dtype)

@@ -25,12 +25,17 @@ from torchrec_cowclip.optim.rules import OPTIMIZERS, UpdateRule, update_rule
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "OUTPUT_DTYPES",
     "CountLR",
     "CowClip",
     "CowClipOptions",
     "Helen",
     "validate_hyperparameters",
 ]
+
+
+#: The pooled outputs' types a collection can give (``CowClipOptions.output_dtype``).
+OUTPUT_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,12 @@ class CowClipOptions:
     #: Train the tables with Helen's two-pass step (``helen_step``) instead of one
     #: backward; not a param-group entry (it changes how a step runs, not the row step).
     helen: Optional[Helen] = None
+    #: Half (float16 / bfloat16) tables round their updated rows back stochastically
+    #: (unbiased; FBGEMM's default), or, False, to nearest. Fixed when the module is built.
+    stochastic_rounding: bool = True
+    #: The type of the pooled outputs (FBGEMM's ``output_dtype``): float32, or float16 /
+    #: bfloat16, pooled in float32 and cast once. Fixed when the module is built.
+    output_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -236,6 +247,13 @@ class CowClipOptions:
         validate_hyperparameters(self.__dict__)
         if self.helen is not None and not isinstance(self.helen, Helen):
             raise TypeError(f"helen must be a Helen or None, got {type(self.helen).__name__}")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"output_dtype must be one of {', '.join(str(d) for d in OUTPUT_DTYPES)}, "
+                f"got {self.output_dtype!r}"
+            )
 
     @classmethod
     def from_param_group(

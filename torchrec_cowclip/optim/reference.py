@@ -81,8 +81,9 @@ def reference_cowclip_step_(
     rows = torch.nonzero(counts, as_tuple=True)[0]  # step 5: only rows in I move
     row_weight = weight[rows].clone()
     row_state = {name: state[name][rows].clone() for name, _ in STATE_LAYOUT[optimizer]}
+    rule = update_rule(optimizer)
     clipped = cowclip_row_update_(
-        update_rule(optimizer).step,
+        rule.step,
         row_weight,
         dense_grad[rows],
         counts[rows],
@@ -94,6 +95,7 @@ def reference_cowclip_step_(
         weight_decay=weight_decay,
         cowclip=cowclip if clip_table else None,
         count_lr=count_lr,
+        decoupled_weight_decay=rule.decoupled_weight_decay,
     )
     weight[rows] = row_weight
     for name, _ in STATE_LAYOUT[optimizer]:

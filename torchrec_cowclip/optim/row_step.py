@@ -167,7 +167,8 @@ def gather_step_scatter_(
     <torchrec_cowclip.optim.options.CowClipOptions.hyperparameters>`). ``rows`` must be
     distinct: each row is read once and written once. A float16 / bfloat16
     ``weight_table`` is stepped in float32 and rounded back by :func:`stochastic_round`
-    with ``rounding`` = (``[U]`` row keys, ``[U]`` column base).
+    with ``rounding`` = (``[U]`` row keys, ``[U]`` column base), or to nearest without
+    ``rounding`` (``stochastic_rounding=False``).
     """
     weight = weight_table.index_select(0, rows).to(grad.dtype)
     state = {name: table.index_select(0, rows) for name, table in state_tables.items()}
@@ -188,13 +189,13 @@ def gather_step_scatter_(
         row_sums=row_sums,
         adam_bias=adam_bias,
         count_lr=count_lr,
+        decoupled_weight_decay=rule.decoupled_weight_decay,
     )
     if weight_table.dtype != weight.dtype:
         if rounding is None:
-            raise ValueError(
-                f"a {weight_table.dtype} table needs rounding keys for its stochastic rounding"
-            )
-        weight = stochastic_round(weight, weight_table.dtype, *rounding)
+            weight = weight.to(weight_table.dtype)  # round to nearest even
+        else:
+            weight = stochastic_round(weight, weight_table.dtype, *rounding)
     weight_table.index_copy_(0, rows, weight)
     for name, table in state_tables.items():
         table.index_copy_(0, rows, state[name])

@@ -2,7 +2,8 @@
 
 An :class:`UpdateRule` names an optimizer's row step, the state it keeps per row, the
 optimizer class TorchRec's planner sizes that state by, and the names TorchRec and FBGEMM
-give it and its state. The built-in rules (Adam, row-wise Adagrad, SGD) are built here, at
+give it and its state. The built-in rules (Adam, the paper's; row-wise Adagrad; SGD; and
+per-element Adagrad and AdamW, which TorchRec users set) are built here, at
 import, from the functional core's row steps (:func:`~.functional.adam_step`, ...): this
 module imports the core, never the reverse, so the registry is complete whatever imports
 it first. A new optimizer is one more :func:`register_update_rule`. :data:`OPTIMIZERS`,
@@ -11,7 +12,7 @@ it first. A new optimizer is one more :func:`register_update_rule`. :data:`OPTIM
 Example::
 
     >>> tuple(OPTIMIZERS), STATE_LAYOUT["rowwise_adagrad"]
-    (('adam', 'rowwise_adagrad', 'sgd'), (('sum', '1'),))
+    (('adam', 'rowwise_adagrad', 'sgd', 'adagrad', 'adamw'), (('sum', '1'),))
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Sequence, Tuple, Unio
 
 from torchrec_cowclip.optim.functional import (
     OptimizerStep,
+    adagrad_step,
     adam_step,
+    adamw_step,
     rowwise_adagrad_step,
     sgd_step,
 )
@@ -59,6 +62,8 @@ class UpdateRule:
             torch/TorchRec optimizer classes ``apply_optimizer_in_backward`` may be given.
         fbgemm_states: ``(state name here, FBGEMM's)`` for each state tensor FBGEMM keeps
             with the same meaning (TorchRec keys it ``<table>.<FBGEMM's name>``).
+        decoupled_weight_decay: ``step`` applies ``weight_decay`` to the weight itself
+            (AdamW); the core then adds no coupled L2 to the gradient.
     """
 
     name: str
@@ -68,6 +73,7 @@ class UpdateRule:
     adam_bias_corrections: bool = False
     torchrec_optimizers: Tuple[str, ...] = ()
     fbgemm_states: Tuple[Tuple[str, str], ...] = ()
+    decoupled_weight_decay: bool = False
 
     def __post_init__(self) -> None:
         bad = [entry for entry in self.state_layout if entry[1] not in ("D", "1")]
@@ -115,6 +121,28 @@ BUILT_IN_RULES: Tuple[UpdateRule, ...] = (
             "torch.optim.sgd.SGD",
             "torchrec.optim.optimizers.SGD",
         ),
+    ),
+    UpdateRule(
+        "adagrad",
+        adagrad_step,
+        (("sum", "D"),),
+        "torch.optim.Adagrad",
+        # torch.optim.Adagrad's update with lr_decay=0 and a zero initial accumulator (its
+        # other keywords are refused by name).
+        torchrec_optimizers=("exact_adagrad", "adagrad", "torch.optim.adagrad.Adagrad"),
+        fbgemm_states=(("sum", "momentum1"),),
+    ),
+    UpdateRule(
+        "adamw",
+        adamw_step,
+        (("exp_avg", "D"), ("exp_avg_sq", "D")),
+        "torch.optim.AdamW",
+        adam_bias_corrections=True,
+        # FBGEMM has no AdamW type: it is EmbOptimType.ADAM with WeightDecayMode.DECOUPLE
+        # (torchrec_config reads that pair as this rule), with Adam's state.
+        torchrec_optimizers=("torch.optim.adamw.AdamW",),
+        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
+        decoupled_weight_decay=True,
     ),
 )
 

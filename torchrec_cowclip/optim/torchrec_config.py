@@ -51,6 +51,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from torchrec_cowclip.optim.in_backward import CowClipInBackward
@@ -59,6 +60,7 @@ from torchrec_cowclip.optim.rules import UPDATE_RULES
 
 __all__ = [
     "FBGEMM_DEFAULTS",
+    "REFUSED_OPTIMIZERS",
     "Setting",
     "fused_params_settings",
     "in_backward_settings",
@@ -90,6 +92,12 @@ _FBGEMM_KEYS = (
 )
 #: ``fused_params`` keys of this project (no FBGEMM module sees them).
 _OWN_KEYS = ("cowclip", "unclipped_tables", "count_lr", "helen")
+#: ``fused_params`` keys of TorchRec's TBE that are not the optimizer's: how half tables
+#: round (``stochastic_rounding``) and the pooled outputs' type (``output_dtype``, a
+#: ``SparseType`` or its value).
+_TBE_KEYS = ("stochastic_rounding", "output_dtype")
+#: ``SparseType`` values an ``output_dtype`` may take, as torch types.
+_OUTPUT_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: ``fbgemm_gpu``'s ``WeightDecayMode`` values (an IntEnum; named here so that reading a
 #: config needs no fbgemm_gpu import).
@@ -143,6 +151,35 @@ def torchrec_rule(name: Any) -> Optional[str]:
     return None
 
 
+_TRUST_RATIO = (
+    "its trust ratio rescales each row's step by ||W|| / ||step||, a second per-row norm "
+    "control on top of CowClip's clip (which already bounds each row's gradient by its "
+    "weight norm): not the paper's algorithm, and untested together"
+)
+
+#: FBGEMM's optimizers the CowClip update leaves out, with why (``EmbOptimType`` values).
+REFUSED_OPTIMIZERS: Mapping[str, str] = {
+    "partial_row_wise_adam": (
+        "Adam with a per-element first and a per-row second moment is a third state layout "
+        "for every kernel (native, Triton, Inductor) that no CowClip run uses; use adam, or "
+        "exact_row_wise_adagrad for row-wise state"
+    ),
+    "lamb": _TRUST_RATIO,
+    "partial_row_wise_lamb": _TRUST_RATIO,
+    "lars_sgd": _TRUST_RATIO,
+    "exact_row_wise_weighted_adagrad": (
+        "its accumulator decays by a weighted count of the rows' past steps, a per-row "
+        "counter the CowClip update does not keep; use exact_row_wise_adagrad"
+    ),
+    "ensemble_row_wise_adagrad": "an ensemble of tables per row is a model change, not a step rule",
+    "ema_in_place_row_wise_adagrad": (
+        "it replaces the weights by a moving average in place, which CowClip's clip "
+        "(against the weight norm) would then read"
+    ),
+    "none": "the tables would not train; freeze them with requires_grad or lr=0",
+}
+
+
 def _known_optimizers() -> str:
     return "; ".join(
         f"{rule.name}: {', '.join(rule.torchrec_optimizers)}"
@@ -172,11 +209,12 @@ def fused_params_settings(
     if not fused_params:
         return {}
     params = dict(fused_params)
-    unknown = [k for k in params if k not in _FBGEMM_KEYS and k not in _OWN_KEYS]
+    known = _FBGEMM_KEYS + _TBE_KEYS + _OWN_KEYS
+    unknown = [k for k in params if k not in known]
     if unknown:
         raise ValueError(
             f"{where}[{unknown[0]!r}] is not honoured by the CowClip update, which takes "
-            f"{', '.join(_FBGEMM_KEYS + _OWN_KEYS)}: drop it"
+            f"{', '.join(known)}: drop it"
         )
     settings: Settings = {}
 
@@ -189,6 +227,9 @@ def fused_params_settings(
     if "optimizer" in params:
         rule = torchrec_rule(params["optimizer"])
         if rule is None:
+            why = REFUSED_OPTIMIZERS.get(_name_of(params["optimizer"]))
+            if why is not None:
+                raise ValueError(f"{spelled('optimizer')} is refused: {why}")
             raise ValueError(
                 f"{spelled('optimizer')} is not an optimizer the CowClip update has "
                 f"({_known_optimizers()})"
@@ -210,7 +251,22 @@ def fused_params_settings(
         betas = (params.get("beta1", default_1), params.get("beta2", default_2))
         shown = " ".join(spelled(k) for k in ("beta1", "beta2") if k in params)
         settings["betas"] = Setting(betas, shown)
-    settings.update(_weight_decay_settings(params, where, spelled))
+    settings.update(_weight_decay_settings(params, where, spelled, settings.get("optimizer")))
+    if "stochastic_rounding" in params:
+        value = params["stochastic_rounding"]
+        if not isinstance(value, bool):
+            raise ValueError(f"{spelled('stochastic_rounding')}: give True or False")
+        settings["stochastic_rounding"] = Setting(value, spelled("stochastic_rounding"))
+    if "output_dtype" in params:
+        value = params["output_dtype"]
+        dtype = value if isinstance(value, torch.dtype) else _OUTPUT_TYPES.get(_name_of(value))
+        if dtype not in _OUTPUT_TYPES.values():
+            raise ValueError(
+                f"{where}['output_dtype']={_name_of(value)} is refused: the pooled outputs "
+                "are SparseType.FP32, FP16 or BF16 (quantized outputs are TorchRec's "
+                "inference path: quantize_embeddings)"
+            )
+        settings["output_dtype"] = Setting(dtype, spelled("output_dtype"))
     for key in _OWN_KEYS:
         if key in params:
             value = params[key]
@@ -220,7 +276,9 @@ def fused_params_settings(
     return settings
 
 
-def _weight_decay_settings(params: Mapping[str, Any], where: str, spelled: Any) -> Settings:
+def _weight_decay_settings(
+    params: Mapping[str, Any], where: str, spelled: Any, optimizer: Optional[Setting]
+) -> Settings:
     mode = _weight_decay_mode(params.get("weight_decay_mode", 0))
     decay = params.get("weight_decay", 0.0)
     if mode == "COWCLIP":
@@ -230,11 +288,28 @@ def _weight_decay_settings(params: Mapping[str, Any], where: str, spelled: Any) 
             "a half-life > 0 decays it) and scales the row-wise Adagrad step, where CowClip (the paper) clips each row's "
             "gradient against its count in this batch; give 'cowclip': CowClip(r, zeta)"
         )
-    if mode in ("DECOUPLE", "DECOUPLE_GLOBAL", "COUNTER"):
+    if mode in ("DECOUPLE_GLOBAL", "COUNTER"):
         raise ValueError(
-            f"{where}['weight_decay_mode']={mode} is refused: the CowClip update adds "
-            "coupled L2 after the clip (WeightDecayMode.L2); it has no decoupled or "
-            "counter-based weight decay"
+            f"{where}['weight_decay_mode']={mode} is refused: FBGEMM scales it by the steps "
+            "since each row last appeared, a per-row counter the CowClip update does not "
+            "keep; give WeightDecayMode.L2 (coupled, after the clip) or, with Adam, DECOUPLE"
+        )
+    if mode == "DECOUPLE":
+        rule = None if optimizer is None else optimizer.value
+        if rule not in ("adam", "adamw"):
+            raise ValueError(
+                f"{where}['weight_decay_mode']=DECOUPLE is honoured with Adam (AdamW), not "
+                f"{rule or 'without an optimizer'}: give WeightDecayMode.L2 for coupled L2"
+            )
+        shown = " ".join(spelled(k) for k in ("optimizer", "weight_decay", "weight_decay_mode"))
+        return {
+            "optimizer": Setting("adamw", shown),
+            "weight_decay": Setting(decay, shown),
+        }
+    if optimizer is not None and optimizer.value == "adamw" and decay:
+        raise ValueError(
+            f"{where}: AdamW's weight_decay is decoupled; give "
+            "weight_decay_mode=WeightDecayMode.DECOUPLE with it"
         )
     if mode not in ("NONE", "L2"):
         raise ValueError(f"{where}['weight_decay_mode']={mode}: not a WeightDecayMode")
@@ -341,6 +416,8 @@ def _table_settings(table: str, cls: type, kwargs: Mapping[str, Any]) -> Setting
     # TorchRec hands these keywords to FBGEMM (lr as learning_rate), so they mean what
     # they mean in fused_params; torch's `betas` spelling is read as beta1/beta2.
     params: Dict[str, Any] = {"optimizer": rule}
+    if rule == "adamw" and "weight_decay" in kwargs:
+        params["weight_decay_mode"] = 2  # AdamW's own decay: FBGEMM's DECOUPLE
     for key, value in kwargs.items():
         if key == "lr":
             params["learning_rate"] = value
