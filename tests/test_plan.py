@@ -470,9 +470,12 @@ def test_a_table_list_from_python_plans_as_its_file(tmp_path, capsys):
     from_file = json.loads((tmp_path / "f").read_text())
     listed = [TableSpec(**t) for t in OWN_TABLES]
     assert read_table_file(path) == listed
-    spec = JobSpec(model="tables", model_arguments={}, optimizer="adam", batch_size=4096,
-                   world_size=2, local_world_size=2, compute_device="cuda",
-                   hbm_bytes=4 << 30, ddr_bytes=0, tables=listed)  # fmt: skip
+    # As a spreadsheet saves it: a byte-order mark before the header.
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_table_file(path) == listed
+    spec = JobSpec.of_tables(listed, optimizer="adam", batch_size=4096, world_size=2,
+                             local_world_size=2, compute_device="cuda", hbm_bytes=4 << 30,
+                             ddr_bytes=0)  # fmt: skip
     plan = plan_job(spec, per_host=8).to_json()
     assert plan["tables"] == from_file["tables"] and plan["ranks"] == from_file["ranks"]
     # A TorchRec user's own EmbeddingBagConfigs give the same tables.

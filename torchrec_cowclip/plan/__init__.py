@@ -18,11 +18,11 @@ Example::
 Your own tables (``--tables FILE`` from Python), planned alone, rows as given, one
 constrained to row-wise::
 
-    >>> own = JobSpec(model="tables", model_arguments={}, optimizer="adam", batch_size=4096,
-    ...               world_size=2, local_world_size=2, compute_device="cuda",
-    ...               hbm_bytes=16 << 30, ddr_bytes=0,
-    ...               tables=[TableSpec("user", 10_000_000, 64, sharding="row_wise"),
-    ...                       TableSpec("item", 2_000_000, 64, dtype="fp16")])
+    >>> own = JobSpec.of_tables(
+    ...     [TableSpec("user", 10_000_000, 64, sharding="row_wise"),
+    ...      TableSpec("item", 2_000_000, 64, dtype="fp16")],
+    ...     optimizer="adam", batch_size=4096, world_size=2, local_world_size=2,
+    ...     compute_device="cuda", hbm_bytes=16 << 30, ddr_bytes=0)
     >>> plan = plan_job(own)
     >>> [(t.name, t.rows, t.sharding, t.dtype) for t in plan.tables]
     [('user', 10000000, 'row_wise', 'float32'), ('item', 2000000, 'row_wise', 'float16')]

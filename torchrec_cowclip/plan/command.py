@@ -337,8 +337,8 @@ def _tables(
 ) -> Tuple[Any, int, str, Optional[str]]:
     """``(schema, dense inputs, where the sizes come from, the data a launch trains on)``
     for the tables of ``source`` (None: the command's own ``--data``, which ``data`` is
-    when the tables come from it); a table file's tables come as their list (schema
-    ``None``)."""
+    when the tables come from it); a table file's tables come as the list of its
+    :class:`~torchrec_cowclip.plan.tables.TableSpec` in the schema's place."""
     from torchrec_cowclip.data.pipeline.dataset import parse_spec
     from torchrec_cowclip.plan.job import PlanError
     from torchrec_cowclip.plan.presets import PRESETS

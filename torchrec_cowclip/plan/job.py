@@ -109,6 +109,12 @@ class JobSpec:
         if not (math.isfinite(self.headroom) and 0 <= self.headroom < 1):
             raise PlanError(f"--headroom must be in [0, 1), got {self.headroom:g}")
 
+    @classmethod
+    def of_tables(cls, tables: Sequence[TableSpec], **job: Any) -> "JobSpec":
+        """A job planning ``tables`` alone (a user's own; no model is built); ``job``: the
+        other fields (``optimizer``, ``batch_size``, ``world_size``, ...)."""
+        return cls(model="tables", model_arguments={}, tables=tuple(tables), **job)
+
     @property
     def device_bytes(self) -> int:
         """The memory the tables live in, per device: HBM on CUDA, else DDR."""

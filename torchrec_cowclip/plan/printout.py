@@ -150,7 +150,7 @@ def format_plan(plan: JobPlan, tables_from: str, launch: Optional[Dict[str, str]
         f"job: {spec.world_size} x {spec.compute_device} ({spec.local_world_size} per host) "
         f"of {format_bytes(spec.device_bytes)} {where}, batch {spec.batch_size:,} "
         f"({spec.batch_size // spec.world_size:,} per rank), sharding {spec.sharding}"
-        + (f"; constrained: {_constrained(plan.constraints)}" if plan.constraints else ""),
+        + (f"; constrained: {_constrained(plan.constraints)}" if _mixed(plan) else ""),
         f"tables and optimizer state: {format_bytes(plan.table_bytes)} (one copy of each); "
         f"largest table {plan.largest_table[0]}: {format_bytes(plan.largest_table[1])}",
     ]
@@ -213,6 +213,12 @@ def format_plan(plan: JobPlan, tables_from: str, launch: Optional[Dict[str, str]
         if plan.error:
             lines.append(f"TorchRec's planner: {plan.error}")
     return "\n".join(lines) + "\n"
+
+
+def _mixed(plan: JobPlan) -> bool:
+    """Whether tables were constrained one by one (``--constrain``, a table file's own)."""
+    spec = plan.spec
+    return bool(spec.constraints) or any(t.sharding for t in spec.tables)
 
 
 def _constrained(constraints: Dict[str, str]) -> str:

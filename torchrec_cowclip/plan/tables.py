@@ -182,7 +182,7 @@ def _read_text(path: Path) -> str:
                 f"{path}: {size} bytes, more than a table list has "
                 f"({MAX_TABLE_FILE_BYTES >> 20} MiB)"
             )
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a spreadsheet's BOM is no field name
     except OSError as e:
         raise TableFileError(f"{path}: unreadable ({e.strerror or e})") from None
     except UnicodeDecodeError:
