@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import List, Tuple
 
 import numpy as np
 import pytest
@@ -239,7 +240,9 @@ def test_a_same_size_edit_with_its_mtime_put_back_is_never_read_stale(
     assert [Path(p).name for p in reads] == ["train.tsv"]
 
 
-def test_resume_auto_refuses_data_edited_behind_its_mtime(tmp_path: Path, capsys) -> None:
+def _checkpointed_run(tmp_path: Path) -> Tuple[Path, List[str]]:
+    """A run of ``tmp_path/train.tsv`` stopped at its step-2 checkpoint: ``(the source,
+    the command that resumes it with --resume auto, to give --max-steps)``."""
     from tiny import TINY_FILE_RUN, tiny_cli
 
     from torchrec_cowclip.cli import main
@@ -251,9 +254,43 @@ def test_resume_auto_refuses_data_edited_behind_its_mtime(tmp_path: Path, capsys
         out=tmp_path / "run", cache_dir=tmp_path / "c",
     ) + ["--resume", "auto"]  # fmt: skip
     assert main(argv + ["--max-steps", "2"]) == 0
-    _same_size_edit(src)
+    return src, argv
+
+
+def _resume_refused(capsys, argv: List[str]) -> str:
+    from torchrec_cowclip.cli import main
+
     capsys.readouterr()
     with pytest.raises(SystemExit) as refused:
         main(argv + ["--max-steps", "4"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert refused.value.code == 2 and "--resume refused" in err and "--data content" in err
+    assert refused.value.code == 2 and "--resume refused" in err, err
+    return err
+
+
+def test_resume_auto_refuses_data_edited_behind_its_mtime(tmp_path: Path, capsys) -> None:
+    src, argv = _checkpointed_run(tmp_path)
+    _same_size_edit(src)
+    assert "--data content" in _resume_refused(capsys, argv)
+
+
+def test_resume_auto_refuses_an_edit_hidden_by_a_forged_digest_record(
+    tmp_path: Path, capsys
+) -> None:
+    """The source edited (same size, mtime put back), then its current size, mtime,
+    ctime, inode and device written into ``.source-digests.json`` with the old SHA-256
+    (issue 48): the cache key is the old one, but the run's own record of the file (its
+    stamp then) says it changed, so it is read again and the resume refused."""
+    from torchrec_cowclip.data.pipeline import cache
+
+    src, argv = _checkpointed_run(tmp_path)
+    old = cache.sha256_of(src)[1]
+    _same_size_edit(src)
+    now = src.stat()
+    stamp = [now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino, now.st_dev]
+    memo = tmp_path / "c" / cache.DIGEST_MEMO
+    memo.write_text(json.dumps({str(src.resolve()): {"stat": stamp, "sha256": old}}))
+    cache._SOURCE_DIGESTS.clear()  # a new process
+    err = _resume_refused(capsys, argv)
+    assert f"{src.resolve()} is not the file the checkpoint" in err, err
+    assert f"though the cache's digest record ({cache.DIGEST_MEMO}) says it is" in err

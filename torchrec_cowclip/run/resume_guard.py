@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
+from torchrec_cowclip.data.pipeline.cache import DIGEST_MEMO, changed_sources
 from torchrec_cowclip.failures import ConfigError
 
 # Settings a resumed run may change, because they change no number the run produces
@@ -65,17 +66,24 @@ class ResumeRefused(ConfigError):
     """``--resume`` with settings or data that differ from the checkpoint's."""
 
 
-def run_record(settings: Mapping[str, Any], data: Mapping[str, Any]) -> Dict[str, Any]:
-    """The record a checkpoint keeps of its run: ``{"settings", "data"}``, plain JSON
-    types only (so it loads without unpickling classes).
+def run_record(
+    settings: Mapping[str, Any],
+    data: Mapping[str, Any],
+    sources: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The record a checkpoint keeps of its run: ``{"settings", "data", "sources"}``,
+    plain JSON types only (so it loads without unpickling classes).
 
     Args:
         settings: the run's options with every recipe default resolved
             (``TrainSettings.record_settings``).
         data: what the run read: its source, options, row count and binary-cache entry
             (:meth:`DataSettings.record <torchrec_cowclip.data.settings.DataSettings.record>`).
+        sources: each source file's stamp and SHA-256 as the run read them
+            (:func:`~torchrec_cowclip.data.pipeline.cache.sources_seen`): a resume reads a
+            file whose stamp changed again (:func:`check_sources`), not fingerprinted.
     """
-    return {"settings": dict(settings), "data": dict(data)}
+    return {"settings": dict(settings), "data": dict(data), "sources": dict(sources or {})}
 
 
 def run_fingerprint(record: Mapping[str, Any]) -> str:
@@ -167,6 +175,23 @@ def check_resume(
     message = f"--resume refused: the checkpoint in {out} was trained with {flag} {old}, this command has {new}"
     message += "".join(f"; {f} {o} vs {n}" for f, o, n in rest)
     raise ResumeRefused(message)
+
+
+def check_sources(checkpoint: Mapping[str, Any], out: Union[str, Path]) -> None:
+    """Raises :class:`ResumeRefused` where a source file the checkpoint's run read
+    (its record's ``sources``) holds other bytes now, although the cache entry the data
+    opened from says it does not (the cache directory's digest record edited since; an
+    honest edit lands in a new entry, which :func:`check_resume` refuses first)."""
+    recorded = (checkpoint.get("run_record") or {}).get("sources") or {}
+    changed = changed_sources(recorded)
+    if changed:
+        path, old, new = changed[0]
+        raise ResumeRefused(
+            f"--resume refused: {path} is not the file the checkpoint in {out} was trained "
+            f"on (SHA-256 {old[:16]}... then, {new[:16]}... now), though the cache's digest "
+            f"record ({DIGEST_MEMO}) says it is: remove that record and the stale cache "
+            "entry, or start anew with --overwrite"
+        )
 
 
 def resumed_message(

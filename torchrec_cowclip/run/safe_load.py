@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrec_cowclip.compat import dcp_metadata_private_classes
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.readback import RefusedFileError, open_member
 
 METADATA_FILE = ".metadata"
 
@@ -220,19 +221,19 @@ def read_dcp_metadata(path: Union[str, Path]) -> dcp_metadata.Metadata:
             or past its files' ends.
     """
     try:
-        regular_file(path)
+        with open_member(path) as (f, _):  # opened once: nothing swapped in after a check
+            loaded = RestrictedUnpickler(f, path).load()
     except FileNotFoundError:
         raise UnsafeFileError(f"{path}: refused to load: missing") from None
-    with open(path, "rb") as f:
-        try:
-            loaded = RestrictedUnpickler(f, path).load()
-        except UnsafeFileError:
-            raise
-        except Exception as e:  # a damaged or foreign file: any unpickling failure
-            raise UnsafeFileError(
-                f"{path}: refused to load: not a checkpoint metadata file ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})"
-            ) from None
+    except RefusedFileError as e:
+        raise UnsafeFileError(str(e).replace(": refused: ", ": refused to load: ", 1)) from None
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # a damaged or foreign file: any unpickling failure
+        raise UnsafeFileError(
+            f"{path}: refused to load: not a checkpoint metadata file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not isinstance(loaded, dcp_metadata.Metadata):
         raise UnsafeFileError(
             f"{path}: refused to load: it holds a {type(loaded).__name__}, not DCP metadata"

@@ -432,7 +432,7 @@ def _row(out: Path, record: Dict[str, Any], base_batch_size: int) -> Dict[str, A
     """:func:`cell_row`, a run's ``metrics.json`` of another shape refused in one line."""
     try:
         return cell_row(out, record, base_batch_size)
-    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
         metrics = cell_dir(out, record.get("shares") or record["cell"]) / "metrics.json"
         raise SweepError(
             f"{metrics}: not what a run writes ({type(e).__name__}: {e}); move the cell away"
@@ -444,7 +444,8 @@ def build_report(out: Path) -> Dict[str, Any]:
     sweep's settings (``sweep.json``'s content)."""
     settings = read_json(Path(out) / SETTINGS_FILE) or {}
     base_batch_size = int((settings.get("settings") or {}).get("base_batch_size", 1024))
-    rows = [_row(Path(out), rec, base_batch_size) for rec in iter_cell_records(out)]
+    records = list(iter_cell_records(out))  # every cell.json checked before any is used
+    rows = [_row(Path(out), rec, base_batch_size) for rec in records]
     base = base_batch(rows, base_batch_size)
     for r in rows:
         r["scale"] = r["batch_size"] / base_batch_size

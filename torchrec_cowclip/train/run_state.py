@@ -24,7 +24,7 @@ from torchrec_cowclip.run.checkpoints import (
     CheckpointStore,
     DamagedCheckpointError,
 )
-from torchrec_cowclip.run.resume_guard import check_resume
+from torchrec_cowclip.run.resume_guard import check_resume, check_sources
 from torchrec_cowclip.train.console import run_eta
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
@@ -264,6 +264,7 @@ class RunCheckpoints:
         saved = self.store.trainer_state(checkpoint)
         assert saved is not None
         check_resume(saved, self.run_record, self.out)  # before any state is loaded
+        check_sources(saved, self.out)
         runtime = self.runtime
         runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors
         tensors = runtime.tensors()

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from torchrec_cowclip import notices
+from torchrec_cowclip.data.pipeline.cache import sources_seen
 from torchrec_cowclip.run.log import RunLog, write_text_atomically
 from torchrec_cowclip.run.model_folder import (
     RunFolderWriter,
@@ -118,14 +119,15 @@ class Trainer:
             torch.set_num_threads(run.threads)
         _seed_everything(run.seed)
         # validate() has checked that the test files are of --data's kind.
-        self.data = open_training_data(
-            settings.data,
-            run.batch_size,
-            settings.model.embedding_dim,
-            settings.optimizers.embedding.optimizer,
-            warm=self.warm,
-            process=settings.process,
-        )
+        with sources_seen() as sources:
+            self.data = open_training_data(
+                settings.data,
+                run.batch_size,
+                settings.model.embedding_dim,
+                settings.optimizers.embedding.optimizer,
+                warm=self.warm,
+                process=settings.process,
+            )
         self.dataset = self.data.dataset
         self.train_idx, self.val_idx, self.test_idx = (
             self.data.train_idx,
@@ -134,7 +136,7 @@ class Trainer:
         )
         self.hp = settings.hp
         self.cowclip = settings.optimizers.embedding.cowclip
-        record = run_record(settings.record_settings(), settings.data.record(self.dataset))
+        record = run_record(settings.record_settings(), settings.data.record(self.dataset), sources)
         self.runtime: Runtime = make_runtime(settings, self.dataset, self.train_idx)
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer

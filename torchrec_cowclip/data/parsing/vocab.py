@@ -39,6 +39,7 @@ import numpy as np
 
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.parsing.fields import byte_matrix
+from torchrec_cowclip.readback import open_member
 
 OOV_ID = 0
 MISSING_ID = 1
@@ -242,21 +243,23 @@ def load_key_columns(
         DataError: a compressed member (which could expand beyond any bound) or a file
             that is not such an archive.
     """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            packed = [
-                i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED
-            ]
-    except zipfile.BadZipFile as e:
-        raise DataError(f"{path}: not a vocabulary archive ({e})", path=path) from None
-    if packed:
-        raise DataError(
-            f"{path}: {packed[0]} is compressed; a vocabulary stores its arrays as they are "
-            "(np.savez), so their size is bounded by the file's",
-            path=path,
-        )
-    with np.load(path, allow_pickle=False) as z:
-        names = [str(x) for x in z["names"]]
-        keys = [z[f"keys_{c}"] for c in range(len(names))]
-        counts = [z[f"counts_{c}"].astype(np.int64) for c in range(len(names))]
+    with open_member(path) as (f, _):  # opened once: the archive checked is the one read
+        try:
+            with zipfile.ZipFile(f) as archive:
+                packed = [
+                    i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED
+                ]
+        except zipfile.BadZipFile as e:
+            raise DataError(f"{path}: not a vocabulary archive ({e})", path=path) from None
+        if packed:
+            raise DataError(
+                f"{path}: {packed[0]} is compressed; a vocabulary stores its arrays as they "
+                "are (np.savez), so their size is bounded by the file's",
+                path=path,
+            )
+        f.seek(0)
+        with np.load(f, allow_pickle=False) as z:
+            names = [str(x) for x in z["names"]]
+            keys = [z[f"keys_{c}"] for c in range(len(names))]
+            counts = [z[f"counts_{c}"].astype(np.int64) for c in range(len(names))]
     return names, keys, counts

@@ -146,7 +146,7 @@ def source_digest(path: Path) -> str:
     before = path.stat()
     key = _stat_key(path, before)
     if key in _SOURCE_DIGESTS:
-        return _SOURCE_DIGESTS[key]
+        return _seen(key, _SOURCE_DIGESTS[key])
     memo_dir = _MEMO_DIR.get()
     memo = None if memo_dir is None else memo_dir / DIGEST_MEMO
     stamp = list(key[1:])
@@ -154,7 +154,7 @@ def source_digest(path: Path) -> str:
         known = _read_memo(memo).get(str(path))
         if isinstance(known, dict) and known.get("stat") == stamp and known.get(SHA256):
             _SOURCE_DIGESTS[key] = str(known[SHA256])
-            return _SOURCE_DIGESTS[key]
+            return _seen(key, _SOURCE_DIGESTS[key])
     _, digest = sha256_of(path)
     if _stat_key(path, path.stat()) != key:
         raise DataError(
@@ -163,7 +163,52 @@ def source_digest(path: Path) -> str:
     _SOURCE_DIGESTS[key] = digest
     if memo is not None:
         _write_memo(memo, str(path), {"stat": stamp, SHA256: digest})
+    return _seen(key, digest)
+
+
+#: The sources whose digests the innermost :func:`sources_seen` block used.
+_SEEN: ContextVar[Optional[dict[str, list[Any]]]] = ContextVar("sources_seen", default=None)
+
+
+def _seen(key: tuple[str, int, int, int, int, int], digest: str) -> str:
+    seen = _SEEN.get()
+    if seen is not None:
+        seen[key[0]] = [*key[1:], digest]
     return digest
+
+
+@contextmanager
+def sources_seen() -> Iterator[dict[str, list[Any]]]:
+    """Inside the block, every source file whose digest :func:`source_digest` returns is
+    recorded in the dict yielded: ``path -> [size, mtime_ns, ctime_ns, inode, device,
+    sha256]``, what a run keeps of its sources (:func:`changed_sources` reads it back)."""
+    seen: dict[str, list[Any]] = {}
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
+def changed_sources(recorded: Mapping[str, Sequence[Any]]) -> list[tuple[str, str, str]]:
+    """``(path, recorded SHA-256, now)`` for each source of ``recorded`` (as
+    :func:`sources_seen` kept it) whose content is no longer the recorded one. A file whose
+    size, mtime, ctime, inode and device are the recorded ones is unchanged (the kernel sets
+    the ctime on every write); any other is read again here, whatever the digest memo says
+    (a memo record written by hand can name the file's new stamp with its old digest)."""
+    changed: list[tuple[str, str, str]] = []
+    for path, record in recorded.items():
+        stamp, digest = list(record[:5]), str(record[5])
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            changed.append((path, digest, "missing"))
+            continue
+        if list(_stat_key(Path(path), st)[1:]) != stamp:
+            now = sha256_of(path)[1]
+            if now != digest:
+                changed.append((path, digest, now))
+    return changed
 
 
 def fingerprint(paths: Sequence[Union[str, Path]]) -> list[dict[str, Any]]:
