@@ -43,8 +43,8 @@ from torchrec_cowclip.failures import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
 from torchrec_cowclip.readback import RefusedFileError
 from torchrec_cowclip.readback import read_json as read_back
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
+from torchrec_cowclip.run.folder_layout import MANIFEST, MODEL_DIR
 from torchrec_cowclip.run.log import write_text_atomically
-from torchrec_cowclip.run.model_folder import MANIFEST, MODEL_DIR
 from torchrec_cowclip.run.out_dir import RunDirLock, has_checkpoint, run_files
 from torchrec_cowclip.sweep.grid import (
     Cell,

@@ -33,13 +33,13 @@ import torch
 
 from torchrec_cowclip import notices
 from torchrec_cowclip.data.pipeline.cache import sources_seen
-from torchrec_cowclip.run.log import RunLog, write_text_atomically
-from torchrec_cowclip.run.model_folder import (
+from torchrec_cowclip.run.folder_writer import (
     RunFolderWriter,
     describe_data,
     describe_model,
     encoder_writer,
 )
+from torchrec_cowclip.run.log import RunLog, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
 from torchrec_cowclip.run.stop import RunStopped, StopRequest

@@ -68,7 +68,8 @@ from torchrec_cowclip.data.pipeline.run_encoders import (
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
-from torchrec_cowclip.run.model_folder import RunFolder, jsonable
+from torchrec_cowclip.run.folder_layout import jsonable
+from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchrec_cowclip.train.config import TrainConfig, TrainSettings
 from torchrec_cowclip.train.options import declarations
