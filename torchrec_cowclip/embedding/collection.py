@@ -1,5 +1,11 @@
 """CowClipEmbeddingBagCollection: a TorchRec EmbeddingBagCollection trained by CowClip
 inside backward.
+
+The collection is TorchRec's collection; what else it offers it holds as collaborators:
+its table batches and their lookup (``table_batch.py``, ``batched_lookup.py``), the
+per-table weight views (``table_views.py``), the clip counters (``clip_counters.py``,
+per-row tracking included), the forward ``torch.export`` traces (``export_forward.py``)
+and TorchRec's quantization (``quantization.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import (
-    in_backward_mark_count,
-    mark_updated_in_backward,
-    qconfig_propagation,
-)
+from torchrec_cowclip.compat import in_backward_mark_count
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
+from torchrec_cowclip.embedding.export_forward import exported_pooling
+from torchrec_cowclip.embedding.quantization import (  # noqa: F401 (their home before)
+    QconfigGuard,
+    quantization_mapping,
+    quantize_embeddings,
+)
 from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
@@ -34,6 +42,11 @@ from torchrec_cowclip.embedding.table_batch import (
     TableBatch,
     TableClipStats,
     group_into_table_batches,
+)
+from torchrec_cowclip.embedding.table_views import (
+    bind_table_views,
+    table_weight,
+    table_weights,
 )
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
@@ -47,20 +60,6 @@ from torchrec_cowclip.optim.torchrec_config import (
     resolve_options,
     table_marks,
 )
-
-_MISSING = object()
-
-
-class TableWeight(nn.Module):
-    """Holds one table's weight, a view into its table batch, under the name
-    (``embedding_bags.<table>.weight``) that ``torchrec.EmbeddingBagCollection`` uses."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
 class CowClipEmbeddingBagCollection(
@@ -189,17 +188,8 @@ class CowClipEmbeddingBagCollection(
             self._device,
         )
 
-        self.embedding_bags = nn.ModuleDict()
-        params: dict[str, nn.Parameter] = {}
-        for batch in self._batches:
-            for i, name in enumerate(batch.table_names):
-                param = nn.Parameter(batch.table_weight(i))
-                # TorchRec's marker for parameters updated inside backward: keeps them
-                # out of dense optimizers built with `in_backward_optimizer_filter`.
-                mark_updated_in_backward(param)
-                self.embedding_bags[name] = TableWeight(param)
-        for table in tables:
-            params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
+        self.embedding_bags = table_weights(self._batches)
+        params = {f"embedding_bags.{t.name}.weight": self._table_weight(t.name) for t in tables}
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
         self._marks_read = in_backward_mark_count()
@@ -284,8 +274,15 @@ class CowClipEmbeddingBagCollection(
                 "shard it with DistributedModelParallel, or call to_empty(device=...) and "
                 "reset_parameters() first"
             )
-        if torch.compiler.is_exporting():
-            return self._exported_forward(features)
+        if torch.compiler.is_exporting():  # a self-contained program (export_forward.py)
+            return exported_pooling(
+                self._embedding_bag_configs,
+                self._table_weight,
+                features,
+                self._is_weighted,
+                self._embedding_names,
+                self._lengths_per_embedding,
+            )
         if self._marks_read != in_backward_mark_count():
             self._read_in_backward_marks()
         features = self._in_batched_order(features)
@@ -301,43 +298,6 @@ class CowClipEmbeddingBagCollection(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
             values=pooled,
-        )
-
-    def _exported_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """The forward ``torch.export`` traces: each table's pooled lookup read from its own
-        parameter (``embedding_bags.<table>.weight``) with aten's ``embedding_bag``, as a
-        stock ``EmbeddingBagCollection`` computes it, so the program holds the tables as
-        its state and runs without this package or the live module (the training forward's
-        op reaches the tables through a handle to this module: it is for training only).
-        Half tables pool in float32, as the training forward does."""
-        by_feature = features.to_dict()
-        pooled: list[Tensor] = []
-        for table in self._embedding_bag_configs:
-            weight = self._table_weight(table.name)
-            for feature in table.feature_names:
-                bags = by_feature[feature]
-                offsets = bags.offsets()
-                sample_weights = bags.weights_or_none() if self._is_weighted else None
-                mean = table.pooling == PoolingType.MEAN
-                out = torch.nn.functional.embedding_bag(
-                    bags.values(),
-                    weight,
-                    offsets,
-                    mode="mean" if mean and sample_weights is None else "sum",
-                    per_sample_weights=None
-                    if sample_weights is None
-                    else sample_weights.to(weight.dtype),
-                    include_last_offset=True,
-                ).to(torch.float32)
-                if mean and sample_weights is not None:
-                    # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
-                    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1)
-                    out = out / lengths.unsqueeze(1).to(out.dtype)
-                pooled.append(out)
-        return KeyedTensor(
-            keys=self._embedding_names,
-            length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1).to(self._output_dtype),
         )
 
     def _read_in_backward_marks(self) -> None:
@@ -443,52 +403,32 @@ class CowClipEmbeddingBagCollection(
             )
         return self._fused_optimizer
 
-    # --- Observability -------------------------------------------------------------
+    # --- Observability: the clip counters it holds ------------------------------------
 
     @property
     def clip_counters(self) -> ClipCounters:
         """What the fused update did to each table, and with :meth:`track_row_clips` to
-        each row: the counters, their checkpoint form and their reset
-        (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
+        each row (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
     def clip_stats(self) -> dict[str, TableClipStats]:
-        """Per table: rows updated, clipped and skipped as non-finite, for the last
-        step and cumulatively. Reading them synchronises with the device."""
+        """:meth:`ClipCounters.stats`: per table, rows updated, clipped and skipped."""
         return self._clip_counters.stats()
 
     def table_counters(self) -> dict[str, Tensor]:
-        """Per table, its ``[6]`` int64 clip counters, the layout checkpoints keep for
-        unsharded and sharded modules alike (:meth:`ClipCounters.table_counters`)."""
+        """:meth:`ClipCounters.table_counters`: the checkpoint form."""
         return self._clip_counters.table_counters()
 
     def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
-        """Restores :meth:`table_counters` (the sharded module's too), all checked first."""
+        """:meth:`ClipCounters.load_table_counters`, all checked first."""
         self._clip_counters.load_table_counters(counters)
 
     def track_row_clips(self, enabled: bool = True) -> None:
-        """Starts (or stops) counting, for every row of every table, how many steps
-        updated it and how many of those clipped its gradient (:meth:`row_clip_counts`;
-        :meth:`ClipCounters.track_rows`).
-
-        Example::
-
-            >>> ebc = CowClipEmbeddingBagCollection(
-            ...     [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["user"])], CowClipOptions(lr=1e-2))
-            >>> ebc.track_row_clips()
-            >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # bags [3, 3] and [7]
-            ...     keys=["user"], values=torch.tensor([3, 3, 7]), lengths=torch.tensor([2, 1]))
-            >>> ebc(kjt).values().sum().backward()           # one training step
-            >>> updated, clipped = ebc.row_clip_counts()["t_user"]
-            >>> updated.tolist(), int(clipped.sum()) <= 2
-            ([0, 0, 0, 1, 0, 0, 0, 1, 0, 0], True)
-        """
+        """:meth:`ClipCounters.track_rows`: count each row's updates and clips."""
         self._clip_counters.track_rows(enabled)
 
     def row_clip_counts(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """Per table, ``(updated, clipped)`` counts of each row since
-        :meth:`track_row_clips` (:meth:`ClipCounters.row_counts`)."""
+        """:meth:`ClipCounters.row_counts`: per table, ``(updated, clipped)`` per row."""
         return self._clip_counters.row_counts()
 
     # --- Module plumbing -----------------------------------------------------------
@@ -518,41 +458,8 @@ class CowClipEmbeddingBagCollection(
             for batch in self._batches:
                 batch.reset_state()
 
-    # --- TorchRec's quantization ---------------------------------------------------------
-
-    @property
-    def qconfig(self) -> Any:
-        """The qconfig torch's quantization gave this collection, while it has one.
-
-        TorchRec's ``torchrec.inference.modules.quantize_embeddings`` swaps the modules
-        whose exact type its mapping names; without :func:`quantization_mapping` among its
-        ``additional_mapping`` this collection would stay float32 without a word, so it
-        refuses then, in one line (see :func:`quantize_embeddings`).
-        """
-        if "_qconfig" in self.__dict__:
-            return self.__dict__["_qconfig"]
-        running = qconfig_propagation()
-        if running is not None:
-            spec, name = running
-            if type(self) not in spec and EmbeddingBagCollection in spec:
-                raise TypeError(
-                    f"quantize_embeddings would leave {type(self).__name__} "
-                    f"'{name or 'the model'}' in float32 (TorchRec quantizes the types its "
-                    "mapping names): call torchrec_cowclip.quantize_embeddings(model, dtype, "
-                    "inplace=True), or pass additional_qconfig_spec_keys="
-                    "[CowClipEmbeddingBagCollection] and additional_mapping="
-                    "torchrec_cowclip.quantization_mapping()"
-                )
-        raise AttributeError("qconfig")
-
-    @qconfig.setter
-    def qconfig(self, value: Any) -> None:
-        self.__dict__["_qconfig"] = value
-
-    @qconfig.deleter
-    def qconfig(self) -> None:
-        if self.__dict__.pop("_qconfig", _MISSING) is _MISSING:
-            raise AttributeError("qconfig")
+    # TorchRec's quantization: refused in one line where it would skip this collection.
+    qconfig = QconfigGuard()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # Device and dtype moves must move the table batches and re-point the per-table
@@ -580,28 +487,10 @@ class CowClipEmbeddingBagCollection(
         self._bind_views()
 
     def _bind_views(self) -> None:
-        state = self._fused_optimizer.state
-        for batch in self._batches:
-            for i, name in enumerate(batch.table_names):
-                param = self._table_weight(name)
-                view = batch.table_weight(i)
-                if param.device == view.device:
-                    param.data = view
-                else:
-                    # `.data` cannot change a parameter's device type (meta -> cpu):
-                    # swap the contents, keeping the object the optimizer holds.
-                    marks = dict(param.__dict__)
-                    # (swap_tensors carries no annotations)
-                    torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
-                        param, nn.Parameter(view, param.requires_grad)
-                    )
-                    param.__dict__.update(marks)
-                state[param] = batch.table_state(i)
+        bind_table_views(self.embedding_bags, self._batches, self._fused_optimizer.state)
 
     def _table_weight(self, name: str) -> nn.Parameter:
-        holder = self.embedding_bags[name]
-        assert isinstance(holder, TableWeight)
-        return holder.weight
+        return table_weight(self.embedding_bags, name)
 
     def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys = tuple(features.keys())
@@ -689,51 +578,3 @@ def _check_structure(
             "this collection is weighted (is_weighted=True) but the "
             "KeyedJaggedTensor has no weights"
         )
-
-
-def quantization_mapping() -> dict[type, type]:
-    """TorchRec's quantization mapping for this collection: its quantized
-    ``torchrec.quant.EmbeddingBagCollection``, which ``from_float`` builds from the
-    collection's table configs and ``state_dict`` as from a stock EBC's (the same keys).
-    Pass it as ``additional_mapping`` (and its keys as ``additional_qconfig_spec_keys``) of
-    ``torchrec.inference.modules.quantize_embeddings``."""
-    from torchrec.quant.embedding_modules import (
-        EmbeddingBagCollection as QuantEmbeddingBagCollection,
-    )
-
-    return {CowClipEmbeddingBagCollection: QuantEmbeddingBagCollection}
-
-
-def quantize_embeddings(
-    module: nn.Module,
-    dtype: torch.dtype,
-    inplace: bool = True,
-    **options: Any,
-) -> nn.Module:
-    """``torchrec.inference.modules.quantize_embeddings`` with this package's collection
-    quantized as a stock ``EmbeddingBagCollection`` is (``options``: TorchRec's
-    ``output_dtype``, ``per_table_weight_dtype``, ``additional_qconfig_spec_keys``,
-    ``additional_mapping``).
-
-    Example::
-
-        >>> from torchrec import EmbeddingBagConfig
-        >>> ebc = CowClipEmbeddingBagCollection(tables=[EmbeddingBagConfig(
-        ...     name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])])
-        >>> model = quantize_embeddings(nn.Sequential(ebc), torch.qint8)
-        >>> type(model[0]).__module__, model[0].embedding_bag_configs()[0].data_type.name
-        ('torchrec.quant.embedding_modules', 'INT8')
-    """
-    from torchrec.inference.modules import quantize_embeddings as torchrec_quantize
-
-    mapping = {**quantization_mapping(), **options.pop("additional_mapping", {})}
-    keys = [*options.pop("additional_qconfig_spec_keys", []), *quantization_mapping()]
-    quantized: nn.Module = torchrec_quantize(
-        module,
-        dtype=dtype,
-        inplace=inplace,
-        additional_qconfig_spec_keys=keys,
-        additional_mapping=mapping,
-        **options,
-    )
-    return quantized
