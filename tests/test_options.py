@@ -22,7 +22,7 @@ from torchrec_cowclip.train.command import (
     train_parser,
 )
 from torchrec_cowclip.train.config import TrainConfig
-from torchrec_cowclip.train.options import GROUPS, declarations
+from torchrec_cowclip.train.options import GROUPS, declarations, without_none
 from torchrec_cowclip.train.warm_start import NOT_INHERITED_SETTINGS, inherited_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "torchrec_cowclip"
@@ -189,3 +189,14 @@ def test_the_parser_has_no_argparse_namespace_of_its_own():
     args = train_parser().parse_args(["--data", "synthetic:10"])
     assert isinstance(args, argparse.Namespace)
     assert set(vars(args)) == {o.name for o in declarations(TrainConfig)}
+
+
+def test_the_loops_settings_are_the_declared_options_of_the_same_types():
+    from typing import get_type_hints
+
+    from torchrec_cowclip.train.config import RunSettings
+
+    # The run's settings are resolved: an option the data kind fills in is no longer None.
+    declared = {o.name: o.value_type for o in declarations(TrainConfig)}
+    run = {name: without_none(kind) for name, kind in get_type_hints(RunSettings).items()}
+    assert {name: declared.get(name) for name in run} == run

@@ -878,13 +878,7 @@ DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
 
 
 def _shown_defaults(chosen: Mapping[str, Any]) -> str:
-    flags = {
-        "epochs": "--epochs",
-        "val_fraction": "--val-fraction",
-        "early_stop_patience": "--early-stop-patience",
-        "lr_embed": "--lr-embed",
-        "l2": "--l2",
-    }
+    flags = {option.name: option.flag for option in declarations(TrainConfig)}
     return " ".join(f"{flags[k]} {v:g}" for k, v in chosen.items())
 
 

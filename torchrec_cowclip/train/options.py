@@ -129,11 +129,8 @@ class Declared:
 
     @property
     def value_type(self) -> Any:
-        """``Optional[X]`` -> ``X``; any other type as it is."""
-        args = [a for a in get_args(self.type) if a is not type(None)]
-        if get_origin(self.type) is Union and len(args) == 1:
-            return args[0]
-        return self.type
+        """Its type, ``Optional[X]`` as ``X`` (:func:`without_none`)."""
+        return without_none(self.type)
 
     @property
     def form(self) -> str:
@@ -200,6 +197,20 @@ class Declared:
             text = repr(value) if isinstance(value, float) else str(value)
         # A value that starts with '-' is joined to its flag, not read as a flag itself.
         return [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+
+
+def without_none(kind: Any) -> Any:
+    """``Optional[X]`` -> ``X``; any other type as it is.
+
+    Example::
+
+        >>> without_none(Optional[int]), without_none(Union[bool, str])
+        (<class 'int'>, typing.Union[bool, str])
+    """
+    args = [a for a in get_args(kind) if a is not type(None)]
+    if get_origin(kind) is Union and len(args) == 1:
+        return args[0]
+    return kind
 
 
 def declarations(cls: type) -> List[Declared]:
