@@ -90,13 +90,7 @@ def init_distributed(
                 world_size=world_size,
                 timeout=timeout,
             )
-    return DistContext(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        device=device,
-        local_world_size=process.local_world_size,
-    )
+    return DistContext(rank, world_size, local_rank, device, process.local_world_size)
 
 
 def shutdown_distributed() -> None:
