@@ -433,7 +433,8 @@ def project_run(
     sparse = list(log.columns)
     dense = list(log.dense)
     flags = ["--time-columns", log.time] if time_column else []
-    if not time_column:
+    numeric_time = log.folder.name == "clicks"  # sessions' time is text: no dense column
+    if not time_column and numeric_time:
         dense.append(log.time)
     cmd = [
         *_cli(),
@@ -465,7 +466,11 @@ def project_run(
     metrics = json.loads((out / "metrics.json").read_text())
     row: Dict[str, Any] = {
         "model": "torchrec-cowclip, "
-        + ("--time-columns ts" if time_column else "defaults (ts dense)")
+        + (
+            "--time-columns ts"
+            if time_column
+            else f"defaults (ts {'dense' if numeric_time else 'left out: text'})"
+        )
         + (" " + " ".join(extra) if extra else ""),
         "fit_s": round(seconds, 1),
         "epochs": metrics.get("epochs"),

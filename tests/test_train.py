@@ -69,7 +69,8 @@ def test_short_run_learns_the_planted_model(learned):
         cardinality_scale=cfg.synthetic_scale,
         max_cardinality=cfg.synthetic_max_cardinality,
     )
-    _, _, test = ds.split(cfg.test_fraction, cfg.val_fraction, cfg.seed)
+    data = cfg.resolve().data  # the val_fraction the run took (its data kind's default)
+    _, _, test = ds.split(data.test_fraction, data.val_fraction, cfg.seed)
     planted = rank_auc(np.asarray(ds.labels)[test], np.asarray(ds.planted_logit)[test])
     # Chance is 0.5; the planted model's own logit bounds what any model can reach.
     assert metrics["auc"] > 0.62, metrics["epoch_auc"]

@@ -5,6 +5,7 @@ the command with RUN refused in one line before anything is written."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -130,7 +131,10 @@ def test_the_dense_plan_is_runs_not_the_new_datas(days, tmp_path):
     )  # fmt: skip
     trainer = Trainer(config.resolve())
     trainer.run_dir.release()
-    assert trainer.dataset.dense_plan == saved  # the model's inputs as day 1 trained it
+    kept = trainer.dataset.dense_plan
+    assert dataclasses.replace(kept, fitted_on=saved.fitted_on) == saved  # day 1's inputs
+    # ... said as day 1's: the start line's statistics are not of the rows it trains on.
+    assert kept.fitted_on == f"{saved.fitted_on} of --init-from {run}", kept.fitted_on
     assert saved.transforms == ("standardize",) * 13 and saved.indicators
     own = trainer.dataset.fit_dense_plan(trainer.train_idx)  # what day 2 alone would give
     assert own.shift != saved.shift

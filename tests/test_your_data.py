@@ -410,7 +410,7 @@ def test_a_file_without_a_kind_is_pointed_to_table(tmp_path, capsys, csv_file):
 
 def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(tmp_path, capsys):
     """table: data left at the defaults trains up to 10 epochs on a 10% validation split
-    with early stopping at --lr-embed 1e-2, and the start summary says so and why; a
+    with early stopping at --lr-embed 3e-3, and the start summary says so and why; a
     flag given wins; synthetic data keeps the paper's one epoch at 1e-4 without a word.
     The epoch line and metrics.json carry each split's calibration."""
     from torchrec_cowclip.train import TrainConfig
@@ -418,8 +418,8 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     table = TrainConfig(data=f"table:{tmp_path / 'x.csv'}", early_stop_patience=3)
     filled, said = table.with_data_defaults()
     assert (filled.epochs, filled.val_fraction, filled.early_stop_patience) == (10, 0.1, 3)
-    assert filled.lr_embed == 1e-2 and said is not None
-    assert "--epochs 10 --val-fraction 0.1 --lr-embed 0.01" in said
+    assert filled.lr_embed == 3e-3 and said is not None
+    assert "--epochs 10 --val-fraction 0.1 --lr-embed 0.003" in said
     no_val, _ = TrainConfig(data="table:x.csv", val_fraction=0.0).with_data_defaults()
     assert no_val.early_stop_patience == 0
     paper, said = TrainConfig(data="synthetic:1000").with_data_defaults()
@@ -435,11 +435,11 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "defaults for your own table (flags not given): --val-fraction 0.1 " in err, err
-    assert "--early-stop-patience 2 --lr-embed 0.01" in err and "--epochs" not in err, err
+    assert "--early-stop-patience 2 --lr-embed 0.003" in err and "--epochs" not in err, err
     assert "1,620 train, 180 val, 200 test" in err and "test_calibration " in err, err
     assert "val_calibration " in err, err
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["hyperparameters"]["lr_embed"] == 1e-2
+    assert metrics["hyperparameters"]["lr_embed"] == 3e-3
     assert metrics["hyperparameters"]["val_fraction"] == 0.1
     assert len(metrics["epoch_calibration"]) == metrics["epochs"]
     assert len(metrics["epoch_val_calibration"]) == metrics["epochs"]
@@ -479,3 +479,42 @@ def test_values_outside_training_are_counted_at_scoring_and_output_folders_made(
     with pytest.raises(SystemExit):
         main([*argv, "--output", str(tmp_path / "file" / "scores.csv")])
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_a_parquet_timestamp_is_a_time_column_as_it_is(tmp_path):
+    """A parquet timestamp column (UTC) and an in-memory datetime64 column give the same
+    hour and weekday as the Unix seconds they stand for, in training and scoring."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    hours = _hourly_log(tmp_path / "log.csv", 1500, seed=4)
+    rows = [line.split(",") for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
+    seconds = [None if r[1] == "NA" else int(r[1]) for r in rows]
+    table = pa.table(
+        {
+            "click": [int(r[0]) for r in rows],
+            "ts": pa.array(seconds, pa.timestamp("s", tz="UTC")),
+            "site": [r[2] for r in rows],
+        }
+    )
+    pq.write_table(table, tmp_path / "log.parquet")
+    opened = {
+        suffix: open_dataset(
+            f"table:{tmp_path / f'log.{suffix}'}", tmp_path / f"c-{suffix}", label="click",
+            dense=[], sparse=["site"], time_columns=["ts"], na_values=["NA"],
+        )
+        for suffix in ("csv", "parquet")
+    }  # fmt: skip
+    ids = {k: np.asarray(ds.sparse)[:, 1:] for k, ds in opened.items()}
+    np.testing.assert_array_equal(ids["csv"], ids["parquet"])
+    assert (ids["parquet"][hours < 0] == MISSING_ID).all()
+    _train_log(tmp_path, "", "run", "--time-columns", "ts", "--na-values", "NA")
+    import torchrec_cowclip
+
+    model = torchrec_cowclip.load_model(tmp_path / "run")
+    stamps = np.array([np.datetime64("NaT") if s is None else np.datetime64(s, "s")
+                       for s in seconds])  # fmt: skip
+    in_memory = {"ts": stamps, "site": [r[2] for r in rows]}
+    from_csv = model.predict(str(tmp_path / "log.csv"))
+    np.testing.assert_array_equal(from_csv, model.predict(in_memory))
+    np.testing.assert_array_equal(from_csv, model.predict(str(tmp_path / "log.parquet")))

@@ -283,7 +283,7 @@ class TrainConfig:
         None,
         group=_RECIPE,
         check=non_negative,
-        help="embedding lr (default: 1e-2 for table:; else the recipe's, paper: 1e-4, not scaled)",
+        help="embedding lr (default: 3e-3 for table:; else the recipe's, paper: 1e-4, not scaled)",
     )
     l2: Optional[float] = option(
         None,
@@ -500,7 +500,7 @@ class TrainConfig:
 
             >>> cfg, said = TrainConfig(data="table:x.csv", epochs=3).with_data_defaults()
             >>> cfg.epochs, cfg.val_fraction, cfg.early_stop_patience, cfg.lr_embed
-            (3, 0.1, 2, 0.01)
+            (3, 0.1, 2, 0.003)
             >>> TrainConfig(data="synthetic:1000").with_data_defaults()[0].epochs
             1
         """
@@ -873,7 +873,7 @@ PAPER_DEFAULTS: Dict[str, Any] = {"epochs": 1, "val_fraction": 0.0, "early_stop_
 #: stopping over up to 10 epochs, and an embedding lr for small logs (measured against
 #: logistic regression and LightGBM in docs/results.md, benchmarks/own_log.py).
 DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "table": {"epochs": 10, "val_fraction": 0.1, "early_stop_patience": 2, "lr_embed": 1e-2},
+    "table": {"epochs": 10, "val_fraction": 0.1, "early_stop_patience": 2, "lr_embed": 3e-3},
 }
 
 
