@@ -193,28 +193,16 @@ def test_a_model_holding_the_collection_exports_whole_and_scores_as_eager_in_a_f
     tmp_path,
 ):
     from cowclip_testing import kjt_from_bags
-    from torchrec import EmbeddingBagConfig
+    from tiny import bag_config
     from torchrec.modules.embedding_configs import DataType, PoolingType
 
     from torchrec_cowclip import CowClipEmbeddingBagCollection, CowClipOptions
     from torchrec_cowclip.models import build_model
 
     tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"]),
-        EmbeddingBagConfig(
-            name="t1",
-            embedding_dim=4,
-            num_embeddings=20,
-            feature_names=["f1", "f2"],
-            pooling=PoolingType.MEAN,
-        ),
-        EmbeddingBagConfig(
-            name="t2",
-            embedding_dim=2,
-            num_embeddings=20,
-            feature_names=["f3"],
-            data_type=DataType.FP16,
-        ),
+        bag_config("t0", 4, 10, ["f0"]),
+        bag_config("t1", 4, 20, ["f1", "f2"], pooling=PoolingType.MEAN),
+        bag_config("t2", 2, 20, ["f3"], data_type=DataType.FP16),
     ]
     ebc = CowClipEmbeddingBagCollection(tables, CowClipOptions(lr=0.1), is_weighted=True)
     own = _OwnModel(ebc, 14)

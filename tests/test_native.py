@@ -681,7 +681,7 @@ def test_a_wrong_native_update_fails_the_reference_comparison(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("mode", ["1", "0", "inductor"])
+@pytest.mark.parametrize("mode", ["1", "0", "inductor", "triton"])
 def test_stochastic_rounding_false_rounds_half_tables_to_nearest_in_every_kernel(dtype, mode):
     """An update of a quarter of a unit in the last place: rounded to nearest
     (``stochastic_rounding=False``, FBGEMM's ``fused_params`` key) no row moves; rounded

@@ -16,10 +16,16 @@ from fused_update_cases import (
     check_column_shard_row_sums,
     check_rounding_matches_functional,
     check_update_matches_functional,
+    fused,
+    reference,
+    segment_sums,
 )
 
-from torchrec_cowclip.embedding import triton_ops
+from torchrec_cowclip.embedding import native, triton_ops
+from torchrec_cowclip.embedding.row_gradients import group_rows
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.optim.functional import adam_bias_corrections
+from torchrec_cowclip.optim.options import CowClip
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy casts, interpreter
 
@@ -69,8 +75,28 @@ def test_fused_update_matches_the_functional_core(optimizer, clip, weighted, dim
     )
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamw"])
+@pytest.mark.parametrize("dim", [4, 16])
+def test_the_rules_torchrec_users_set_match_the_functional_core(optimizer, dim, device):
+    """Per-element Adagrad and AdamW, after the clip (binding on some rows, a table that
+    opts out), weighted positions, a non-finite row."""
+    check_update_matches_functional(
+        triton_ops, optimizer, True, True, dim, num_rows=240, num_positions=600,
+        device=device, rtol=RTOL,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_half_tables_round_to_nearest_without_rounding_keys(dtype, device):
+    """``stochastic_rounding=False``: the updated rows round to nearest."""
+    check_update_matches_functional(
+        triton_ops, "adamw", True, True, 6, dtype=dtype, device=device, rtol=RTOL,
+        stochastic=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad"])
 def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtype, device):
     """float16 / bfloat16 tables: stepped in float32, rounded stochastically with the
     functional core's counter-based bits (the same keys: at most one unit in the last
@@ -80,7 +106,7 @@ def test_fused_update_of_half_tables_matches_the_functional_core(optimizer, dtyp
     )
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd", "adagrad", "adamw"])
 def test_column_shard_row_sums_match_the_functional_core(optimizer, device):
     check_column_shard_row_sums(triton_ops, optimizer, device=device, rtol=RTOL)
 
@@ -120,6 +146,91 @@ def test_a_large_update_matches_the_functional_core_on_the_gpu(device):
         triton_ops, "adam", True, True, 128, num_rows=90_000, num_positions=400_000,
         device=device, rtol=1e-5,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_a_hot_row_is_summed_across_programs_and_matches_the_references(weighted, device):
+    """A row with 10,257 positions (Zipf's head at batch 131,072) among short ones: its
+    gradient is summed in chunks of HOT_CHUNK positions by segment_partials - one program
+    a chunk - and the update equals the float64 reference, the native CPU kernel's, and
+    itself run to run (the same bits)."""
+    gen = torch.Generator().manual_seed(4)
+    dim, num_rows, hot = 16, 40, 10_257
+    positions = torch.cat(
+        [torch.full((hot,), 7), torch.randint(0, num_rows, (500,), generator=gen)]
+    )
+    positions = positions[torch.randperm(positions.numel(), generator=gen)]
+    num_bags = positions.numel() // 3
+    bag_of_position = torch.randint(0, num_bags, (positions.numel(),), generator=gen)
+    bag_grads = torch.randn(num_bags, dim, generator=gen) * 0.01
+    weight = torch.randn(num_rows, dim, generator=gen) * 0.05
+    state = [torch.randn(num_rows, dim, generator=gen) * 1e-2, torch.rand(num_rows, dim) * 1e-3]
+    grouping = group_rows(positions, bag_of_position, num_rows)
+    assert int(grouping.counts.max()) >= hot
+    sorted_weights = (
+        torch.rand(positions.numel(), generator=gen)[grouping.order] + 0.5 if weighted else None
+    )
+    bias = adam_bias_corrections(torch.tensor([3, 5]), 0.9, 0.999)
+    given = dict(
+        bag_gradients=bag_grads,
+        segment_offsets=grouping.segment_offsets,
+        sorted_bags=grouping.sorted_bags,
+        sorted_weights=sorted_weights,
+        row_offsets=torch.tensor([0, 20, num_rows]),
+        adam_bias=bias,
+        optimizer="adam",
+        lr=0.05,
+        weight_decay=0.01,
+        clip=(1.0, 1e-3),
+    )
+
+    def run(library, on):
+        w, st = weight.clone().to(on), [s.clone().to(on) for s in state]
+        moved = {k: v.to(on) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
+        moved["adam_bias"] = tuple(b.to(on) for b in bias)
+        status, per_table = fused(
+            library, w, st, grouping.rows.to(on), grouping.counts.to(on), **moved
+        )
+        return w.cpu(), [s.cpu() for s in st], status.cpu(), per_table.cpu()
+
+    with triton_ops.recording_launches() as launches:
+        got = run(triton_ops, device)
+    chunks = [grid[0] for name, grid, _, _ in launches if name == "segment_partials"]
+    assert chunks and chunks[0] >= hot // triton_ops.HOT_CHUNK
+    again = run(triton_ops, device)
+    flat, flat_again = [got[0], *got[1], *got[2:]], [again[0], *again[1], *again[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(flat, flat_again))
+    assert native.build().ok, native.build().error
+    native_result = run(native, torch.device("cpu"))
+    assert torch.equal(got[2], native_result[2]) and torch.equal(got[3], native_result[3])
+    grad64 = segment_sums(
+        grouping, bag_grads.double(), None if sorted_weights is None else sorted_weights.double()
+    )
+    table = torch.bucketize(grouping.rows, torch.tensor([20, num_rows]), right=True)
+    ref_w, ref_s, _ = reference(
+        "adam",
+        weight.double(),
+        [s.double() for s in state],
+        grouping.rows,
+        grad64,
+        grouping.counts,
+        None,
+        lr=0.05,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        cowclip=CowClip(r=1.0, zeta=1e-3),
+        adam_bias=(bias[0].double()[table], bias[1].double()[table]),
+    )
+    # Sums of 10K float32 terms in another order: within 1e-4 of each other, and the
+    # chunked sum no further from float64 than native's sum in input order (x2).
+    for ours, theirs, exact in zip(
+        [got[0], *got[1]], [native_result[0], *native_result[1]], [ref_w, *ref_s]
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(ours.double(), exact, rtol=1e-4, atol=1e-8)
+        ours_off = (ours.double() - exact).abs().max()
+        assert ours_off <= 2 * (theirs.double() - exact).abs().max() + 1e-12
 
 
 # --- the pooled lookup ----------------------------------------------------------------------

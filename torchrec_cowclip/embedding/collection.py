@@ -76,11 +76,13 @@ class CowClipEmbeddingBagCollection(
         tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, several
             features per table (shared tables), mixed dims; ``data_type`` FP32, FP16 or
             BF16 (half tables: weights in that type, updated in float32 and rounded back
-            stochastically, optimizer state float32, pooled outputs float32).
+            stochastically, or to nearest with ``stochastic_rounding=False``; optimizer
+            state float32; pooled outputs float32 unless ``output_dtype`` says otherwise).
         options: how the tables are trained, as one
             :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the sharder,
             the model factory and the trainer pass on): the optimizer (``"adam"``, the
-            paper's, ``"rowwise_adagrad"`` or ``"sgd"``), its hyperparameters, the clip
+            paper's, ``"rowwise_adagrad"``, ``"sgd"``, per-element ``"adagrad"`` or
+            ``"adamw"``), its hyperparameters, the clip
             (``cowclip=None`` turns it off), the unclipped tables, the optional
             per-id-frequency lr (``count_lr``, not in the paper, ``docs/scaling.md``) and
             Helen's two-pass step (``helen``: call :meth:`helen_step` with a closure instead

@@ -4,16 +4,20 @@ The GPU counterpart of :mod:`.native` (the C++ CPU kernels), with the same calls
 same results: :func:`pooled_lookup` is the forward of a table batch - every feature and
 table of the batch in one launch, SUM or MEAN, per-sample weights, float32 / float16 /
 bfloat16 rows accumulated in float32 - and :func:`fused_update_` its backward's update -
-per distinct row, in one launch: the segment sum of its bag gradients (in input order),
-the finiteness check, the CowClip clip ``count * max(r * ||W[j]||, zeta)``, coupled L2,
-the Adam / row-wise Adagrad / SGD step, the per-row learning rate from the count, the
-write back of the row and its state (float16 / bfloat16 rows rounded stochastically with
+per distinct row: the segment sum of its bag gradients (in input order; a hot row, one of
+more than :data:`HOT_CHUNK` positions, in chunks that several programs sum first, in a
+fixed order: the same bits every run), the finiteness check, the CowClip clip
+``count * max(r * ||W[j]||, zeta)``, coupled L2, the Adam / row-wise Adagrad / SGD step,
+the per-row learning rate from the count, the write back of the row and its state
+(float16 / bfloat16 rows rounded stochastically with
 :func:`~torchrec_cowclip.optim.functional.stochastic_round`'s counter-based bits) and the
 per-table counts of rows updated, clipped and skipped. The grouping of the looked-up rows
 before it is torch's radix sort (:func:`~.row_gradients.group_rows`), as FBGEMM's
 backward groups with CUB's. The math is :mod:`torchrec_cowclip.optim.functional`'s; the
-tests hold these kernels to it (``tests/test_triton.py``). Design notes, and how the
-kernels map onto FBGEMM's TBE: ``docs/triton.md``.
+tests hold these kernels to it (``tests/test_triton_kernels.py``), and
+:mod:`.triton_build` compiles every specialization for sm_90a and sm_80
+(``tests/test_triton_compile.py``). Design notes, and how the kernels map onto FBGEMM's
+TBE: ``docs/triton.md``.
 
 Every index a kernel reads or writes through is checked on the device first: the lookup
 masks an id outside its table (it reads nothing there) and records it, the update runs a
@@ -30,12 +34,13 @@ correct, not fast: that is how ``make test`` proves them without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
 import os
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,11 +48,12 @@ from torch import Tensor
 from torchrec_cowclip.embedding.native import OPTIMIZER_CODES
 
 #: The rules the Triton update implements (their codes are :data:`OPTIMIZER_CODES`').
-OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd", "adagrad", "adamw")
 
 __all__ = [
     "INTERPRET_ENV",
     "PADDING",
+    "UpdateHyperparameters",
     "availability",
     "capturing",
     "fused_update_",
@@ -65,8 +71,18 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 #: of two of its dim (its norms need the whole row before the step).
 MAX_DIM = 4096
 
-#: Elements of one update block (rows x padded dim): several short rows per program.
+#: Elements of one update block (rows x padded dim): several short rows per program, at
+#: most :data:`_UPDATE_ROWS` of them (more rows than threads costs registers, not speed).
 _UPDATE_BLOCK = 2048
+_UPDATE_ROWS = 128
+
+#: Positions of one chunk of a hot row (a row with more positions): summed by one program
+#: of ``segment_partials``, so that a row's gradient takes a few steps per chunk, not one
+#: per position.
+HOT_CHUNK = 64
+
+#: Columns of one program of ``segment_partials`` (CHUNK x columns elements).
+_PARTIAL_COLUMNS = 32
 
 #: Elements of one lookup block (bags x column block): several bags per program.
 _POOL_BLOCK = 1024
@@ -77,6 +93,60 @@ _PREPARE_BAGS = 256
 #: The value of a per-row status that is padding (a grouping of fixed size), after
 #: native's UPDATED, CLIPPED, SKIPPED.
 PADDING = 3
+
+
+class UpdateHyperparameters(NamedTuple):
+    """The update kernel's scalar hyperparameters, handed to it as one value (the kernel
+    reads them by name: ``hyper.lr``); a rule's new hyperparameter is a new field here."""
+
+    lr: float
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    r: float
+    zeta: float
+    count_lr_power: float
+    count_lr_cap: float
+
+
+#: A launch seen by :func:`recording_launches`: kernel name, grid, positional arguments
+#: and compile-time constants.
+Launch = Tuple[str, Tuple[int, ...], Tuple[Any, ...], Dict[str, Any]]
+
+_recorders: List[Callable[[str, Tuple[int, ...], Tuple[Any, ...], Dict[str, Any]], bool]] = []
+
+
+@contextlib.contextmanager
+def recording_launches(execute: bool = True) -> Iterator[List[Launch]]:
+    """Records every kernel launch made inside the block (what
+    :mod:`.triton_build` compiles ahead of time); ``execute=False`` records without
+    running the kernels (their outputs are then left unwritten: for recording only)."""
+    seen: List[Launch] = []
+
+    def record(
+        name: str, grid: Tuple[int, ...], args: Tuple[Any, ...], consts: Dict[str, Any]
+    ) -> bool:
+        seen.append((name, grid, args, dict(consts)))
+        return execute
+
+    _recorders.append(record)
+    try:
+        yield seen
+    finally:
+        _recorders.remove(record)
+
+
+def _launch(name: str, grid: Tuple[int, ...], *args: Any, **consts: Any) -> None:
+    """Launches kernel ``name`` of :mod:`.triton_kernels` (the one place every launch
+    passes, so that a recording sees them all)."""
+    run = True
+    for record in _recorders:
+        run = record(name, grid, args, consts) and run
+    if run:
+        getattr(_kernels(), name)[grid](*args, **consts)
 
 
 def availability(device: torch.device) -> Optional[str]:
@@ -173,7 +243,9 @@ def pool_into(
     if bags > 0:
         block_d = min(_pow2(dim), 128)
         block_b = max(1, _POOL_BLOCK // block_d)
-        _kernels().pool[(math.ceil(bags / block_b), math.ceil(dim / block_d))](
+        _launch(
+            "pool",
+            (math.ceil(bags / block_b), math.ceil(dim / block_d)),
             weight,
             ids,
             offsets,
@@ -183,8 +255,8 @@ def pool_into(
             bags,
             ids.numel(),
             num_rows,
-            dim,
             batch_size,
+            DIM=dim,
             HAS_PSW=psw is not None,
             MEAN=mean,
             WHOLE=whole,
@@ -223,7 +295,9 @@ def prepare_rows(
     flags[0] = 0
     bags = offsets.numel() - 1
     if bags > 0 and batch_size > 0:
-        _kernels().prepare[(math.ceil(bags / _PREPARE_BAGS),)](
+        _launch(
+            "prepare",
+            (math.ceil(bags / _PREPARE_BAGS),),
             values.contiguous(),
             offsets.contiguous(),
             feature_rows,
@@ -334,14 +408,16 @@ def fused_update_padded_(
         _check(grad.shape[0] == num_touched, "grad: one row per touched row without segments")
         _check(sorted_weights is None, "sorted_weights need segments")
     _optional_float(sorted_weights, num_positions, "sorted_weights")
+    adam = optimizer in (OPTIMIZER_CODES["adam"], OPTIMIZER_CODES["adamw"])
     _check(
-        optimizer != OPTIMIZER_CODES["adam"]
+        not adam
         or (state0 is not None and state1 is not None and bias1 is not None and bias2 is not None),
         "Adam needs both moments and both bias corrections",
     )
     _check(
-        optimizer != OPTIMIZER_CODES["rowwise_adagrad"] or state0 is not None,
-        "row-wise Adagrad needs its sum",
+        optimizer not in (OPTIMIZER_CODES["rowwise_adagrad"], OPTIMIZER_CODES["adagrad"])
+        or state0 is not None,
+        "Adagrad needs its sum",
     )
     if clip_enabled is not None:
         _check(
@@ -355,14 +431,13 @@ def fused_update_padded_(
     _check(store is not None, f"weight must be float32, float16 or bfloat16, got {weight.dtype}")
     if store == 0:
         _check(rounding is None, "float32 tables take no rounding keys")
-    else:
-        _check(rounding is not None, f"{weight.dtype} tables need rounding keys")
-        assert rounding is not None
+    elif rounding is not None:  # without keys: round to nearest (stochastic_rounding=False)
         _check(
             rounding.dtype == torch.int64 and rounding.numel() == 4 * num_tables,
             "rounding: [T, 4] int64",
         )
-    state_numel = num_weight_rows * dim if optimizer == OPTIMIZER_CODES["adam"] else num_weight_rows
+    per_column = adam or optimizer == OPTIMIZER_CODES["adagrad"]
+    state_numel = num_weight_rows * dim if per_column else num_weight_rows
     for name, state in (("state0", state0), ("state1", state1)):
         if state is not None and optimizer != OPTIMIZER_CODES["sgd"]:
             _check(
@@ -376,11 +451,12 @@ def fused_update_padded_(
     per_table = torch.zeros(3, num_tables, dtype=torch.int64, device=device)
     if num_touched == 0:
         return status, per_table
-    kernels = _kernels()
     flags = torch.zeros(len(_UPDATE_FLAG_MESSAGES), dtype=torch.int32, device=device)
     padded = num_valid is not None
     check_block = 1024
-    kernels.check_update[(math.ceil(max(num_touched, num_positions) / check_block),)](
+    _launch(
+        "check_update",
+        (math.ceil(max(num_touched, num_positions) / check_block),),
         rows,
         segment_offsets if segments else rows,
         sorted_bags if segments else rows,
@@ -397,10 +473,49 @@ def fused_update_padded_(
         PADDED=padded,
         BLOCK=check_block,
     )
-    block_d = _pow2(dim)
-    block_u = max(1, _UPDATE_BLOCK // block_d)
     unused = grad  # a placeholder pointer for the inputs a variant does not read
-    kernels.update[(math.ceil(num_touched / block_u),)](
+    partials = unused
+    if segments and num_positions > HOT_CHUNK:
+        # Two slots of [D] per chunk; only the hot rows' slots are written and read.
+        chunks = math.ceil(num_positions / HOT_CHUNK)
+        partials = torch.empty(chunks * 2, dim, dtype=torch.float32, device=device)
+        block_p = min(_pow2(dim), _PARTIAL_COLUMNS)
+        _launch(
+            "segment_partials",
+            (chunks, math.ceil(dim / block_p)),
+            grad,
+            segment_offsets,
+            sorted_bags,
+            sorted_weights if sorted_weights is not None else unused,
+            partials,
+            flags,
+            num_valid if num_valid is not None else flags,
+            num_touched,
+            num_positions,
+            WEIGHTED=sorted_weights is not None,
+            PADDED=padded,
+            DIM=dim,
+            CHUNK=HOT_CHUNK,
+            BLOCK_D=block_p,
+        )
+    block_d = _pow2(dim)
+    block_u = max(1, min(_UPDATE_ROWS, _UPDATE_BLOCK // block_d))
+    hyper = UpdateHyperparameters(
+        lr=float(lr),
+        beta1=float(beta1),
+        one_minus_beta1=float(1.0 - beta1),
+        beta2=float(beta2),
+        one_minus_beta2=float(1.0 - beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        r=float(r),
+        zeta=float(zeta),
+        count_lr_power=float(count_lr_power),
+        count_lr_cap=float(count_lr_cap),
+    )
+    _launch(
+        "update",
+        (math.ceil(num_touched / block_u),),
         weight,
         state0 if state0 is not None else unused,
         state1 if state1 is not None else unused,
@@ -410,6 +525,7 @@ def fused_update_padded_(
         segment_offsets if segments else rows,
         sorted_bags if segments else rows,
         sorted_weights if sorted_weights is not None else unused,
+        partials,
         row_offsets,
         clip_enabled if clip_enabled is not None else rows,
         bias1 if bias1 is not None else unused,
@@ -422,18 +538,7 @@ def fused_update_padded_(
         per_table,
         num_touched,
         num_tables,
-        dim,
-        float(lr),
-        float(beta1),
-        float(1.0 - beta1),
-        float(beta2),
-        float(1.0 - beta2),
-        float(eps),
-        float(weight_decay),
-        float(r),
-        float(zeta),
-        float(count_lr_power),
-        float(count_lr_cap),
+        hyper,
         OPTIMIZER=int(optimizer),
         SEGMENTS=segments,
         WEIGHTED=sorted_weights is not None,
@@ -443,9 +548,13 @@ def fused_update_padded_(
         COUNT_LR=count_lr_power != 0.0,
         PADDED=padded,
         STORE=store,
+        STOCHASTIC=rounding is not None,
         LOG_TABLES=max(1, math.ceil(math.log2(num_tables))),
+        DIM=dim,
+        CHUNK=HOT_CHUNK,
         BLOCK_U=block_u,
         BLOCK_D=block_d,
+        num_warps=_update_warps(block_u * block_d),
     )
     if not capturing(device):
         failed = flags.tolist()
@@ -460,13 +569,21 @@ def fused_update_padded_(
 # --- the rounding, exposed for the tests -----------------------------------------------------
 
 
+def _update_warps(elements: int) -> int:
+    """Warps of an update program: 8 elements of each row block per thread (more cost
+    registers past 128 per thread - ``docs/triton.md``'s compile table), 4 to 16 warps."""
+    return max(4, min(16, elements // 256))
+
+
 def rounding_row_keys(seed: Tensor, step: Tensor, global_row: Tensor) -> Tensor:
     """The kernels' :func:`~torchrec_cowclip.optim.functional.rounding_row_keys`."""
     n = global_row.numel()
     out = torch.empty(n, dtype=torch.int64, device=global_row.device)
     if n:
         block = 256
-        _kernels().row_keys[(math.ceil(n / block),)](
+        _launch(
+            "row_keys",
+            (math.ceil(n / block),),
             seed.to(torch.int64).contiguous(),
             step.to(torch.int64).contiguous(),
             global_row.to(torch.int64).contiguous(),
@@ -487,7 +604,9 @@ def stochastic_round(
     u, d = values.shape
     out = torch.empty(u, d, dtype=dtype, device=values.device)
     if u and d:
-        _kernels().round_rows[(u,)](
+        _launch(
+            "round_rows",
+            (u,),
             values,
             row_keys.to(torch.int64).contiguous(),
             column_base.to(torch.int64).contiguous(),

@@ -487,18 +487,14 @@ def adamw_step(
     state: Dict[str, Tensor],
     *,
     lr: LearningRate,
-    step: Optional[Tensor],
-    betas: Tuple[float, float],
-    eps: float,
     weight_decay: float,
-    adam_bias: Optional[Tuple[Tensor, Tensor]],
-    **_: Any,
+    **adam: Any,
 ) -> None:
-    """AdamW as a :data:`OptimizerStep` (Adam's state): :func:`decay_weight_`, then
-    :func:`adam_rows_` on the clipped gradient, which carries no L2 (the rule is
+    """AdamW as a :data:`OptimizerStep` (Adam's state and keywords): :func:`decay_weight_`,
+    then :func:`adam_step` on the clipped gradient, which carries no L2 (the rule is
     registered with ``decoupled_weight_decay``, so :func:`cowclip_row_update_` adds none)."""
     decay_weight_(weight, lr, weight_decay)
-    adam_step(weight, grad, state, lr=lr, step=step, betas=betas, eps=eps, adam_bias=adam_bias)
+    adam_step(weight, grad, state, lr=lr, **adam)
 
 
 def adagrad_step(
