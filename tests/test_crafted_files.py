@@ -58,7 +58,7 @@ def _predict_refused(capsys, run: Path, trained: dict, tmp_path: Path) -> str:
         ('{"name": "\\udfff"}', "a string no file can hold"),
         (b'{"a": "\xff"}', "not UTF-8"),
         ("[1, 2]", "not a JSON object (a list)"),
-        ("{", "not JSON of this project"),
+        ("{", "not JSON ("),
     ],
 )
 def test_the_json_reader_refuses_in_one_line_naming_the_file(tmp_path, text, why):
@@ -162,6 +162,8 @@ def test_deeply_nested_descriptions_are_one_line(trained, tmp_path, capsys, name
         capsys, "train", "--init-from", run, "--data", f"table:{trained['train']}",
         "--out", tmp_path / "warm",
     )  # fmt: skip
+    assert f"{run / 'model' / name}: refused" in err
+    err = _returns_2(capsys, "plan", "--run", run, "--compute-device", "cpu")
     assert f"{run / 'model' / name}: refused" in err
 
 
@@ -346,6 +348,24 @@ def test_a_device_memory_without_a_byte_count_is_one_line(capsys, flag):
     assert f"{flag} 1e+308 is more than any device holds" in err
 
 
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('[{"name": "a", "rows": 10, "rows": 20, "dim": 4}]', "the key 'rows' appears twice"),
+        (DEEP, f"JSON nested more than {MAX_JSON_DEPTH} deep"),
+        (None, "not a regular file"),  # a FIFO: refused, never waited on
+    ],
+)
+def test_a_crafted_table_file_is_one_line(tmp_path, capsys, text, why):
+    path = tmp_path / "tables.json"
+    if text is None:
+        os.mkfifo(path)
+    else:
+        path.write_text(text)
+    err = _returns_2(capsys, "plan", "--tables", path, "--compute-device", "cpu")
+    assert f"{path}: refused: {why}" in err, err
+
+
 # --- scoring files --------------------------------------------------------------------------
 
 
@@ -455,3 +475,11 @@ def test_a_resumed_run_logs_the_running_loss_of_the_uninterrupted_one(tmp_path):
     keep = [header.index(c) for c in ("step", "loss", "running_loss")]
     rows = [[[r.split(",")[i] for i in keep] for r in log[1:]] for log in (whole, resumed)]
     assert len(rows[0]) == 20 and rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])
+def test_a_launch_variable_that_is_no_number_is_one_line(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.setenv(name, "abc")
+    err = cli_refusal(capsys, *TINY_CLI, "--out", tmp_path / "t")
+    assert f"the environment variable {name}='abc' is not a whole number" in err, err
+    assert not (tmp_path / "t").exists()

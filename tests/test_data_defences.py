@@ -151,10 +151,14 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     src = _copy(tmp_path)
     ds = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     reads: List[str] = []
-    real = cache_module._crc
-    monkeypatch.setattr(
-        cache_module, "_crc", lambda p, offset=0: reads.append(Path(p).name) or real(p, offset)
-    )
+    real = cache_module._digest_read
+
+    def counted(kind: str, f, offset: int = 0):
+        if kind == cache_module.CHECKSUM:
+            reads.append(Path(f.name).name)
+        return real(kind, f, offset)
+
+    monkeypatch.setattr(cache_module, "_digest_read", counted)
     open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     assert reads == []  # built by this process: sizes only
     cache_module._VERIFIED.clear()  # as a new process

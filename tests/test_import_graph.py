@@ -103,8 +103,8 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 #: of lower layers, never a part of its own layer or above (``<root>`` is the package's
 #: ``__init__``, whose public names load the serving API on first use).
 LAYERS = (
-    ("_lazy", "_version", "compat", "failures", "cli_help", "stderr_log", "process_context"),
-    ("readback",),
+    ("_lazy", "_version", "compat", "failures", "cli_help", "stderr_log"),
+    ("readback", "process_context"),
     ("notices", "data", "optim"),
     ("embedding",),
     ("distributed", "models"),

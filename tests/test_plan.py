@@ -585,7 +585,7 @@ TABLE_REFUSALS = [
     ('[{"name": "a", "rows": 1, "dim": 4}, {"name": "a", "rows": 1, "dim": 4}]', "two tables named 'a'"),
     ("[]", "tables.json: no tables"),
     ('{"name": "a"}', 'a list of tables (or an object with one key, "tables") is needed'),
-    ("[{", "tables.json: not JSON ("),
+    ("[{", "tables.json: refused: not JSON ("),
 ]  # fmt: skip
 
 
@@ -609,7 +609,7 @@ def test_table_files_and_constraints_refused_in_one_line(tmp_path, capsys):
     cases = [
         (["--tables", str(csv_path)], "t.csv, line 3: rows must be an integer >= 1, got 'x'"),
         (["--tables", str(yaml_path)], "t.yaml: not YAML ("),
-        (["--tables", str(link)], "link.json: refused to load: a symbolic link"),
+        (["--tables", str(link)], "link.json: refused: a symbolic link"),
         (["--tables", str(tmp_path / "none.json")], "none.json: unreadable (No such file"),
         (["--tables", str(good), "--model", "dlrm"], "--model says how train builds its model"),
         (["--tables", "criteo-kaggle", "--constrain", "emb_C1"], "--constrain must be TABLE=SHARDING"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.run.out_dir import new_run_dir
 from torchrec_cowclip.train.config import TrainConfig
@@ -59,3 +60,8 @@ def test_the_settings_carry_the_context_they_were_checked_against(tmp_path):
 def test_a_torchrun_job_without_out_is_named_by_its_run_id(tmp_path):
     job = ProcessContext(world_size=2, local_world_size=2, run_id="abc")
     assert new_run_dir(tmp_path, job) == tmp_path / "torchrun-abc"
+
+
+def test_a_launch_variable_that_is_no_number_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"the environment variable LOCAL_RANK='1x' is not a"):
+        ProcessContext.from_environment({"WORLD_SIZE": "2", "LOCAL_RANK": "1x"})

@@ -27,6 +27,7 @@ from torchrec_cowclip.failures import (
     EXIT_INTERRUPTED,
     EXIT_STOPPED,
     EXIT_USAGE,
+    ConfigError,
 )
 from torchrec_cowclip.plan.command import add_plan_parser
 from torchrec_cowclip.process_context import ProcessContext
@@ -67,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    # The launch this process is part of, read once and handed to the command.
-    process = ProcessContext.from_environment()
+    # The launch this process is part of, read once and handed to the command (a
+    # launcher's variable that is no whole number: one line, before any command runs).
+    try:
+        process = ProcessContext.from_environment()
+    except ConfigError as e:
+        sys.stderr.write(f"torchrec-cowclip: error: {e}\n")
+        raise SystemExit(EXIT_USAGE) from None
     with package_log_shown(process.rank):
         return _main(argv, process)
 

@@ -24,6 +24,11 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from torchrec_cowclip.failures import ConfigError
+
+#: The launcher's variables (torchrun sets them) read as whole numbers.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
 
 @dataclass(frozen=True)
 class ProcessContext:
@@ -51,8 +56,20 @@ class ProcessContext:
     @classmethod
     def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "ProcessContext":
         """The context the launcher's variables in ``environ`` (default: ``os.environ``)
-        describe."""
+        describe.
+
+        Raises:
+            ConfigError: a launcher's variable that is no whole number, named with its
+                value (before anything reads it).
+        """
         env = os.environ if environ is None else environ
+        for name in LAUNCH_VARIABLES:
+            value = env.get(name)
+            if value is not None and not value.strip().isdigit():
+                raise ConfigError(
+                    f"the environment variable {name}={value!r} is not a whole number "
+                    "(torchrun sets it; unset it to run one process)"
+                )
         world = int(env.get("WORLD_SIZE", "1"))
         return cls(
             rank=int(env.get("RANK", "0")),

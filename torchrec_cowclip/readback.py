@@ -56,6 +56,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "RefusedFileError",
     "open_member",
+    "parse_json",
     "read_bytes",
     "read_json",
 ]
@@ -98,6 +99,7 @@ def open_member(path: Union[str, Path]) -> Iterator[Tuple[BinaryIO, os.stat_resu
             raise _refuse(path, "a symbolic link, not a file") from None
         raise _refuse(path, f"unreadable ({_first_line(e)})") from None
     f = os.fdopen(fd, "rb")
+    f.raw.name = str(path)  # type: ignore[attr-defined]  # errors name the file, not the fd
     with f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -154,16 +156,17 @@ def _checked(value: Any, depth: int) -> None:
             _checked(item, depth + 1)
 
 
-def read_json(path: Union[str, Path], limit: int = MAX_JSON_BYTES) -> Dict[str, Any]:
-    """The JSON object in ``path``, read as the module docstring says.
+def parse_json(path: Union[str, Path], text: Union[str, bytes]) -> Any:
+    """The JSON value of ``text`` (read from ``path``, which refusals name): nested at
+    most :data:`MAX_JSON_DEPTH` deep, each key once per object, every string encodable.
 
     Raises:
-        FileNotFoundError: it does not exist.
-        RefusedFileError: anything else it cannot be, in one line.
+        RefusedFileError: anything else, in one line.
     """
-    text = read_bytes(path, limit)
     try:
-        value = json.loads(text.decode("utf-8"), object_pairs_hook=_pairs)
+        value = json.loads(
+            text.decode("utf-8") if isinstance(text, bytes) else text, object_pairs_hook=_pairs
+        )
         _checked(value, 1)
     except _DuplicateKey as e:
         raise _refuse(
@@ -178,7 +181,18 @@ def read_json(path: Union[str, Path], limit: int = MAX_JSON_BYTES) -> Dict[str, 
             path, f"text that is not UTF-8 or a string no file can hold ({getattr(e, 'reason', e)})"
         ) from None
     except ValueError as e:
-        raise _refuse(path, f"not JSON of this project ({_first_line(e)})") from None
+        raise _refuse(path, f"not JSON ({_first_line(e)})") from None
+    return value
+
+
+def read_json(path: Union[str, Path], limit: int = MAX_JSON_BYTES) -> Dict[str, Any]:
+    """The JSON object in ``path``, read as the module docstring says.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        RefusedFileError: anything else it cannot be, in one line.
+    """
+    value = parse_json(path, read_bytes(path, limit))
     if not isinstance(value, dict):
         raise _refuse(path, f"not a JSON object (a {type(value).__name__})")
     return value

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.readback import RefusedFileError, parse_json, read_bytes
 
 __all__ = [
     "MAX_TABLE_FILE_BYTES",
@@ -172,19 +172,15 @@ def parse_constraint(text: str) -> Tuple[str, str]:
 
 def _read_text(path: Path) -> str:
     """The text of ``path``: a plain file (no link, device or FIFO) of at most
-    :data:`MAX_TABLE_FILE_BYTES`, UTF-8."""
-    from torchrec_cowclip.run.safe_load import regular_file
-
+    :data:`MAX_TABLE_FILE_BYTES`, UTF-8, opened once (:func:`~torchrec_cowclip.readback.read_bytes`)."""
     try:
-        size = regular_file(path).st_size
-        if size > MAX_TABLE_FILE_BYTES:
-            raise TableFileError(
-                f"{path}: {size} bytes, more than a table list has "
-                f"({MAX_TABLE_FILE_BYTES >> 20} MiB)"
-            )
-        return path.read_text(encoding="utf-8-sig")  # a spreadsheet's BOM is no field name
+        data = read_bytes(path, MAX_TABLE_FILE_BYTES)
+    except RefusedFileError as e:
+        raise TableFileError(str(e)) from None
     except OSError as e:
         raise TableFileError(f"{path}: unreadable ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")  # a spreadsheet's BOM is no field name
     except UnicodeDecodeError:
         raise TableFileError(f"{path}: not UTF-8 text") from None
 
@@ -208,7 +204,7 @@ def _entries(path: Path, text: str) -> Tuple[List[Any], str]:
         return rows, "line"
     try:
         if suffix == ".json":
-            document: Any = json.loads(text)
+            document: Any = parse_json(path, text)  # bounded depth, each key once
         else:
             import yaml  # PyYAML: torchx's dependency; safe_load builds plain values only
 
@@ -217,7 +213,9 @@ def _entries(path: Path, text: str) -> Tuple[List[Any], str]:
         raise TableFileError(
             f"{path}: YAML needs PyYAML (torchx's dependency), not installed: give .json or .csv"
         ) from None
-    except Exception as e:  # json's JSONDecodeError, yaml's YAMLError
+    except RefusedFileError as e:
+        raise TableFileError(str(e)) from None
+    except Exception as e:  # yaml's YAMLError
         kind = "JSON" if suffix == ".json" else "YAML"
         raise TableFileError(f"{path}: not {kind} ({_first_line(e)})") from None
     if isinstance(document, Mapping) and set(document) == {"tables"}:

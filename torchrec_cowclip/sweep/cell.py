@@ -40,7 +40,8 @@ def run(cell: Path) -> int:
     """Trains the cell in ``cell`` from its ``cell.json`` (the attempt's config)."""
     parent = os.environ.get(PARENT_PID)
     die_with_parent(int(parent) if parent else None)
-    process = ProcessContext.from_environment()
+    with exiting_on_failure("train"):  # a launcher's variable that is no number: one line
+        process = ProcessContext.from_environment()
     with package_log_shown(process.rank):
         with exiting_on_failure("train"):
             record = read_json(cell / CELL_RECORD) or {}

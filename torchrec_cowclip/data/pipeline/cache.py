@@ -198,6 +198,9 @@ def changed_sources(recorded: Mapping[str, Sequence[Any]]) -> list[tuple[str, st
     (a memo record written by hand can name the file's new stamp with its old digest)."""
     changed: list[tuple[str, str, str]] = []
     for path, record in recorded.items():
+        if not isinstance(record, (list, tuple)) or len(record) != 6:
+            changed.append((str(path), "an unreadable record", "unknown"))
+            continue
         stamp, digest = list(record[:5]), str(record[5])
         try:
             st = os.stat(path)
