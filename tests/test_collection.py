@@ -549,7 +549,7 @@ def test_weighted_collection_requires_weights_and_structure_is_checked():
 def test_constructor_arguments_are_validated():
     table = bag_config("t", 2, 5)
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        CowClipEmbeddingBagCollection([replace(table)], options=CowClipOptions(optimizer="adamw"))
+        CowClipEmbeddingBagCollection([replace(table)], options=CowClipOptions(optimizer="lamb"))
     with pytest.raises(
         ValueError, match=r"unclipped_tables names tables that do not exist: \['nope'\]"
     ):

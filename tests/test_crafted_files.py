@@ -483,3 +483,10 @@ def test_a_launch_variable_that_is_no_number_is_one_line(tmp_path, capsys, monke
     err = cli_refusal(capsys, *TINY_CLI, "--out", tmp_path / "t")
     assert f"the environment variable {name}='abc' is not a whole number" in err, err
     assert not (tmp_path / "t").exists()
+
+
+def test_crafted_sweep_settings_are_one_line(tmp_path, capsys):
+    _cell(tmp_path, "b8-paper-s0")
+    settings = tmp_path / "sweep-settings.json"
+    settings.write_text(json.dumps({"settings": {"base_batch_size": "big"}}))
+    assert f"{settings}: 'base_batch_size' is 'big'" in _report_only(capsys, tmp_path)

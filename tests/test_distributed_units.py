@@ -171,7 +171,7 @@ def test_sharder_offers_only_supported_types_and_refuses_others():
 
 def test_sharder_options_are_validated_and_read_from_cowclip_modules():
     with pytest.raises(ValueError, match="optimizer"):
-        CowClipEmbeddingBagCollectionSharder(options=CowClipOptions(optimizer="adagrad"))
+        CowClipEmbeddingBagCollectionSharder(options=CowClipOptions(optimizer="lamb"))
     with pytest.raises(ValueError, match="module_type"):
         CowClipEmbeddingBagCollectionSharder(module_type=nn.Linear)
     with pytest.raises(ValueError, match="unclipped_tables.*nope"):

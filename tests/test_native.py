@@ -296,7 +296,10 @@ def test_many_chunks_on_several_threads_match_the_functional_core(optimizer, dim
     weight[::97] *= 1e-4  # tiny rows in every chunk: the clip binds there
     state = []
     if optimizer == "adam":
-        state = [torch.randn(num_rows, dim, generator=gen) * 1e-2, torch.rand(num_rows, dim) * 1e-3]
+        state = [
+            torch.randn(num_rows, dim, generator=gen) * 1e-2,
+            torch.rand(num_rows, dim, generator=gen) * 1e-3,
+        ]
     elif optimizer == "rowwise_adagrad":
         state = [torch.rand(num_rows, generator=gen)]
     positions = torch.randint(0, num_rows, (60_000,), generator=gen)

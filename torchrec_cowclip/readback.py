@@ -40,7 +40,7 @@ import os
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Tuple, Union
+from typing import Any, BinaryIO, Dict, Iterator, List, Set, Tuple, Union
 
 from torchrec_cowclip.failures import ConfigError
 
@@ -132,11 +132,13 @@ class _DuplicateKey(ValueError):
 
 
 def _pairs(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # a key twice: name the first repeated one
+        seen: Set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return out
 
 

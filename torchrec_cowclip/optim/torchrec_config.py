@@ -4,20 +4,23 @@ A TorchRec user configures a fused embedding optimizer in two places, and this p
 in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options.CowClipOptions`:
 
 * a sharder's ``fused_params`` - FBGEMM's keys: ``optimizer`` (an ``EmbOptimType``:
-  ``ADAM``, ``EXACT_ROWWISE_ADAGRAD`` / ``ROWWISE_ADAGRAD``, ``EXACT_SGD`` / ``SGD``, or its
-  string value), ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay`` with
-  ``weight_decay_mode=WeightDecayMode.L2`` - plus CowClip's own: ``cowclip`` (a
+  ``ADAM``, ``EXACT_ROWWISE_ADAGRAD`` / ``ROWWISE_ADAGRAD``, ``EXACT_SGD`` / ``SGD``,
+  ``EXACT_ADAGRAD``, or its string value), ``learning_rate``, ``eps``, ``beta1``, ``beta2``,
+  ``weight_decay`` with ``weight_decay_mode=WeightDecayMode.L2`` (or ``DECOUPLE`` with
+  ``ADAM``: AdamW), TorchRec's TBE keys ``stochastic_rounding`` and ``output_dtype`` - plus
+  CowClip's own: ``cowclip`` (a
   :class:`~torchrec_cowclip.optim.options.CowClip`, or None for no clip),
   ``unclipped_tables``, ``count_lr``, ``helen`` (:func:`fused_params_settings`);
 * ``apply_optimizer_in_backward(optimizer_class, [weight], kwargs)`` on each table's
-  weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torchrec.optim.RowWiseAdagrad``,
-  ``torch.optim.SGD``, ...) or one of :mod:`.in_backward`'s (``CowClipAdam``, ...), whose
+  weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torch.optim.AdamW``,
+  ``torch.optim.Adagrad``, ``torchrec.optim.RowWiseAdagrad``, ``torch.optim.SGD``, ...) or one of :mod:`.in_backward`'s (``CowClipAdam``, ...), whose
   ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`);
 * ``CowClipOptions`` itself (``options=``), and a
   :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`'s own options (:func:`options_settings`).
 
-What cannot be honoured is refused in one line naming the key: another optimizer, a key
-this update has no use for, a decoupled or counter-based ``weight_decay_mode``, and
+What cannot be honoured is refused in one line naming the key: another optimizer (those of
+:data:`REFUSED_OPTIMIZERS` with why), a key this update has no use for, decoupled weight
+decay with another optimizer than Adam, a counter-based ``weight_decay_mode``, and
 FBGEMM's ``WeightDecayMode.COWCLIP``, which is not the paper's algorithm (it clips
 against the number of steps a row has appeared in, cumulative unless a half-life > 0
 decays it, not the row's count in this batch, and scales the Adagrad step rather than the

@@ -443,7 +443,16 @@ def build_report(out: Path) -> Dict[str, Any]:
     """Every cell of the sweep in ``out`` as rows, their summary, the base batch and the
     sweep's settings (``sweep.json``'s content)."""
     settings = read_json(Path(out) / SETTINGS_FILE) or {}
-    base_batch_size = int((settings.get("settings") or {}).get("base_batch_size", 1024))
+    base_batch_size = (settings.get("settings") or {}).get("base_batch_size", 1024)
+    if (
+        not isinstance(base_batch_size, int)
+        or isinstance(base_batch_size, bool)
+        or base_batch_size < 1
+    ):
+        raise SweepError(
+            f"{Path(out) / SETTINGS_FILE}: 'base_batch_size' is {base_batch_size!r}, not a "
+            "whole number >= 1: not what the sweep writes; restore it or move it away"
+        )
     records = list(iter_cell_records(out))  # every cell.json checked before any is used
     rows = [_row(Path(out), rec, base_batch_size) for rec in records]
     base = base_batch(rows, base_batch_size)
