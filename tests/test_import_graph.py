@@ -104,7 +104,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 #: ``__init__``, whose public names load the serving API on first use).
 LAYERS = (
     ("_lazy", "_version", "compat", "failures", "cli_help", "stderr_log"),
-    ("readback",),
+    ("readback", "process_context"),
     ("notices", "data", "optim"),
     ("embedding",),
     ("distributed", "models"),

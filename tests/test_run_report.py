@@ -134,7 +134,9 @@ def test_start_summary_epoch_lines_and_per_epoch_rows(tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2, err
     assert re.match(
-        r"epoch 1/2: test_auc 0\.\d{5}, test_logloss \d\.\d{5}, train_loss \d\.\d{5} \| \d+s, "
+        # The test split's calibration (mean prediction / positive rate) since issue 46.
+        r"epoch 1/2: test_auc 0\.\d{5}, test_logloss \d\.\d{5}, test_calibration \d+\.\d{3}, "
+        r"train_loss \d\.\d{5} \| \d+s, "
         r"[\d,]+ samples/s, peak RSS [\d,]+ MB \| rows updated [\d,]+, clipped \d+ \| run ETA \d+s",
         lines[0],
     ), lines[0]

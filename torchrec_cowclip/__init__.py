@@ -40,11 +40,8 @@ from torchrec_cowclip._version import __version__ as __version__
 from torchrec_cowclip.optim.options import CountLR, CowClip, CowClipOptions, Helen
 
 if TYPE_CHECKING:
-    from torchrec_cowclip.embedding.collection import (
-        CowClipEmbeddingBagCollection,
-        quantization_mapping,
-        quantize_embeddings,
-    )
+    from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
+    from torchrec_cowclip.embedding.quantization import quantization_mapping, quantize_embeddings
     from torchrec_cowclip.embedding.table_batch import TableClipStats
     from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
     from torchrec_cowclip.serve.predictor import Predictor, load_model
@@ -55,8 +52,8 @@ _LAZY = {
     "CowClipFusedOptimizer": "torchrec_cowclip.optim.fused",
     "TableClipStats": "torchrec_cowclip.embedding.table_batch",
     "load_model": "torchrec_cowclip.serve.predictor",
-    "quantization_mapping": "torchrec_cowclip.embedding.collection",
-    "quantize_embeddings": "torchrec_cowclip.embedding.collection",
+    "quantization_mapping": "torchrec_cowclip.embedding.quantization",
+    "quantize_embeddings": "torchrec_cowclip.embedding.quantization",
     "Predictor": "torchrec_cowclip.serve.predictor",
 }
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -28,8 +27,10 @@ from torchrec_cowclip.failures import (
     EXIT_INTERRUPTED,
     EXIT_STOPPED,
     EXIT_USAGE,
+    ConfigError,
 )
 from torchrec_cowclip.plan.command import add_plan_parser
+from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.serve.command import COMMANDS as SERVING_COMMANDS
 from torchrec_cowclip.serve.command import add_commands, run_command
 from torchrec_cowclip.stderr_log import package_log_shown
@@ -66,30 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The launcher's variables (torchrun sets them) that every command reads as whole numbers.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-def _check_launch_variables() -> None:
-    """One line and exit 2 for a launcher's variable that is no whole number, before any
-    command reads it (each would raise its own ``ValueError`` deep inside)."""
-    for name in LAUNCH_VARIABLES:
-        value = os.environ.get(name)
-        if value is not None and not value.strip().isdigit():
-            sys.stderr.write(
-                f"torchrec-cowclip: error: the environment variable {name}={value!r} is not "
-                "a whole number (torchrun sets it; unset it to run one process)\n"
-            )
-            raise SystemExit(EXIT_USAGE)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _check_launch_variables()
-    with package_log_shown(int(os.environ.get("RANK", "0"))):
-        return _main(argv)
+    # The launch this process is part of, read once and handed to the command (a
+    # launcher's variable that is no whole number: one line, before any command runs).
+    try:
+        process = ProcessContext.from_environment()
+    except ConfigError as e:
+        sys.stderr.write(f"torchrec-cowclip: error: {e}\n")
+        raise SystemExit(EXIT_USAGE) from None
+    with package_log_shown(process.rank):
+        return _main(argv, process)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+def _main(argv: Optional[Sequence[str]], process: ProcessContext) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "sweep":
@@ -105,7 +95,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(json.dumps(summary, indent=2, default=str))
         return 0
     with exiting_on_failure(args.command):
-        settings, said = command_settings(parser, args, argv)
+        settings, said = command_settings(args, argv, process)
     return run_train(settings, said)
 
 

@@ -15,18 +15,26 @@ Example::
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 __all__ = ["HelpFormatter", "RawDescriptionHelpFormatter", "add_require_sha256"]
 
 
-def add_require_sha256(parser: "argparse._ActionsContainer", context: str = "") -> None:
+#: What ``--require-sha256`` does (``train``'s with ``--init-from``, and the serving
+#: commands').
+REQUIRE_SHA256_HELP = (
+    "refuse a run folder whose manifest records CRC-32s (format 1, which a crafted edit "
+    "can keep) rather than SHA-256s (format 2)"
+)
+
+
+def add_require_sha256(parser: Any, context: str = "") -> None:
     """``--require-sha256``, declared once for every command that reads a run folder
     (``predict``, ``evaluate``, ``export``; ``train`` with ``--init-from``)."""
     parser.add_argument(
         "--require-sha256",
         action="store_true",
-        help=f"{context}refuse a run folder whose manifest records CRC-32s (format 1, "
-        "which a crafted edit can keep) rather than SHA-256s (format 2)",
+        help=context + REQUIRE_SHA256_HELP,
     )
 
 

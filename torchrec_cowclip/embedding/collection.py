@@ -1,45 +1,54 @@
 """CowClipEmbeddingBagCollection: a TorchRec EmbeddingBagCollection trained by CowClip
 inside backward.
+
+The collection is TorchRec's collection; what else it offers it holds as collaborators:
+its table batches and their lookup (``table_batch.py``, ``batched_lookup.py``), the
+per-table weight views (``table_views.py``), the clip counters (``clip_counters.py``,
+per-row tracking included), the forward ``torch.export`` traces (``export_forward.py``)
+and TorchRec's quantization (``quantization.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
-    get_embedding_names_by_table,
 )
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import (
-    in_backward_mark_count,
-    mark_updated_in_backward,
-    qconfig_propagation,
-)
+from torchrec_cowclip.compat import in_backward_mark_count
 from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
+from torchrec_cowclip.embedding.export_forward import exported_pooling
+from torchrec_cowclip.embedding.local_tables import LocalTables
+from torchrec_cowclip.embedding.quantization import (  # noqa: F401 (their home before)
+    QconfigGuard,
+    quantization_mapping,
+    quantize_embeddings,
+)
 from torchrec_cowclip.embedding.row_gradients import RowGradients
-from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
-from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
+from torchrec_cowclip.embedding.row_init import RowInit
+from torchrec_cowclip.embedding.row_kernels import RowKernel
 from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import (
-    TableBatch,
     TableClipStats,
-    group_into_table_batches,
+)
+from torchrec_cowclip.embedding.table_views import (
+    bind_table_views,
+    table_weight,
+    table_weights,
 )
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
 from torchrec_cowclip.optim.load_check import check_loadable
 from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
-from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
-from torchrec_cowclip.optim.rules import update_rule
 from torchrec_cowclip.optim.torchrec_config import (
     in_backward_settings,
     marked_options,
@@ -47,20 +56,6 @@ from torchrec_cowclip.optim.torchrec_config import (
     resolve_options,
     table_marks,
 )
-
-_MISSING = object()
-
-
-class TableWeight(nn.Module):
-    """Holds one table's weight, a view into its table batch, under the name
-    (``embedding_bags.<table>.weight``) that ``torchrec.EmbeddingBagCollection`` uses."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
 class CowClipEmbeddingBagCollection(
@@ -140,68 +135,30 @@ class CowClipEmbeddingBagCollection(
         kernel_mode: Optional[str] = None,
     ) -> None:
         super().__init__()
-        _validate_tables(tables)
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
         options = _checked_options(options)
-        optimizer = options.optimizer
-        options.check_tables(t.name for t in tables)
-        unclipped = options.unclipped_tables
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        # The kernel mode, resolved once (an explicit value, else the environment's), and
-        # one row kernel for every table batch, chosen from it here (and again on a device
-        # move), not per step: building the native one, if it is that, happens now.
-        self._kernel_mode = resolve_kernel_mode(kernel_mode)
-        kernel = select_kernel(self._device, options.rule, self._kernel_mode)
-        seed = torch.initial_seed() if init_seed is None else int(init_seed)
-        self._row_inits: dict[str, Optional[RowInit]] = row_initializers(tables, seed)
-
-        self._embedding_bag_configs = tables
+        cpu = torch.device("cpu")
+        self._tables = LocalTables(
+            tables, options, cpu if device is None else torch.device(device), kernel_mode, init_seed
+        )
+        self._batches = self._tables.batches
         self._is_weighted = is_weighted
-        self._optimizer = optimizer
-        names_by_table = get_embedding_names_by_table(tables)
-        self._embedding_names: list[str] = [e for names in names_by_table for e in names]
-        self._lengths_per_embedding: list[int] = [
-            t.embedding_dim for t in tables for _ in t.feature_names
-        ]
-        self._batches: list[TableBatch] = [
-            TableBatch(
-                [tables[i] for i in group],
-                [names_by_table[i] for i in group],
-                optimizer,
-                [tables[i].name not in unclipped for i in group],
-                self._device,
-                kernel,
-            )
-            for group in group_into_table_batches(tables)
-        ]
-        for batch in self._batches:
-            batch.stochastic_rounding = options.stochastic_rounding
         self._output_dtype = options.output_dtype
-        self._key_permutations: dict[tuple[str, ...], Optional[list[int]]] = {}
         # All of the collection's table batches are one lookup whose rows are local; the
         # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
-        self._row_updates = RowUpdates([t.name for t in tables], options.helen, self._device)
+        self._row_updates = RowUpdates([t.name for t in tables], options.helen, self.device)
         self._lookup = BatchedLookup(
             self._batches,
-            self._embedding_names,
+            self._tables.embedding_names,
             self._row_updates,
             LocalRows(),
             self._submission_of,
-            self._device,
+            self.device,
         )
 
-        self.embedding_bags = nn.ModuleDict()
-        params: dict[str, nn.Parameter] = {}
-        for batch in self._batches:
-            for i, name in enumerate(batch.table_names):
-                param = nn.Parameter(batch.table_weight(i))
-                # TorchRec's marker for parameters updated inside backward: keeps them
-                # out of dense optimizers built with `in_backward_optimizer_filter`.
-                mark_updated_in_backward(param)
-                self.embedding_bags[name] = TableWeight(param)
-        for table in tables:
-            params[f"embedding_bags.{table.name}.weight"] = self._table_weight(table.name)
+        self.embedding_bags = table_weights(self._batches)
+        params = {f"embedding_bags.{t.name}.weight": self._table_weight(t.name) for t in tables}
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
         self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
         self._marks_read = in_backward_mark_count()
@@ -280,17 +237,24 @@ class CowClipEmbeddingBagCollection(
             IndexError: an id is outside ``[0, num_embeddings)`` of its table (raised
                 in forward, so no weight has changed).
         """
-        if self._device.type == "meta":
+        if self.device.type == "meta":
             raise RuntimeError(
                 "this CowClipEmbeddingBagCollection is on the meta device (no storage): "
                 "shard it with DistributedModelParallel, or call to_empty(device=...) and "
                 "reset_parameters() first"
             )
-        if torch.compiler.is_exporting():
-            return self._exported_forward(features)
+        if torch.compiler.is_exporting():  # a self-contained program (export_forward.py)
+            return exported_pooling(
+                self._tables.configs,
+                self._table_weight,
+                features,
+                self._is_weighted,
+                self._tables.embedding_names,
+                self._tables.lengths_per_embedding,
+            )
         if self._marks_read != in_backward_mark_count():
             self._read_in_backward_marks()
-        features = self._in_batched_order(features)
+        features = self._tables.in_batched_order(features, self._lookup.feature_order)
         values, offsets = features.values(), features.offsets()
         weights = features.weights_or_none() if self._is_weighted else None
         _check_structure(features, values, weights, self._is_weighted)
@@ -300,46 +264,9 @@ class CowClipEmbeddingBagCollection(
             # hands the update a float32 gradient.
             pooled = pooled.to(self._output_dtype)
         return KeyedTensor(
-            keys=self._embedding_names,
-            length_per_key=self._lengths_per_embedding,
+            keys=self._tables.embedding_names,
+            length_per_key=self._tables.lengths_per_embedding,
             values=pooled,
-        )
-
-    def _exported_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """The forward ``torch.export`` traces: each table's pooled lookup read from its own
-        parameter (``embedding_bags.<table>.weight``) with aten's ``embedding_bag``, as a
-        stock ``EmbeddingBagCollection`` computes it, so the program holds the tables as
-        its state and runs without this package or the live module (the training forward's
-        op reaches the tables through a handle to this module: it is for training only).
-        Half tables pool in float32, as the training forward does."""
-        by_feature = features.to_dict()
-        pooled: list[Tensor] = []
-        for table in self._embedding_bag_configs:
-            weight = self._table_weight(table.name)
-            for feature in table.feature_names:
-                bags = by_feature[feature]
-                offsets = bags.offsets()
-                sample_weights = bags.weights_or_none() if self._is_weighted else None
-                mean = table.pooling == PoolingType.MEAN
-                out = torch.nn.functional.embedding_bag(
-                    bags.values(),
-                    weight,
-                    offsets,
-                    mode="mean" if mean and sample_weights is None else "sum",
-                    per_sample_weights=None
-                    if sample_weights is None
-                    else sample_weights.to(weight.dtype),
-                    include_last_offset=True,
-                ).to(torch.float32)
-                if mean and sample_weights is not None:
-                    # Weighted MEAN pools sum(w * x) / len, as FBGEMM's TBE does.
-                    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1)
-                    out = out / lengths.unsqueeze(1).to(out.dtype)
-                pooled.append(out)
-        return KeyedTensor(
-            keys=self._embedding_names,
-            length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1).to(self._output_dtype),
         )
 
     def _read_in_backward_marks(self) -> None:
@@ -357,14 +284,14 @@ class CowClipEmbeddingBagCollection(
         self._marks_read = count
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._embedding_bag_configs
+        return self._tables.configs
 
     def is_weighted(self) -> bool:
         return self._is_weighted
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._tables.device
 
     @property
     def options(self) -> CowClipOptions:
@@ -382,30 +309,25 @@ class CowClipEmbeddingBagCollection(
     @property
     def unclipped_tables(self) -> tuple[str, ...]:
         """Names of the tables that are updated but never clipped."""
-        return tuple(
-            name
-            for batch in self._batches
-            for name, clipped in zip(batch.table_names, batch.clip_enabled_list)
-            if not clipped
-        )
+        return self._tables.unclipped_tables
 
     def table_storage_bytes(self) -> int:
         """Bytes of table weights and optimizer state this module holds (0 on meta)."""
-        return sum(batch.storage_bytes() for batch in self._batches)
+        return self._tables.storage_bytes()
 
     # --- the update -------------------------------------------------------------------
 
     @property
     def kernel_mode(self) -> str:
         """The kernel mode the module was built with (``kernel_mode=``, resolved once)."""
-        return self._kernel_mode
+        return self._tables.kernel_mode
 
     @property
     def row_kernel(self) -> RowKernel:
         """How the table batches group and update their touched rows
         (:mod:`torchrec_cowclip.embedding.row_kernels`): chosen when the module was built or
         last moved, the same for every batch."""
-        return self._batches[0].kernel
+        return self._tables.kernel
 
     @property
     def row_updates(self) -> RowUpdates:
@@ -435,7 +357,7 @@ class CowClipEmbeddingBagCollection(
                 its list matches this class (TorchRec's default sharders do not), and
                 would then allocate every table whole on every rank.
         """
-        if self._device.type == "meta":
+        if self.device.type == "meta":
             raise RuntimeError(
                 "this CowClipEmbeddingBagCollection is on the meta device: shard it with "
                 "DistributedModelParallel(..., sharders=torchrec_cowclip.distributed."
@@ -445,52 +367,32 @@ class CowClipEmbeddingBagCollection(
             )
         return self._fused_optimizer
 
-    # --- Observability -------------------------------------------------------------
+    # --- Observability: the clip counters it holds ------------------------------------
 
     @property
     def clip_counters(self) -> ClipCounters:
         """What the fused update did to each table, and with :meth:`track_row_clips` to
-        each row: the counters, their checkpoint form and their reset
-        (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
+        each row (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
     def clip_stats(self) -> dict[str, TableClipStats]:
-        """Per table: rows updated, clipped and skipped as non-finite, for the last
-        step and cumulatively. Reading them synchronises with the device."""
+        """:meth:`ClipCounters.stats`: per table, rows updated, clipped and skipped."""
         return self._clip_counters.stats()
 
     def table_counters(self) -> dict[str, Tensor]:
-        """Per table, its ``[6]`` int64 clip counters, the layout checkpoints keep for
-        unsharded and sharded modules alike (:meth:`ClipCounters.table_counters`)."""
+        """:meth:`ClipCounters.table_counters`: the checkpoint form."""
         return self._clip_counters.table_counters()
 
     def load_table_counters(self, counters: Mapping[str, Tensor]) -> None:
-        """Restores :meth:`table_counters` (the sharded module's too), all checked first."""
+        """:meth:`ClipCounters.load_table_counters`, all checked first."""
         self._clip_counters.load_table_counters(counters)
 
     def track_row_clips(self, enabled: bool = True) -> None:
-        """Starts (or stops) counting, for every row of every table, how many steps
-        updated it and how many of those clipped its gradient (:meth:`row_clip_counts`;
-        :meth:`ClipCounters.track_rows`).
-
-        Example::
-
-            >>> ebc = CowClipEmbeddingBagCollection(
-            ...     [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10,
-            ...                         feature_names=["user"])], CowClipOptions(lr=1e-2))
-            >>> ebc.track_row_clips()
-            >>> kjt = KeyedJaggedTensor.from_lengths_sync(   # bags [3, 3] and [7]
-            ...     keys=["user"], values=torch.tensor([3, 3, 7]), lengths=torch.tensor([2, 1]))
-            >>> ebc(kjt).values().sum().backward()           # one training step
-            >>> updated, clipped = ebc.row_clip_counts()["t_user"]
-            >>> updated.tolist(), int(clipped.sum()) <= 2
-            ([0, 0, 0, 1, 0, 0, 0, 1, 0, 0], True)
-        """
+        """:meth:`ClipCounters.track_rows`: count each row's updates and clips."""
         self._clip_counters.track_rows(enabled)
 
     def row_clip_counts(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """Per table, ``(updated, clipped)`` counts of each row since
-        :meth:`track_row_clips` (:meth:`ClipCounters.row_counts`)."""
+        """:meth:`ClipCounters.row_counts`: per table, ``(updated, clipped)`` per row."""
         return self._clip_counters.row_counts()
 
     # --- Module plumbing -----------------------------------------------------------
@@ -500,75 +402,24 @@ class CowClipEmbeddingBagCollection(
         """Per table, the counter-based initialisation its weights start from (None: the
         config's own ``init_fn``, called as given); the sharder initialises each shard
         from these."""
-        return dict(self._row_inits)
+        return dict(self._tables.row_inits)
 
     def reset_parameters(self) -> None:
         """Initialises every table (:attr:`row_initializers`, else the config's
         ``init_fn``) and zeroes the optimizer state and counters. Nothing happens on the
         meta device."""
-        if self._device.type == "meta":
-            return
-        with torch.no_grad():
-            for table in self._embedding_bag_configs:
-                weight = self._table_weight(table.name)
-                row_init = self._row_inits[table.name]
-                if row_init is not None:
-                    row_init(weight)
-                else:
-                    assert table.init_fn is not None  # EmbeddingBagConfig always sets one
-                    table.init_fn(weight)
-            for batch in self._batches:
-                batch.reset_state()
+        if self.device.type != "meta":
+            self._tables.reset(self._table_weight)
 
-    # --- TorchRec's quantization ---------------------------------------------------------
-
-    @property
-    def qconfig(self) -> Any:
-        """The qconfig torch's quantization gave this collection, while it has one.
-
-        TorchRec's ``torchrec.inference.modules.quantize_embeddings`` swaps the modules
-        whose exact type its mapping names; without :func:`quantization_mapping` among its
-        ``additional_mapping`` this collection would stay float32 without a word, so it
-        refuses then, in one line (see :func:`quantize_embeddings`).
-        """
-        if "_qconfig" in self.__dict__:
-            return self.__dict__["_qconfig"]
-        running = qconfig_propagation()
-        if running is not None:
-            spec, name = running
-            if type(self) not in spec and EmbeddingBagCollection in spec:
-                raise TypeError(
-                    f"quantize_embeddings would leave {type(self).__name__} "
-                    f"'{name or 'the model'}' in float32 (TorchRec quantizes the types its "
-                    "mapping names): call torchrec_cowclip.quantize_embeddings(model, dtype, "
-                    "inplace=True), or pass additional_qconfig_spec_keys="
-                    "[CowClipEmbeddingBagCollection] and additional_mapping="
-                    "torchrec_cowclip.quantization_mapping()"
-                )
-        raise AttributeError("qconfig")
-
-    @qconfig.setter
-    def qconfig(self, value: Any) -> None:
-        self.__dict__["_qconfig"] = value
-
-    @qconfig.deleter
-    def qconfig(self) -> None:
-        if self.__dict__.pop("_qconfig", _MISSING) is _MISSING:
-            raise AttributeError("qconfig")
+    # TorchRec's quantization: refused in one line where it would skip this collection.
+    qconfig = QconfigGuard()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # Device and dtype moves must move the table batches and re-point the per-table
         # views; moving the views alone would silently detach them from the batches.
-        for batch in self._batches:
-            batch._apply(fn)
-        moved_to = self._batches[0].weight.device
-        if moved_to != self._device:
-            kernel = select_kernel(moved_to, update_rule(self._optimizer), self._kernel_mode)
-            for batch in self._batches:
-                batch.kernel = kernel
-        self._device = moved_to
-        self._row_updates.to(self._device)
-        self._lookup.to(self._device)
+        moved_to = self._tables.move(fn)
+        self._row_updates.to(moved_to)
+        self._lookup.to(moved_to)
         self._bind_views()
         views = {id(p) for p in self.parameters()}
         # The per-table parameters now view the moved batches: leave them as they are.
@@ -582,35 +433,10 @@ class CowClipEmbeddingBagCollection(
         self._bind_views()
 
     def _bind_views(self) -> None:
-        state = self._fused_optimizer.state
-        for batch in self._batches:
-            for i, name in enumerate(batch.table_names):
-                param = self._table_weight(name)
-                view = batch.table_weight(i)
-                if param.device == view.device:
-                    param.data = view
-                else:
-                    # `.data` cannot change a parameter's device type (meta -> cpu):
-                    # swap the contents, keeping the object the optimizer holds.
-                    marks = dict(param.__dict__)
-                    # (swap_tensors carries no annotations)
-                    torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
-                        param, nn.Parameter(view, param.requires_grad)
-                    )
-                    param.__dict__.update(marks)
-                state[param] = batch.table_state(i)
+        bind_table_views(self.embedding_bags, self._batches, self._fused_optimizer.state)
 
     def _table_weight(self, name: str) -> nn.Parameter:
-        holder = self.embedding_bags[name]
-        assert isinstance(holder, TableWeight)
-        return holder.weight
-
-    def _in_batched_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if keys not in self._key_permutations:
-            self._key_permutations[keys] = _key_permutation(keys, self._lookup.feature_order)
-        permutation = self._key_permutations[keys]
-        return features if permutation is None else features.permute(permutation)
+        return table_weight(self.embedding_bags, name)
 
 
 # --- helpers -----------------------------------------------------------------------
@@ -624,51 +450,6 @@ def _checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
             f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
         )
     return options
-
-
-def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
-    if not tables:
-        raise ValueError("tables must not be empty")
-    names: set[str] = set()
-    for table in tables:
-        if table.name in names:
-            raise ValueError(f"Duplicate table name {table.name}")
-        names.add(table.name)
-        if table.num_embeddings <= 0 or table.embedding_dim <= 0:
-            raise ValueError(
-                f"table '{table.name}': num_embeddings and embedding_dim must be > 0, "
-                f"got {table.num_embeddings} and {table.embedding_dim}"
-            )
-        if table.data_type not in (DataType.FP32, DataType.FP16, DataType.BF16):
-            raise ValueError(
-                f"table '{table.name}': data_type must be FP32, FP16 or BF16 (half types are "
-                f"stored in half and updated in float32 with stochastic rounding), got "
-                f"{table.data_type}"
-            )
-        if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-            raise ValueError(
-                f"table '{table.name}': pooling must be SUM or MEAN, got {table.pooling}"
-            )
-        if not table.feature_names:
-            table.feature_names = [table.name]  # TorchRec's convention
-        if len(set(table.feature_names)) != len(table.feature_names):
-            raise ValueError(f"table '{table.name}' lists a feature twice: {table.feature_names}")
-
-
-def _key_permutation(keys: tuple[str, ...], wanted: list[str]) -> Optional[list[int]]:
-    """KJT key indices in table-batch order (a feature shared by tables repeats)."""
-    expected = sorted(set(wanted))
-    missing = [k for k in expected if k not in keys]
-    unexpected = [k for k in keys if k not in expected]
-    duplicated = sorted({k for k in keys if keys.count(k) > 1})
-    if missing or unexpected or duplicated:
-        raise ValueError(
-            "KeyedJaggedTensor keys do not match the collection's features: "
-            f"missing {missing}, unexpected {unexpected}, duplicated {duplicated}; "
-            f"expected exactly {expected}"
-        )
-    permutation = [keys.index(k) for k in wanted]
-    return None if permutation == list(range(len(keys))) else permutation
 
 
 def _check_structure(
@@ -691,51 +472,3 @@ def _check_structure(
             "this collection is weighted (is_weighted=True) but the "
             "KeyedJaggedTensor has no weights"
         )
-
-
-def quantization_mapping() -> dict[type, type]:
-    """TorchRec's quantization mapping for this collection: its quantized
-    ``torchrec.quant.EmbeddingBagCollection``, which ``from_float`` builds from the
-    collection's table configs and ``state_dict`` as from a stock EBC's (the same keys).
-    Pass it as ``additional_mapping`` (and its keys as ``additional_qconfig_spec_keys``) of
-    ``torchrec.inference.modules.quantize_embeddings``."""
-    from torchrec.quant.embedding_modules import (
-        EmbeddingBagCollection as QuantEmbeddingBagCollection,
-    )
-
-    return {CowClipEmbeddingBagCollection: QuantEmbeddingBagCollection}
-
-
-def quantize_embeddings(
-    module: nn.Module,
-    dtype: torch.dtype,
-    inplace: bool = True,
-    **options: Any,
-) -> nn.Module:
-    """``torchrec.inference.modules.quantize_embeddings`` with this package's collection
-    quantized as a stock ``EmbeddingBagCollection`` is (``options``: TorchRec's
-    ``output_dtype``, ``per_table_weight_dtype``, ``additional_qconfig_spec_keys``,
-    ``additional_mapping``).
-
-    Example::
-
-        >>> from torchrec import EmbeddingBagConfig
-        >>> ebc = CowClipEmbeddingBagCollection(tables=[EmbeddingBagConfig(
-        ...     name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])])
-        >>> model = quantize_embeddings(nn.Sequential(ebc), torch.qint8)
-        >>> type(model[0]).__module__, model[0].embedding_bag_configs()[0].data_type.name
-        ('torchrec.quant.embedding_modules', 'INT8')
-    """
-    from torchrec.inference.modules import quantize_embeddings as torchrec_quantize
-
-    mapping = {**quantization_mapping(), **options.pop("additional_mapping", {})}
-    keys = [*options.pop("additional_qconfig_spec_keys", []), *quantization_mapping()]
-    quantized: nn.Module = torchrec_quantize(
-        module,
-        dtype=dtype,
-        inplace=inplace,
-        additional_qconfig_spec_keys=keys,
-        additional_mapping=mapping,
-        **options,
-    )
-    return quantized

@@ -30,13 +30,13 @@ from torchrec_cowclip.plan.job import DEFAULT_HEADROOM
 from torchrec_cowclip.train.command import (
     add_data_arguments,
     add_model_arguments,
+    add_train_option,
     config_from_args,
+    group_options,
+    parsed_default,
     train_argv,
-    train_parser,
 )
-from torchrec_cowclip.train.config import EMBEDDING_OPTIMIZERS, TrainConfig
-from torchrec_cowclip.train.processes import SHARDING_CHOICES
-from torchrec_cowclip.train.scaling import RECIPES
+from torchrec_cowclip.train.config import TrainConfig
 
 #: Exit status of a plan that does not fit the devices.
 EXIT_DOES_NOT_FIT = 3
@@ -67,7 +67,6 @@ examples:
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers ``plan`` on ``subparsers``: its tables (``--tables``, ``--run``, or train's
     data group), train's model group, the job and the output."""
-    d = TrainConfig()
     p = subparsers.add_parser(
         "plan",
         help="plan a sharded job: per-rank table and optimizer bytes, whether it fits N devices",
@@ -121,34 +120,30 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="DDR per process in GiB, for --compute-device cpu (default: TorchRec's 128)",
     )
-    j.add_argument(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help="the global batch, as train's: the planner sizes each rank's input and "
+    # train's options, as train declares them, with what they mean to a plan.
+    add_train_option(
+        j,
+        "batch_size",
+        "the global batch, as train's: the planner sizes each rank's input and "
         "communication by batch / world size",
     )
-    j.add_argument(
-        "--embedding-optimizer",
-        "--optimizer",
-        dest="embedding_optimizer",
-        choices=EMBEDDING_OPTIMIZERS,
-        default=d.embedding_optimizer,
-        help="the tables' optimizer, whose state is planned: adam 2 float32 per weight, "
+    add_train_option(
+        j,
+        "embedding_optimizer",
+        "the tables' optimizer, whose state is planned: adam 2 float32 per weight, "
         "rowwise_adagrad 1 float32 per row (per column shard), sgd none",
+        "--optimizer",
     )
-    j.add_argument(
-        "--recipe",
-        choices=tuple(RECIPES),
-        default=d.recipe,
-        help="train's scaling recipe, passed to the launch command (a recipe sets "
+    add_train_option(
+        j,
+        "recipe",
+        "train's scaling recipe, passed to the launch command (a recipe sets "
         "learning rates, L2 and the clip, not the optimizer's state)",
     )
-    j.add_argument(
-        "--sharding",
-        choices=SHARDING_CHOICES,
-        default=d.sharding,
-        help="auto: TorchRec's planner chooses per table (as train's --sharding auto); "
+    add_train_option(
+        j,
+        "sharding",
+        "auto: TorchRec's planner chooses per table (as train's --sharding auto); "
         "or one sharding type for every table",
     )
     j.add_argument(
@@ -209,18 +204,10 @@ def run_command(
         return _error(one_line(e))
 
 
-def _data_flags(parser: argparse.ArgumentParser) -> Dict[str, Tuple[str, Any]]:
-    """dest -> (flag, default) of the data group's options (train's, added to ``plan``)."""
-    # argparse keeps a group's actions only in this attribute.
-    group = next(g for g in parser._action_groups if g.title == "data")
-    return {a.dest: (a.option_strings[-1], a.default) for a in group._group_actions}
-
-
-def _run_defaults(run: Any, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+def _run_defaults(run: Any, args: argparse.Namespace) -> Dict[str, Any]:
     """RUN's settings for every option of ``plan`` that ``train`` has (its model, data,
     batch size, optimizer, recipe, sharding)."""
-    dests = {a.dest for a in parser._actions}
-    defaults = {k: v for k, v in run.config.items() if k in dests}
+    defaults = {k: v for k, v in run.config.items() if k in vars(args)}
     if "hidden" in defaults:
         defaults["hidden"] = list(defaults["hidden"])
     return defaults
@@ -241,8 +228,9 @@ def _source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     if len(given) > 1:
         raise PlanError(f"{' and '.join(given)} both name the tables: give one")
     if given[0] != "--data":
-        for dest, (flag, default) in _data_flags(parser).items():
-            if dest != "data" and getattr(args, dest) != default:
+        for option in group_options("data"):
+            flag = option.flag
+            if option.name != "data" and getattr(args, option.name) != parsed_default(option):
                 raise PlanError(f"{flag} says how --data is read: give --data, or drop {flag}")
     return given[0]
 
@@ -264,7 +252,8 @@ def _validate(config: TrainConfig, parser: argparse.ArgumentParser, source: str)
     checked = replace(config, sharding="auto", device="auto")
     if source != "--data":
         fresh = TrainConfig()
-        checked = replace(checked, **{k: getattr(fresh, k) for k in _data_flags(parser)})
+        data_options = [option.name for option in group_options("data")]
+        checked = replace(checked, **{k: getattr(fresh, k) for k in data_options})
     checked.validate()
 
 
@@ -334,10 +323,9 @@ def _model_flags_unused(args: argparse.Namespace, parser: argparse.ArgumentParse
     """Refuses a model flag with a table file: its tables are planned alone, as written."""
     from torchrec_cowclip.plan.job import PlanError
 
-    group = next(g for g in parser._action_groups if g.title == "model")
-    for action in group._group_actions:
-        if getattr(args, action.dest) != action.default:
-            flag = action.option_strings[-1]
+    for option in group_options("model"):
+        if getattr(args, option.name) != parsed_default(option):
+            flag = option.flag
             raise PlanError(
                 f"{flag} says how train builds its model: --tables {args.tables} plans your "
                 f"own tables alone, each with its rows, dim and dtype as written: drop {flag}"
@@ -429,7 +417,7 @@ def _run(
         # RUN's settings where the command gives none (its descriptions only: no weight
         # is read, so the run's files are not verified).
         run = RunFolder.open(args.run, verify=False)
-        parser.set_defaults(**_run_defaults(run, parser))
+        parser.set_defaults(**_run_defaults(run, args))
         args = parser.parse_args(list(sys.argv[2:] if argv is None else argv[1:]))
     local, per_host = _job_flags(args)
     constraints = dict(parse_constraint(c) for c in args.constrain)
@@ -467,7 +455,7 @@ def _run(
             device="cpu" if spec.compute_device == "cpu" else config.device,
             cache_dir=config.cache_dir,
         )
-        train_args = train_argv(train_parser(), launch_config, "a cell's train command")
+        train_args = train_argv(None, launch_config, "a cell's train command")
         launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
     sys.stdout.write(format_plan(plan, tables_from, launch))
     if args.planner_stats:

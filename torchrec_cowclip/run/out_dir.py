@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 
 LOCK_NAME = ".lock"
@@ -48,10 +49,10 @@ class RunDirError(ConfigError):
 DEFAULT_RUNS_ROOT = Path("runs")
 
 
-def new_run_dir(root: Path = DEFAULT_RUNS_ROOT) -> Path:
+def new_run_dir(root: Path = DEFAULT_RUNS_ROOT, process: ProcessContext = ONE_PROCESS) -> Path:
     """The directory of a run given no ``--out``: a new ``root/<YYYYmmdd-HHMMSS>`` (then
     ``-2``, ``-3``, ... in the same second), created here so that two runs never share
-    one; under torchrun ``root/torchrun-<run id>``, the same for every rank and restart of
+    one; under torchrun (``process``) ``root/torchrun-<run id>``, the same for every rank and restart of
     the job (rank 0 creates it), so ``--resume auto`` finds it again.
 
     Example::
@@ -62,10 +63,9 @@ def new_run_dir(root: Path = DEFAULT_RUNS_ROOT) -> Path:
         >>> a != b and a.is_dir() and b.is_dir()
         True
     """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        return root / f"torchrun-{run_id}"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # TrainConfig.validate() refused this
+    if process.run_id:
+        return root / f"torchrun-{process.run_id}"
+    if process.is_distributed:  # TrainConfig.validate() refused this
         raise RunDirError("several processes share one run directory: give --out")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)

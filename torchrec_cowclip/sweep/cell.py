@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from torchrec_cowclip.process_context import ProcessContext
 from torchrec_cowclip.stderr_log import package_log_shown
 from torchrec_cowclip.sweep.runner import CELL_RECORD, PARENT_PID, read_json
 from torchrec_cowclip.train.command import exiting_on_failure, run_train
@@ -39,10 +40,12 @@ def run(cell: Path) -> int:
     """Trains the cell in ``cell`` from its ``cell.json`` (the attempt's config)."""
     parent = os.environ.get(PARENT_PID)
     die_with_parent(int(parent) if parent else None)
-    with package_log_shown(int(os.environ.get("RANK", "0"))):
+    with exiting_on_failure("train"):  # a launcher's variable that is no number: one line
+        process = ProcessContext.from_environment()
+    with package_log_shown(process.rank):
         with exiting_on_failure("train"):
             record = read_json(cell / CELL_RECORD) or {}
-            settings = TrainConfig.from_dict(record["config"]).resolve()
+            settings = TrainConfig.from_dict(record["config"]).resolve(process)
         return run_train(settings)
 
 

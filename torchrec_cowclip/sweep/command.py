@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any, Dict
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
-from torchrec_cowclip.train.command import (
-    add_train_arguments,
-    config_from_args,
-    train_argv,
-    train_parser,
-)
+from torchrec_cowclip.process_context import ProcessContext
+from torchrec_cowclip.train.command import add_train_arguments, train_argv
+from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.options import declarations
 
 _PER_CELL: Dict[str, str] = {
     "--batch-size": "a sweep sets it per cell: give --batch-sizes, e.g. --batch-sizes 1024,16384",
@@ -35,6 +33,18 @@ _PER_CELL: Dict[str, str] = {
     "--overwrite": "a sweep never deletes a run: remove the cell folders to train them "
     "again, or choose another --out",
 }
+
+#: train's options a sweep lists several values of, one cell per value (a learning-rate
+#: search): field -> the list flag's help. The flag is train's.
+_RATES: Dict[str, str] = {
+    "lr_embed": "the embedding lr, or several: one cell per value, a learning-rate search "
+    "drawn in the same table and plots (e.g. 1e-4,1e-3,1e-2); default: the recipe's",
+    "lr": "the dense lr, or several: one cell per value (with several --lr-embed values, "
+    "every pair); default: the recipe's",
+}
+#: train's options the sweep declares as its own (a directory of cells, threads per
+#: cell), besides the per-cell and the listed ones.
+_OWN = ("out", "threads")
 
 DESCRIPTION = """\
 Train one cell per batch size x recipe x seed (x --lr-embed x --lr where they list several
@@ -69,10 +79,12 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="train a grid of batch sizes x recipes x seeds and plot AUC against batch size",
         description=DESCRIPTION,
         formatter_class=RawDescriptionHelpFormatter,
-        # The sweep replaces a few of train's options (--out, --threads, the per-cell ones).
-        conflict_handler="resolve",
     )
-    add_train_arguments(p, data_required=False)  # not for --report-only; run_command checks
+    train = {option.name: option for option in declarations(TrainConfig)}
+    per_cell = [name for name, option in train.items() if option.flag in _PER_CELL]
+    # --data is not required for --report-only (run_command checks it); the sweep
+    # declares a few of train's options as its own (--out, --threads, the per-cell ones).
+    add_train_arguments(p, data_required=False, leave_out=[*_OWN, *_RATES, *per_cell])
     g = p.add_argument_group("sweep")
     g.add_argument(
         "--batch-sizes",
@@ -87,20 +99,8 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="train's --recipe names, the no-clip baselines sqrt, linear and none included",
     )
     g.add_argument("--seeds", default="0", metavar="S1,S2,...", help="train's --seed values")
-    g.add_argument(
-        "--lr-embed",
-        default=None,
-        metavar="LR1,LR2,...",
-        help="the embedding lr, or several: one cell per value, a learning-rate search drawn "
-        "in the same table and plots (e.g. 1e-4,1e-3,1e-2); default: the recipe's",
-    )
-    g.add_argument(
-        "--lr",
-        default=None,
-        metavar="LR1,LR2,...",
-        help="the dense lr, or several: one cell per value (with several --lr-embed values, "
-        "every pair); default: the recipe's",
-    )
+    for name, text in _RATES.items():
+        g.add_argument(train[name].flag, default=None, metavar="LR1,LR2,...", help=text)
     g.add_argument(
         "--equal",
         choices=("epochs", "steps"),
@@ -235,22 +235,18 @@ def _run(args: argparse.Namespace) -> int:
         raise SweepError("--data is required (but for --report-only)")
     if args.batch_sizes is None:
         raise SweepError("--batch-sizes is required, e.g. --batch-sizes 1024,16384")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if ProcessContext.from_environment().is_distributed:
         raise SweepError(
             "a sweep starts one process per cell: run it as one process, not under torchrun"
         )
     threads = _threads(args)
-    # train's options as train would parse them, then the sweep's values of those options.
-    parser = train_parser()
-    values = vars(parser.parse_args([f"--data={args.data}"]))
-    values.update({k: v for k, v in vars(args).items() if k in values})
+    # The sweep's values of train's options (train's defaults for the rest).
+    train = {option.name: option for option in declarations(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in train}
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
-    rates = {
-        "lr_embed": parse_rates(args.lr_embed, "--lr-embed"),
-        "lr": parse_rates(args.lr, "--lr"),
-    }
+    rates = {name: parse_rates(getattr(args, name), train[name].flag) for name in _RATES}
     values.update({k: v[0] if len(v) == 1 else None for k, v in rates.items()})
-    base = config_from_args(argparse.Namespace(**values))
+    base = TrainConfig.from_dict(values)
     spec = SweepSpec(
         out=out,
         base=base,
@@ -273,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         rates=rates,
     )
     for cell in spec.cells:  # every cell's command is checked before anything is written
-        train_argv(parser, cell.config, CELL_COMMAND)
+        train_argv(None, cell.config, CELL_COMMAND)
     created = not out.exists()
     lock = claim_sweep_dir(spec)
     try:

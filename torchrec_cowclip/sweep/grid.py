@@ -29,8 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.run.folder_layout import jsonable
 from torchrec_cowclip.run.resume_guard import setting_flag, shown_setting
 from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.options import declarations
 from torchrec_cowclip.train.scaling import RECIPES
 
 #: How the cells' training lengths compare: the same ``--epochs`` at every batch size
@@ -221,10 +223,21 @@ def setting_differences(
     recorded: Dict[str, Any], current: Dict[str, Any]
 ) -> List[Tuple[str, str, str]]:
     """``(flag, recorded value, current value)`` for every setting that differs (a
-    setting only one side knows counts as different, with ``none`` on the other)."""
+    setting only one side knows counts as different, with ``none`` on the other, but for
+    an option a record written before it existed lacks: its declared default, the value
+    that sweep ran with).
+
+    Example::
+
+        >>> setting_differences({"epochs": 1}, {"epochs": 1, "time_columns": []})
+        []
+        >>> setting_differences({"epochs": 1}, {"epochs": 2, "batch_size": 2048})
+        [('--epochs', '1', '2'), ('--batch-size', '1024', '2048')]
+    """
+    defaults = {option.name: jsonable(option.default) for option in declarations(TrainConfig)}
     found = []
     for field in list(current) + [f for f in recorded if f not in current]:
-        old, new = recorded.get(field), current.get(field)
+        old, new = recorded.get(field, defaults.get(field)), current.get(field)
         if old != new:
             found.append(
                 (setting_flag(field), shown_setting(field, old), shown_setting(field, new))

@@ -43,8 +43,8 @@ from torchrec_cowclip.failures import EXIT_DIVERGED, EXIT_STOPPED, ConfigError
 from torchrec_cowclip.readback import RefusedFileError
 from torchrec_cowclip.readback import read_json as read_back
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
+from torchrec_cowclip.run.folder_layout import MANIFEST, MODEL_DIR
 from torchrec_cowclip.run.log import write_text_atomically
-from torchrec_cowclip.run.model_folder import MANIFEST, MODEL_DIR
 from torchrec_cowclip.run.out_dir import RunDirLock, has_checkpoint, run_files
 from torchrec_cowclip.sweep.grid import (
     Cell,
@@ -54,7 +54,7 @@ from torchrec_cowclip.sweep.grid import (
     setting_differences,
     shared_settings,
 )
-from torchrec_cowclip.train.command import train_argv, train_parser
+from torchrec_cowclip.train.command import train_argv
 from torchrec_cowclip.train.config import TrainConfig
 
 CELLS_DIR = "cells"
@@ -429,7 +429,7 @@ def _start(spec: SweepSpec, cell: Cell, say: Say) -> _Running:
     threads = _threads_for(spec, cell, record)
     config = replace(cell.config, out=str(d), resume="auto", threads=threads, progress=False)
     # The cell runs from the config; its command is kept for the reader (the same run).
-    argv = train_argv(train_parser(), config, what=CELL_COMMAND)
+    argv = train_argv(None, config, what=CELL_COMMAND)
     attempts = record.setdefault("attempts", [])
     attempts.append(
         {

@@ -19,28 +19,56 @@ Example::
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from torchrec_cowclip.cli_help import REQUIRE_SHA256_HELP
 from torchrec_cowclip.data.settings import DataSettings
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models import MODELS as MODEL_FACTORIES
+from torchrec_cowclip.models.embeddings import EMBEDDING_BACKENDS
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.row_step import compiled_update_mode
 from torchrec_cowclip.optim.rules import OPTIMIZERS
+from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
+from torchrec_cowclip.train.options import (
+    a_directory,
+    declarations,
+    fraction,
+    non_negative,
+    option,
+    positive,
+    positive_sizes,
+    resume_mode,
+    seed_range,
+)
+from torchrec_cowclip.train.processes import SHARDING_CHOICES
 from torchrec_cowclip.train.scaling import RECIPES, ScaledHyperparameters, scale_hyperparameters
 
 #: The CLI's choices, read from the registries they select from.
 MODELS = tuple(MODEL_FACTORIES)
 EMBEDDING_OPTIMIZERS = OPTIMIZERS  # live: a registered update rule is a choice too
 
+#: What each --model is (the names are the factory registry's; a model registered there
+#: without a line here shows its name alone).
+_MODEL_HELP = {
+    "deepfm": "DeepFM",
+    "wdl": "Wide&Deep",
+    "dcn": "DCN (--cross-layers cross layers)",
+    "dcnv2": "DCNv2, the reference's DCN-Mix",
+    "dlrm": "TorchRec's DLRM (dot interaction)",
+    "dlrm_dcn": "TorchRec's DLRM with a DCN interaction",
+}
+_RECIPE = "optimizer and recipe"  # the --help group of the batch, the recipe and its values
+
 
 @dataclass
 class TrainConfig:
-    """Options of ``torchrec-cowclip train`` (see ``--help`` for each).
+    """Options of ``torchrec-cowclip train``, each declared once here: its name, type and
+    default, and in :func:`~torchrec_cowclip.train.options.option` its ``--help`` group and
+    text, flag, choices and check (the parser, the checks, the records and the command
+    lines are derived from these; fields in ``--help``'s order).
 
     ``lr``, ``lr_embed``, ``l2``, ``clip_r``, ``clip_zeta``, ``warmup_epochs`` left as
     None take the values of the scaling recipe ``recipe`` (default ``paper``, the paper's
@@ -53,75 +81,415 @@ class TrainConfig:
         >>> cfg.validate()
     """
 
-    model: str = "deepfm"
-    data: str = "synthetic:200000"
-    # None: a new runs/<YYYYmmdd-HHMMSS> (torchrun: runs/torchrun-<run id>), see run_dir.
-    out: Optional[str] = None
-    test_data: Optional[str] = None
-    batch_size: int = 1024
-    base_batch_size: int = 1024
-    # None: the data kind's default (DATA_DEFAULTS: 1 for the paper's data, more with early
-    # stopping for table:), as are val_fraction and early_stop_patience.
-    epochs: Optional[int] = None
-    lr: Optional[float] = None
-    lr_embed: Optional[float] = None
-    l2: Optional[float] = None
-    clip_r: Optional[float] = None
-    clip_zeta: Optional[float] = None
-    warmup_epochs: Optional[float] = None
-    count_lr_power: Optional[float] = None
-    recipe: str = "paper"
-    cowclip: bool = True
-    embedding_backend: str = "cowclip"
-    embedding_optimizer: str = "adam"
-    embedding_dtype: str = "fp32"
-    embedding_dim: int = 10
-    hidden: Tuple[int, ...] = (400, 400, 400)
-    cross_layers: int = 3
-    init_std: float = 1e-2
-    seed: int = 0
-    test_fraction: float = 0.1
-    val_fraction: Optional[float] = None
-    early_stop_patience: Optional[int] = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    # False, True (--resume) or "auto" (--resume auto: resume if there is a checkpoint).
-    resume: Union[bool, str] = False
-    overwrite: bool = False
-    max_steps: int = 0
-    eval_batch_size: int = 65536
-    cache_dir: str = "data_cache"
-    on_bad_row: str = "error"
-    hash_size: Optional[int] = None
-    min_count: int = 1
+    # --- data ---------------------------------------------------------------------------
+    data: str = option(
+        "synthetic:200000",
+        group="data",
+        required=True,
+        inherited=False,
+        help="training data, KIND:ARG: table:PATH[,PATH...] (your own CSV/TSV/delimited text "
+        "or parquet, with --label/--dense/--sparse), criteo:PATH[,PATH...] (raw Criteo: "
+        "Kaggle train.txt or 1TB day_N), criteo-npy:DIR (TorchRec's preprocessed "
+        "day_N_{dense,sparse,labels}.npy), avazu:PATH, synthetic:ROWS (built-in Criteo-like "
+        "data), synthetic-hard:ROWS (the same, harder). Converted once into --cache-dir; "
+        "required",
+    )
+    test_data: Optional[str] = option(
+        None,
+        group="data",
+        inherited=False,
+        help="explicit test files (the same kind as --data); default: a random "
+        "--test-fraction of --data's rows",
+    )
+    test_fraction: float = option(
+        0.1,
+        group="data",
+        check=fraction,
+        help="share of --data's rows drawn at random (seeded by --seed) as the test split",
+    )
+    # None: the data kind's default (DATA_DEFAULTS), as are epochs and early_stop_patience.
+    val_fraction: Optional[float] = option(
+        None,
+        group="data",
+        check=fraction,
+        help="share of the training rows held out for validation (early stopping, "
+        "best_epoch); 0: no validation split (default: 0.1 for table:, 0 for the paper's data)",
+    )
+    label: Optional[str] = option(
+        None, group="data", help="table: the label column (0/1); default: none"
+    )
+    dense: List[str] = option(
+        factory=list,
+        group="data",
+        help="table:, avazu: numeric columns (names stripped: 'price, age' is price and "
+        "age); default: none",
+    )
+    sparse: List[str] = option(
+        factory=list,
+        group="data",
+        help="table:, avazu: categorical columns, each its own embedding table; default: "
+        "none for table: (give them), every column but id and the label for avazu:",
+    )
+    delimiter: Optional[str] = option(
+        None,
+        group="data",
+        help="field separator of text files: one character, or tab, comma, semicolon, "
+        "pipe, space; default: from the extension (.csv comma, .tsv/.txt tab)",
+    )
+    no_header: bool = option(
+        False,
+        group="data",
+        help="table: the files have no header line; their columns are --columns, or "
+        "their positions 0, 1, ... (default: the first line names the columns)",
+    )
+    columns: List[str] = option(
+        factory=list,
+        group="data",
+        help="table: the columns of header-less files, in order (implies --no-header, "
+        "as pandas' names=); default: none",
+    )
+    na_values: List[str] = option(
+        factory=list,
+        group="data",
+        help="table: texts that mean a missing value in the dense and categorical columns "
+        "besides an empty field, as pandas' na_values= (e.g. N/A,NA,-): a dense one becomes "
+        "0 after the transform (with --missing-indicator, flagged), a categorical one the "
+        "missing id; default: none",
+    )
+    time_columns: List[str] = option(
+        factory=list,
+        group="data",
+        help="table: timestamp columns (Unix seconds or milliseconds, an ISO 8601 date-time, a "
+        "parquet timestamp), each entering the model as two categorical features, its hour "
+        "of day (NAME_hour) and day of week (NAME_weekday, 0 Monday), in UTC: the cycles a "
+        "click log's time drives, not a trend that new days sit outside of; default: none",
+    )
     # None: the data kind's default (log for the Criteo layouts, signed-log for tables).
-    dense_transform: Optional[str] = None
-    missing_indicator: bool = False
-    label: Optional[str] = None
-    dense: List[str] = field(default_factory=list)
-    sparse: List[str] = field(default_factory=list)
-    delimiter: Optional[str] = None
-    no_header: bool = False
-    columns: List[str] = field(default_factory=list)
-    na_values: List[str] = field(default_factory=list)
-    time_columns: List[str] = field(default_factory=list)
-    synthetic_scale: Optional[float] = None
-    synthetic_max_cardinality: Optional[int] = None
-    synthetic_seed: Optional[int] = None
-    device: str = "auto"
-    threads: int = 0
-    progress: bool = True
-    log_every: int = 20
-    row_clip_stats: bool = False
-    helen_rho: Optional[float] = None
-    helen_bound: Optional[float] = None
-    helen_perturb_dense: bool = False
-    sharding: str = "auto"
-    dist_timeout_s: float = 300.0
+    dense_transform: Optional[str] = option(
+        None,
+        group="data",
+        metavar="SPEC",
+        help="how dense columns enter the model: one transform for all (log, signed-log, "
+        "standardize, minmax, none), per column (price=log,score=standardize) or both "
+        "(standardize,price=log). log: log(1 + x), a negative x set to 0 and counted; "
+        "signed-log: sign(x) log(1 + |x|); standardize: (x - mean) / std; minmax: "
+        "(x - min) / (max - min); statistics of the training split only. A missing value "
+        "becomes 0 after the transform (the mean under standardize); default: per kind: log "
+        "for criteo:, criteo-npy: (as stored) and synthetic: (Criteo's convention: missing "
+        "and negative counts 0, counted and reported), signed-log for table: and avazu:",
+    )
+    missing_indicator: bool = option(
+        False,
+        group="data",
+        help="criteo:, avazu:, table: add a 0/1 input per dense column with missing values "
+        "in the training split (scikit-learn's add_indicator)",
+    )
+    on_bad_row: str = option(
+        "error",
+        group="data",
+        choices=("error", "skip"),
+        inherited=False,
+        help="a malformed row: error stops at file:line with the reason; skip drops it and "
+        "counts it per reason (metrics.json: dataset.bad_rows_skipped)",
+    )
+    hash_size: Optional[int] = option(
+        None,
+        group="data",
+        help="hash categorical values into this many ids per feature; default: an exact "
+        "vocabulary of the training files",
+    )
+    min_count: int = option(
+        1,
+        group="data",
+        help="vocabulary: values seen fewer times share one out-of-vocabulary id",
+    )
+    synthetic_scale: Optional[float] = option(
+        None,
+        group="data",
+        help="synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
+    )
+    synthetic_max_cardinality: Optional[int] = option(
+        None,
+        group="data",
+        help="synthetic: cap every table at this many rows (default: 1,000,000)",
+    )
+    synthetic_seed: Optional[int] = option(
+        None,
+        group="data",
+        check=seed_range,
+        inherited=False,
+        help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
+    )
+    cache_dir: str = option(
+        "data_cache",
+        group="data",
+        inherited=False,
+        help="where converted data (a verified binary cache) is kept and reused",
+    )
+    # --- model ---------------------------------------------------------------------------
+    model: str = option(
+        "deepfm",
+        group="model",
+        choices=MODELS,
+        help="; ".join(f"{name}: {_MODEL_HELP.get(name, name)}" for name in MODELS),
+    )
+    embedding_dim: int = option(10, group="model", check=positive, help="embedding size D")
+    cross_layers: int = option(
+        3, group="model", check=positive, help="dcn, dcnv2, dlrm_dcn: cross layers"
+    )
+    init_std: float = option(
+        1e-2, group="model", check=non_negative, help="embedding init N(0, std^2)"
+    )
+    hidden: Tuple[int, ...] = option(
+        (400, 400, 400), group="model", check=positive_sizes, help="DNN layer sizes"
+    )
+    embedding_backend: str = option(
+        "cowclip",
+        group="model",
+        choices=EMBEDDING_BACKENDS,
+        help="cowclip: the fused CowClip tables; torchrec: stock EmbeddingBagCollection + "
+        "torch.optim.Adam, for comparison (needs --no-cowclip)",
+    )
+    embedding_dtype: str = option(
+        "fp32",
+        group="model",
+        choices=("fp32", "fp16", "bf16"),
+        help="storage of the table weights: fp16/bf16 halve their bytes (updated in float32 "
+        "with stochastic rounding; optimizer state stays float32)",
+    )
+    # --- optimizer and recipe ---------------------------------------------------------------
+    batch_size: int = option(1024, group=_RECIPE, check=positive, help="global training batch")
+    base_batch_size: int = option(
+        1024,
+        group=_RECIPE,
+        check=positive,
+        help="the batch the recipe's base values are for (s = batch / base)",
+    )
+    recipe: str = option(
+        "paper",
+        group=_RECIPE,
+        choices=tuple(RECIPES),
+        help="how every value below scales with s; "
+        + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values()),
+    )
+    # lr ... helen_bound left None take the recipe's value at this batch.
+    lr: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        check=non_negative,
+        help="dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
+    )
+    lr_embed: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        check=non_negative,
+        help="embedding lr (default: 3e-3 for table:; else the recipe's, paper: 1e-4, not scaled)",
+    )
+    l2: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        check=non_negative,
+        help="embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
+    )
+    clip_r: Optional[float] = option(
+        None, group=_RECIPE, check=positive, help="CowClip's ratio r (default: the recipe's, 1)"
+    )
+    clip_zeta: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        check=non_negative,
+        help="CowClip's lower bound zeta (default: r^2 * sqrt(dim) * bound, bound 1e-5 "
+        "Criteo-like, 1e-4 Avazu)",
+    )
+    warmup_epochs: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        check=non_negative,
+        help="linear warm-up of the dense lr, in epochs (default: the recipe's; paper: 1)",
+    )
+    count_lr_power: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        help="per-id-frequency embedding lr: a row seen c times in the batch steps with "
+        "lr * min(c, s) ** POWER (not in the paper; default: the recipe's, paper: 0 = off; "
+        "docs/scaling.md)",
+    )
+    # Helen checks its own values (optim.options.Helen), naming the flag.
+    helen_rho: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        finite=False,
+        help="train the tables with Helen (frequency-wise sharpness-aware minimisation, two "
+        "passes per step) with this perturbation radius at this batch (reference: 0.05); "
+        "default: the recipe's (off but for recipes with Helen; docs/algorithm.md)",
+    )
+    helen_bound: Optional[float] = option(
+        None,
+        group=_RECIPE,
+        finite=False,
+        help="Helen's lower bound on a row's frequency share n_j / max n (default: the "
+        "recipe's, 0.3)",
+    )
+    cowclip: bool = option(
+        True,
+        group=_RECIPE,
+        flag="--no-cowclip",
+        help="train the same fused tables without clipping (a lazy optimizer); default: "
+        "CowClip clips",
+    )
+    embedding_optimizer: str = option(
+        "adam",
+        group=_RECIPE,
+        choices=EMBEDDING_OPTIMIZERS,
+        help="the tables' optimizer (the paper's: adam)",
+    )
+    helen_perturb_dense: bool = option(
+        False,
+        group=_RECIPE,
+        help="Helen also perturbs the dense parameters (SAM with their global gradient "
+        "norm); default: they step with the first pass's gradient",
+    )
+    # --- run ---------------------------------------------------------------------------------
+    # None: a new runs/<YYYYmmdd-HHMMSS> (torchrun: runs/torchrun-<run id>), see run_dir.
+    out: Optional[str] = option(
+        None,
+        group="run",
+        inherited=False,
+        help="run directory (metrics.json, steps.csv, epochs.csv, tb/, checkpoints/); an "
+        "existing run there is refused without --resume or --overwrite; default: a new "
+        "runs/<YYYYmmdd-HHMMSS> (under torchrun: runs/torchrun-<run id>)",
+    )
+    overwrite: bool = option(
+        False,
+        group="run",
+        inherited=False,
+        help="delete the previous run's files in --out first",
+    )
+    # False, True (--resume) or "auto" (--resume auto: resume if there is a checkpoint).
+    resume: Union[bool, str] = option(
+        False,
+        group="run",
+        metavar="auto",
+        check=resume_mode,
+        inherited=False,
+        help="continue from the newest intact checkpoint in --out (any number of "
+        "processes); refused if a setting that changes the result differs from the "
+        "checkpoint's. 'auto': the same if there is a checkpoint, else start anew (for "
+        "torchrun --max-restarts and schedulers' retries); default: a new run",
+    )
+    epochs: Optional[int] = option(
+        None,
+        group="run",
+        check=positive,
+        help="passes over the training split (default: 10 for table:, stopped early on the "
+        "validation AUC; 1 for the paper's data)",
+    )
+    max_steps: int = option(
+        0,
+        group="run",
+        check=non_negative,
+        help="stop after this many steps (0: no limit)",
+    )
+    seed: int = option(
+        0,
+        group="run",
+        check=seed_range,
+        help="initial weights, batch order and the random splits, for every data kind "
+        "(synthetic data is also drawn with it unless --synthetic-seed is given)",
+    )
+    early_stop_patience: Optional[int] = option(
+        None,
+        group="run",
+        check=non_negative,
+        help="stop after this many epochs without a better validation AUC and keep the "
+        "best epoch's weights (needs --val-fraction; 0: off; default: 2 for table:, 0 for "
+        "the paper's data)",
+    )
+    checkpoint_every: int = option(
+        0,
+        group="run",
+        check=non_negative,
+        help="checkpoint every this many steps (0: at epoch ends only)",
+    )
+    eval_batch_size: int = option(
+        65536, group="run", check=positive, help="rows per evaluation batch"
+    )
+    threads: int = option(
+        0,
+        group="run",
+        check=non_negative,
+        inherited=False,
+        help="torch intra-op threads (0: torch's choice)",
+    )
+    log_every: int = option(
+        20,
+        group="run",
+        check=positive,
+        help="write a steps.csv row (and TensorBoard scalars) every this many steps",
+    )
+    keep_checkpoints: int = option(
+        2,
+        group="run",
+        check=positive,
+        metavar="K",
+        help="keep the last K complete checkpoints (a damaged newest one falls back to "
+        "the one before)",
+    )
+    device: str = option(
+        "auto",
+        group="run",
+        inherited=False,
+        help="auto (CUDA if there is one, else CPU), cpu or cuda[:N]",
+    )
+    progress: bool = option(
+        True,
+        group="run",
+        flag="--no-progress",
+        inherited=False,
+        help="no progress bars (the epoch lines stay); default: progress bars on stderr",
+    )
+    row_clip_stats: bool = option(
+        False,
+        group="run",
+        help="count clipped updates per embedding row and report the clip rate by id "
+        "frequency in the training split (metrics.json: clip_by_frequency; one process)",
+    )
     # Warm start (train.warm_start): the weights and encoders of a finished run's folder.
-    init_from: Optional[str] = None
-    init_optimizer_state: bool = False
-    require_sha256: bool = False
+    init_from: Optional[str] = option(
+        None,
+        group="run",
+        metavar="RUN",
+        check=a_directory,
+        inherited=False,
+        help="warm start from RUN's model (a finished run's --out): its weights and "
+        "encoders, its vocabularies grown by the new ids; the flags not given take RUN's "
+        "values (docs/serving.md, Warm start); default: none (a new model)",
+    )
+    init_optimizer_state: bool = option(
+        False,
+        group="run",
+        inherited=False,
+        help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
+    )
+    require_sha256: bool = option(
+        False, group="run", help="with --init-from: " + REQUIRE_SHA256_HELP
+    )
+    # --- distributed ---------------------------------------------------------------------------
+    sharding: str = option(
+        "auto",
+        group="distributed",
+        choices=SHARDING_CHOICES,
+        help="how the embedding tables are sharded (auto: TorchRec's planner chooses per "
+        "table); refused on one process",
+    )
+    dist_timeout_s: float = option(
+        300.0,
+        group="distributed",
+        flag="--dist-timeout",
+        check=positive,
+        inherited=False,
+        help="seconds any collective may wait (a dead rank fails the job after this)",
+    )
 
     def with_data_defaults(self) -> Tuple["TrainConfig", Optional[str]]:
         """This config with the options left None that depend on the data kind filled in
@@ -154,14 +522,23 @@ class TrainConfig:
             "weights (README: your first model on your own data)"
         )
 
-    def validate(self) -> None:
+    def validate(self, process: Optional[ProcessContext] = None) -> None:
         """Raises :class:`ConfigError` naming the first bad option (the data kind's
-        defaults filled in first: :meth:`with_data_defaults`)."""
+        defaults filled in first: :meth:`with_data_defaults`); ``process``: the launch
+        the run is checked against (default: this process's,
+        :meth:`ProcessContext.from_environment`)."""
         if self.epochs is None or self.val_fraction is None or self.early_stop_patience is None:
-            self.with_data_defaults()[0].validate()
+            self.with_data_defaults()[0].validate(process)
             return
-        if self.model not in MODELS:
-            raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        for declared in declarations(TrainConfig):  # each option's own check
+            declared.check(getattr(self, declared.name))
+        self._check_combinations()
+        self._validate_data()
+        self._validate_placement(process or ProcessContext.from_environment())
+
+    def _check_combinations(self) -> None:
+        """The rules between options (each option's own values are its declaration's to
+        check), in one place."""
         if self.count_lr_power and self.embedding_backend != "cowclip":
             raise ConfigError(
                 "--count-lr-power sets the fused update's per-row lr: use "
@@ -173,37 +550,6 @@ class TrainConfig:
                 "--embedding-backend cowclip"
             )
         self._validate_helen()
-        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
-            raise ConfigError(
-                f"--embedding-optimizer must be one of {', '.join(EMBEDDING_OPTIMIZERS)}, "
-                f"got {self.embedding_optimizer!r}"
-            )
-        positive = {
-            "--batch-size": self.batch_size,
-            "--base-batch-size": self.base_batch_size,
-            "--epochs": self.epochs,
-            "--embedding-dim": self.embedding_dim,
-            "--eval-batch-size": self.eval_batch_size,
-            "--keep-checkpoints": self.keep_checkpoints,
-            "--log-every": self.log_every,
-            "--cross-layers": self.cross_layers,
-        }
-        for flag, count in positive.items():
-            if count <= 0:
-                raise ConfigError(f"{flag} must be > 0, got {count}")
-        non_negative = {
-            "--early-stop-patience": self.early_stop_patience,
-            "--checkpoint-every": self.checkpoint_every,
-            "--max-steps": self.max_steps,
-            "--init-std": self.init_std,
-            "--threads": self.threads,
-        }
-        for flag, value in non_negative.items():
-            if value < 0:
-                raise ConfigError(f"{flag} must be >= 0, got {value}")
-        self._validate_numbers()
-        if self.recipe not in RECIPES:
-            raise ConfigError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         unclipped = "--no-cowclip" if not self.cowclip else None
         if not RECIPES[self.recipe].cowclip:
             unclipped = f"--recipe {self.recipe} (no clip)"
@@ -211,55 +557,24 @@ class TrainConfig:
             for flag, clip in (("--clip-r", self.clip_r), ("--clip-zeta", self.clip_zeta)):
                 if clip is not None:
                     raise ConfigError(f"{flag} {clip:g} has no effect with {unclipped}: drop one")
-        if self.resume not in (False, True, "auto"):
-            raise ConfigError(f"--resume takes no value or 'auto', got {self.resume!r}")
         if self.init_optimizer_state and not self.init_from:
             raise ConfigError("--init-optimizer-state carries --init-from's optimizer: give both")
         if self.require_sha256 and not self.init_from:
             raise ConfigError("--require-sha256 applies to --init-from's run folder: give both")
-        if self.init_from is not None and not str(self.init_from).strip():
-            raise ConfigError("--init-from needs a run directory, got an empty one")
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in --out, --overwrite deletes it: give one"
             )
-        for flag, seed in (("--seed", self.seed), ("--synthetic-seed", self.synthetic_seed)):
-            if seed is not None and not 0 <= seed < 2**32:
-                raise ConfigError(f"{flag} must be in [0, 2**32), got {seed}")
-        if not 0.0 <= self.test_fraction < 1.0:
-            raise ConfigError(f"--test-fraction must be in [0, 1), got {self.test_fraction}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.early_stop_patience and self.val_fraction <= 0.0:
+        if self.early_stop_patience and not self.val_fraction:
             raise ConfigError("--early-stop-patience needs a validation split: set --val-fraction")
         if self.test_data is None and self.test_fraction <= 0.0:
             raise ConfigError("no test set: give --test-data or a --test-fraction > 0")
-        if self.embedding_backend not in ("cowclip", "torchrec"):
-            raise ConfigError(
-                f"--embedding-backend must be cowclip or torchrec, got {self.embedding_backend!r}"
-            )
         if self.embedding_backend == "torchrec" and self.cowclip and RECIPES[self.recipe].cowclip:
             raise ConfigError("--embedding-backend torchrec has no CowClip: add --no-cowclip")
-        if self.embedding_dtype not in ("fp32", "fp16", "bf16"):
-            raise ConfigError(
-                f"--embedding-dtype must be fp32, fp16 or bf16, got {self.embedding_dtype!r}"
-            )
         if self.embedding_dtype != "fp32" and self.embedding_backend != "cowclip":
             raise ConfigError(
                 f"--embedding-dtype {self.embedding_dtype} needs --embedding-backend cowclip"
             )
-        self._validate_data()
-        from torchrec_cowclip.train.processes import SHARDING_CHOICES
-
-        if self.sharding not in SHARDING_CHOICES:
-            raise ConfigError(
-                f"--sharding must be one of {', '.join(SHARDING_CHOICES)}, got {self.sharding!r}"
-            )
-        if self.dist_timeout_s <= 0:
-            raise ConfigError(f"--dist-timeout must be > 0, got {self.dist_timeout_s}")
-        if any(h <= 0 for h in self.hidden):
-            raise ConfigError(f"--hidden sizes must be > 0, got {list(self.hidden)}")
-        self._validate_placement()
 
     def _validate_data(self) -> None:
         """``--data``, ``--test-data`` and every data option against the data kind, before
@@ -315,38 +630,6 @@ class TrainConfig:
 
         return source_kind(parse_spec(self.data)[0])
 
-    def _validate_numbers(self) -> None:
-        # NaN passes every ordered comparison's negation and inf every lower bound, so
-        # finiteness is checked first, for every float option.
-        floats = {
-            "--lr": self.lr,
-            "--lr-embed": self.lr_embed,
-            "--l2": self.l2,
-            "--clip-r": self.clip_r,
-            "--clip-zeta": self.clip_zeta,
-            "--warmup-epochs": self.warmup_epochs,
-            "--count-lr-power": self.count_lr_power,
-            "--init-std": self.init_std,
-            "--test-fraction": self.test_fraction,
-            "--val-fraction": self.val_fraction,
-            "--synthetic-scale": self.synthetic_scale,
-            "--dist-timeout": self.dist_timeout_s,
-        }
-        for flag, value in floats.items():
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"{flag} must be a finite number, got {value}")
-        for flag, value in {
-            "--lr": self.lr,
-            "--lr-embed": self.lr_embed,
-            "--l2": self.l2,
-            "--clip-zeta": self.clip_zeta,
-            "--warmup-epochs": self.warmup_epochs,
-        }.items():
-            if value is not None and value < 0:
-                raise ConfigError(f"{flag} must be >= 0, got {value}")
-        if self.clip_r is not None and self.clip_r <= 0:
-            raise ConfigError(f"--clip-r must be > 0, got {self.clip_r}")
-
     def _validate_helen(self) -> None:
         recipe = RECIPES.get(self.recipe)
         if self.helen_rho is None and (recipe is None or recipe.helen_rho is None):
@@ -372,14 +655,14 @@ class TrainConfig:
             flag = "--helen-rho" if "rho" in str(e) else "--helen-bound"
             raise ConfigError(f"{flag}: {e}") from None
 
-    def _validate_placement(self) -> None:
+    def _validate_placement(self, process: ProcessContext) -> None:
         """Options that depend on the machine and the launcher: the device must exist,
-        ``--sharding`` needs more than one process (``WORLD_SIZE``, set by torchrun), and
+        ``--sharding`` needs more than one process (``process``, named by torchrun), and
         several processes need a ``--batch-size`` they can share and the CowClip tables."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = process.world_size
         # Without --out a torchrun job's directory is named by its run id (the same for
         # every rank and restart); anything else gets a new one (run/out_dir.py).
-        elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        elastic = bool(process.run_id)
         if self.out is None and self.resume and not elastic:
             raise ConfigError(
                 "--resume continues the run in --out: give --out (the default, a new "
@@ -543,19 +826,23 @@ class TrainConfig:
             values["hidden"] = tuple(values["hidden"])
         return cls(**values)
 
-    def resolve(self) -> "TrainSettings":
+    def resolve(self, process: Optional[ProcessContext] = None) -> "TrainSettings":
         """The options, validated (:meth:`validate`), resolved once into what each part of
         a run consumes (see the module docstring); the scaling recipe is applied here.
+        ``process``: the launch the run is part of (default: read now from this process's
+        environment, :meth:`ProcessContext.from_environment`), handed down with the
+        settings.
 
         Raises:
             ConfigError: naming the first bad option.
         """
-        self.validate()
+        process = process or ProcessContext.from_environment()
+        self.validate(process)
         compiled_update_mode()  # the environment's kernel mode, refused by name before any state
         config, said = self.with_data_defaults()
-        return config._resolved(said)
+        return config._resolved(said, process)
 
-    def _resolved(self, defaults_line: Optional[str]) -> "TrainSettings":
+    def _resolved(self, defaults_line: Optional[str], process: ProcessContext) -> "TrainSettings":
         hp = self.hyperparameters()
         clipped = self.cowclip and hp.cowclip
         embedding = CowClipOptions(
@@ -576,6 +863,7 @@ class TrainConfig:
             hp=hp,
             record=self.as_dict(),
             defaults_line=defaults_line,
+            process=process,
         )
 
 
@@ -590,13 +878,7 @@ DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
 
 
 def _shown_defaults(chosen: Mapping[str, Any]) -> str:
-    flags = {
-        "epochs": "--epochs",
-        "val_fraction": "--val-fraction",
-        "early_stop_patience": "--early-stop-patience",
-        "lr_embed": "--lr-embed",
-        "l2": "--l2",
-    }
+    flags = {option.name: option.flag for option in declarations(TrainConfig)}
     return " ".join(f"{flags[k]} {v:g}" for k, v in chosen.items())
 
 
@@ -664,6 +946,8 @@ class TrainSettings:
             ``model.json``'s config, each checkpoint's config), the data kind's defaults
             filled in.
         defaults_line: which options the data kind chose and why (the start summary's).
+        process: the launch the run is part of (rank, world size, local ranks), resolved
+            once with the options.
     """
 
     data: DataSettings
@@ -673,6 +957,7 @@ class TrainSettings:
     hp: ScaledHyperparameters
     record: Dict[str, Any]
     defaults_line: Optional[str] = None
+    process: ProcessContext = ONE_PROCESS
 
     def record_settings(self) -> Dict[str, Any]:
         """The options with every recipe default resolved (``--lr 8e-4`` and the recipe's

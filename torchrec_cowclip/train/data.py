@@ -41,6 +41,7 @@ from torchrec_cowclip.data.settings import DataSettings
 from torchrec_cowclip.embedding.table_batch import storage_bytes
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.models.embeddings import embedding_table_name
+from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
 
 _GIB = float(1 << 30)
 
@@ -53,13 +54,11 @@ def table_bytes(rows: int, dim: int, optimizer: str) -> int:
     return weights + state
 
 
-def machine_memory_bytes() -> int:
-    """Physical memory of this machine times the number of machines of the run (torchrun
-    sets ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) or world
-    nodes = max(world // max(local, 1), 1)
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES")) * nodes
+def machine_memory_bytes(process: ProcessContext = ONE_PROCESS) -> int:
+    """Physical memory of this machine times the number of machines of the run
+    (``process``: its world and local world sizes)."""
+    pages = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    return pages * process.nodes
 
 
 def check_tables_fit(
@@ -171,7 +170,7 @@ def open_training_data(
     embedding_dim: int,
     optimizer: str,
     warm: Any = None,
-    world_size: int = 1,
+    process: ProcessContext = ONE_PROCESS,
 ) -> TrainingData:
     """Opens ``data`` (a warm start's ``warm``: with RUN's encoders, checked against RUN,
     RUN's dense plan kept), splits it and refuses, in one line, a one-class training split,
@@ -185,7 +184,9 @@ def open_training_data(
         dataset.labels, {"train": train_idx, "validation": val_idx, "test": test_idx}
     )
     check_training_labels(data, rates["train"], len(train_idx))
-    check_split_sizes(data, batch_size, len(train_idx), len(val_idx), len(test_idx), world_size)
+    check_split_sizes(
+        data, batch_size, len(train_idx), len(val_idx), len(test_idx), process.world_size
+    )
     started = time.perf_counter()
     plan = (
         dataset.fit_dense_plan(train_idx)  # the training split's statistics
@@ -199,6 +200,7 @@ def open_training_data(
         schema.cardinalities,
         embedding_dim,
         optimizer,
+        machine_memory_bytes(process),
         # The options list every option the kind takes: hashing fixes raw ids, else a cap.
         fix="--hash-size" if "hash_size" in data.options else "--synthetic-max-cardinality",
     )

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchrec_cowclip import compat
+from torchrec_cowclip.process_context import ProcessContext
 
 if TYPE_CHECKING:
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -42,23 +42,26 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    # The processes torchrun started on this machine (None: all of them, one machine).
+    local_world_size: Optional[int] = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext]:
-    """Initialises the default process group when launched by torchrun/torchx.
+def init_distributed(
+    process: ProcessContext, device_flag: str, timeout_s: float
+) -> Optional[DistContext]:
+    """Initialises the default process group when ``process`` was launched by
+    torchrun/torchx as one of several.
 
     Returns None for a plain single-process run. ``timeout_s`` bounds every collective,
     so a rank that dies makes the others fail with an error instead of hanging.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    if not process.is_distributed:
         return None
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world_size, local_rank = process.rank, process.world_size, process.local_rank
     use_cuda = torch.cuda.is_available() and device_flag in ("auto", "cuda")
     if use_cuda:
         device = torch.device(f"cuda:{local_rank}")
@@ -69,7 +72,7 @@ def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext
         # So that shutdown_distributed ends the group and its threads (compat says why).
         compat.import_modules_holding_the_default_group()
         backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        attempt = process.restart_count
         if attempt is None:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
@@ -87,7 +90,7 @@ def init_distributed(device_flag: str, timeout_s: float) -> Optional[DistContext
                 world_size=world_size,
                 timeout=timeout,
             )
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistContext(rank, world_size, local_rank, device, process.local_world_size)
 
 
 def shutdown_distributed() -> None:
@@ -172,7 +175,7 @@ def shard_model(
 
     The planner is ``torchrec-cowclip plan``'s (:func:`~torchrec_cowclip.distributed.planning.make_planner`)
     with the job's own inputs: its world size, the processes per host torchrun started
-    (``LOCAL_WORLD_SIZE``), the GPU's memory (TorchRec's default DDR on CPU) and the
+    (``ctx.local_world_size``), the GPU's memory (TorchRec's default DDR on CPU) and the
     per-rank batch, so the plan that ``plan`` printed for them is the one made here."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -182,7 +185,7 @@ def shard_model(
     hbm = None
     if ctx.device.type == "cuda":
         hbm = int(torch.cuda.get_device_properties(ctx.device).total_memory)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
+    local = ctx.local_world_size or ctx.world_size
     topology = planner_topology(ctx.world_size, ctx.device.type, local, hbm_bytes=hbm)
     planner = make_planner(
         topology, batch_size // ctx.world_size, sharding_constraints(table_names, sharding)

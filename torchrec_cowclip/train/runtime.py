@@ -423,7 +423,7 @@ class ShardedRuntime(Runtime):
 def make_runtime(settings: TrainSettings, dataset: Any, train_idx: np.ndarray) -> Runtime:
     """A :class:`ShardedRuntime` under a multi-process launcher, else a :class:`LocalRuntime`."""
     run = settings.run
-    ctx = init_distributed(run.device, run.dist_timeout_s)
+    ctx = init_distributed(settings.process, run.device, run.dist_timeout_s)
     inputs = RuntimeInputs(settings.model, settings.optimizers, run, dataset, train_idx)
     if ctx is not None:
         return ShardedRuntime(inputs, ctx)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -34,13 +33,13 @@ import torch
 
 from torchrec_cowclip import notices
 from torchrec_cowclip.data.pipeline.cache import sources_seen
-from torchrec_cowclip.run.log import RunLog, write_text_atomically
-from torchrec_cowclip.run.model_folder import (
+from torchrec_cowclip.run.folder_writer import (
     RunFolderWriter,
     describe_data,
     describe_model,
     encoder_writer,
 )
+from torchrec_cowclip.run.log import RunLog, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
@@ -92,15 +91,15 @@ class Trainer:
 
     def __init__(self, settings: TrainSettings) -> None:
         notices.install()
-        # Rank 0 (the environment names it before the process group exists) holds the
+        # Rank 0 (the launcher names it before the process group exists) holds the
         # output directory's lock for the run's life.
-        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        self.is_main = settings.process.is_main
         # --init-from: RUN verified and the command checked against it before --out is
         # created or claimed.
         self.warm = WarmStart.open(settings) if settings.run.init_from else None
         created = None
         if settings.run.out is None:  # a new directory, never one that holds a run
-            created = new_run_dir()
+            created = new_run_dir(process=settings.process)
             settings = settings.writing_to(str(created))
         self.settings = settings
         run = settings.run
@@ -127,7 +126,7 @@ class Trainer:
                 settings.model.embedding_dim,
                 settings.optimizers.embedding.optimizer,
                 warm=self.warm,
-                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                process=settings.process,
             )
         self.dataset = self.data.dataset
         self.train_idx, self.val_idx, self.test_idx = (

@@ -68,9 +68,11 @@ from torchrec_cowclip.data.pipeline.run_encoders import (
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
-from torchrec_cowclip.run.model_folder import RunFolder, jsonable
+from torchrec_cowclip.run.folder_layout import jsonable
+from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchrec_cowclip.train.config import TrainConfig, TrainSettings
+from torchrec_cowclip.train.options import declarations
 
 #: TrainConfig fields that make the model: a warm start must have RUN's.
 ARCHITECTURE = (
@@ -92,26 +94,11 @@ _OPTION_FIELDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
 }
 #: Data options a warm start does not take from RUN (the new files' own).
 _NOT_INHERITED = frozenset({"on_bad_row", "seed"})
-#: TrainConfig fields a warm start never takes from RUN: the new data, where this run
-#: writes and resumes, the warm start itself, and this machine's resources.
+#: TrainConfig fields a warm start never takes from RUN (declared ``inherited=False``):
+#: the new data, where this run writes and resumes, the warm start itself, and this
+#: machine's resources.
 NOT_INHERITED_SETTINGS = frozenset(
-    {
-        "data",
-        "test_data",
-        "out",
-        "resume",
-        "overwrite",
-        "init_from",
-        "init_optimizer_state",
-        "require_sha256",
-        "cache_dir",
-        "device",
-        "threads",
-        "progress",
-        "dist_timeout_s",
-        "synthetic_seed",
-        "on_bad_row",
-    }
+    option.name for option in declarations(TrainConfig) if not option.option.inherited
 )
 #: The prefix of the model's keys in the trainer's state (its ``CTRTrainTask``).
 TASK_PREFIX = "model."
@@ -139,7 +126,7 @@ def warm_start_defaults(path: Union[str, Path]) -> Dict[str, Any]:
     the bad-row policy and the generator's seed."""
     run = RunFolder.open(path, verify=False)  # the trainer verifies it before any use
     config, data = run.config, run.data_info
-    own = {f.name for f in fields(TrainConfig)}
+    own = {option.name for option in declarations(TrainConfig)}
     defaults = {
         name: value
         for name, value in config.items()
@@ -171,11 +158,17 @@ def inherited_line(path: Union[str, Path], inherited: Mapping[str, Any]) -> Opti
 
         >>> inherited_line("runs/day1", {"batch_size": 2048, "hidden": [32, 16]})
         'from --init-from runs/day1 (flags not given): --batch-size 2048, --hidden 32,16'
+        >>> inherited_line("runs/day1", {"cowclip": False})
+        'from --init-from runs/day1 (flags not given): --no-cowclip'
     """
     if not inherited:
         return None
+    options = {option.name: option for option in declarations(TrainConfig)}
     shown = ", ".join(
-        f"--{name.replace('_', '-')} {_shown(value)}" for name, value in inherited.items()
+        options[name].flag
+        if options[name].form in ("switch", "off")
+        else f"{options[name].flag} {_shown(value)}"
+        for name, value in inherited.items()
     )
     return f"from --init-from {path} (flags not given): {shown}"
 

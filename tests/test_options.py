@@ -1,0 +1,156 @@
+"""Each training option is declared once (a field of ``TrainConfig`` made by
+``train.options.option``); the parser, ``--help``, the checks, the command a config is
+written as and what a warm start names are derived from the declarations."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from torchrec_cowclip.cli import build_parser
+from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.train.command import (
+    config_from_args,
+    given_options,
+    group_options,
+    train_argv,
+    train_flags,
+    train_parser,
+)
+from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.options import GROUPS, declarations, without_none
+from torchrec_cowclip.train.warm_start import NOT_INHERITED_SETTINGS, inherited_line
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "torchrec_cowclip"
+
+
+def test_every_field_is_a_declared_option_with_one_flag_in_a_known_group():
+    options = declarations(TrainConfig)
+    assert [o.name for o in options] == [f.name for f in fields(TrainConfig)]
+    flags = [o.flag for o in options]
+    assert len(set(flags)) == len(flags) and flags == train_flags()
+    assert {o.option.group for o in options} == set(GROUPS)
+    assert all(o.option.help for o in options)
+
+
+def test_the_package_reads_no_private_part_of_argparse():
+    private = re.compile(
+        r"\b(_actions|_group_actions|_action_groups|_SubParsersAction|"
+        r"_ActionsContainer|_HelpAction|_ArgumentGroup)\b"
+    )
+    found = [
+        str(p.relative_to(PACKAGE_DIR))
+        for p in PACKAGE_DIR.rglob("*.py")
+        if private.search(p.read_text())
+    ]
+    assert found == []
+
+
+def _off_default() -> TrainConfig:
+    """A config whose every option differs from its default (a value each takes)."""
+    # fmt: off
+    return TrainConfig(
+        data="table:x.csv", test_data="table:y.csv", test_fraction=0.2, val_fraction=0.05,
+        label="click", dense=["a", "b"], sparse=["c"], delimiter=";", no_header=True,
+        columns=["click", "a", "b", "c"], na_values=["NA", "-"], time_columns=["ts"],
+        dense_transform="-log", missing_indicator=True, on_bad_row="skip", hash_size=1000,
+        min_count=2, synthetic_scale=0.5, synthetic_max_cardinality=99, synthetic_seed=7,
+        cache_dir="c", model="dcn", embedding_dim=8, cross_layers=2, init_std=0.05,
+        hidden=(16, 8), embedding_backend="torchrec", embedding_dtype="bf16",
+        batch_size=2048, base_batch_size=512, recipe="sqrt", lr=3.5e-4, lr_embed=1e-3,
+        l2=-0.0, clip_r=2.0, clip_zeta=1e-6, warmup_epochs=0.5, count_lr_power=0.25,
+        helen_rho=0.05, helen_bound=0.2, cowclip=False, embedding_optimizer="sgd",
+        helen_perturb_dense=True, out="o", overwrite=True, resume="auto", epochs=3,
+        max_steps=5, seed=3, early_stop_patience=1, checkpoint_every=4, eval_batch_size=64,
+        threads=2, log_every=5, keep_checkpoints=3, device="cpu", progress=False,
+        row_clip_stats=True, init_from="runs/a", init_optimizer_state=True,
+        require_sha256=True, sharding="row_wise", dist_timeout_s=60.0,
+    )
+    # fmt: on
+
+
+def test_a_config_is_written_as_the_flags_that_parse_back_to_it():
+    config = _off_default()
+    argv = train_argv(None, config)
+    assert "--dense-transform=-log" in argv and "--l2=-0.0" in argv  # not read as flags
+    assert argv[argv.index("--hidden") + 1] == "16,8" and "--no-cowclip" in argv
+    assert config_from_args(train_parser().parse_args(argv)) == config
+    assert train_argv(None, TrainConfig(data="synthetic:10")) == ["--data", "synthetic:10"]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"dense": ["a,b"]}, "--dense: ['a,b'] cannot be written comma-separated"),
+        ({"dense": [" a"]}, "--dense: [' a'] cannot be written comma-separated"),
+        ({"cowclip": "no"}, "--no-cowclip: 'no' has no command-line form"),
+        ({"embedding_dim": None}, "--embedding-dim: None has no command-line form"),
+    ],
+)
+def test_a_config_no_command_line_gives_is_refused_naming_the_flag(change, words):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"a cell does not reproduce its settings: {words}")
+    ):
+        train_argv(None, TrainConfig(**{"data": "synthetic:10", **change}), "a cell")
+
+
+def test_the_options_given_are_told_from_defaults_without_reparsing():
+    given = given_options(["train", "--data", "synthetic:10", "--no-cowclip", "--hidden", "8"])
+    assert given == {"data": "synthetic:10", "cowclip": False, "hidden": [8]}
+    assert given_options(["--batch-size", "1024"]) == {"batch_size": 1024}  # the default, given
+
+
+def test_other_commands_take_trains_declarations():
+    parser = build_parser()
+    plan = parser.parse_args(["plan", "--tables", "criteo-kaggle"])
+    sweep = parser.parse_args(["sweep", "--batch-sizes", "8"])
+    for option in group_options("data") + group_options("model"):
+        assert getattr(plan, option.name) == getattr(sweep, option.name), option.name
+    assert plan.batch_size == TrainConfig().batch_size
+    assert (plan.embedding_optimizer, sweep.lr_embed) == ("adam", None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "--tables", "x", "--optimizer", "nope"])
+
+
+def test_a_warm_start_inherits_and_names_by_the_declarations():
+    assert {"data", "out", "resume", "device", "dist_timeout_s"} <= NOT_INHERITED_SETTINGS
+    assert {"model", "batch_size", "hidden"}.isdisjoint(NOT_INHERITED_SETTINGS)
+    line = inherited_line("r", {"dist_timeout_s": 60.0, "missing_indicator": True})
+    assert line == "from --init-from r (flags not given): --dist-timeout 60.0, --missing-indicator"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"batch_size": 0}, "--batch-size must be > 0, got 0"),
+        ({"lr": float("nan")}, "--lr must be a finite number, got nan"),
+        ({"model": "nope"}, "--model must be one of deepfm, "),
+        ({"hidden": (8, 0)}, "--hidden sizes must be > 0, got [8, 0]"),
+        ({"resume": "always"}, "--resume takes no value or 'auto', got 'always'"),
+        ({"dist_timeout_s": 0.0}, "--dist-timeout must be > 0, got 0.0"),
+    ],
+)
+def test_each_option_is_checked_by_its_declaration(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TrainConfig(data="synthetic:10", **change).validate()
+
+
+def test_the_parser_has_no_argparse_namespace_of_its_own():
+    args = train_parser().parse_args(["--data", "synthetic:10"])
+    assert isinstance(args, argparse.Namespace)
+    assert set(vars(args)) == {o.name for o in declarations(TrainConfig)}
+
+
+def test_the_loops_settings_are_the_declared_options_of_the_same_types():
+    from typing import get_type_hints
+
+    from torchrec_cowclip.train.config import RunSettings
+
+    # The run's settings are resolved: an option the data kind fills in is no longer None.
+    declared = {o.name: o.value_type for o in declarations(TrainConfig)}
+    run = {name: without_none(kind) for name, kind in get_type_hints(RunSettings).items()}
+    assert {name: declared.get(name) for name in run} == run
