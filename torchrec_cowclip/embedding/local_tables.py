@@ -18,13 +18,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
@@ -33,6 +33,10 @@ from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
 
 __all__ = ["LocalTables"]
+
+
+class _Movable(Protocol):
+    def to(self, device: torch.device) -> Any: ...
 
 
 class LocalTables:
@@ -109,7 +113,10 @@ class LocalTables:
 
     def reset(self, weight_of: Callable[[str], Tensor]) -> None:
         """Initialises every table's weight (``weight_of(name)``: its row initialiser,
-        else the config's ``init_fn``) and zeroes the optimizer state and counters."""
+        else the config's ``init_fn``) and zeroes the optimizer state and counters;
+        nothing on the meta device."""
+        if self.device.type == "meta":
+            return
         with torch.no_grad():
             for table in self.configs:
                 weight = weight_of(table.name)
@@ -122,9 +129,10 @@ class LocalTables:
             for batch in self.batches:
                 batch.reset_state()
 
-    def move(self, fn: Callable[[Tensor], Tensor]) -> torch.device:
+    def move(self, fn: Callable[[Tensor], Tensor], *followers: _Movable) -> torch.device:
         """Applies ``fn`` (a device or dtype move) to every batch; a new device gets the
-        row kernel of the same mode there. Returns the device they are on."""
+        row kernel of the same mode there, and ``followers`` (what indexes the batches:
+        the lookup, the row updates) are moved after them. Returns the device."""
         for batch in self.batches:
             batch._apply(fn)
         moved_to = self.batches[0].weight.device
@@ -133,16 +141,49 @@ class LocalTables:
             for batch in self.batches:
                 batch.kernel = kernel
         self.device = moved_to
+        for follower in followers:
+            follower.to(moved_to)
         return moved_to
 
-    def in_batched_order(self, features: KeyedJaggedTensor, order: list[str]) -> KeyedJaggedTensor:
-        """``features`` with its keys in ``order`` (the lookup's: a feature shared by
-        tables repeats); refused naming missing, unexpected or repeated keys."""
+    def require_storage(self) -> None:
+        """Raises RuntimeError, naming the ways out, while the tables are on the meta
+        device (no storage, no optimizer state)."""
+        if self.device.type == "meta":
+            raise RuntimeError(
+                "this CowClipEmbeddingBagCollection is on the meta device (no storage): shard "
+                "it with DistributedModelParallel(..., sharders=torchrec_cowclip.distributed."
+                "get_default_sharders()) (TorchRec's default sharders, and a CowClip sharder "
+                "left at module_type=EmbeddingBagCollection, do not match this class), or "
+                "call to_empty(device=...) and reset_parameters() first"
+            )
+
+    def lookup_inputs(
+        self, features: KeyedJaggedTensor, order: list[str], is_weighted: bool
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The values, offsets and weights (None: unweighted) of ``features`` with its
+        keys in ``order`` (the lookup's: a feature shared by tables repeats).
+
+        Raises:
+            ValueError: the keys are not exactly the tables' features (missing,
+                unexpected or repeated ones named), the KJT is variable-batch, its ids
+                are not integers, or a weighted collection's KJT has no weights.
+        """
         keys = tuple(features.keys())
         if keys not in self._key_permutations:
             self._key_permutations[keys] = _key_permutation(keys, order)
         permutation = self._key_permutations[keys]
-        return features if permutation is None else features.permute(permutation)
+        if permutation is not None:
+            features = features.permute(permutation)
+        values, offsets = features.values(), features.offsets()
+        weights = features.weights_or_none() if is_weighted else None
+        _check_structure(features, values, weights, is_weighted)
+        return values, offsets, weights
+
+    def keyed(self, pooled: Tensor) -> KeyedTensor:
+        """``[B, sum of dims]`` pooled embeddings under the tables' embedding names."""
+        return KeyedTensor(
+            keys=self.embedding_names, length_per_key=self.lengths_per_embedding, values=pooled
+        )
 
 
 def _validate_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
@@ -188,3 +229,22 @@ def _key_permutation(keys: tuple[str, ...], wanted: list[str]) -> Optional[list[
         )
     permutation = [keys.index(k) for k in wanted]
     return None if permutation == list(range(len(keys))) else permutation
+
+
+def _check_structure(
+    features: KeyedJaggedTensor, values: Tensor, weights: Optional[Tensor], is_weighted: bool
+) -> None:
+    """What a KJT's structure must be that its types show (the lookup op checks what only
+    its values show: :func:`~torchrec_cowclip.embedding.batched_lookup.BatchedLookup.forward_impl`)."""
+    if features.variable_stride_per_key():
+        raise ValueError(
+            "variable-batch KeyedJaggedTensors (stride per key) are not supported; "
+            "give every feature the same batch size"
+        )
+    if values.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"KeyedJaggedTensor values must be int32 or int64 ids, got {values.dtype}")
+    if is_weighted and weights is None:
+        raise ValueError(
+            "this collection is weighted (is_weighted=True) but the "
+            "KeyedJaggedTensor has no weights"
+        )
