@@ -55,7 +55,6 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.export_forward import exported_pooling
 from torchrec_cowclip.embedding.local_tables import LocalTables
@@ -66,7 +65,7 @@ from torchrec_cowclip.embedding.quantization import (  # noqa: F401 (their home 
 )
 from torchrec_cowclip.embedding.row_init import RowInit
 from torchrec_cowclip.embedding.row_kernels import RowKernel
-from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowUpdates
+from torchrec_cowclip.embedding.row_updates import HelenSteps, RowUpdates
 from torchrec_cowclip.embedding.table_batch import TableClipStats
 from torchrec_cowclip.embedding.table_views import bind_table_views, table_weight, table_weights
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
@@ -133,26 +132,15 @@ class CowClipEmbeddingBagCollection(
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
         options = checked_options(options)
-        where = torch.device("cpu" if device is None else device)
-        self._tables = LocalTables(tables, options, where, kernel_mode, init_seed)
+        self._tables = LocalTables(tables, options, device, kernel_mode, init_seed)
         self._batches = self._tables.batches
         self._is_weighted = is_weighted
-        self._output_dtype = options.output_dtype
         self.embedding_bags = table_weights(self._batches)
         names = [t.name for t in tables]
         params = {f"embedding_bags.{n}.weight": self._table_weight(n) for n in names}
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
-        # All of the collection's table batches are one lookup whose rows are local; the
-        # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
         self._row_updates = RowUpdates(names, options.helen, self.device)
-        self._lookup = BatchedLookup(
-            self._batches,
-            self._tables.embedding_names,
-            self._row_updates,
-            LocalRows(),
-            self._fused_optimizer.row_options,
-            self.device,
-        )
+        self._lookup = self._tables.lookup(self._row_updates, self._fused_optimizer.row_options)
         self._clip_counters = ClipCounters(self._batches, names)
         self._late_marks = LateMarks()
         self._bind_views()
@@ -205,13 +193,9 @@ class CowClipEmbeddingBagCollection(
     ) -> Any:
         """``nn.Module.load_state_dict``, refused whole - naming the first bad key and its
         shapes - unless every weight fits (``nn.Module`` copies the others before it
-        raises); a weight of another floating dtype is cast, as ``nn.Module`` casts it
-        (TorchRec's unsharded EBC keeps BF16 tables as float16); with ``strict=False``
-        only the keys present in both are compared."""
+        raises): :func:`~torchrec_cowclip.optim.load_check.check_module_loadable`."""
         check_module_loadable(state_dict, self.state_dict(), strict, type(self).__name__)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    # --- EmbeddingBagCollectionInterface -------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ``features``, as ``torchrec.EmbeddingBagCollection``.
@@ -231,11 +215,7 @@ class CowClipEmbeddingBagCollection(
             self._fused_optimizer.param_groups[0].update(self._late_marks.read(self, self.options))
         order = self._lookup.feature_order
         pooled = self._lookup(*self._tables.lookup_inputs(features, order, self._is_weighted))
-        if self._output_dtype != pooled.dtype:
-            # Pooled in float32, cast once (FBGEMM's output_dtype); the cast's backward
-            # hands the update a float32 gradient.
-            pooled = pooled.to(self._output_dtype)
-        return self._tables.keyed(pooled)
+        return self._tables.output(pooled)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._tables.configs
@@ -254,11 +234,7 @@ class CowClipEmbeddingBagCollection(
         fused = self._fused_optimizer
         return CowClipOptions.from_param_group(
             fused.hyperparameters, fused.optimizer_name, self.unclipped_tables
-        ).replace(
-            helen=self.helen,
-            stochastic_rounding=self._batches[0].stochastic_rounding,
-            output_dtype=self._output_dtype,
-        )
+        ).replace(helen=self.helen, **self._tables.storage_options())
 
     @property
     def unclipped_tables(self) -> tuple[str, ...]:
@@ -269,8 +245,6 @@ class CowClipEmbeddingBagCollection(
         """Bytes of table weights and optimizer state this module holds (0 on meta)."""
         return self._tables.storage_bytes()
 
-    # --- the update -------------------------------------------------------------------
-
     @property
     def kernel_mode(self) -> str:
         """The kernel mode the module was built with (``kernel_mode=``, resolved once)."""
@@ -278,9 +252,8 @@ class CowClipEmbeddingBagCollection(
 
     @property
     def row_kernel(self) -> RowKernel:
-        """How the table batches group and update their touched rows
-        (:mod:`torchrec_cowclip.embedding.row_kernels`): chosen when the module was built or
-        last moved, the same for every batch."""
+        """How every table batch groups and updates its touched rows
+        (:mod:`torchrec_cowclip.embedding.row_kernels`), chosen at build or the last move."""
         return self._tables.kernel
 
     @property
@@ -288,8 +261,6 @@ class CowClipEmbeddingBagCollection(
         """The coordinator every touched-row update of this collection goes through
         (:mod:`torchrec_cowclip.embedding.row_updates`)."""
         return self._row_updates
-
-    # --- FusedOptimizerModule ------------------------------------------------------
 
     @property
     def fused_optimizer(self) -> CowClipFusedOptimizer:
@@ -303,12 +274,9 @@ class CowClipEmbeddingBagCollection(
         self._tables.require_storage()
         return self._fused_optimizer
 
-    # --- Observability: the clip counters it holds ------------------------------------
-
     @property
     def clip_counters(self) -> ClipCounters:
-        """What the fused update did to each table, and with :meth:`track_row_clips` to
-        each row (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
+        """What the update did to each table and row (:class:`~.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
     def clip_stats(self) -> dict[str, TableClipStats]:
@@ -331,27 +299,23 @@ class CowClipEmbeddingBagCollection(
         """:meth:`ClipCounters.row_counts`: per table, ``(updated, clipped)`` per row."""
         return self._clip_counters.row_counts()
 
-    # --- Module plumbing -----------------------------------------------------------
-
     @property
     def row_initializers(self) -> dict[str, Optional[RowInit]]:
-        """Per table, the counter-based initialisation its weights start from (None: the
-        config's own ``init_fn``, called as given); the sharder initialises each shard
-        from these."""
+        """Per table, the counter-based initialisation its weights start from (None: its
+        ``init_fn``, called as given); the sharder initialises each shard from these."""
         return dict(self._tables.row_inits)
 
     def reset_parameters(self) -> None:
-        """Initialises every table (:attr:`row_initializers`, else the config's
-        ``init_fn``) and zeroes the optimizer state and counters. Nothing happens on the
-        meta device."""
+        """Initialises every table (:attr:`row_initializers`, else its ``init_fn``) and
+        zeroes the optimizer state and counters; nothing happens on the meta device."""
         self._tables.reset(self._table_weight)
 
     # TorchRec's quantization: refused in one line where it would skip this collection.
     qconfig = QconfigGuard()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
-        # Device and dtype moves must move the table batches and re-point the per-table
-        # views; moving the views alone would silently detach them from the batches.
+        # A move moves the table batches and re-points the per-table views at them
+        # (moving the views alone would silently detach them from the batches).
         self._tables.move(fn, self._row_updates, self._lookup)
         views = self._bind_views()  # now viewing the moved batches: left as they are
         moved: nn.Module = super()._apply(lambda t: t if id(t) in views else fn(t), recurse)

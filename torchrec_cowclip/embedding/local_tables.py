@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -26,8 +26,10 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.row_init import RowInit, row_initializers
 from torchrec_cowclip.embedding.row_kernels import RowKernel, select_kernel
+from torchrec_cowclip.embedding.row_updates import LocalRows, RowUpdates
 from torchrec_cowclip.embedding.table_batch import TableBatch, group_into_table_batches
 from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.optim.row_step import kernel_mode as resolve_kernel_mode
@@ -47,7 +49,7 @@ class LocalTables:
             features; a table without features takes its name, TorchRec's convention).
         options: how they train (the optimizer, the unclipped tables, stochastic rounding;
             checked against the tables).
-        device: where they live.
+        device: where they live (None: the CPU).
         kernel_mode: the row kernel's mode, resolved once (an explicit value, else the
             environment's); the kernel itself is chosen from it here and after a device
             move, not per step: building the native one, if it is that, happens now.
@@ -58,7 +60,7 @@ class LocalTables:
         self,
         tables: list[EmbeddingBagConfig],
         options: CowClipOptions,
-        device: torch.device,
+        device: Optional[Union[str, torch.device]],
         kernel_mode: Optional[str],
         init_seed: Optional[int],
     ) -> None:
@@ -66,7 +68,7 @@ class LocalTables:
         options.check_tables(t.name for t in tables)
         self.configs = tables
         self.rule = options.rule
-        self.device = device
+        self.device = device = torch.device("cpu" if device is None else device)
         self.kernel_mode = resolve_kernel_mode(kernel_mode)
         kernel = select_kernel(device, options.rule, self.kernel_mode)
         seed = torch.initial_seed() if init_seed is None else int(init_seed)
@@ -76,6 +78,8 @@ class LocalTables:
         self.lengths_per_embedding: list[int] = [
             t.embedding_dim for t in tables for _ in t.feature_names
         ]
+        #: The pooled outputs' type (FBGEMM's ``output_dtype``; they are pooled in float32).
+        self.output_dtype = options.output_dtype
         unclipped = options.unclipped_tables
         self.batches: list[TableBatch] = [
             TableBatch(
@@ -106,6 +110,11 @@ class LocalTables:
             for name, clipped in zip(batch.table_names, batch.clip_enabled_list)
             if not clipped
         )
+
+    def storage_options(self) -> dict[str, Any]:
+        """The options the tables' storage keeps (``CowClipOptions`` fields)."""
+        rounding = self.batches[0].stochastic_rounding
+        return {"stochastic_rounding": rounding, "output_dtype": self.output_dtype}
 
     def storage_bytes(self) -> int:
         """Bytes of table weights and optimizer state (0 on meta)."""
@@ -178,6 +187,24 @@ class LocalTables:
         weights = features.weights_or_none() if is_weighted else None
         _check_structure(features, values, weights, is_weighted)
         return values, offsets, weights
+
+    def lookup(
+        self, row_updates: RowUpdates, row_options: Callable[[], CowClipOptions]
+    ) -> BatchedLookup:
+        """All the batches as one lookup whose rows are local, updating through
+        ``row_updates`` with the hyperparameters ``row_options()`` gives at each backward
+        (the lookup is two custom ops, :mod:`.lookup_op`, compiled or not)."""
+        names = self.embedding_names
+        return BatchedLookup(
+            self.batches, names, row_updates, LocalRows(), row_options, self.device
+        )
+
+    def output(self, pooled: Tensor) -> KeyedTensor:
+        """The lookup's float32 ``pooled`` embeddings cast once to :attr:`output_dtype`
+        (the cast's backward hands the update a float32 gradient), keyed."""
+        return self.keyed(
+            pooled if pooled.dtype == self.output_dtype else pooled.to(self.output_dtype)
+        )
 
     def keyed(self, pooled: Tensor) -> KeyedTensor:
         """``[B, sum of dims]`` pooled embeddings under the tables' embedding names."""
