@@ -1,7 +1,9 @@
 """A collection's tables as it stores them: the table configs (checked), their features in
 lookup order, the table batches of one dim, pooling and data type, the one row kernel the
 batches share (chosen from the kernel mode, again after a device move) and each table's
-counter-based initialisation.
+counter-based initialisation; and the way through them: the lookup over the batches
+(:class:`~.batched_lookup.BatchedLookup`), the KJT's checks and key order on the way in,
+the output's type and keys on the way out, the refusal while they are on the meta device.
 
 Example::
 
@@ -38,6 +40,8 @@ __all__ = ["LocalTables"]
 
 
 class _Movable(Protocol):
+    """What follows the batches in a move: indexes over them (the lookup, the row updates)."""
+
     def to(self, device: torch.device) -> Any: ...
 
 
@@ -47,8 +51,8 @@ class LocalTables:
     Args:
         tables: TorchRec's table configs (checked here: names, sizes, data type, pooling,
             features; a table without features takes its name, TorchRec's convention).
-        options: how they train (the optimizer, the unclipped tables, stochastic rounding;
-            checked against the tables).
+        options: how they train (the optimizer, the unclipped tables, stochastic rounding,
+            the output type; checked against the tables).
         device: where they live (None: the CPU).
         kernel_mode: the row kernel's mode, resolved once (an explicit value, else the
             environment's); the kernel itself is chosen from it here and after a device
