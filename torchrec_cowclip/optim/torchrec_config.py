@@ -14,7 +14,9 @@ in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options
 * ``apply_optimizer_in_backward(optimizer_class, [weight], kwargs)`` on each table's
   weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torch.optim.AdamW``,
   ``torch.optim.Adagrad``, ``torchrec.optim.RowWiseAdagrad``, ``torch.optim.SGD``, ...) or one of :mod:`.in_backward`'s (``CowClipAdam``, ...), whose
-  ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`);
+  ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`;
+  :func:`converted_options` reads them when a stock collection is converted,
+  :class:`LateMarks` when they are made on a built one);
 * ``CowClipOptions`` itself (``options=``), and a
   :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`'s own options (:func:`options_settings`).
 
@@ -479,8 +481,9 @@ def converted_options(collection: nn.Module, options: Optional[CowClipOptions]) 
     """The options a stock ``EmbeddingBagCollection`` converted to CowClip's trains with:
     ``options`` (None: none given) merged with its tables' ``apply_optimizer_in_backward``
     marks (:func:`resolve_options`: a disagreement raises ValueError naming both)."""
+    marks = in_backward_settings(table_marks(collection))
     given = {} if options is None else options_settings(checked_options(options), "options=")
-    return resolve_options([given, in_backward_settings(table_marks(collection))])
+    return resolve_options([given, marks])
 
 
 class LateMarks:
