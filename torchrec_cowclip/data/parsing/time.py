@@ -41,9 +41,10 @@ from torchrec_cowclip.data.parsing.fields import parse_numeric
 TIME_PARTS = ("hour", "weekday")
 #: A number at least this large is Unix milliseconds (see the module docstring).
 MILLISECONDS_FROM = 1e11
-_DAY_S = 86400
-# 1970-01-01 was a Thursday: day 0 is weekday 3 (Monday 0).
-_EPOCH_WEEKDAY = 3
+DAY_S = 86400
+HOUR_S = 3600
+#: 1970-01-01 was a Thursday: day 0 is weekday 3 (Monday 0).
+EPOCH_WEEKDAY = 3
 _HOURS = np.array([str(h).encode() for h in range(24)], dtype="S2")
 _WEEKDAYS = np.array([str(d).encode() for d in range(7)], dtype="S1")
 
@@ -57,17 +58,23 @@ def parts_of_seconds(seconds: np.ndarray) -> Tuple[List[np.ndarray], np.ndarray]
     """``([hour, weekday], missing)`` of Unix seconds (NaN: missing, both parts ``b""``)."""
     missing = np.isnan(seconds)
     whole = np.floor(np.where(missing, 0.0, seconds)).astype(np.int64)
-    hour = _HOURS[(whole // 3600) % 24].astype("S2")
-    weekday = _WEEKDAYS[(whole // _DAY_S + _EPOCH_WEEKDAY) % 7].astype("S2")
+    hour = _HOURS[(whole // HOUR_S) % 24].astype("S2")
+    weekday = _WEEKDAYS[(whole // DAY_S + EPOCH_WEEKDAY) % 7].astype("S2")
     hour[missing] = b""
     weekday[missing] = b""
     return [hour, weekday], missing
 
 
+def seconds_of_numbers(values: np.ndarray) -> np.ndarray:
+    """Unix seconds of float64 timestamps: seconds, or milliseconds from
+    :data:`MILLISECONDS_FROM` on (NaN stays NaN)."""
+    return np.where(np.abs(values) >= MILLISECONDS_FROM, values / 1000.0, values)
+
+
 def seconds_of_text(raw: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Unix seconds (NaN: missing) of an ``S`` array of fields, and the bad-value mask."""
     values, bad = parse_numeric(raw)
-    values = np.where(np.abs(values) >= MILLISECONDS_FROM, values / 1000.0, values)
+    values = seconds_of_numbers(values)
     if bad.any():
         texts, inverse = np.unique(raw[bad], return_inverse=True)
         parsed = np.array([_iso_seconds(t) for t in texts.tolist()], dtype=np.float64)
