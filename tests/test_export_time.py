@@ -161,3 +161,125 @@ def test_the_derivation_is_trainings_for_every_kind_of_timestamp(numbers):
     np.testing.assert_array_equal(got, expected)
     # Every hour and weekday and the missing value get distinct ids.
     assert len(set(expected[:, 0].tolist())) == 25 and len(set(expected[:, 1].tolist())) == 8
+
+
+@pytest.fixture(scope="module")
+def trend(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
+    return _train(tmp_path_factory.mktemp("export-trend"), "trend", False, "--time-trend")
+
+
+def test_the_trend_is_off_by_default_and_a_minmax_dense_feature_when_asked(numbers, trend):
+    """--time-trend adds ts_days after the dense columns, scaled by the training split's
+    start and span (min-max), recorded in the run folder; without it there is none."""
+    assert RunFolder.open(str(numbers["run"])).schema.dense_names == ("x",)
+    run = RunFolder.open(str(trend["run"]))
+    assert run.schema.dense_names == ("x", "ts_days") and run.trend_columns() == ("ts_days",)
+    plan = run.dense_plan()
+    assert plan.transforms[1] == "minmax"
+    columns = trend["columns"]
+    assert isinstance(columns, dict)
+    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
+    seconds = parse_numeric(raw)[0]
+    days = np.where(np.abs(seconds) >= 1e11, seconds / 1000, seconds) / DAY_S
+    # The statistics are the training split's (a part of the rows): within the file's.
+    assert (
+        np.nanmin(days) <= plan.shift[1] < plan.shift[1] + plan.scale[1] <= np.nanmax(days) + 1e-3
+    )
+    in_memory = {"ts": columns["ts"], "x": columns["x"], "site": columns["site"]}
+    model = torchrec_cowclip.load_model(str(trend["run"]))
+    na = ["" if s == "NA" else s for s in columns["ts"]]
+    np.testing.assert_array_equal(
+        model.predict({**in_memory, "ts": na}), model.predict(str(trend["file"]))
+    )
+
+
+def test_next_week_is_outside_the_trend_by_construction_and_said_so(trend, tmp_path, capsys):
+    """Rows after the training split's end: every one is outside ts_days' training
+    range, in the JSON and on the console, which says why."""
+    root = Path(str(trend["file"])).parent
+    rows = Path(str(trend["file"])).read_text().splitlines()
+    week = [rows[0]] + [
+        f"{c},{START + 40 * DAY_S + i * 3600},{x},{s}"
+        for i, (c, _, x, s) in enumerate(r.split(",") for r in rows[1:51])
+    ]
+    (tmp_path / "next.csv").write_text("\n".join(week) + "\n")
+    capsys.readouterr()
+    argv = ["predict", "--run", str(root / "trend"), "--data", str(tmp_path / "next.csv")]
+    assert main([*argv, "--output", str(tmp_path / "scores.csv")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outside_training_range"]["ts_days"] == 50
+    assert "ts_days 50 (100.0%)" in captured.err
+    assert "ts_days (--time-trend): time since the training split's start" in captured.err
+    assert "by construction" in captured.err, captured.err
+
+
+def test_the_program_derives_the_trend_as_predict(trend):
+    """The exported program takes x and the timestamp; it derives ts_days, its
+    hour and weekday, and scores as predict."""
+    run = Path(str(trend["run"]))
+    out = run.parent / f"{run.name}.pt2"
+    report = export_run(run, out)
+    assert report["max_abs_difference"] <= 1e-6
+    serving = json.loads(out.with_name(f"{run.name}.serving.json").read_text())
+    dense_in, _, time_in = serving["inputs"]
+    assert dense_in["columns"] == ["x"] and dense_in["shape"] == ["batch", 1]
+    assert time_in["derives"] == {"ts": ["ts_hour", "ts_weekday", "ts_days"]}
+    assert "86400" in time_in["trend"]
+    columns = trend["columns"]
+    assert isinstance(columns, dict)
+    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
+    seconds = np.where(raw == b"", np.nan, parse_numeric(raw)[0])
+    program = torch.export.load(str(out)).module()
+    served = program(*_program_inputs(trend, list(seconds))).numpy()
+    predicted = torchrec_cowclip.load_model(run).predict(str(trend["file"]))
+    np.testing.assert_allclose(served, predicted, rtol=0, atol=1e-6)
+    transformed = export_run(run, run.parent / "transformed.pt2", raw_dense=False)
+    assert transformed["max_abs_difference"] <= 1e-6
+
+
+def test_a_trend_without_time_columns_is_refused(tmp_path, capsys):
+    _write_log(tmp_path / "log.csv", 50, seed=1, text=False)
+    argv = ["train", "--data", f"table:{tmp_path / 'log.csv'}", "--label", "click"]
+    argv += ["--sparse", "site", "--time-trend", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "--time-trend" in err and "declare them with --time-columns" in err, err
+
+
+def test_a_parquet_timestamp_gives_the_trend_of_its_seconds(tmp_path):
+    """The trend of a parquet timestamp column is that of the Unix seconds (text) it
+    stands for, in the cache (training) as in scoring from the parquet file."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from torchrec_cowclip.data import open_dataset
+
+    columns = _write_log(tmp_path / "log.csv", 300, seed=2, text=False)
+    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
+    seconds = parse_numeric(raw)[0]
+    seconds = np.where(np.abs(seconds) >= 1e11, seconds / 1000, seconds)
+    stamps = [None if np.isnan(s) else int(round(s * 1000)) for s in seconds]
+    clicks = [int(r.split(",")[0]) for r in (tmp_path / "log.csv").read_text().splitlines()[1:]]
+    table = pa.table(
+        {
+            "click": clicks,
+            "ts": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
+            "x": columns["x"],
+            "site": columns["site"],
+        }
+    )
+    pq.write_table(table, tmp_path / "log.parquet")
+    dense = {
+        suffix: np.asarray(
+            open_dataset(
+                f"table:{tmp_path / f'log.{suffix}'}", tmp_path / f"c-{suffix}", label="click",
+                dense=["x"], sparse=["site"], time_columns=["ts"], na_values=["NA"],
+                time_trend=True,
+            ).dense
+        )
+        for suffix in ("csv", "parquet")
+    }  # fmt: skip
+    assert dense["csv"].shape == (300, 2)
+    np.testing.assert_array_equal(dense["csv"], dense["parquet"])

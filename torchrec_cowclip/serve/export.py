@@ -70,6 +70,8 @@ from torchrec_cowclip.data.parsing.time import (
     EPOCH_WEEKDAY,
     HOUR_S,
     MILLISECONDS_FROM,
+    TREND_SUFFIX,
+    days_of_seconds,
     parts_of_seconds,
     seconds_of_numbers,
 )
@@ -212,7 +214,8 @@ class TimeFeatures(nn.Module):
     schema's order, by the steps of ``data.parsing.time`` (milliseconds from
     ``MILLISECONDS_FROM`` on, floor to whole seconds, floor division, a non-negative
     remainder; NaN missing), each part's id looked up in a table the run's encoder
-    filled for every hour, weekday and the missing value.
+    filled for every hour, weekday and the missing value. :meth:`days` gives the trend
+    features' raw values (``--time-trend``: the timestamps in days).
 
     Args:
         run: the run folder (its schema, time columns and encoder).
@@ -231,10 +234,19 @@ class TimeFeatures(nn.Module):
         # Row j's table starts at j * (values + 1) in the flattened buffers.
         self.register_buffer("offsets", torch.arange(self.count, dtype=torch.int64))
 
-    def forward(self, time: Tensor) -> Tensor:
+    @staticmethod
+    def seconds(time: Tensor) -> Tensor:
+        """Unix seconds (float64, NaN missing) of the timestamps as given."""
         t = time.double()
-        missing = torch.isnan(t)
-        seconds = torch.where(t.abs() >= MILLISECONDS_FROM, t / 1000.0, t)
+        return torch.where(t.abs() >= MILLISECONDS_FROM, t / 1000.0, t)
+
+    def days(self, time: Tensor) -> Tensor:
+        """The trend features' raw values: the timestamps in days (float64)."""
+        return self.seconds(time) / DAY_S
+
+    def forward(self, time: Tensor) -> Tensor:
+        seconds = self.seconds(time)
+        missing = torch.isnan(seconds)
         whole = torch.floor(torch.where(missing, torch.zeros_like(seconds), seconds))
         whole = whole.to(torch.int64)
         hour = torch.remainder(torch.div(whole, HOUR_S, rounding_mode="floor"), 24)
@@ -304,7 +316,8 @@ class TimedServingModel(ServingModel):
     """``forward(dense, ids, time float64 [B, n_time]) -> probability [B]``: a
     :class:`ServingModel` of a run with time columns, which takes the timestamps and
     derives their features inside (:class:`TimeFeatures`); ``ids`` holds the other
-    categorical columns."""
+    categorical columns and, with ``trend`` (raw dense inputs), ``dense`` the other
+    dense columns: the trend features' raw values are appended to them."""
 
     def __init__(
         self,
@@ -312,11 +325,15 @@ class TimedServingModel(ServingModel):
         cardinalities: Sequence[int],
         dense: Optional[nn.Module],
         time: TimeFeatures,
+        trend: bool,
     ) -> None:
         super().__init__(model, cardinalities, dense)
         self.time = time
+        self.trend = trend
 
     def forward(self, dense: Tensor, ids: Tensor, time: Tensor) -> Tensor:  # type: ignore[override]
+        if self.trend:
+            dense = torch.cat([dense.double(), self.time.days(time)], dim=1)
         return super().forward(dense, torch.cat([ids, self.time(time)], dim=1))
 
 
@@ -349,7 +366,13 @@ def serving_model(
     _swap_collection(model, plain)
     dense = DensePlanModule(run.dense_plan()) if raw_dense else None
     serving = (
-        TimedServingModel(model, schema.cardinalities, dense, TimeFeatures(run))
+        TimedServingModel(
+            model,
+            schema.cardinalities,
+            dense,
+            TimeFeatures(run),
+            trend=raw_dense and bool(run.trend_columns()),
+        )
         if run.time_columns()
         else ServingModel(model, schema.cardinalities, dense)
     ).eval()
@@ -384,7 +407,8 @@ def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tens
     (:func:`parity_timestamps`) for the time columns (``[rows, 0]`` without)."""
     g = np.random.default_rng(seed)
     schema, n_time = run.schema, len(run.time_columns())
-    dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, schema.n_dense))))
+    n_dense = schema.n_dense - len(run.trend_columns())
+    dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, n_dense))))
     dense[g.random(dense.shape) < 0.1] = np.nan
     dense[g.random(dense.shape) < 0.02] *= -1.0
     cards = np.asarray(schema.cardinalities[: schema.n_sparse - 2 * n_time])
@@ -397,13 +421,24 @@ def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tens
     )
 
 
+def raw_dense_values(run: RunFolder, raw: Tensor, time: Optional[Tensor]) -> np.ndarray:
+    """The raw dense values float64 ``[B, n_dense]`` of the dense columns ``raw`` and,
+    for a run with ``--time-trend``, the trend features of the timestamps ``time``, as
+    ``predict`` derives them (``data.parsing.time``)."""
+    values = raw.double().numpy()
+    if not run.trend_columns() or time is None:
+        return values
+    days = days_of_seconds(seconds_of_numbers(time.double().numpy()))
+    return np.concatenate([values, days], axis=1)
+
+
 def reference_scores(
     predictor: Predictor, raw: Tensor, ids: Tensor, time: Optional[Tensor] = None
 ) -> Tensor:
     """What ``predict`` gives for raw rows (its dense plan, encoder bounds, time-column
     derivation and model); ``time``: the time columns' timestamps (float64)."""
     run = predictor.run
-    x = run.dense_plan().transform(raw.double().numpy())
+    x = run.dense_plan().transform(raw_dense_values(run, raw, time))
     if time is not None and time.shape[1]:
         ids = torch.cat([ids, torch.from_numpy(time_ids(run, time.numpy()))], dim=1)
     cards = torch.tensor(run.schema.cardinalities)
@@ -478,14 +513,27 @@ TIME_INPUT = (
 
 def time_contract(run: RunFolder) -> Dict[str, Any]:
     """The contract's ``time`` input of a run with time columns."""
-    time = list(run.time_columns())
+    time, trend = list(run.time_columns()), bool(run.trend_columns())
     return {
         "name": "time",
         "dtype": "float64",
         "shape": ["batch", len(time)],
         "columns": time,
         "values": TIME_INPUT,
-        "derives": {c: [f"{c}_hour", f"{c}_weekday"] for c in time},
+        "derives": {
+            c: [f"{c}_hour", f"{c}_weekday", *([f"{c}_{TREND_SUFFIX}"] if trend else [])]
+            for c in time
+        },
+        **(
+            {
+                "trend": "NAME_days = the timestamp in Unix seconds / 86400, a dense column "
+                "after the others, scaled by the dense plan (min-max on the training split: "
+                "0 at its start, 1 at its end; later rows lie past 1). With --dense-input "
+                "transformed the caller computes it among the plan's outputs"
+            }
+            if trend
+            else {}
+        ),
     }
 
 
@@ -501,6 +549,8 @@ def contract(
     """``model.serving.json``: what a serving stack feeds the program and how."""
     schema, plan, time = run.schema, run.dense_plan(), run.time_columns()
     n_ids = schema.n_sparse - 2 * len(time)
+    # The trend features (the last dense columns) are the program's to derive from time.
+    columns = plan.names[: len(plan.names) - len(run.trend_columns())]
     return {
         "format": CONTRACT_FORMAT,
         "version": 1,
@@ -510,8 +560,8 @@ def contract(
             {
                 "name": "dense",
                 "dtype": "float32",
-                "shape": ["batch", len(plan.names) if raw_dense else len(plan.output_names)],
-                "columns": list(plan.names if raw_dense else plan.output_names),
+                "shape": ["batch", len(columns) if raw_dense else len(plan.output_names)],
+                "columns": list(columns if raw_dense else plan.output_names),
                 "values": "raw (NaN for missing); the program applies the dense plan"
                 if raw_dense
                 else "the dense plan's outputs, computed by the caller (the program applies "
@@ -612,7 +662,8 @@ def export_run(
     predictor = Predictor(run, weights=weights)
     module = serving_model(run, predictor.weights, table_dtype, raw_dense)
     raw, ids, time = _parity_rows(run, PARITY_ROWS)
-    dense = raw if raw_dense else torch.from_numpy(run.dense_plan().transform(raw.double().numpy()))
+    plan = run.dense_plan()
+    dense = raw if raw_dense else torch.from_numpy(plan.transform(raw_dense_values(run, raw, time)))
     inputs = (dense, ids, time) if run.time_columns() else (dense, ids)
     with torch.no_grad():
         if fmt == "export":
