@@ -248,38 +248,42 @@ def test_a_trend_without_time_columns_is_refused(tmp_path, capsys):
     assert "--time-trend" in err and "declare them with --time-columns" in err, err
 
 
-def test_a_parquet_timestamp_gives_the_trend_of_its_seconds(tmp_path):
+def test_a_parquet_timestamp_gives_the_trend_of_its_seconds(trend, tmp_path):
     """The trend of a parquet timestamp column is that of the Unix seconds (text) it
-    stands for, in the cache (training) as in scoring from the parquet file."""
+    stands for: in the cache (training), and scoring the parquet file with a run
+    trained on the text."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     from torchrec_cowclip.data import open_dataset
 
-    columns = _write_log(tmp_path / "log.csv", 300, seed=2, text=False)
+    columns = trend["columns"]
+    assert isinstance(columns, dict)
+    text = Path(str(trend["file"]))
     raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
     seconds = parse_numeric(raw)[0]
     seconds = np.where(np.abs(seconds) >= 1e11, seconds / 1000, seconds)
     stamps = [None if np.isnan(s) else int(round(s * 1000)) for s in seconds]
-    clicks = [int(r.split(",")[0]) for r in (tmp_path / "log.csv").read_text().splitlines()[1:]]
     table = pa.table(
         {
-            "click": clicks,
+            "click": [int(r.split(",")[0]) for r in text.read_text().splitlines()[1:]],
             "ts": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
             "x": columns["x"],
             "site": columns["site"],
         }
     )
-    pq.write_table(table, tmp_path / "log.parquet")
+    parquet = tmp_path / "log.parquet"
+    pq.write_table(table, parquet)
     dense = {
-        suffix: np.asarray(
+        path.suffix: np.asarray(
             open_dataset(
-                f"table:{tmp_path / f'log.{suffix}'}", tmp_path / f"c-{suffix}", label="click",
-                dense=["x"], sparse=["site"], time_columns=["ts"], na_values=["NA"],
-                time_trend=True,
+                f"table:{path}", tmp_path / f"c{path.suffix}", label="click", dense=["x"],
+                sparse=["site"], time_columns=["ts"], na_values=["NA"], time_trend=True,
             ).dense
         )
-        for suffix in ("csv", "parquet")
+        for path in (text, parquet)
     }  # fmt: skip
-    assert dense["csv"].shape == (300, 2)
-    np.testing.assert_array_equal(dense["csv"], dense["parquet"])
+    assert dense[".csv"].shape == (len(stamps), 2)
+    np.testing.assert_array_equal(dense[".csv"], dense[".parquet"])
+    model = torchrec_cowclip.load_model(str(trend["run"]))
+    np.testing.assert_array_equal(model.predict(str(parquet)), model.predict(str(text)))
