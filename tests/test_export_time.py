@@ -15,7 +15,7 @@ from tiny import cli_args
 import torchrec_cowclip
 from torchrec_cowclip.cli import main
 from torchrec_cowclip.data.parsing.fields import parse_numeric
-from torchrec_cowclip.data.parsing.time import DAY_S
+from torchrec_cowclip.data.parsing.time import DAY_S, seconds_of_numbers
 from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.serve.export import (
     TimeFeatures,
@@ -94,14 +94,28 @@ def _program_inputs(case: Dict[str, object], seconds: List[float]) -> tuple:
     return dense, ids, time
 
 
+def _exported(case: Dict[str, object]) -> tuple:
+    """``(program path, contract)`` of the case's run exported beside it."""
+    run = Path(str(case["run"]))
+    out = run.parent / f"{run.name}.pt2"
+    report = export_run(run, out)
+    assert report["max_abs_difference"] <= 1e-6
+    return out, json.loads(out.with_name(f"{run.name}.serving.json").read_text())
+
+
+def _stamps_as_held(case: Dict[str, object]) -> np.ndarray:
+    """The case's timestamps as the file holds them, as numbers (NaN: missing)."""
+    columns = case["columns"]
+    assert isinstance(columns, dict)
+    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
+    return np.where(raw == b"", np.nan, parse_numeric(raw)[0])
+
+
 def test_the_program_takes_the_timestamp_and_scores_as_predict(numbers):
     """Seconds, milliseconds, pre-1970 and midnight-edge timestamps as the file holds
     them: the program's scores are predict's on the same rows."""
     run = Path(str(numbers["run"]))
-    out = run.parent / f"{run.name}.pt2"
-    report = export_run(run, out)
-    assert report["max_abs_difference"] <= 1e-6
-    serving = json.loads(out.with_name(f"{run.name}.serving.json").read_text())
+    out, serving = _exported(numbers)
     dense_in, ids_in, time_in = serving["inputs"]
     assert ids_in["columns"] == ["site"] and len(ids_in["rows"]) == 1
     assert (time_in["name"], time_in["dtype"], time_in["columns"]) == ("time", "float64", ["ts"])
@@ -109,8 +123,7 @@ def test_the_program_takes_the_timestamp_and_scores_as_predict(numbers):
     assert "Unix seconds" in time_in["values"] and "milliseconds" in time_in["values"]
     columns = numbers["columns"]
     assert isinstance(columns, dict)
-    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
-    seconds = np.where(raw == b"", np.nan, parse_numeric(raw)[0])
+    seconds = _stamps_as_held(numbers)
     assert (seconds < 0).any() and (np.abs(seconds) >= 1e11).any()
     program = torch.export.load(str(out)).module()
     inputs = _program_inputs(numbers, list(seconds))
@@ -178,9 +191,7 @@ def test_the_trend_is_off_by_default_and_a_minmax_dense_feature_when_asked(numbe
     assert plan.transforms[1] == "minmax"
     columns = trend["columns"]
     assert isinstance(columns, dict)
-    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
-    seconds = parse_numeric(raw)[0]
-    days = np.where(np.abs(seconds) >= 1e11, seconds / 1000, seconds) / DAY_S
+    days = seconds_of_numbers(_stamps_as_held(trend)) / DAY_S
     # The statistics are the training split's (a part of the rows): within the file's.
     assert (
         np.nanmin(days) <= plan.shift[1] < plan.shift[1] + plan.scale[1] <= np.nanmax(days) + 1e-3
@@ -217,18 +228,14 @@ def test_the_program_derives_the_trend_as_predict(trend):
     """The exported program takes x and the timestamp; it derives ts_days, its
     hour and weekday, and scores as predict."""
     run = Path(str(trend["run"]))
-    out = run.parent / f"{run.name}.pt2"
-    report = export_run(run, out)
-    assert report["max_abs_difference"] <= 1e-6
-    serving = json.loads(out.with_name(f"{run.name}.serving.json").read_text())
+    out, serving = _exported(trend)
     dense_in, _, time_in = serving["inputs"]
     assert dense_in["columns"] == ["x"] and dense_in["shape"] == ["batch", 1]
     assert time_in["derives"] == {"ts": ["ts_hour", "ts_weekday", "ts_days"]}
     assert "86400" in time_in["trend"]
     columns = trend["columns"]
     assert isinstance(columns, dict)
-    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
-    seconds = np.where(raw == b"", np.nan, parse_numeric(raw)[0])
+    seconds = _stamps_as_held(trend)
     program = torch.export.load(str(out)).module()
     served = program(*_program_inputs(trend, list(seconds))).numpy()
     predicted = torchrec_cowclip.load_model(run).predict(str(trend["file"]))
@@ -260,9 +267,7 @@ def test_a_parquet_timestamp_gives_the_trend_of_its_seconds(trend, tmp_path):
     columns = trend["columns"]
     assert isinstance(columns, dict)
     text = Path(str(trend["file"]))
-    raw = np.array([b"" if s == "NA" else s.encode() for s in columns["ts"]])
-    seconds = parse_numeric(raw)[0]
-    seconds = np.where(np.abs(seconds) >= 1e11, seconds / 1000, seconds)
+    seconds = seconds_of_numbers(_stamps_as_held(trend))
     stamps = [None if np.isnan(s) else int(round(s * 1000)) for s in seconds]
     table = pa.table(
         {
