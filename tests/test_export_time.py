@@ -56,7 +56,7 @@ def _write_log(path: Path, n: int, seed: int, text: bool) -> Dict[str, list]:
     if text:
         shown = [str(np.datetime64(int(np.floor(t)), "s")).replace("T", " ") for t in ts]
     else:
-        shown = [f"{t * 1000:.0f}" if i % 4 == 0 else f"{t:g}" if t % 1 else f"{t:.0f}"
+        shown = [f"{t * 1000:.0f}" if i % 4 == 0 else f"{t:.1f}" if t % 1 else f"{t:.0f}"
                  for i, t in enumerate(ts)]  # fmt: skip
     shown = ["NA" if i % 40 == 0 else s for i, s in enumerate(shown)]
     x = np.round(g.normal(3.0, 1.0, n), 3)
@@ -162,12 +162,13 @@ def test_a_date_time_text_column_is_given_as_unix_seconds(tmp_path):
 
 def test_the_derivation_is_trainings_for_every_kind_of_timestamp(numbers):
     """The program's hour and weekday ids against predict's derivation (numpy, the run's
-    encoder) on timestamps from 1906 to 2038, either side of midnight and the hour,
-    fractional, milliseconds either side of 1e11, missing."""
+    encoder) on timestamps from 1906 to 2038 and milliseconds from year 1 to 33658, either
+    side of midnight and the hour, fractional, milliseconds either side of 1e11, missing."""
     run = RunFolder.open(str(numbers["run"]))
     stamps = parity_timestamps(20_000, 1, seed=3)
     edges = np.array([0.0, -0.5, -1.0, -1e-9, 86399.999, 86400.0, -86400.0, -86401.0,
-                      1e11 - 1, 1e11, -1e11, 1e11 + 999, np.nan, 2**31, -(2**31)])  # fmt: skip
+                      1e11 - 1, 1e11, -1e11, 1e11 + 999, np.nan, 2**31, -(2**31), 1e15 + 999, -1e15 - 1,
+                      253402300799.0, -62135596800.0])  # fmt: skip
     stamps = np.concatenate([stamps[:, 0], edges])[:, None]
     expected = time_ids(run, stamps)
     got = TimeFeatures(run)(torch.from_numpy(stamps)).numpy()
