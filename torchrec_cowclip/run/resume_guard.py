@@ -13,9 +13,10 @@ Example::
     >>> data = {"rows": 30000, "cache_entry": "synthetic-5f1c"}
     >>> saved = {"settings": {"batch_size": 1024, "seed": 0, "epochs": 2}, "data": data}
     >>> now = {"settings": {"batch_size": 2048, "seed": 1, "epochs": 3}, "data": data}
-    >>> resume_differences(saved, now)  # more --epochs is allowed
+    >>> names = {"seed": SettingName("--seed")}
+    >>> resume_differences(saved, now, names)  # more --epochs is allowed
     [('--batch-size', '1024', '2048'), ('--seed', '0', '1')]
-    >>> check_resume({"run_record": saved}, now, "runs/x")
+    >>> check_resume({"run_record": saved}, now, "runs/x", names)
     Traceback (most recent call last):
     ...
     torchrec_cowclip.run.resume_guard.ResumeRefused: --resume refused: the checkpoint in runs/x was trained with --batch-size 1024, this command has 2048; --seed 0 vs 1
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from torchrec_cowclip.data.pipeline.cache import DIGEST_MEMO, changed_sources
 from torchrec_cowclip.failures import ConfigError
@@ -58,8 +59,19 @@ RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
     }
 )
 
-# Config fields whose flag is not "--" + the field name with dashes.
-_FLAGS: Dict[str, str] = {"cowclip": "CowClip (--no-cowclip)", "dist_timeout_s": "--dist-timeout"}
+
+class SettingName(NamedTuple):
+    """How a message names a setting (what its option's declaration says: the caller's
+    map, ``train.config.SETTING_NAMES``): its flag (``--dist-timeout`` for
+    ``dist_timeout_s``, ``CowClip (--no-cowclip)``) and whether its values read on/off (a
+    switch that is on by default)."""
+
+    flag: str
+    on_off: bool = False
+
+
+#: Setting -> how a message names it (a setting not in it: ``--`` and its name with dashes).
+SettingNames = Mapping[str, SettingName]
 
 
 class ResumeRefused(ConfigError):
@@ -103,14 +115,17 @@ def run_fingerprint(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def setting_flag(field: str) -> str:
-    """The command-line flag of a config field (``batch_size`` -> ``--batch-size``)."""
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+def setting_flag(field: str, names: SettingNames) -> str:
+    """How a message names the setting ``field`` (``batch_size`` -> ``--batch-size``)."""
+    named = names.get(field)
+    return named.flag if named is not None else "--" + field.replace("_", "-")
 
 
-def shown_setting(field: str, value: Any) -> str:
-    """A setting's value as a message shows it (``cowclip`` as on/off, lists comma-joined)."""
-    if field == "cowclip":
+def shown_setting(field: str, value: Any, names: SettingNames) -> str:
+    """A setting's value as a message shows it (an on-by-default switch as on/off, lists
+    comma-joined)."""
+    named = names.get(field)
+    if named is not None and named.on_off:
         return "on" if value else "off"
     if value is None:
         return "none"
@@ -122,11 +137,11 @@ def shown_setting(field: str, value: Any) -> str:
 
 
 def resume_differences(
-    saved: Mapping[str, Any], current: Mapping[str, Any]
+    saved: Mapping[str, Any], current: Mapping[str, Any], names: SettingNames
 ) -> List[Tuple[str, str, str]]:
     """``(setting, checkpoint's value, this command's value)`` for every difference
     between two run records that :data:`RESUMABLE_SETTINGS` does not allow, in the
-    config's field order, then the data's content."""
+    config's field order, then the data's content; ``names``: how each setting is named."""
     old, new = saved["settings"], current["settings"]
     found: List[Tuple[str, str, str]] = []
     for field, value in new.items():
@@ -136,15 +151,19 @@ def resume_differences(
             if value < old[field]:  # a resumed run may only add epochs
                 found.append(
                     (
-                        setting_flag(field),
-                        shown_setting(field, old[field]),
-                        f"{shown_setting(field, value)} (a resumed run may only add epochs)",
+                        setting_flag(field, names),
+                        shown_setting(field, old[field], names),
+                        f"{shown_setting(field, value, names)} (a resumed run may only add epochs)",
                     )
                 )
             continue
         if field not in RESUMABLE_SETTINGS and old[field] != value:
             found.append(
-                (setting_flag(field), shown_setting(field, old[field]), shown_setting(field, value))
+                (
+                    setting_flag(field, names),
+                    shown_setting(field, old[field], names),
+                    shown_setting(field, value, names),
+                )
             )
     old_data, new_data = saved["data"], current["data"]
     if (old_data["rows"], old_data["cache_entry"]) != (new_data["rows"], new_data["cache_entry"]):
@@ -157,18 +176,22 @@ def resume_differences(
 
 
 def check_resume(
-    checkpoint: Mapping[str, Any], current: Mapping[str, Any], out: Union[str, Path]
+    checkpoint: Mapping[str, Any],
+    current: Mapping[str, Any],
+    out: Union[str, Path],
+    names: SettingNames,
 ) -> None:
-    """Raises :class:`ResumeRefused` naming each setting (with both values) in which
-    the command ``current`` differs from the run that wrote ``checkpoint`` (a loaded
-    checkpoint payload with its ``"run_record"``); ``out`` names the run directory."""
+    """Raises :class:`ResumeRefused` naming each setting (with both values, ``names``
+    naming it) in which the command ``current`` differs from the run that wrote
+    ``checkpoint`` (a loaded checkpoint payload with its ``"run_record"``); ``out`` names
+    the run directory."""
     saved = checkpoint.get("run_record")
     if saved is None:
         raise ResumeRefused(
             f"--resume refused: the checkpoint in {out} has no run record (written by an "
             "older version), so its settings cannot be checked; start anew with --overwrite"
         )
-    diffs = resume_differences(saved, current)
+    diffs = resume_differences(saved, current, names)
     if not diffs:
         return
     (flag, old, new), rest = diffs[0], diffs[1:]

@@ -25,6 +25,7 @@ from torchrec_cowclip.run.checkpoints import (
     DamagedCheckpointError,
 )
 from torchrec_cowclip.run.resume_guard import check_resume, check_sources
+from torchrec_cowclip.train.config import SETTING_NAMES
 from torchrec_cowclip.train.console import run_eta
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
@@ -263,7 +264,8 @@ class RunCheckpoints:
             )
         saved = self.store.trainer_state(checkpoint)
         assert saved is not None
-        check_resume(saved, self.run_record, self.out)  # before any state is loaded
+        # before any state is loaded
+        check_resume(saved, self.run_record, self.out, SETTING_NAMES)
         check_sources(saved, self.out)
         runtime = self.runtime
         runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors
