@@ -14,7 +14,7 @@ import pytest
 from torchrec_cowclip.cli import build_parser
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.process_context import ONE_PROCESS
-from torchrec_cowclip.run.resume_guard import resume_differences, shown_setting
+from torchrec_cowclip.run.resume_guard import resume_differences, run_fingerprint, shown_setting
 from torchrec_cowclip.train.command import (
     config_from_args,
     given_options,
@@ -23,7 +23,7 @@ from torchrec_cowclip.train.command import (
     train_flags,
     train_parser,
 )
-from torchrec_cowclip.train.config import SETTING_NAMES, TrainConfig
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig
 from torchrec_cowclip.train.options import GROUPS, declarations, without_none
 from torchrec_cowclip.train.warm_start import NOT_INHERITED_SETTINGS, inherited_line
 
@@ -208,10 +208,10 @@ def test_the_settings_groups_are_made_from_the_declarations_groups():
 
 def test_a_resume_refusal_names_settings_by_their_declarations():
     for option in declarations(TrainConfig):
-        assert SETTING_NAMES[option.name].flag.endswith(
+        assert RECORDED_SETTINGS[option.name].flag.endswith(
             option.flag + (")" if option.option.label else "")
         )
-    assert shown_setting("cowclip", False, SETTING_NAMES) == "off"
+    assert shown_setting("cowclip", False, RECORDED_SETTINGS) == "off"
     saved = {
         "settings": {"cowclip": True, "init_std": 0.01},
         "data": {"rows": 1, "cache_entry": "x"},
@@ -220,7 +220,23 @@ def test_a_resume_refusal_names_settings_by_their_declarations():
         "settings": {"cowclip": False, "init_std": 0.02},
         "data": {"rows": 1, "cache_entry": "x"},
     }
-    assert resume_differences(saved, now, SETTING_NAMES) == [
+    assert resume_differences(saved, now, RECORDED_SETTINGS) == [
         ("CowClip (--no-cowclip)", "on", "off"),
         ("--init-std", "0.01", "0.02"),
     ]
+
+
+def test_what_a_resume_may_change_is_declared_and_keeps_mains_fingerprints():
+    resumable = {name for name, setting in RECORDED_SETTINGS.items() if setting.resumable}
+    # The set main's run/resume_guard.py listed: a checkpoint it wrote keeps its fingerprint.
+    assert resumable == {
+        "epochs", "progress", "log_every", "checkpoint_every", "max_steps", "resume",
+        "overwrite", "out", "cache_dir", "dist_timeout_s", "sharding", "keep_checkpoints",
+        "require_sha256",
+    }  # fmt: skip
+    record = {"settings": {"seed": 0, "epochs": 1, "out": "a"}, "data": {"rows": 3}}
+    moved = {"settings": {"seed": 0, "epochs": 4, "out": "b"}, "data": {"rows": 3}}
+    fingerprint = run_fingerprint(record, RECORDED_SETTINGS)
+    assert (
+        fingerprint == run_fingerprint(moved, RECORDED_SETTINGS) == "06bb86c058c695f9"
+    )  # as main computes it

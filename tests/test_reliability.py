@@ -37,7 +37,7 @@ from torchrec_cowclip.run.out_dir import (
     lock_holder,
 )
 from torchrec_cowclip.run.resume_guard import ResumeRefused
-from torchrec_cowclip.train.config import SETTING_NAMES
+from torchrec_cowclip.train.config import RECORDED_SETTINGS
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_resume_refusal_names_every_difference_and_fewer_epochs(interrupted):
     base = _saved_state(interrupted / "run")["run_record"]["settings"]
     saved = {"settings": {**base, "epochs": 3}, "data": {"rows": 1, "cache_entry": "x"}}
     now = {"settings": base, "data": {"rows": 1, "cache_entry": "x"}}
-    assert resume_guard.resume_differences(saved, now, SETTING_NAMES) == [
+    assert resume_guard.resume_differences(saved, now, RECORDED_SETTINGS) == [
         ("--epochs", "3", "1 (a resumed run may only add epochs)")
     ]
 

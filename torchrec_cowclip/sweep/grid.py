@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.run.folder_layout import jsonable
 from torchrec_cowclip.run.resume_guard import setting_flag, shown_setting
-from torchrec_cowclip.train.config import SETTING_NAMES, TrainConfig, TrainSettings
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.options import declarations
 from torchrec_cowclip.train.scaling import RECIPES
 
@@ -244,9 +244,9 @@ def setting_differences(
         if old != new:
             found.append(
                 (
-                    setting_flag(field, SETTING_NAMES),
-                    shown_setting(field, old, SETTING_NAMES),
-                    shown_setting(field, new, SETTING_NAMES),
+                    setting_flag(field, RECORDED_SETTINGS),
+                    shown_setting(field, old, RECORDED_SETTINGS),
+                    shown_setting(field, new, RECORDED_SETTINGS),
                 )
             )
     return found

@@ -33,7 +33,7 @@ from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.row_step import compiled_update_mode
 from torchrec_cowclip.optim.rules import OPTIMIZERS
 from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
-from torchrec_cowclip.run.resume_guard import SettingName
+from torchrec_cowclip.run.resume_guard import Setting
 from torchrec_cowclip.train.options import (
     GROUPS,
     a_directory,
@@ -253,6 +253,7 @@ class TrainConfig:
     cache_dir: str = option(
         "data_cache",
         group="data",
+        resumable=True,
         inherited=False,
         help="where converted data (a verified binary cache) is kept and reused",
     )
@@ -386,6 +387,7 @@ class TrainConfig:
     out: Optional[str] = option(
         None,
         group="run",
+        resumable=True,
         inherited=False,
         help="run directory (metrics.json, steps.csv, epochs.csv, tb/, checkpoints/); an "
         "existing run there is refused without --resume or --overwrite; default: a new "
@@ -394,6 +396,7 @@ class TrainConfig:
     overwrite: bool = option(
         False,
         group="run",
+        resumable=True,
         inherited=False,
         help="delete the previous run's files in --out first",
     )
@@ -401,6 +404,7 @@ class TrainConfig:
     resume: Union[bool, str] = option(
         False,
         group="run",
+        resumable=True,
         metavar="auto",
         check=resume_mode,
         inherited=False,
@@ -412,6 +416,7 @@ class TrainConfig:
     epochs: Optional[int] = option(
         None,
         group="run",
+        resumable=True,
         check=positive,
         help="passes over the training split (default: 10 for table:, stopped early on the "
         "validation AUC; 1 for the paper's data)",
@@ -419,6 +424,7 @@ class TrainConfig:
     max_steps: int = option(
         0,
         group="run",
+        resumable=True,
         check=non_negative,
         help="stop after this many steps (0: no limit)",
     )
@@ -440,6 +446,7 @@ class TrainConfig:
     checkpoint_every: int = option(
         0,
         group="run",
+        resumable=True,
         check=non_negative,
         help="checkpoint every this many steps (0: at epoch ends only)",
     )
@@ -456,12 +463,14 @@ class TrainConfig:
     log_every: int = option(
         20,
         group="run",
+        resumable=True,
         check=positive,
         help="write a steps.csv row (and TensorBoard scalars) every this many steps",
     )
     keep_checkpoints: int = option(
         2,
         group="run",
+        resumable=True,
         check=positive,
         metavar="K",
         help="keep the last K complete checkpoints (a damaged newest one falls back to "
@@ -476,6 +485,7 @@ class TrainConfig:
     progress: bool = option(
         True,
         group="run",
+        resumable=True,
         flag="--no-progress",
         inherited=False,
         help="no progress bars (the epoch lines stay); default: progress bars on stderr",
@@ -504,12 +514,13 @@ class TrainConfig:
         help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
     )
     require_sha256: bool = option(
-        False, group="run", help="with --init-from: " + REQUIRE_SHA256_HELP
+        False, group="run", resumable=True, help="with --init-from: " + REQUIRE_SHA256_HELP
     )
     # --- distributed ---------------------------------------------------------------------------
     sharding: str = option(
         "auto",
         group="distributed",
+        resumable=True,
         choices=SHARDING_CHOICES,
         help="how the embedding tables are sharded (auto: TorchRec's planner chooses per "
         "table); refused on one process",
@@ -517,6 +528,7 @@ class TrainConfig:
     dist_timeout_s: float = option(
         300.0,
         group="distributed",
+        resumable=True,
         flag="--dist-timeout",
         check=positive,
         inherited=False,
@@ -884,16 +896,17 @@ DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
 }
 
 
-#: How a message comparing two runs' settings (a resume's, a sweep's) names each option:
-#: its declaration's flag (and label), its values on/off for a switch on by default.
-SETTING_NAMES: Dict[str, SettingName] = {
-    option.name: SettingName(option.named, option.form == "off")
+#: What a run record's settings are to the resume guard and a sweep (run/resume_guard.py),
+#: from the declarations: how a message names each (its flag, and label), its values on/off
+#: for a switch on by default, whether a resumed run may change it.
+RECORDED_SETTINGS: Dict[str, Setting] = {
+    option.name: Setting(option.named, option.form == "off", option.option.resumable)
     for option in declarations(TrainConfig)
 }
 
 
 def _shown_defaults(chosen: Mapping[str, Any]) -> str:
-    return " ".join(f"{SETTING_NAMES[k].flag} {v:g}" for k, v in chosen.items())
+    return " ".join(f"{RECORDED_SETTINGS[k].flag} {v:g}" for k, v in chosen.items())
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,16 @@ class Option:
         finite: a float value must be finite (False where its own type checks it).
         label: how a message comparing two runs' settings names the option beside its
             flag (``CowClip (--no-cowclip)``); default: the flag alone.
+        resumable: a resumed run may change it (``--resume`` compares every other
+            setting with the checkpoint's; run/resume_guard.py), because it changes no
+            number the run produces (weights, metrics.json): how often the run logs,
+            checkpoints or shows progress, where it stops (``--epochs`` only upwards), how
+            it was started, where it writes, where the binary cache lives (the data is
+            compared by fingerprint), how long a collective may wait; ``--sharding`` too,
+            deliberately: a checkpoint re-shards on load (the same math on the same global
+            batches; only float summation order differs). Not ``--threads``, ``--device``
+            or ``--eval-batch-size``, which can move the last bits of float sums, nor
+            ``--init-std``, which metrics.json reports.
         to: its name in its group's settings where that is not the option's own
             (``--model`` is the model spec's ``name``; ``--synthetic-scale`` the source
             kind's ``cardinality_scale``).
@@ -94,6 +104,7 @@ class Option:
     inherited: bool = True
     finite: bool = True
     label: Optional[str] = None
+    resumable: bool = False
     to: Optional[str] = None
     given: Optional[Callable[[Any], Any]] = None
 

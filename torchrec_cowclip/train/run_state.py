@@ -25,7 +25,7 @@ from torchrec_cowclip.run.checkpoints import (
     DamagedCheckpointError,
 )
 from torchrec_cowclip.run.resume_guard import check_resume, check_sources
-from torchrec_cowclip.train.config import SETTING_NAMES
+from torchrec_cowclip.train.config import RECORDED_SETTINGS
 from torchrec_cowclip.train.console import run_eta
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
@@ -265,7 +265,7 @@ class RunCheckpoints:
         saved = self.store.trainer_state(checkpoint)
         assert saved is not None
         # before any state is loaded
-        check_resume(saved, self.run_record, self.out, SETTING_NAMES)
+        check_resume(saved, self.run_record, self.out, RECORDED_SETTINGS)
         check_sources(saved, self.out)
         runtime = self.runtime
         runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors

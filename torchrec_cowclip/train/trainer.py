@@ -43,7 +43,7 @@ from torchrec_cowclip.run.log import RunLog, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
-from torchrec_cowclip.train.config import TrainConfig, TrainSettings
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
     calibration_line,
     duration,
@@ -149,7 +149,7 @@ class Trainer:
             self.runtime,
             settings.record,
             record,
-            run_fingerprint(record),
+            run_fingerprint(record, RECORDED_SETTINGS),
             run.row_clip_stats,
         )
         if self.runtime.is_main:
