@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -191,6 +191,8 @@ def test_the_settings_groups_are_made_from_the_declarations_groups():
     )
     model = config._resolved(None, ONE_PROCESS).model
     assert (model.name, model.hidden, model.init_seed) == ("dcn", (8,), 7)
+    listed = replace(config, hidden=[8, 4])._resolved(None, ONE_PROCESS).model
+    assert listed.hidden == (8, 4) and hash(listed)  # a caller's list, the spec's tuple
     options = config.data_options()
     # a switch off or an empty list is not given; --no-header is the kind's header=False
     assert (options["header"], options["dense"], options["missing_indicator"]) == (

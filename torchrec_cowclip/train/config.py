@@ -273,7 +273,11 @@ class TrainConfig:
         1e-2, group="model", check=non_negative, help="embedding init N(0, std^2)"
     )
     hidden: Tuple[int, ...] = option(
-        (400, 400, 400), group="model", check=positive_sizes, help="DNN layer sizes"
+        (400, 400, 400),
+        group="model",
+        check=positive_sizes,
+        given=tuple,  # a Python caller's list, as the spec's tuple
+        help="DNN layer sizes",
     )
     embedding_backend: str = option(
         "cowclip",
