@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.run.checkpoints import (
-    CHECKPOINTS_DIR,
     TRAINER_STATE,
     Checkpoint,
     CheckpointStore,
@@ -147,7 +146,8 @@ class RunCheckpoints:
 
     Args:
         out: the run directory.
-        keep: how many complete "latest" checkpoints to keep.
+        store: its checkpoint store (``out/checkpoints``, keeping ``--keep-checkpoints``),
+            the one the run's ``--out`` claim made.
         runtime: what the checkpoints hold the tensors, counters and RNG states of.
         config: the run's options as its record keeps them (``TrainConfig.as_dict``).
         run_record: the run's settings with its recipe resolved and its data
@@ -159,14 +159,14 @@ class RunCheckpoints:
     def __init__(
         self,
         out: Path,
-        keep: int,
+        store: CheckpointStore,
         runtime: Runtime,
         config: Mapping[str, Any],
         run_record: Dict[str, Any],
         fingerprint: str,
         row_clip_stats: bool,
     ) -> None:
-        self.out, self.store = out, CheckpointStore(out / CHECKPOINTS_DIR, keep=keep)
+        self.out, self.store = out, store
         self.runtime, self.config, self.run_record = runtime, config, run_record
         self.fingerprint, self.row_clip_stats = fingerprint, row_clip_stats
         #: The best validation epoch's checkpoint (its directory's name), once there is one.

@@ -33,6 +33,7 @@ import torch
 
 from torchrec_cowclip import notices
 from torchrec_cowclip.data.pipeline.cache import sources_seen
+from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.run.folder_writer import (
     RunFolderWriter,
     describe_data,
@@ -104,7 +105,11 @@ class Trainer:
         self.settings = settings
         run = settings.run
         self.out = Path(str(run.out))
-        self.run_dir = claim_run_dir(self.out, run.resume, run.overwrite, main=self.is_main)
+        # One checkpoint store: the claim asks and cleans it, the run's checkpoints keep it.
+        self.store = CheckpointStore(self.out / CHECKPOINTS_DIR, keep=run.keep_checkpoints)
+        self.run_dir = claim_run_dir(
+            self.out, run.resume, run.overwrite, main=self.is_main, checkpoints=self.store
+        )
         try:
             self._build()
         except BaseException:
@@ -137,6 +142,7 @@ class Trainer:
         self.hp = settings.hp
         self.cowclip = settings.optimizers.embedding.cowclip
         record = run_record(settings.record_settings(), settings.data.record(self.dataset), sources)
+        fingerprint = run_fingerprint(record, RECORDED_SETTINGS)
         self.runtime: Runtime = make_runtime(settings, self.dataset, self.train_idx)
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
@@ -145,11 +151,11 @@ class Trainer:
             self.model.embedding_collection.track_row_clips()
         self.checkpoints = RunCheckpoints(
             self.out,
-            run.keep_checkpoints,
+            self.store,
             self.runtime,
             settings.record,
             record,
-            run_fingerprint(record, RECORDED_SETTINGS),
+            fingerprint,
             run.row_clip_stats,
         )
         if self.runtime.is_main:
@@ -332,7 +338,14 @@ class Trainer:
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.settings.run, self.progress
         wall_start = time.perf_counter()
-        test = self._evaluate(self.test_idx, log, "test")
+        # The test split, then the validation split where there is one, in one pass.
+        splits = {"test": self.test_idx, "validation": self.val_idx}
+        results = {
+            name: self._evaluate(indices, log, name)
+            for name, indices in splits.items()
+            if name == "test" or len(indices)
+        }
+        test = results["test"]
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
         p.epoch_calibration.append(test["calibration"])
@@ -344,8 +357,8 @@ class Trainer:
             "test_logloss": test["logloss"],
             "test_calibration": test["calibration"],
         }
-        if len(self.val_idx):
-            val = self._evaluate(self.val_idx, log, "validation")
+        if "validation" in results:
+            val = results["validation"]
             p.epoch_val_calibration.append(val["calibration"])
             row.update(
                 val_auc=val["auc"], val_logloss=val["logloss"], val_calibration=val["calibration"]
