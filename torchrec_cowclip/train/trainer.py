@@ -40,15 +40,13 @@ from torchrec_cowclip.run.folder_writer import (
     describe_model,
     encoder_writer,
 )
-from torchrec_cowclip.run.log import RunLog, write_text_atomically
+from torchrec_cowclip.run.log import RunLog, duration, epoch_line, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
     calibration_line,
-    duration,
-    epoch_line,
     peak_rss_mb,
     start_lines,
     weights_line,
@@ -161,6 +159,7 @@ class Trainer:
         if self.runtime.is_main:
             self.checkpoints.clean(_say)
         self.progress = Progress()
+        self.total_steps = total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
         self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
         # This process's mean training-step time in its last epoch (the run's ETA).
         self._step_s: Optional[float] = None
@@ -202,16 +201,11 @@ class Trainer:
     def _run(self) -> TrainResult:
         run = self.settings.run
         resumed = self.restore() if run.resume else False
-        main = self.runtime.is_main
-        log = RunLog(self.out, enabled_progress=run.progress and main, enabled=main)
-        for line in start_lines(
-            self.settings, self.data, self.runtime, self.out, self._total_steps()
-        ):
-            log.info(line)
+        main, p = self.runtime.is_main, self.progress
+        lines = start_lines(self.settings, self.data, self.runtime, self.out, self.total_steps)
         if resumed:
-            p = self.progress
             assert self.checkpoints.resumed_from is not None  # restore() has just loaded it
-            log.info(
+            lines.append(
                 resumed_message(
                     p.global_step,
                     p.epoch,
@@ -220,6 +214,10 @@ class Trainer:
                     self.checkpoints.resumed_from,
                 )
             )
+        log = RunLog(self.out, enabled_progress=run.progress and main, enabled=main)
+        for line in lines:
+            log.info(line)
+        if resumed:
             log.rewind(p.global_step, p.epoch)
         elif self.warm is not None:
             log.info(self.warm.load_into(self.runtime, run.init_optimizer_state))
@@ -326,10 +324,6 @@ class Trainer:
                 self._step_s = step_seconds_here / steps_here
         return True
 
-    def _total_steps(self) -> int:
-        run = self.settings.run
-        return total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
-
     def _eta(self, step_s: float) -> float:
         """Seconds left in the run (one test pass, and one validation pass, per epoch)."""
         run, passes = self.settings.run, 2 if len(self.val_idx) else 1
@@ -380,14 +374,13 @@ class Trainer:
             peak_rss_mb=peak_rss_mb(),
         )
         p.next_epoch(updated, clipped)
-        log.epoch(row)
         more = p.epoch < cfg.epochs and not p.stopped_early
         step_s = (
             self._step_s if self._step_s is not None else p.train_seconds / max(p.global_step, 1)
         )
-        log.info(
-            epoch_line({**row, "epochs": cfg.epochs, "eta_s": self._eta(step_s) if more else None})
-        )
+        eta_s = self._eta(step_s) if more else None
+        log.epoch(row)
+        log.info(epoch_line({**row, "epochs": cfg.epochs, "eta_s": eta_s}))
         if p.stopped_early and p.epoch < cfg.epochs:
             log.info(
                 f"early stopping after epoch {p.epoch} of {cfg.epochs}: no better validation "
