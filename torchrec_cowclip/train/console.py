@@ -1,15 +1,14 @@
 """What a training run tells its user: the start summary (settings, tables, parameters,
-processes, dense inputs, labels), the whole run's ETA, the process's peak memory, and
-which weights the run folder keeps (the line of each epoch is its ``epochs.csv`` row's,
-:func:`~torchrec_cowclip.run.log.epoch_line`).
+processes, dense inputs, labels), the process's peak memory, and which weights the run
+folder keeps. Each epoch's line is its ``epochs.csv`` row's
+(:func:`~torchrec_cowclip.run.log.epoch_line`); the run's ETA is
+:meth:`~torchrec_cowclip.train.run_state.Progress.eta`'s.
 
 Example::
 
     >>> sizes = ModelSize(tables=(("emb_C1", 1000, 10), ("lin_C1", 1000, 1)), dense_parameters=2500)
     >>> sizes.describe()
     'tables: 2 (1 of dim 10, 1 of dim 1), 2,000 rows, largest emb_C1 (1,000 x 10) | parameters: 11,000 in tables + 2,500 dense = 13,500'
-    >>> run_eta(steps_done=10, steps_total=40, step_s=0.5, evals_left=2, eval_s=3.0)
-    21.0
 """
 
 from __future__ import annotations
@@ -95,14 +94,6 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS
-
-
-def run_eta(
-    steps_done: int, steps_total: int, step_s: float, evals_left: int, eval_s: float
-) -> float:
-    """Seconds left in the whole run: the steps left at this process's mean step time,
-    plus the evaluations left at the mean evaluation time so far."""
-    return max(steps_total - steps_done, 0) * step_s + max(evals_left, 0) * eval_s
 
 
 #: How far from 1 a calibration (mean prediction / positive rate) is named at the end.

@@ -25,7 +25,6 @@ from torchrec_cowclip.run.checkpoints import (
 )
 from torchrec_cowclip.run.resume_guard import check_resume, check_sources
 from torchrec_cowclip.train.config import RECORDED_SETTINGS
-from torchrec_cowclip.train.console import run_eta
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
 
@@ -133,6 +132,20 @@ class Progress:
             "extra_s_per_step": self.helen_extra_s / steps,
             "extra_fraction": self.helen_extra_s / max(self.helen_first_pass_s, 1e-9),
         }
+
+
+def run_eta(
+    steps_done: int, steps_total: int, step_s: float, evals_left: int, eval_s: float
+) -> float:
+    """Seconds left in the whole run: the steps left at this process's mean step time,
+    plus the evaluations left at the mean evaluation time so far.
+
+    Example::
+
+        >>> run_eta(steps_done=10, steps_total=40, step_s=0.5, evals_left=2, eval_s=3.0)
+        21.0
+    """
+    return max(steps_total - steps_done, 0) * step_s + max(evals_left, 0) * eval_s
 
 
 def total_steps_of(epochs: int, steps_per_epoch: int, max_steps: int) -> int:

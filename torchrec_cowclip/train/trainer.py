@@ -160,6 +160,14 @@ class Trainer:
             self.checkpoints.clean(_say)
         self.progress = Progress()
         self.total_steps = total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
+        # What the run's ETA counts (Progress.eta): its epochs, their steps, --max-steps and
+        # the evaluations per epoch (the test split's, and the validation split's).
+        self.eta_plan = (
+            run.epochs,
+            self.steps_per_epoch,
+            run.max_steps,
+            2 if len(self.val_idx) else 1,
+        )
         self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
         # This process's mean training-step time in its last epoch (the run's ETA).
         self._step_s: Optional[float] = None
@@ -226,10 +234,10 @@ class Trainer:
                 finished_epoch = self._train_epoch(log)
                 if not finished_epoch:  # --max-steps reached mid-epoch
                     if self.checkpoints.saved_step != self.progress.global_step:
-                        self.save()
+                        self.checkpoints.save(self.progress)
                     break
                 self._end_of_epoch(log)
-                self.save()
+                self.checkpoints.save(self.progress)
                 if self.runtime.agree_to_stop(self.stop.requested is not None):
                     self._stopped()
         finally:
@@ -240,7 +248,7 @@ class Trainer:
         """Ends a run that a signal asked to stop, once its checkpoint is written."""
         p = self.progress
         if self.checkpoints.saved_step != p.global_step:
-            self.save()
+            self.checkpoints.save(self.progress)
         raise RunStopped(
             f"stopped by {self.stop.requested or 'a signal on another rank'} after step "
             f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
@@ -294,26 +302,27 @@ class Trainer:
                     now = time.perf_counter()
                     rate = samples_since / max(now - t_last, 1e-9)
                     t_last, samples_since = now, 0
+                    dense_lr = self.runtime.dense_lr()
                     log.step(
                         p.global_step,
                         {
                             "loss": loss_value,
                             "running_loss": running,
                             "samples_per_s": rate,
-                            "dense_lr": self._dense_lr(),
+                            "dense_lr": dense_lr,
                         },
                     )
                 bar.update(1)
                 postfix = {
                     "loss": f"{running:.4f}",
                     "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
-                    "run_eta": duration(self._eta(step_seconds_here / steps_here)),
+                    "run_eta": duration(p.eta(step_seconds_here / steps_here, *self.eta_plan)),
                 }
                 if helen is not None:
                     postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
                 bar.set_postfix(postfix)
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
-                    self.save()
+                    self.checkpoints.save(self.progress)
                 if stop:
                     self._stopped()
         finally:
@@ -323,11 +332,6 @@ class Trainer:
             if steps_here:
                 self._step_s = step_seconds_here / steps_here
         return True
-
-    def _eta(self, step_s: float) -> float:
-        """Seconds left in the run (one test pass, and one validation pass, per epoch)."""
-        run, passes = self.settings.run, 2 if len(self.val_idx) else 1
-        return self.progress.eta(step_s, run.epochs, self.steps_per_epoch, run.max_steps, passes)
 
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.settings.run, self.progress
@@ -378,7 +382,7 @@ class Trainer:
         step_s = (
             self._step_s if self._step_s is not None else p.train_seconds / max(p.global_step, 1)
         )
-        eta_s = self._eta(step_s) if more else None
+        eta_s = p.eta(step_s, *self.eta_plan) if more else None
         log.epoch(row)
         log.info(epoch_line({**row, "epochs": cfg.epochs, "eta_s": eta_s}))
         if p.stopped_early and p.epoch < cfg.epochs:
@@ -411,12 +415,6 @@ class Trainer:
         self.progress.eval_seconds += time.perf_counter() - started
         self.progress.evaluations += 1
         return result
-
-    def _dense_lr(self) -> float:
-        for name, opt in self.optimizer.optimizers:
-            if name == "dense":
-                return float(opt.param_groups[0]["lr"])
-        return float("nan")
 
     def _finish(self) -> TrainResult:
         run, p = self.settings.run, self.progress
