@@ -156,8 +156,6 @@ class Trainer:
             fingerprint,
             run.row_clip_stats,
         )
-        if self.runtime.is_main:
-            self.checkpoints.clean(_say)
         self.progress = Progress()
         self.total_steps = total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
         # What the run's ETA counts (Progress.eta): its epochs, their steps, --max-steps and
@@ -168,6 +166,8 @@ class Trainer:
             run.max_steps,
             2 if len(self.val_idx) else 1,
         )
+        if self.runtime.is_main:
+            self.checkpoints.clean(_say)
         self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
         # This process's mean training-step time in its last epoch (the run's ETA).
         self._step_s: Optional[float] = None
@@ -343,6 +343,8 @@ class Trainer:
             for name, indices in splits.items()
             if name == "test" or len(indices)
         }
+        # The run's row counters so far (training steps move them, evaluations do not).
+        counts = clip_counts(self.runtime.embedding_module())
         test = results["test"]
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
@@ -363,7 +365,6 @@ class Trainer:
             )
             if p.validated(val["auc"], cfg.early_stop_patience):
                 self.checkpoints.save_best(p)
-        counts = clip_counts(self.runtime.embedding_module())
         updated, clipped = counts["rows_updated"], counts["rows_clipped"]
         p.epoch_wall_seconds += time.perf_counter() - wall_start
         row.update(
