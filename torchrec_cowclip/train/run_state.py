@@ -24,6 +24,7 @@ from torchrec_cowclip.run.checkpoints import (
     DamagedCheckpointError,
 )
 from torchrec_cowclip.run.resume_guard import check_resume, check_sources
+from torchrec_cowclip.run.stop import RunStopped
 from torchrec_cowclip.train.config import RECORDED_SETTINGS
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
@@ -233,6 +234,23 @@ class RunCheckpoints:
             uses=[self.best] if self.best else [],
         )
         self.saved_step = p.global_step
+
+    def save_unless_saved(self, progress: Progress) -> None:
+        """:meth:`save`, unless this step's "latest" checkpoint is written already."""
+        if self.saved_step != progress.global_step:
+            self.save(progress)
+
+    def stop_here(self, progress: Progress, by: Optional[str], steps_per_epoch: int) -> RunStopped:
+        """Ends a run that a signal (``by``; None: on another rank) asked to stop: its
+        checkpoint written (:meth:`save_unless_saved`), the :class:`RunStopped` to raise,
+        naming it."""
+        p = progress
+        self.save_unless_saved(p)
+        return RunStopped(
+            f"stopped by {by or 'a signal on another rank'} after step "
+            f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
+            f"{steps_per_epoch}): {self.describe()}"
+        )
 
     def save_best(self, progress: Progress) -> None:
         """The best validation epoch's weights, as their own checkpoint (not kept in

@@ -43,7 +43,7 @@ from torchrec_cowclip.run.folder_writer import (
 from torchrec_cowclip.run.log import RunLog, duration, epoch_line, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
-from torchrec_cowclip.run.stop import RunStopped, StopRequest
+from torchrec_cowclip.run.stop import StopRequest
 from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
     calibration_line,
@@ -233,27 +233,15 @@ class Trainer:
             while self.progress.epoch < run.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
                 if not finished_epoch:  # --max-steps reached mid-epoch
-                    if self.checkpoints.saved_step != self.progress.global_step:
-                        self.checkpoints.save(self.progress)
+                    self.checkpoints.save_unless_saved(self.progress)
                     break
                 self._end_of_epoch(log)
                 self.checkpoints.save(self.progress)
                 if self.runtime.agree_to_stop(self.stop.requested is not None):
-                    self._stopped()
+                    raise self.checkpoints.stop_here(p, self.stop.requested, self.steps_per_epoch)
         finally:
             log.close()
         return self._finish()
-
-    def _stopped(self) -> None:
-        """Ends a run that a signal asked to stop, once its checkpoint is written."""
-        p = self.progress
-        if self.checkpoints.saved_step != p.global_step:
-            self.checkpoints.save(self.progress)
-        raise RunStopped(
-            f"stopped by {self.stop.requested or 'a signal on another rank'} after step "
-            f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
-            f"{self.steps_per_epoch}): {self.checkpoints.describe()}"
-        )
 
     def _train_epoch(self, log: RunLog) -> bool:
         cfg, p = self.settings.run, self.progress
@@ -324,7 +312,7 @@ class Trainer:
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
                     self.checkpoints.save(self.progress)
                 if stop:
-                    self._stopped()
+                    raise self.checkpoints.stop_here(p, self.stop.requested, self.steps_per_epoch)
         finally:
             bar.close()
             self.runtime.end_pipeline(pipeline)
