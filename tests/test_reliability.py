@@ -204,8 +204,10 @@ def test_resume_drops_the_log_rows_written_after_the_checkpoint(interrupted, tmp
 
 _HOLD_LOCK = (
     "import sys, time; from pathlib import Path; "
+    "from torchrec_cowclip.run.checkpoints import CheckpointStore; "
     "from torchrec_cowclip.run.out_dir import claim_run_dir; "
-    "lock = claim_run_dir(Path(sys.argv[1]), resume=False, overwrite=False); "
+    "out = Path(sys.argv[1]); "
+    "lock = claim_run_dir(out, False, False, checkpoints=CheckpointStore(out / 'checkpoints')); "
     "print('locked', flush=True); time.sleep(120)"
 )
 

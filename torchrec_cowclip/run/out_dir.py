@@ -10,7 +10,8 @@ check in :meth:`RunDirLock.acquire`) instead of locking a file nobody else sees.
 
 Example::
 
-    >>> lock = claim_run_dir(Path("runs/x"), resume=False, overwrite=False)
+    >>> out = Path("runs/x")
+    >>> lock = claim_run_dir(out, False, False, checkpoints=CheckpointStore(out / CHECKPOINTS_DIR))
     >>> (Path("runs/x") / LOCK_NAME).read_text() == str(os.getpid())
     True
     >>> lock.release()
@@ -225,7 +226,8 @@ def claim_run_dir(
     overwrite: bool,
     main: bool = True,
     say: Callable[[str], None] = _say,
-    checkpoints: Optional[CheckpointStore] = None,
+    *,
+    checkpoints: CheckpointStore,
 ) -> RunDirLock:
     """Makes ``out`` this run's: creates it, takes its lock, refuses another run's files
     unless resuming or ``overwrite`` (which deletes them, saying what), and removes the
@@ -242,7 +244,8 @@ def claim_run_dir(
             directory and claim nothing.
         say: where the notes go (stderr by default).
         checkpoints: the run's checkpoint store in ``out/checkpoints``, which the claim
-            asks and cleans (the trainer's, made once; a plain one if None).
+            asks for a checkpoint and removes through (the trainer's, made once, which
+            the run's checkpoints then keep).
 
     Raises:
         RunDirError: ``out`` is locked by another process (naming its pid), cannot be
@@ -251,7 +254,6 @@ def claim_run_dir(
     """
     if not main:
         return RunDirLock.not_held()
-    store = CheckpointStore(out / CHECKPOINTS_DIR) if checkpoints is None else checkpoints
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = RunDirLock.acquire(out)
@@ -266,16 +268,16 @@ def claim_run_dir(
     try:
         previous = run_files(out)
         if previous and overwrite:
-            _remove(previous, say, store)
+            _remove(previous, say, checkpoints)
             say(f"--overwrite: removed {', '.join(p.name for p in previous)} from {out}")
-        elif previous and resume == "auto" and store.newest("latest") is None:
+        elif previous and resume == "auto" and checkpoints.newest("latest") is None:
             if (out / "metrics.json").exists():
                 raise RunDirError(
                     f"--out {out} holds a finished run's files ({', '.join(p.name for p in previous)}) "
                     "but no checkpoint to resume: add --overwrite to delete them or choose another --out"
                 )
-            _refuse_unproven_start(store)
-            _remove(previous, say, store)
+            _refuse_unproven_start(checkpoints)
+            _remove(previous, say, checkpoints)
             say(
                 f"--resume auto: no checkpoint in {out}, starting anew; removed "
                 f"{', '.join(p.name for p in previous)}, left by an attempt that wrote none"
@@ -287,7 +289,7 @@ def claim_run_dir(
             )
         stale = stale_temp_files(out)
         if stale:
-            _remove(stale, say, store)
+            _remove(stale, say, checkpoints)
             say(
                 f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write"
             )
