@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
 from torchrec_cowclip.cli import build_parser
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.process_context import ONE_PROCESS
+from torchrec_cowclip.run.resume_guard import resume_differences, run_fingerprint, shown_setting
 from torchrec_cowclip.train.command import (
     config_from_args,
     given_options,
@@ -21,7 +23,7 @@ from torchrec_cowclip.train.command import (
     train_flags,
     train_parser,
 )
-from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig
 from torchrec_cowclip.train.options import GROUPS, declarations, without_none
 from torchrec_cowclip.train.warm_start import NOT_INHERITED_SETTINGS, inherited_line
 
@@ -154,3 +156,89 @@ def test_the_loops_settings_are_the_declared_options_of_the_same_types():
     declared = {o.name: o.value_type for o in declarations(TrainConfig)}
     run = {name: without_none(kind) for name, kind in get_type_hints(RunSettings).items()}
     assert {name: declared.get(name) for name in run} == run
+    # ... and exactly the run and distributed groups' options and the batch: an option
+    # added to either group is a field of the loop's settings, or they refuse to be made.
+    grouped = {
+        o.name for o in declarations(TrainConfig) if o.option.group in ("run", "distributed")
+    }
+    assert set(run) == grouped | {"batch_size"}
+
+
+def test_the_data_kinds_defaults_are_filled_once_by_resolve(monkeypatch):
+    filled = []
+    original = TrainConfig.with_data_defaults
+
+    def counted(self):
+        filled.append(self.data)
+        return original(self)
+
+    monkeypatch.setattr(TrainConfig, "with_data_defaults", counted)
+    settings = TrainConfig(data="synthetic:100", epochs=3).resolve(ONE_PROCESS)
+    assert filled == ["synthetic:100"]  # the checks, the data and the record take resolve's
+    assert (settings.run.epochs, settings.run.early_stop_patience) == (3, 0)
+    assert settings.record["val_fraction"] == settings.data.val_fraction == 0.0
+
+
+def test_the_settings_groups_are_made_from_the_declarations_groups():
+    config = TrainConfig(
+        data="table:x.csv",
+        model="dcn",
+        hidden=(8,),
+        no_header=True,
+        columns=["y", "a"],
+        synthetic_scale=0.5,
+        seed=7,
+    )
+    model = config._resolved(None, ONE_PROCESS).model
+    assert (model.name, model.hidden, model.init_seed) == ("dcn", (8,), 7)
+    listed = replace(config, hidden=[8, 4])._resolved(None, ONE_PROCESS).model
+    assert listed.hidden == (8, 4) and hash(listed)  # a caller's list, the spec's tuple
+    options = config.data_options()
+    # a switch off or an empty list is not given; --no-header is the kind's header=False
+    assert (options["header"], options["dense"], options["missing_indicator"]) == (
+        False,
+        None,
+        None,
+    )
+    assert options["cardinality_scale"] == 0.5  # --synthetic-scale: refused by table: by name
+    with pytest.raises(ConfigError, match="--synthetic-scale"):
+        config.validate(ONE_PROCESS)
+    data_group = {o.option.to or o.name for o in group_options("data")}
+    assert set(options) < data_group
+    assert {"spec", "test_spec", "cache_dir", "test_fraction", "val_fraction"} < data_group
+
+
+def test_a_resume_refusal_names_settings_by_their_declarations():
+    for option in declarations(TrainConfig):
+        assert RECORDED_SETTINGS[option.name].flag.endswith(
+            option.flag + (")" if option.option.label else "")
+        )
+    assert shown_setting("cowclip", False, RECORDED_SETTINGS) == "off"
+    saved = {
+        "settings": {"cowclip": True, "init_std": 0.01},
+        "data": {"rows": 1, "cache_entry": "x"},
+    }
+    now = {
+        "settings": {"cowclip": False, "init_std": 0.02},
+        "data": {"rows": 1, "cache_entry": "x"},
+    }
+    assert resume_differences(saved, now, RECORDED_SETTINGS) == [
+        ("CowClip (--no-cowclip)", "on", "off"),
+        ("--init-std", "0.01", "0.02"),
+    ]
+
+
+def test_what_a_resume_may_change_is_declared_and_keeps_mains_fingerprints():
+    resumable = {name for name, setting in RECORDED_SETTINGS.items() if setting.resumable}
+    # The set main's run/resume_guard.py listed: a checkpoint it wrote keeps its fingerprint.
+    assert resumable == {
+        "epochs", "progress", "log_every", "checkpoint_every", "max_steps", "resume",
+        "overwrite", "out", "cache_dir", "dist_timeout_s", "sharding", "keep_checkpoints",
+        "require_sha256",
+    }  # fmt: skip
+    record = {"settings": {"seed": 0, "epochs": 1, "out": "a"}, "data": {"rows": 3}}
+    moved = {"settings": {"seed": 0, "epochs": 4, "out": "b"}, "data": {"rows": 3}}
+    fingerprint = run_fingerprint(record, RECORDED_SETTINGS)
+    assert (
+        fingerprint == run_fingerprint(moved, RECORDED_SETTINGS) == "06bb86c058c695f9"
+    )  # as main computes it

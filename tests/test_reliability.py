@@ -37,6 +37,7 @@ from torchrec_cowclip.run.out_dir import (
     lock_holder,
 )
 from torchrec_cowclip.run.resume_guard import ResumeRefused
+from torchrec_cowclip.train.config import RECORDED_SETTINGS
 from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def test_resume_refusal_names_every_difference_and_fewer_epochs(interrupted):
     base = _saved_state(interrupted / "run")["run_record"]["settings"]
     saved = {"settings": {**base, "epochs": 3}, "data": {"rows": 1, "cache_entry": "x"}}
     now = {"settings": base, "data": {"rows": 1, "cache_entry": "x"}}
-    assert resume_guard.resume_differences(saved, now) == [
+    assert resume_guard.resume_differences(saved, now, RECORDED_SETTINGS) == [
         ("--epochs", "3", "1 (a resumed run may only add epochs)")
     ]
 
@@ -203,8 +204,10 @@ def test_resume_drops_the_log_rows_written_after_the_checkpoint(interrupted, tmp
 
 _HOLD_LOCK = (
     "import sys, time; from pathlib import Path; "
+    "from torchrec_cowclip.run.checkpoints import CheckpointStore; "
     "from torchrec_cowclip.run.out_dir import claim_run_dir; "
-    "lock = claim_run_dir(Path(sys.argv[1]), resume=False, overwrite=False); "
+    "out = Path(sys.argv[1]); "
+    "lock = claim_run_dir(out, False, False, checkpoints=CheckpointStore(out / 'checkpoints')); "
     "print('locked', flush=True); time.sleep(120)"
 )
 

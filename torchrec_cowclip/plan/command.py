@@ -36,7 +36,7 @@ from torchrec_cowclip.train.command import (
     parsed_default,
     train_argv,
 )
-from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.config import TrainConfig, TrainSettings
 
 #: Exit status of a plan that does not fit the devices.
 EXIT_DOES_NOT_FIT = 3
@@ -246,15 +246,16 @@ def _check_positive(flag: str, value: Optional[float]) -> None:
         )
 
 
-def _validate(config: TrainConfig, parser: argparse.ArgumentParser, source: str) -> None:
-    """``train``'s checks of the options (one line naming the flag); the data options
-    only where the tables come from ``--data`` (a preset's or a run's data is not read)."""
+def _resolve(config: TrainConfig, parser: argparse.ArgumentParser, source: str) -> TrainSettings:
+    """``train``'s settings of the options, checked as train checks them (one line
+    naming the flag); the data options only where the tables come from ``--data`` (a
+    preset's or a run's data is not read)."""
     checked = replace(config, sharding="auto", device="auto")
     if source != "--data":
         fresh = TrainConfig()
         data_options = [option.name for option in group_options("data")]
         checked = replace(checked, **{k: getattr(fresh, k) for k in data_options})
-    checked.validate()
+    return checked.resolve()
 
 
 def _device_bytes(args: argparse.Namespace) -> Tuple[int, int]:
@@ -422,8 +423,8 @@ def _run(
     local, per_host = _job_flags(args)
     constraints = dict(parse_constraint(c) for c in args.constrain)
     config = config_from_args(args)
-    _validate(config, parser, source)
-    data = config.data_settings() if source == "--data" else None
+    settings = _resolve(config, parser, source)
+    data = settings.data if source == "--data" else None
     schema, num_dense, tables_from, launch_data = _tables(source, args, data, run)
     own_tables = isinstance(schema, list)
     if own_tables:
@@ -431,7 +432,7 @@ def _run(
     hbm, ddr = _device_bytes(args)
     spec = JobSpec(
         model="tables" if own_tables else config.model,
-        model_arguments={} if own_tables else config.model_spec().arguments(schema, num_dense),
+        model_arguments={} if own_tables else settings.model.arguments(schema, num_dense),
         optimizer=config.embedding_optimizer,
         batch_size=config.batch_size,
         world_size=args.world_size,

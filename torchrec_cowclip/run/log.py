@@ -1,5 +1,6 @@
 """Run logs in ``--out``: ``steps.csv`` and ``epochs.csv``, TensorBoard event files in
-``tb/`` (tensorboardX, no TensorFlow needed), and a tqdm progress bar on stderr.
+``tb/`` (tensorboardX, no TensorFlow needed), a tqdm progress bar on stderr, and each
+epoch's row as the terminal shows it (:func:`epoch_line`).
 
 Example::
 
@@ -11,6 +12,12 @@ Example::
     >>> log.close()
     >>> (out / "epochs.csv").read_text().splitlines()
     ['epoch,test_auc', '1,0.79']
+    >>> duration(3725.0)
+    '1h02m'
+    >>> epoch_line({"epoch": 1, "epochs": 2, "test_auc": 0.81234, "train_loss": 0.45,
+    ...             "epoch_s": 12.0, "train_samples_per_s": 10500.0, "peak_rss_mb": 812.0,
+    ...             "rows_updated": 300, "rows_clipped": 0, "eta_s": 13.0})
+    'epoch 1/2: test_auc 0.81234, train_loss 0.45000 | 12s, 10,500 samples/s, peak RSS 812 MB | rows updated 300, clipped 0 | run ETA 13s'
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import csv
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, Mapping, Optional, TextIO
 
 from tensorboardX import SummaryWriter
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
@@ -53,6 +60,48 @@ def write_text_atomically(path: Path, text: str) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _output_error(path, e) from None
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def epoch_line(row: Mapping[str, Any]) -> str:
+    """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``); an
+    AUC of None (its split's labels hold one class) reads ``undefined (one class)``."""
+    metrics = ", ".join(
+        f"{k} {row[k]:.{3 if k.endswith('calibration') else 5}f}"
+        if isinstance(row[k], float)
+        else f"{k} undefined (one class)"
+        for k in (
+            "test_auc",
+            "test_logloss",
+            "test_calibration",
+            "val_auc",
+            "val_logloss",
+            "val_calibration",
+            "train_loss",
+        )
+        if (isinstance(row.get(k), float) and not (k.endswith("calibration") and row[k] != row[k]))
+        or (k.endswith("_auc") and k in row and row[k] is None)
+    )
+    parts = [f"epoch {row['epoch']}/{row['epochs']}: {metrics}"]
+    if "epoch_s" in row:
+        parts.append(
+            f"{duration(row['epoch_s'])}, {row['train_samples_per_s']:,.0f} samples/s, "
+            f"peak RSS {row['peak_rss_mb']:,.0f} MB"
+        )
+    if row.get("rows_updated") is not None:
+        parts.append(f"rows updated {row['rows_updated']:,}, clipped {row['rows_clipped']:,}")
+    if row.get("eta_s") is not None:
+        parts.append(f"run ETA {duration(row['eta_s'])}")
+    return " | ".join(parts)
 
 
 class _CsvLog:

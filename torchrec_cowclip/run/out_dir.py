@@ -10,7 +10,8 @@ check in :meth:`RunDirLock.acquire`) instead of locking a file nobody else sees.
 
 Example::
 
-    >>> lock = claim_run_dir(Path("runs/x"), resume=False, overwrite=False)
+    >>> out = Path("runs/x")
+    >>> lock = claim_run_dir(out, False, False, checkpoints=CheckpointStore(out / CHECKPOINTS_DIR))
     >>> (Path("runs/x") / LOCK_NAME).read_text() == str(os.getpid())
     True
     >>> lock.release()
@@ -181,12 +182,12 @@ def stale_temp_files(out: Path, names: Sequence[str] = RUN_FILES) -> List[Path]:
     return [out / f"{name}.tmp" for name in names if (out / f"{name}.tmp").exists()]
 
 
-def _remove(paths: Sequence[Path], say: Callable[[str], None]) -> None:
-    """Removes a run's files; inside ``checkpoints/`` only this project's checkpoints
-    and pointers (a foreign directory there is left, and named)."""
+def _remove(paths: Sequence[Path], say: Callable[[str], None], store: CheckpointStore) -> None:
+    """Removes a run's files; inside ``checkpoints/`` (``store``'s directory) only this
+    project's checkpoints and pointers (a foreign directory there is left, and named)."""
     for p in paths:
-        if p.name == CHECKPOINTS_DIR and p.is_dir() and not p.is_symlink():
-            _, left = CheckpointStore(p).remove_own()
+        if p == store.root and p.is_dir() and not p.is_symlink():
+            _, left = store.remove_own()
             if left:
                 say(f"left {', '.join(str(x) for x in left)} alone: not this project's checkpoints")
         elif p.is_dir() and not p.is_symlink():
@@ -195,12 +196,11 @@ def _remove(paths: Sequence[Path], say: Callable[[str], None]) -> None:
             p.unlink()
 
 
-def _refuse_unproven_start(out: Path) -> None:
+def _refuse_unproven_start(store: CheckpointStore) -> None:
     """Refuses ``--resume auto``'s fresh start where ``checkpoints/`` holds anything but
     this project's unfinished writes: a pointer or a directory there says an earlier
     attempt got past a checkpoint (its manifests damaged or deleted since), so its logs
     are not "left by an attempt that wrote none", and nothing is removed."""
-    store = CheckpointStore(out / CHECKPOINTS_DIR)
     if not store.root.is_dir():
         return
     unfinished = set(store.unfinished())
@@ -226,6 +226,8 @@ def claim_run_dir(
     overwrite: bool,
     main: bool = True,
     say: Callable[[str], None] = _say,
+    *,
+    checkpoints: CheckpointStore,
 ) -> RunDirLock:
     """Makes ``out`` this run's: creates it, takes its lock, refuses another run's files
     unless resuming or ``overwrite`` (which deletes them, saying what), and removes the
@@ -241,6 +243,9 @@ def claim_run_dir(
         main: False on ranks other than 0 of a multi-process run, which share rank 0's
             directory and claim nothing.
         say: where the notes go (stderr by default).
+        checkpoints: the run's checkpoint store in ``out/checkpoints``, which the claim
+            asks for a checkpoint and removes through (the trainer's, made once, which
+            the run's checkpoints then keep).
 
     Raises:
         RunDirError: ``out`` is locked by another process (naming its pid), cannot be
@@ -263,16 +268,16 @@ def claim_run_dir(
     try:
         previous = run_files(out)
         if previous and overwrite:
-            _remove(previous, say)
+            _remove(previous, say, checkpoints)
             say(f"--overwrite: removed {', '.join(p.name for p in previous)} from {out}")
-        elif previous and resume == "auto" and not has_checkpoint(out):
+        elif previous and resume == "auto" and checkpoints.newest("latest") is None:
             if (out / "metrics.json").exists():
                 raise RunDirError(
                     f"--out {out} holds a finished run's files ({', '.join(p.name for p in previous)}) "
                     "but no checkpoint to resume: add --overwrite to delete them or choose another --out"
                 )
-            _refuse_unproven_start(out)
-            _remove(previous, say)
+            _refuse_unproven_start(checkpoints)
+            _remove(previous, say, checkpoints)
             say(
                 f"--resume auto: no checkpoint in {out}, starting anew; removed "
                 f"{', '.join(p.name for p in previous)}, left by an attempt that wrote none"
@@ -284,7 +289,7 @@ def claim_run_dir(
             )
         stale = stale_temp_files(out)
         if stale:
-            _remove(stale, say)
+            _remove(stale, say, checkpoints)
             say(
                 f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write"
             )

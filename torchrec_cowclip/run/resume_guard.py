@@ -4,8 +4,8 @@ same run.
 A checkpoint carries a *run record*: the run's settings with every recipe default
 resolved (so ``--lr 8e-4`` and the recipe's 8e-4 are the same setting) and a fingerprint
 of its data (source spec, data options, row count and binary-cache entry). On
-``--resume`` the record of the new command must match, except for the settings in
-:data:`RESUMABLE_SETTINGS`; every other difference is named with both values in one
+``--resume`` the record of the new command must match, except for the settings a resume
+may change (their declarations say which: :class:`Setting`); every other difference is named with both values in one
 :class:`ResumeRefused` line, raised before any state is loaded or written.
 
 Example::
@@ -13,9 +13,10 @@ Example::
     >>> data = {"rows": 30000, "cache_entry": "synthetic-5f1c"}
     >>> saved = {"settings": {"batch_size": 1024, "seed": 0, "epochs": 2}, "data": data}
     >>> now = {"settings": {"batch_size": 2048, "seed": 1, "epochs": 3}, "data": data}
-    >>> resume_differences(saved, now)  # more --epochs is allowed
+    >>> names = {"seed": Setting("--seed"), "epochs": Setting("--epochs", resumable=True)}
+    >>> resume_differences(saved, now, names)  # more --epochs is allowed
     [('--batch-size', '1024', '2048'), ('--seed', '0', '1')]
-    >>> check_resume({"run_record": saved}, now, "runs/x")
+    >>> check_resume({"run_record": saved}, now, "runs/x", names)
     Traceback (most recent call last):
     ...
     torchrec_cowclip.run.resume_guard.ResumeRefused: --resume refused: the checkpoint in runs/x was trained with --batch-size 1024, this command has 2048; --seed 0 vs 1
@@ -26,40 +27,32 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from torchrec_cowclip.data.pipeline.cache import DIGEST_MEMO, changed_sources
 from torchrec_cowclip.failures import ConfigError
 
-# Settings a resumed run may change, because they change no number the run produces
-# (weights, metrics.json): how often it logs, checkpoints or shows progress, where it
-# stops (--max-steps; --epochs only upwards, see check_resume), how it was started, where
-# it writes, where the binary cache lives (the data itself is compared by fingerprint),
-# and how long a collective may wait. --sharding too, deliberately: a checkpoint re-shards on
-# load so that a run moves to another number of processes or plan (the update is the same
-# math on the same global batches; only float summation order differs). Everything else -
-# including --threads, --device and --eval-batch-size, which can move the last bits of float
-# sums, and --init-std, which metrics.json reports - must be the checkpoint's.
-RESUMABLE_SETTINGS: FrozenSet[str] = frozenset(
-    {
-        "epochs",
-        "progress",
-        "log_every",
-        "checkpoint_every",
-        "max_steps",
-        "resume",
-        "overwrite",
-        "out",
-        "cache_dir",
-        "dist_timeout_s",
-        "sharding",
-        "keep_checkpoints",
-        "require_sha256",
-    }
-)
 
-# Config fields whose flag is not "--" + the field name with dashes.
-_FLAGS: Dict[str, str] = {"cowclip": "CowClip (--no-cowclip)", "dist_timeout_s": "--dist-timeout"}
+class Setting(NamedTuple):
+    """What the guard knows of a setting, from its option's declaration (the caller's
+    map, ``train.config.RECORDED_SETTINGS``): how a message names it, its ``flag``
+    (``--dist-timeout`` for ``dist_timeout_s``, ``CowClip (--no-cowclip)``); whether its
+    values read on/off (a switch that is on by default); whether a resumed run may change
+    it (``resumable``: it changes no number the run produces, see ``Option.resumable``)."""
+
+    flag: str
+    on_off: bool = False
+    resumable: bool = False
+
+
+#: Setting -> what the guard knows of it (a setting not in it: named ``--`` and its name
+#: with dashes, and compared).
+Settings = Mapping[str, Setting]
+
+
+def _resumable(field: str, settings: Settings) -> bool:
+    known = settings.get(field)
+    return known is not None and known.resumable
 
 
 class ResumeRefused(ConfigError):
@@ -86,31 +79,35 @@ def run_record(
     return {"settings": dict(settings), "data": dict(data), "sources": dict(sources or {})}
 
 
-def run_fingerprint(record: Mapping[str, Any]) -> str:
+def run_fingerprint(record: Mapping[str, Any], names: Settings) -> str:
     """16 hex digits naming a run: a hash of its record without the settings a resume may
-    change (:data:`RESUMABLE_SETTINGS`), so every checkpoint of one run carries the same
+    change (``names``' resumable ones), so every checkpoint of one run carries the same
     fingerprint and another run's differs (checkpoint manifests record it).
 
     Example::
 
         >>> a = {"settings": {"seed": 0, "epochs": 1}, "data": {"rows": 3}}
         >>> b = {"settings": {"seed": 0, "epochs": 5}, "data": {"rows": 3}}
-        >>> run_fingerprint(a) == run_fingerprint(b), len(run_fingerprint(a))
+        >>> names = {"epochs": Setting("--epochs", resumable=True)}
+        >>> run_fingerprint(a, names) == run_fingerprint(b, names), len(run_fingerprint(a, names))
         (True, 16)
     """
-    settings = {k: v for k, v in record["settings"].items() if k not in RESUMABLE_SETTINGS}
+    settings = {k: v for k, v in record["settings"].items() if not _resumable(k, names)}
     text = json.dumps({"settings": settings, "data": record["data"]}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def setting_flag(field: str) -> str:
-    """The command-line flag of a config field (``batch_size`` -> ``--batch-size``)."""
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+def setting_flag(field: str, names: Settings) -> str:
+    """How a message names the setting ``field`` (``batch_size`` -> ``--batch-size``)."""
+    named = names.get(field)
+    return named.flag if named is not None else "--" + field.replace("_", "-")
 
 
-def shown_setting(field: str, value: Any) -> str:
-    """A setting's value as a message shows it (``cowclip`` as on/off, lists comma-joined)."""
-    if field == "cowclip":
+def shown_setting(field: str, value: Any, names: Settings) -> str:
+    """A setting's value as a message shows it (an on-by-default switch as on/off, lists
+    comma-joined)."""
+    named = names.get(field)
+    if named is not None and named.on_off:
         return "on" if value else "off"
     if value is None:
         return "none"
@@ -122,11 +119,11 @@ def shown_setting(field: str, value: Any) -> str:
 
 
 def resume_differences(
-    saved: Mapping[str, Any], current: Mapping[str, Any]
+    saved: Mapping[str, Any], current: Mapping[str, Any], names: Settings
 ) -> List[Tuple[str, str, str]]:
     """``(setting, checkpoint's value, this command's value)`` for every difference
-    between two run records that :data:`RESUMABLE_SETTINGS` does not allow, in the
-    config's field order, then the data's content."""
+    between two run records that a resume may not make (``names``), in the
+    config's field order, then the data's content; ``names``: how each setting is named."""
     old, new = saved["settings"], current["settings"]
     found: List[Tuple[str, str, str]] = []
     for field, value in new.items():
@@ -136,15 +133,19 @@ def resume_differences(
             if value < old[field]:  # a resumed run may only add epochs
                 found.append(
                     (
-                        setting_flag(field),
-                        shown_setting(field, old[field]),
-                        f"{shown_setting(field, value)} (a resumed run may only add epochs)",
+                        setting_flag(field, names),
+                        shown_setting(field, old[field], names),
+                        f"{shown_setting(field, value, names)} (a resumed run may only add epochs)",
                     )
                 )
             continue
-        if field not in RESUMABLE_SETTINGS and old[field] != value:
+        if not _resumable(field, names) and old[field] != value:
             found.append(
-                (setting_flag(field), shown_setting(field, old[field]), shown_setting(field, value))
+                (
+                    setting_flag(field, names),
+                    shown_setting(field, old[field], names),
+                    shown_setting(field, value, names),
+                )
             )
     old_data, new_data = saved["data"], current["data"]
     if (old_data["rows"], old_data["cache_entry"]) != (new_data["rows"], new_data["cache_entry"]):
@@ -157,18 +158,22 @@ def resume_differences(
 
 
 def check_resume(
-    checkpoint: Mapping[str, Any], current: Mapping[str, Any], out: Union[str, Path]
+    checkpoint: Mapping[str, Any],
+    current: Mapping[str, Any],
+    out: Union[str, Path],
+    names: Settings,
 ) -> None:
-    """Raises :class:`ResumeRefused` naming each setting (with both values) in which
-    the command ``current`` differs from the run that wrote ``checkpoint`` (a loaded
-    checkpoint payload with its ``"run_record"``); ``out`` names the run directory."""
+    """Raises :class:`ResumeRefused` naming each setting (with both values, ``names``
+    naming it) in which the command ``current`` differs from the run that wrote
+    ``checkpoint`` (a loaded checkpoint payload with its ``"run_record"``); ``out`` names
+    the run directory."""
     saved = checkpoint.get("run_record")
     if saved is None:
         raise ResumeRefused(
             f"--resume refused: the checkpoint in {out} has no run record (written by an "
             "older version), so its settings cannot be checked; start anew with --overwrite"
         )
-    diffs = resume_differences(saved, current)
+    diffs = resume_differences(saved, current, names)
     if not diffs:
         return
     (flag, old, new), rest = diffs[0], diffs[1:]

@@ -246,7 +246,9 @@ def _run(args: argparse.Namespace) -> int:
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
     rates = {name: parse_rates(getattr(args, name), train[name].flag) for name in _RATES}
     values.update({k: v[0] if len(v) == 1 else None for k, v in rates.items()})
-    base = TrainConfig.from_dict(values)
+    # The base is no run (each cell sets its batch, recipe and seed, and is resolved from
+    # it): the data kind's defaults are filled in here, once, as every cell runs with them.
+    base = TrainConfig.from_dict(values).with_data_defaults()[0]
     spec = SweepSpec(
         out=out,
         base=base,

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.run.folder_layout import jsonable
 from torchrec_cowclip.run.resume_guard import setting_flag, shown_setting
-from torchrec_cowclip.train.config import TrainConfig
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.options import declarations
 from torchrec_cowclip.train.scaling import RECIPES
 
@@ -164,6 +164,8 @@ class Cell:
 
     Attributes:
         config: the cell's run (its ``out`` is set by the runner).
+        settings: ``config`` resolved (``TrainConfig.resolve``): what the sweep reads of
+            the cell's run (its data, its recipe's values).
         shares: the name of an earlier cell whose run computes the same numbers; this cell
             reports that run's results and trains nothing.
     """
@@ -172,6 +174,7 @@ class Cell:
     recipe: str
     seed: int
     config: TrainConfig
+    settings: TrainSettings
     shares: Optional[str] = None
     #: The learning rates of a grid over ``--lr-embed`` / ``--lr`` (field -> value).
     rates: Dict[str, float] = dataclasses.field(default_factory=dict)
@@ -240,7 +243,11 @@ def setting_differences(
         old, new = recorded.get(field, defaults.get(field)), current.get(field)
         if old != new:
             found.append(
-                (setting_flag(field), shown_setting(field, old), shown_setting(field, new))
+                (
+                    setting_flag(field, RECORDED_SETTINGS),
+                    shown_setting(field, old, RECORDED_SETTINGS),
+                    shown_setting(field, new, RECORDED_SETTINGS),
+                )
             )
     return found
 
@@ -254,7 +261,7 @@ def describe_differences(diffs: Sequence[Tuple[str, str, str]]) -> str:
 def _same_run_key(cell: Cell) -> str:
     """A text equal for two cells exactly when their runs compute the same numbers."""
     config = cell.config
-    hp = config.hyperparameters().as_dict()
+    hp = cell.settings.hp.as_dict()
     del hp["recipe"]
     clipped = hp["cowclip"] and config.cowclip
     hp["cowclip"] = clipped
@@ -280,10 +287,12 @@ def plan_cells(
     rates: Optional[Mapping[str, Sequence[Optional[float]]]] = None,
 ) -> List[Cell]:
     """The grid's cells, seed by seed, batch by batch, recipe by recipe, rate by rate (so
-    the figure of the first seed is complete first), each config validated.
+    the figure of the first seed is complete first), each config resolved.
 
     Args:
-        base: the settings every cell shares (its batch size, recipe and seed are replaced).
+        base: the settings every cell shares (its batch size, recipe and seed are replaced),
+            the data kind's defaults filled in where the sweep made it (as train's
+            ``TrainConfig.resolve`` fills them); each cell is resolved from it.
         equal: an :data:`EQUAL_MODES` name.
         rates: per :data:`LR_GRID` field, the values of the grid (a field with one value
             is set on every cell and not named in the cells' names).
@@ -296,9 +305,7 @@ def plan_cells(
     """
     grid = {k: list(v) for k, v in (rates or {}).items() if k in LR_GRID}
     fixed: Dict[str, Any] = {k: v[0] for k, v in grid.items() if len(v) == 1 and v[0] is not None}
-    # Every cell runs with the data kind's defaults (table: more epochs, a validation
-    # split), as train would give them.
-    base = replace(base, **fixed).with_data_defaults()[0]
+    base = replace(base, **fixed)
     searched = [k for k, v in grid.items() if len(v) > 1]
     combos: List[Dict[str, float]] = [{}]
     for k in searched:
@@ -318,11 +325,11 @@ def plan_cells(
                         **dict[str, Any](combo),
                     )
                     try:
-                        config.validate()
+                        settings = config.resolve()
                     except ConfigError as e:
                         name = cell_name(batch_size, recipe, seed, combo)
                         raise SweepError(f"cell {name}: {e}") from None
-                    cells.append(Cell(batch_size, recipe, seed, config, rates=combo))
+                    cells.append(Cell(batch_size, recipe, seed, config, settings, rates=combo))
     runs: Dict[str, List[Cell]] = {}
     for cell in cells:
         runs.setdefault(_same_run_key(cell), []).append(cell)

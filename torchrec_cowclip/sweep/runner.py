@@ -80,7 +80,9 @@ class SweepSpec:
 
     Attributes:
         out: the sweep's directory.
-        base: the settings every cell shares (batch size, recipe and seed set per cell).
+        base: the settings every cell shares (batch size, recipe and seed set per cell),
+            the data kind's defaults filled in (table: epochs, validation), as every cell
+            runs.
         parallel: cells trained at once.
         threads: torch threads of each cell.
         delete_finished_checkpoints: remove a cell's checkpoints once it has finished
@@ -103,9 +105,7 @@ class SweepSpec:
 
     def settings(self) -> Dict[str, Any]:
         """``sweep-settings.json``'s content: what every cell of this directory shares."""
-        # With the data kind's defaults, as every cell runs (table: epochs, validation).
-        base = self.base.with_data_defaults()[0]
-        return {"equal": self.equal, "settings": shared_settings(base.as_dict())}
+        return {"equal": self.equal, "settings": shared_settings(self.base.as_dict())}
 
 
 def cell_dir(out: Path, name: str) -> Path:
@@ -195,7 +195,7 @@ def prepare_data(spec: SweepSpec, say: Say = _say) -> Dict[str, Dict[str, Any]]:
     opened: Dict[str, Any] = {}
     records: Dict[str, Dict[str, Any]] = {}
     for cell in spec.cells:
-        data = cell.config.data_settings()
+        data = cell.settings.data
         key = json.dumps([data.spec, data.test_spec, data.cache_dir, data.options], default=str)
         if key not in opened:
             t0 = time.perf_counter()

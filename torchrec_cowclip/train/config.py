@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -32,10 +33,14 @@ from torchrec_cowclip.optim.options import CowClip, CowClipOptions, Helen
 from torchrec_cowclip.optim.row_step import compiled_update_mode
 from torchrec_cowclip.optim.rules import OPTIMIZERS
 from torchrec_cowclip.process_context import ONE_PROCESS, ProcessContext
+from torchrec_cowclip.run.resume_guard import Setting
 from torchrec_cowclip.train.options import (
+    GROUPS,
     a_directory,
+    check_group,
     declarations,
     fraction,
+    group_values,
     non_negative,
     option,
     positive,
@@ -63,6 +68,24 @@ _MODEL_HELP = {
 _RECIPE = "optimizer and recipe"  # the --help group of the batch, the recipe and its values
 
 
+#: The data group's options that are fields of :class:`DataSettings` (by their names
+#: there); the rest are the source kind's options (:meth:`TrainConfig.data_options`).
+_DATA_FIELDS = tuple(
+    f.name for f in dataclasses.fields(DataSettings) if f.name not in ("options", "split_seed")
+)
+
+
+def _header(no_header: bool) -> Optional[bool]:
+    """``--no-header`` as the source kind's ``header`` (not given: the kind's default)."""
+    return False if no_header else None
+
+
+def _given(value: Any) -> Any:
+    """A data option as a source kind is given it: a switch off or an empty list is not
+    given (None, as a run record has always listed it)."""
+    return None if value is False or value == [] else value
+
+
 @dataclass
 class TrainConfig:
     """Options of ``torchrec-cowclip train``, each declared once here: its name, type and
@@ -85,6 +108,7 @@ class TrainConfig:
     data: str = option(
         "synthetic:200000",
         group="data",
+        to="spec",
         required=True,
         inherited=False,
         help="training data, KIND:ARG: table:PATH[,PATH...] (your own CSV/TSV/delimited text "
@@ -97,6 +121,7 @@ class TrainConfig:
     test_data: Optional[str] = option(
         None,
         group="data",
+        to="test_spec",
         inherited=False,
         help="explicit test files (the same kind as --data); default: a random "
         "--test-fraction of --data's rows",
@@ -139,6 +164,8 @@ class TrainConfig:
     no_header: bool = option(
         False,
         group="data",
+        to="header",
+        given=_header,
         help="table: the files have no header line; their columns are --columns, or "
         "their positions 0, 1, ... (default: the first line names the columns)",
     )
@@ -216,16 +243,19 @@ class TrainConfig:
     synthetic_scale: Optional[float] = option(
         None,
         group="data",
+        to="cardinality_scale",
         help="synthetic: multiply Criteo Kaggle's cardinalities by this (default: 1.0)",
     )
     synthetic_max_cardinality: Optional[int] = option(
         None,
         group="data",
+        to="max_cardinality",
         help="synthetic: cap every table at this many rows (default: 1,000,000)",
     )
     synthetic_seed: Optional[int] = option(
         None,
         group="data",
+        to="seed",
         check=seed_range,
         inherited=False,
         help="synthetic: the generator's seed, to draw other rows than --seed's (default: --seed)",
@@ -233,6 +263,7 @@ class TrainConfig:
     cache_dir: str = option(
         "data_cache",
         group="data",
+        resumable=True,
         inherited=False,
         help="where converted data (a verified binary cache) is kept and reused",
     )
@@ -240,6 +271,7 @@ class TrainConfig:
     model: str = option(
         "deepfm",
         group="model",
+        to="name",
         choices=MODELS,
         help="; ".join(f"{name}: {_MODEL_HELP.get(name, name)}" for name in MODELS),
     )
@@ -251,7 +283,11 @@ class TrainConfig:
         1e-2, group="model", check=non_negative, help="embedding init N(0, std^2)"
     )
     hidden: Tuple[int, ...] = option(
-        (400, 400, 400), group="model", check=positive_sizes, help="DNN layer sizes"
+        (400, 400, 400),
+        group="model",
+        check=positive_sizes,
+        given=tuple,  # a Python caller's list, as the spec's tuple
+        help="DNN layer sizes",
     )
     embedding_backend: str = option(
         "cowclip",
@@ -344,6 +380,7 @@ class TrainConfig:
         True,
         group=_RECIPE,
         flag="--no-cowclip",
+        label="CowClip",
         help="train the same fused tables without clipping (a lazy optimizer); default: "
         "CowClip clips",
     )
@@ -364,6 +401,7 @@ class TrainConfig:
     out: Optional[str] = option(
         None,
         group="run",
+        resumable=True,
         inherited=False,
         help="run directory (metrics.json, steps.csv, epochs.csv, tb/, checkpoints/); an "
         "existing run there is refused without --resume or --overwrite; default: a new "
@@ -372,6 +410,7 @@ class TrainConfig:
     overwrite: bool = option(
         False,
         group="run",
+        resumable=True,
         inherited=False,
         help="delete the previous run's files in --out first",
     )
@@ -379,6 +418,7 @@ class TrainConfig:
     resume: Union[bool, str] = option(
         False,
         group="run",
+        resumable=True,
         metavar="auto",
         check=resume_mode,
         inherited=False,
@@ -390,6 +430,7 @@ class TrainConfig:
     epochs: Optional[int] = option(
         None,
         group="run",
+        resumable=True,
         check=positive,
         help="passes over the training split (default: 10 for table:, stopped early on the "
         "validation AUC; 1 for the paper's data)",
@@ -397,6 +438,7 @@ class TrainConfig:
     max_steps: int = option(
         0,
         group="run",
+        resumable=True,
         check=non_negative,
         help="stop after this many steps (0: no limit)",
     )
@@ -418,6 +460,7 @@ class TrainConfig:
     checkpoint_every: int = option(
         0,
         group="run",
+        resumable=True,
         check=non_negative,
         help="checkpoint every this many steps (0: at epoch ends only)",
     )
@@ -434,12 +477,14 @@ class TrainConfig:
     log_every: int = option(
         20,
         group="run",
+        resumable=True,
         check=positive,
         help="write a steps.csv row (and TensorBoard scalars) every this many steps",
     )
     keep_checkpoints: int = option(
         2,
         group="run",
+        resumable=True,
         check=positive,
         metavar="K",
         help="keep the last K complete checkpoints (a damaged newest one falls back to "
@@ -454,6 +499,7 @@ class TrainConfig:
     progress: bool = option(
         True,
         group="run",
+        resumable=True,
         flag="--no-progress",
         inherited=False,
         help="no progress bars (the epoch lines stay); default: progress bars on stderr",
@@ -482,12 +528,13 @@ class TrainConfig:
         help="with --init-from: also carry the optimizer state of RUN's last checkpoint",
     )
     require_sha256: bool = option(
-        False, group="run", help="with --init-from: " + REQUIRE_SHA256_HELP
+        False, group="run", resumable=True, help="with --init-from: " + REQUIRE_SHA256_HELP
     )
     # --- distributed ---------------------------------------------------------------------------
     sharding: str = option(
         "auto",
         group="distributed",
+        resumable=True,
         choices=SHARDING_CHOICES,
         help="how the embedding tables are sharded (auto: TorchRec's planner chooses per "
         "table); refused on one process",
@@ -495,6 +542,7 @@ class TrainConfig:
     dist_timeout_s: float = option(
         300.0,
         group="distributed",
+        resumable=True,
         flag="--dist-timeout",
         check=positive,
         inherited=False,
@@ -533,15 +581,16 @@ class TrainConfig:
         )
 
     def validate(self, process: Optional[ProcessContext] = None) -> None:
-        """Raises :class:`ConfigError` naming the first bad option (the data kind's
-        defaults filled in first: :meth:`with_data_defaults`); ``process``: the launch
-        the run is checked against (default: this process's,
+        """Raises :class:`ConfigError` naming the first bad option: the checks
+        :meth:`resolve` makes (the data kind's defaults filled in first); ``process``: the
+        launch the run is checked against (default: this process's,
         :meth:`ProcessContext.from_environment`)."""
-        if self.epochs is None or self.val_fraction is None or self.early_stop_patience is None:
-            self.with_data_defaults()[0].validate(process)
-            return
-        for declared in declarations(TrainConfig):  # each option's own check
-            declared.check(getattr(self, declared.name))
+        self.resolve(process)
+
+    def _check(self, process: ProcessContext) -> None:
+        """The checks of a config whose data kind's defaults are filled in."""
+        for group in GROUPS:  # each group checks its own options' values
+            check_group(self, group)
         self._check_combinations()
         self._validate_data()
         self._validate_placement(process or ProcessContext.from_environment())
@@ -755,35 +804,20 @@ class TrainConfig:
             helen_bound=self.helen_bound,
         )
 
-    def data_settings(self) -> DataSettings:
-        """The data this run reads and how it splits it (:meth:`data_options`)."""
-        return DataSettings(
-            spec=self.data,
-            test_spec=self.test_data,
-            cache_dir=self.cache_dir,
-            options=self.data_options(),
-            test_fraction=self.test_fraction,
-            val_fraction=float(self.with_data_defaults()[0].val_fraction or 0.0),
-            split_seed=self.seed,
-        )
-
-    def model_spec(self) -> ModelSpec:
-        """The model this run builds (its tables start from ``--seed``)."""
-        return ModelSpec(
-            name=self.model,
-            embedding_dim=self.embedding_dim,
-            hidden=tuple(self.hidden),
-            cross_layers=self.cross_layers,
-            init_std=self.init_std,
-            embedding_backend=self.embedding_backend,
-            embedding_dtype=self.embedding_dtype,
-            init_seed=self.seed,
-        )
+    def _data_settings(self) -> DataSettings:
+        """The data this run reads and how it splits it: the data group's options
+        (:func:`~torchrec_cowclip.train.options.group_values`), those that are no field
+        of :class:`DataSettings` as the source kind's options (:meth:`data_options`)."""
+        values = group_values(self, "data")
+        own = {name: values[name] for name in _DATA_FIELDS}
+        return DataSettings(**own, options=self.data_options(), split_seed=self.seed)
 
     def data_options(self) -> Dict[str, Any]:
-        """``open_dataset``'s options for ``--data``: the kind's own (None where not
-        given, as the run record has always listed them) and any other that was set
-        (which the kind then refuses, naming its flag: ``data.dataset.kind_options``).
+        """``open_dataset``'s options for ``--data``: the data group's options that are
+        no field of :class:`DataSettings`, by the kind's names for them; the kind's own
+        (None where not given, as the run record has always listed them) and any other
+        that was set (which the kind then refuses, naming its flag:
+        ``data.dataset.kind_options``).
 
         ``--seed`` is the trainer's (weights, batch order, splits) and reaches no data
         source; a kind with a generator draws its rows with ``--synthetic-seed``, which
@@ -792,28 +826,10 @@ class TrainConfig:
         from dataclasses import fields
 
         takes = {f.name for f in fields(self.source_kind().options)}
-        generator_seed = self.synthetic_seed
-        if generator_seed is None and "seed" in takes:
-            generator_seed = self.seed
-        chosen = {
-            "on_bad_row": self.on_bad_row,
-            "min_count": self.min_count,
-            "hash_size": self.hash_size,
-            "dense_transform": self.dense_transform,
-            "missing_indicator": True if self.missing_indicator else None,
-            "label": self.label,
-            "dense": self.dense or None,
-            "sparse": self.sparse or None,
-            "delimiter": self.delimiter,
-            "header": False if self.no_header else None,
-            "columns": self.columns or None,
-            "na_values": self.na_values or None,
-            "time_columns": self.time_columns or None,
-            "time_trend": True if self.time_trend else None,
-            "cardinality_scale": self.synthetic_scale,
-            "max_cardinality": self.synthetic_max_cardinality,
-            "seed": generator_seed,
-        }
+        values = group_values(self, "data", unset=_given)
+        chosen = {k: v for k, v in values.items() if k not in _DATA_FIELDS}
+        if chosen["seed"] is None and "seed" in takes:
+            chosen["seed"] = self.seed
         return {k: v for k, v in chosen.items() if k in takes or v is not None}
 
     def as_dict(self) -> Dict[str, Any]:
@@ -848,9 +864,11 @@ class TrainConfig:
             ConfigError: naming the first bad option.
         """
         process = process or ProcessContext.from_environment()
-        self.validate(process)
-        compiled_update_mode()  # the environment's kernel mode, refused by name before any state
+        # The one place the data kind's defaults are filled in: every consumer (the
+        # trainer, a sweep's cells, a plan) takes them from the settings.
         config, said = self.with_data_defaults()
+        config._check(process)
+        compiled_update_mode()  # the environment's kernel mode, refused by name before any state
         return config._resolved(said, process)
 
     def _resolved(self, defaults_line: Optional[str], process: ProcessContext) -> "TrainSettings":
@@ -865,12 +883,16 @@ class TrainConfig:
             helen=hp.helen(self.helen_perturb_dense),
         )
         return TrainSettings(
-            data=self.data_settings(),
-            model=self.model_spec(),
+            data=self._data_settings(),
+            model=ModelSpec(**group_values(self, "model"), init_seed=self.seed),
             optimizers=OptimizerSettings(
                 embedding=embedding, dense_lr=hp.dense_lr, warmup_epochs=hp.warmup_epochs
             ),
-            run=RunSettings(**{f: getattr(self, f) for f in RunSettings.__dataclass_fields__}),
+            run=RunSettings(
+                **group_values(self, "run"),
+                **group_values(self, "distributed"),
+                batch_size=self.batch_size,
+            ),
             hp=hp,
             record=self.as_dict(),
             defaults_line=defaults_line,
@@ -888,9 +910,17 @@ DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
 }
 
 
+#: What a run record's settings are to the resume guard and a sweep (run/resume_guard.py),
+#: from the declarations: how a message names each (its flag, and label), its values on/off
+#: for a switch on by default, whether a resumed run may change it.
+RECORDED_SETTINGS: Dict[str, Setting] = {
+    option.name: Setting(option.named, option.form == "off", option.option.resumable)
+    for option in declarations(TrainConfig)
+}
+
+
 def _shown_defaults(chosen: Mapping[str, Any]) -> str:
-    flags = {option.name: option.flag for option in declarations(TrainConfig)}
-    return " ".join(f"{flags[k]} {v:g}" for k, v in chosen.items())
+    return " ".join(f"{RECORDED_SETTINGS[k].flag} {v:g}" for k, v in chosen.items())
 
 
 @dataclass(frozen=True)
@@ -907,7 +937,10 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the loop, its processes and its run directory are told (``--help`` names each)."""
+    """What the loop, its processes and its run directory are told: the options of the
+    run and distributed groups and ``--batch-size``, made from their declarations
+    (:func:`~torchrec_cowclip.train.options.group_values`: an option added to either group
+    is a field here, or the settings refuse to be made; ``--help`` names each)."""
 
     out: Optional[str]
     resume: Union[bool, str]

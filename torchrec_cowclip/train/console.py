@@ -1,18 +1,14 @@
 """What a training run tells its user: the start summary (settings, tables, parameters,
-processes, dense inputs, labels), one line per epoch, the whole run's ETA, the process's
-peak memory, and which weights the run folder keeps.
+processes, dense inputs, labels), the process's peak memory, and which weights the run
+folder keeps. Each epoch's line is its ``epochs.csv`` row's
+(:func:`~torchrec_cowclip.run.log.epoch_line`); the run's ETA is
+:meth:`~torchrec_cowclip.train.run_state.Progress.eta`'s.
 
 Example::
 
     >>> sizes = ModelSize(tables=(("emb_C1", 1000, 10), ("lin_C1", 1000, 1)), dense_parameters=2500)
     >>> sizes.describe()
     'tables: 2 (1 of dim 10, 1 of dim 1), 2,000 rows, largest emb_C1 (1,000 x 10) | parameters: 11,000 in tables + 2,500 dense = 13,500'
-    >>> duration(3725.0), run_eta(steps_done=10, steps_total=40, step_s=0.5, evals_left=2, eval_s=3.0)
-    ('1h02m', 21.0)
-    >>> epoch_line({"epoch": 1, "epochs": 2, "test_auc": 0.81234, "train_loss": 0.45,
-    ...             "epoch_s": 12.0, "train_samples_per_s": 10500.0, "peak_rss_mb": 812.0,
-    ...             "rows_updated": 300, "rows_clipped": 0, "eta_s": 13.0})
-    'epoch 1/2: test_auc 0.81234, train_loss 0.45000 | 12s, 10,500 samples/s, peak RSS 812 MB | rows updated 300, clipped 0 | run ETA 13s'
 """
 
 from __future__ import annotations
@@ -98,56 +94,6 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS
-
-
-def duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``1h02m``."""
-    s = max(int(round(seconds)), 0)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-def run_eta(
-    steps_done: int, steps_total: int, step_s: float, evals_left: int, eval_s: float
-) -> float:
-    """Seconds left in the whole run: the steps left at this process's mean step time,
-    plus the evaluations left at the mean evaluation time so far."""
-    return max(steps_total - steps_done, 0) * step_s + max(evals_left, 0) * eval_s
-
-
-def epoch_line(row: Mapping[str, Any]) -> str:
-    """One line for an epoch's row of ``epochs.csv`` (plus ``epochs`` and ``eta_s``); an
-    AUC of None (its split's labels hold one class) reads ``undefined (one class)``."""
-    metrics = ", ".join(
-        f"{k} {row[k]:.{3 if k.endswith('calibration') else 5}f}"
-        if isinstance(row[k], float)
-        else f"{k} undefined (one class)"
-        for k in (
-            "test_auc",
-            "test_logloss",
-            "test_calibration",
-            "val_auc",
-            "val_logloss",
-            "val_calibration",
-            "train_loss",
-        )
-        if (isinstance(row.get(k), float) and not (k.endswith("calibration") and row[k] != row[k]))
-        or (k.endswith("_auc") and k in row and row[k] is None)
-    )
-    parts = [f"epoch {row['epoch']}/{row['epochs']}: {metrics}"]
-    if "epoch_s" in row:
-        parts.append(
-            f"{duration(row['epoch_s'])}, {row['train_samples_per_s']:,.0f} samples/s, "
-            f"peak RSS {row['peak_rss_mb']:,.0f} MB"
-        )
-    if row.get("rows_updated") is not None:
-        parts.append(f"rows updated {row['rows_updated']:,}, clipped {row['rows_clipped']:,}")
-    if row.get("eta_s") is not None:
-        parts.append(f"run ETA {duration(row['eta_s'])}")
-    return " | ".join(parts)
 
 
 #: How far from 1 a calibration (mean prediction / positive rate) is named at the end.

@@ -75,6 +75,23 @@ class Option:
         required: a command that trains must give it (``--data``).
         inherited: ``--init-from`` takes RUN's value where the command gives none.
         finite: a float value must be finite (False where its own type checks it).
+        label: how a message comparing two runs' settings names the option beside its
+            flag (``CowClip (--no-cowclip)``); default: the flag alone.
+        resumable: a resumed run may change it (``--resume`` compares every other
+            setting with the checkpoint's; run/resume_guard.py), because it changes no
+            number the run produces (weights, metrics.json): how often the run logs,
+            checkpoints or shows progress, where it stops (``--epochs`` only upwards), how
+            it was started, where it writes, where the binary cache lives (the data is
+            compared by fingerprint), how long a collective may wait; ``--sharding`` too,
+            deliberately: a checkpoint re-shards on load (the same math on the same global
+            batches; only float summation order differs). Not ``--threads``, ``--device``
+            or ``--eval-batch-size``, which can move the last bits of float sums, nor
+            ``--init-std``, which metrics.json reports.
+        to: its name in its group's settings where that is not the option's own
+            (``--model`` is the model spec's ``name``; ``--synthetic-scale`` the source
+            kind's ``cardinality_scale``).
+        given: what its group's settings are given for a value (``--no-header``: the
+            source kind's ``header=False``); default: the value as it is.
     """
 
     group: str
@@ -86,6 +103,10 @@ class Option:
     required: bool = False
     inherited: bool = True
     finite: bool = True
+    label: Optional[str] = None
+    resumable: bool = False
+    to: Optional[str] = None
+    given: Optional[Callable[[Any], Any]] = None
 
     def flag_of(self, name: str) -> str:
         return self.flag or "--" + name.replace("_", "-")
@@ -119,6 +140,13 @@ class Declared:
     def flag(self) -> str:
         """Its flag (``--dist-timeout`` for ``dist_timeout_s``)."""
         return self.option.flag_of(self.name)
+
+    @property
+    def named(self) -> str:
+        """How a message comparing two runs' settings names it: its flag, after its
+        label where it has one (``CowClip (--no-cowclip)``)."""
+        label = self.option.label
+        return f"{label} ({self.flag})" if label else self.flag
 
     @property
     def default(self) -> Any:
@@ -221,6 +249,44 @@ def declarations(cls: type) -> List[Declared]:
         for f in dataclasses.fields(cls)
         if "option" in f.metadata
     ]
+
+
+def group_values(
+    config: Any, group: str, unset: Callable[[Any], Any] = lambda value: value
+) -> Dict[str, Any]:
+    """The values of ``config``'s options in ``group`` (a :data:`GROUPS` title) by their
+    names in the group's settings (:attr:`Option.to`), as the settings are given them
+    (:attr:`Option.given`, else ``unset``: the group's rule for a value left as it is).
+
+    Example::
+
+        >>> @dataclass
+        ... class Demo:
+        ...     model: str = option("deepfm", group="model", help="m", to="name")
+        ...     dim: int = option(10, group="model", help="d")
+        ...     seed: int = option(0, group="run", help="s")
+        >>> group_values(Demo(), "model")
+        {'name': 'deepfm', 'dim': 10}
+    """
+    values = {}
+    for declared in declarations(type(config)):
+        o = declared.option
+        if o.group == group:
+            value = getattr(config, declared.name)
+            values[o.to or declared.name] = o.given(value) if o.given else unset(value)
+    return values
+
+
+def check_group(config: Any, group: str) -> None:
+    """Checks each of ``config``'s options in ``group`` (:meth:`Declared.check`): what a
+    settings group checks of its own fields, before any rule between options.
+
+    Raises:
+        ConfigError: naming the first bad option's flag.
+    """
+    for declared in declarations(type(config)):
+        if declared.option.group == group:
+            declared.check(getattr(config, declared.name))
 
 
 def _same(value: Any, default: Any) -> bool:

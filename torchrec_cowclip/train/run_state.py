@@ -18,14 +18,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
 from torchrec_cowclip.run.checkpoints import (
-    CHECKPOINTS_DIR,
     TRAINER_STATE,
     Checkpoint,
     CheckpointStore,
     DamagedCheckpointError,
 )
 from torchrec_cowclip.run.resume_guard import check_resume, check_sources
-from torchrec_cowclip.train.console import run_eta
+from torchrec_cowclip.run.stop import RunStopped
+from torchrec_cowclip.train.config import RECORDED_SETTINGS
 from torchrec_cowclip.train.runtime import Runtime, set_rng_state
 
 
@@ -135,6 +135,20 @@ class Progress:
         }
 
 
+def run_eta(
+    steps_done: int, steps_total: int, step_s: float, evals_left: int, eval_s: float
+) -> float:
+    """Seconds left in the whole run: the steps left at this process's mean step time,
+    plus the evaluations left at the mean evaluation time so far.
+
+    Example::
+
+        >>> run_eta(steps_done=10, steps_total=40, step_s=0.5, evals_left=2, eval_s=3.0)
+        21.0
+    """
+    return max(steps_total - steps_done, 0) * step_s + max(evals_left, 0) * eval_s
+
+
 def total_steps_of(epochs: int, steps_per_epoch: int, max_steps: int) -> int:
     """The steps a run trains: its epochs', or ``max_steps`` if fewer (0: no limit)."""
     total = epochs * steps_per_epoch
@@ -146,7 +160,8 @@ class RunCheckpoints:
 
     Args:
         out: the run directory.
-        keep: how many complete "latest" checkpoints to keep.
+        store: its checkpoint store (``out/checkpoints``, keeping ``--keep-checkpoints``),
+            the one the run's ``--out`` claim made.
         runtime: what the checkpoints hold the tensors, counters and RNG states of.
         config: the run's options as its record keeps them (``TrainConfig.as_dict``).
         run_record: the run's settings with its recipe resolved and its data
@@ -158,14 +173,14 @@ class RunCheckpoints:
     def __init__(
         self,
         out: Path,
-        keep: int,
+        store: CheckpointStore,
         runtime: Runtime,
         config: Mapping[str, Any],
         run_record: Dict[str, Any],
         fingerprint: str,
         row_clip_stats: bool,
     ) -> None:
-        self.out, self.store = out, CheckpointStore(out / CHECKPOINTS_DIR, keep=keep)
+        self.out, self.store = out, store
         self.runtime, self.config, self.run_record = runtime, config, run_record
         self.fingerprint, self.row_clip_stats = fingerprint, row_clip_stats
         #: The best validation epoch's checkpoint (its directory's name), once there is one.
@@ -220,6 +235,23 @@ class RunCheckpoints:
         )
         self.saved_step = p.global_step
 
+    def save_unless_saved(self, progress: Progress) -> None:
+        """:meth:`save`, unless this step's "latest" checkpoint is written already."""
+        if self.saved_step != progress.global_step:
+            self.save(progress)
+
+    def stop_here(self, progress: Progress, by: Optional[str], steps_per_epoch: int) -> RunStopped:
+        """Ends a run that a signal (``by``; None: on another rank) asked to stop: its
+        checkpoint written (:meth:`save_unless_saved`), the :class:`RunStopped` to raise,
+        naming it."""
+        p = progress
+        self.save_unless_saved(p)
+        return RunStopped(
+            f"stopped by {by or 'a signal on another rank'} after step "
+            f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
+            f"{steps_per_epoch}): {self.describe()}"
+        )
+
     def save_best(self, progress: Progress) -> None:
         """The best validation epoch's weights, as their own checkpoint (not kept in
         memory): the run folder's ``weights/best`` (the reported ones under early stopping)."""
@@ -263,7 +295,8 @@ class RunCheckpoints:
             )
         saved = self.store.trainer_state(checkpoint)
         assert saved is not None
-        check_resume(saved, self.run_record, self.out)  # before any state is loaded
+        # before any state is loaded
+        check_resume(saved, self.run_record, self.out, RECORDED_SETTINGS)
         check_sources(saved, self.out)
         runtime = self.runtime
         runtime.prepare_optimizer_state()  # DCP loads in place into existing tensors

@@ -201,6 +201,13 @@ class Runtime(ABC):
         """Whether any rank was asked to stop (collective when sharded)."""
         return stop
 
+    def dense_lr(self) -> float:
+        """The dense optimizer's learning rate now (warm-up included); NaN without one."""
+        for name, opt in self.optimizer.optimizers:
+            if name == "dense":
+                return float(opt.param_groups[0]["lr"])
+        return float("nan")
+
     @abstractmethod
     def embedding_module(self) -> nn.Module:
         """The (possibly sharded) embedding collection."""

@@ -33,21 +33,20 @@ import torch
 
 from torchrec_cowclip import notices
 from torchrec_cowclip.data.pipeline.cache import sources_seen
+from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.run.folder_writer import (
     RunFolderWriter,
     describe_data,
     describe_model,
     encoder_writer,
 )
-from torchrec_cowclip.run.log import RunLog, write_text_atomically
+from torchrec_cowclip.run.log import RunLog, duration, epoch_line, write_text_atomically
 from torchrec_cowclip.run.out_dir import claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import resumed_message, run_fingerprint, run_record
-from torchrec_cowclip.run.stop import RunStopped, StopRequest
-from torchrec_cowclip.train.config import TrainConfig, TrainSettings
+from torchrec_cowclip.run.stop import StopRequest
+from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
 from torchrec_cowclip.train.console import (
     calibration_line,
-    duration,
-    epoch_line,
     peak_rss_mb,
     start_lines,
     weights_line,
@@ -104,7 +103,11 @@ class Trainer:
         self.settings = settings
         run = settings.run
         self.out = Path(str(run.out))
-        self.run_dir = claim_run_dir(self.out, run.resume, run.overwrite, main=self.is_main)
+        # One checkpoint store: the claim asks and cleans it, the run's checkpoints keep it.
+        self.store = CheckpointStore(self.out / CHECKPOINTS_DIR, keep=run.keep_checkpoints)
+        self.run_dir = claim_run_dir(
+            self.out, run.resume, run.overwrite, main=self.is_main, checkpoints=self.store
+        )
         try:
             self._build()
         except BaseException:
@@ -137,6 +140,7 @@ class Trainer:
         self.hp = settings.hp
         self.cowclip = settings.optimizers.embedding.cowclip
         record = run_record(settings.record_settings(), settings.data.record(self.dataset), sources)
+        fingerprint = run_fingerprint(record, RECORDED_SETTINGS)
         self.runtime: Runtime = make_runtime(settings, self.dataset, self.train_idx)
         self.model = self.runtime.model
         self.optimizer = self.runtime.optimizer
@@ -145,16 +149,25 @@ class Trainer:
             self.model.embedding_collection.track_row_clips()
         self.checkpoints = RunCheckpoints(
             self.out,
-            run.keep_checkpoints,
+            self.store,
             self.runtime,
             settings.record,
             record,
-            run_fingerprint(record),
+            fingerprint,
             run.row_clip_stats,
+        )
+        self.progress = Progress()
+        self.total_steps = total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
+        # What the run's ETA counts (Progress.eta): its epochs, their steps, --max-steps and
+        # the evaluations per epoch (the test split's, and the validation split's).
+        self.eta_plan = (
+            run.epochs,
+            self.steps_per_epoch,
+            run.max_steps,
+            2 if len(self.val_idx) else 1,
         )
         if self.runtime.is_main:
             self.checkpoints.clean(_say)
-        self.progress = Progress()
         self.stop = StopRequest(say=_say if self.runtime.is_main else lambda _: None)
         # This process's mean training-step time in its last epoch (the run's ETA).
         self._step_s: Optional[float] = None
@@ -196,16 +209,11 @@ class Trainer:
     def _run(self) -> TrainResult:
         run = self.settings.run
         resumed = self.restore() if run.resume else False
-        main = self.runtime.is_main
-        log = RunLog(self.out, enabled_progress=run.progress and main, enabled=main)
-        for line in start_lines(
-            self.settings, self.data, self.runtime, self.out, self._total_steps()
-        ):
-            log.info(line)
+        main, p = self.runtime.is_main, self.progress
+        lines = start_lines(self.settings, self.data, self.runtime, self.out, self.total_steps)
         if resumed:
-            p = self.progress
             assert self.checkpoints.resumed_from is not None  # restore() has just loaded it
-            log.info(
+            lines.append(
                 resumed_message(
                     p.global_step,
                     p.epoch,
@@ -214,6 +222,10 @@ class Trainer:
                     self.checkpoints.resumed_from,
                 )
             )
+        log = RunLog(self.out, enabled_progress=run.progress and main, enabled=main)
+        for line in lines:
+            log.info(line)
+        if resumed:
             log.rewind(p.global_step, p.epoch)
         elif self.warm is not None:
             log.info(self.warm.load_into(self.runtime, run.init_optimizer_state))
@@ -221,27 +233,15 @@ class Trainer:
             while self.progress.epoch < run.epochs and not self.progress.stopped_early:
                 finished_epoch = self._train_epoch(log)
                 if not finished_epoch:  # --max-steps reached mid-epoch
-                    if self.checkpoints.saved_step != self.progress.global_step:
-                        self.save()
+                    self.checkpoints.save_unless_saved(self.progress)
                     break
                 self._end_of_epoch(log)
-                self.save()
+                self.checkpoints.save(self.progress)
                 if self.runtime.agree_to_stop(self.stop.requested is not None):
-                    self._stopped()
+                    raise self.checkpoints.stop_here(p, self.stop.requested, self.steps_per_epoch)
         finally:
             log.close()
         return self._finish()
-
-    def _stopped(self) -> None:
-        """Ends a run that a signal asked to stop, once its checkpoint is written."""
-        p = self.progress
-        if self.checkpoints.saved_step != p.global_step:
-            self.save()
-        raise RunStopped(
-            f"stopped by {self.stop.requested or 'a signal on another rank'} after step "
-            f"{p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch} of "
-            f"{self.steps_per_epoch}): {self.checkpoints.describe()}"
-        )
 
     def _train_epoch(self, log: RunLog) -> bool:
         cfg, p = self.settings.run, self.progress
@@ -290,28 +290,29 @@ class Trainer:
                     now = time.perf_counter()
                     rate = samples_since / max(now - t_last, 1e-9)
                     t_last, samples_since = now, 0
+                    dense_lr = self.runtime.dense_lr()
                     log.step(
                         p.global_step,
                         {
                             "loss": loss_value,
                             "running_loss": running,
                             "samples_per_s": rate,
-                            "dense_lr": self._dense_lr(),
+                            "dense_lr": dense_lr,
                         },
                     )
                 bar.update(1)
                 postfix = {
                     "loss": f"{running:.4f}",
                     "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
-                    "run_eta": duration(self._eta(step_seconds_here / steps_here)),
+                    "run_eta": duration(p.eta(step_seconds_here / steps_here, *self.eta_plan)),
                 }
                 if helen is not None:
                     postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
                 bar.set_postfix(postfix)
                 if cfg.checkpoint_every and p.global_step % cfg.checkpoint_every == 0:
-                    self.save()
+                    self.checkpoints.save(self.progress)
                 if stop:
-                    self._stopped()
+                    raise self.checkpoints.stop_here(p, self.stop.requested, self.steps_per_epoch)
         finally:
             bar.close()
             self.runtime.end_pipeline(pipeline)
@@ -320,19 +321,19 @@ class Trainer:
                 self._step_s = step_seconds_here / steps_here
         return True
 
-    def _total_steps(self) -> int:
-        run = self.settings.run
-        return total_steps_of(run.epochs, self.steps_per_epoch, run.max_steps)
-
-    def _eta(self, step_s: float) -> float:
-        """Seconds left in the run (one test pass, and one validation pass, per epoch)."""
-        run, passes = self.settings.run, 2 if len(self.val_idx) else 1
-        return self.progress.eta(step_s, run.epochs, self.steps_per_epoch, run.max_steps, passes)
-
     def _end_of_epoch(self, log: RunLog) -> None:
         cfg, p = self.settings.run, self.progress
         wall_start = time.perf_counter()
-        test = self._evaluate(self.test_idx, log, "test")
+        # The test split, then the validation split where there is one, in one pass.
+        splits = {"test": self.test_idx, "validation": self.val_idx}
+        results = {
+            name: self._evaluate(indices, log, name)
+            for name, indices in splits.items()
+            if name == "test" or len(indices)
+        }
+        # The run's row counters so far (training steps move them, evaluations do not).
+        counts = clip_counts(self.runtime.embedding_module())
+        test = results["test"]
         p.epoch_auc.append(test["auc"])
         p.epoch_logloss.append(test["logloss"])
         p.epoch_calibration.append(test["calibration"])
@@ -344,15 +345,14 @@ class Trainer:
             "test_logloss": test["logloss"],
             "test_calibration": test["calibration"],
         }
-        if len(self.val_idx):
-            val = self._evaluate(self.val_idx, log, "validation")
+        if "validation" in results:
+            val = results["validation"]
             p.epoch_val_calibration.append(val["calibration"])
             row.update(
                 val_auc=val["auc"], val_logloss=val["logloss"], val_calibration=val["calibration"]
             )
             if p.validated(val["auc"], cfg.early_stop_patience):
                 self.checkpoints.save_best(p)
-        counts = clip_counts(self.runtime.embedding_module())
         updated, clipped = counts["rows_updated"], counts["rows_clipped"]
         p.epoch_wall_seconds += time.perf_counter() - wall_start
         row.update(
@@ -367,14 +367,13 @@ class Trainer:
             peak_rss_mb=peak_rss_mb(),
         )
         p.next_epoch(updated, clipped)
-        log.epoch(row)
         more = p.epoch < cfg.epochs and not p.stopped_early
         step_s = (
             self._step_s if self._step_s is not None else p.train_seconds / max(p.global_step, 1)
         )
-        log.info(
-            epoch_line({**row, "epochs": cfg.epochs, "eta_s": self._eta(step_s) if more else None})
-        )
+        eta_s = p.eta(step_s, *self.eta_plan) if more else None
+        log.epoch(row)
+        log.info(epoch_line({**row, "epochs": cfg.epochs, "eta_s": eta_s}))
         if p.stopped_early and p.epoch < cfg.epochs:
             log.info(
                 f"early stopping after epoch {p.epoch} of {cfg.epochs}: no better validation "
@@ -405,12 +404,6 @@ class Trainer:
         self.progress.eval_seconds += time.perf_counter() - started
         self.progress.evaluations += 1
         return result
-
-    def _dense_lr(self) -> float:
-        for name, opt in self.optimizer.optimizers:
-            if name == "dense":
-                return float(opt.param_groups[0]["lr"])
-        return float("nan")
 
     def _finish(self) -> TrainResult:
         run, p = self.settings.run, self.progress
