@@ -184,6 +184,16 @@ class TrainConfig:
         help="criteo:, avazu:, table: add a 0/1 input per dense column with missing values "
         "in the training split (scikit-learn's add_indicator)",
     )
+    # None: the data kind's default (DATA_DEFAULTS; none for the paper's data).
+    dense_buckets: Optional[int] = option(
+        None,
+        group="data",
+        check=non_negative,
+        metavar="N",
+        help="criteo:, avazu:, table: add each dense column's quantile bucket among N (the "
+        "training split's quantiles, recorded for scoring) as N 0/1 inputs, a step function "
+        "for threshold effects; 0: none (default: 16 for table:, 0 for the paper's data)",
+    )
     on_bad_row: str = option(
         "error",
         group="data",
@@ -791,6 +801,7 @@ class TrainConfig:
             "hash_size": self.hash_size,
             "dense_transform": self.dense_transform,
             "missing_indicator": True if self.missing_indicator else None,
+            "dense_buckets": self.dense_buckets or None,
             "label": self.label,
             "dense": self.dense or None,
             "sparse": self.sparse or None,
