@@ -511,6 +511,8 @@ class TrainConfig:
             >>> cfg, said = TrainConfig(data="table:x.csv", epochs=3).with_data_defaults()
             >>> cfg.epochs, cfg.val_fraction, cfg.early_stop_patience, cfg.lr_embed
             (3, 0.1, 2, 0.003)
+            >>> cfg.dense_buckets, said.split(": ")[1]
+            (16, '--val-fraction 0.1 --early-stop-patience 2 --lr-embed 0.003 --dense-buckets 16')
             >>> TrainConfig(data="synthetic:1000").with_data_defaults()[0].epochs
             1
         """
@@ -529,7 +531,8 @@ class TrainConfig:
             f"defaults for your own table (flags not given): {_shown_defaults(shown)}: a "
             "log of thousands to millions of rows needs more than the paper's one epoch at "
             "its Criteo lr (1e-4); the validation split picks the epoch and keeps its "
-            "weights (README: your first model on your own data)"
+            "weights; quantile buckets let numeric columns act through thresholds "
+            "(README: your first model on your own data)"
         )
 
     def validate(self, process: Optional[ProcessContext] = None) -> None:
@@ -881,10 +884,17 @@ class TrainConfig:
 #: The options the paper's data (criteo:, criteo-npy:, avazu:, synthetic:) leaves None take.
 PAPER_DEFAULTS: Dict[str, Any] = {"epochs": 1, "val_fraction": 0.0, "early_stop_patience": 0}
 #: The options your own table (``table:``) leaves None take: a validation split with early
-#: stopping over up to 10 epochs, and an embedding lr for small logs (measured against
-#: logistic regression and LightGBM in docs/results.md, benchmarks/own_log.py).
+#: stopping over up to 10 epochs, an embedding lr for small logs, and the dense columns'
+#: quantile buckets (measured against logistic regression and LightGBM in
+#: docs/results.md, benchmarks/own_log.py).
 DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "table": {"epochs": 10, "val_fraction": 0.1, "early_stop_patience": 2, "lr_embed": 3e-3},
+    "table": {
+        "epochs": 10,
+        "val_fraction": 0.1,
+        "early_stop_patience": 2,
+        "lr_embed": 3e-3,
+        "dense_buckets": 16,
+    },
 }
 
 
