@@ -424,8 +424,7 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert no_val.early_stop_patience == 0
     paper, said = TrainConfig(data="synthetic:1000").with_data_defaults()
     assert (paper.epochs, paper.val_fraction, paper.early_stop_patience) == (1, 0.0, 0)
-    assert paper.lr_embed is None and paper.l2 is None and paper.dense_buckets is None
-    assert said is None
+    assert paper.lr_embed is None and paper.dense_buckets is None and said is None
     assert paper.resolve().optimizers.embedding.lr == 1e-4
 
     _hourly_log(tmp_path / "log.csv", 2000, seed=2)
@@ -436,13 +435,12 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "defaults for your own table (flags not given): --val-fraction 0.1 " in err, err
-    assert "--early-stop-patience 2 --lr-embed 0.003 --l2 0.001 --dense-buckets 16" in err, err
+    assert "--early-stop-patience 2 --lr-embed 0.003 --dense-buckets 16" in err, err
     assert "--epochs" not in err and "quantile buckets" in err, err
     assert "1,620 train, 180 val, 200 test" in err and "test_calibration " in err, err
     assert "val_calibration " in err, err
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["hyperparameters"]["lr_embed"] == 3e-3
-    assert metrics["hyperparameters"]["l2"] == 1e-3
     assert metrics["hyperparameters"]["val_fraction"] == 0.1
     assert len(metrics["epoch_calibration"]) == metrics["epochs"]
     assert len(metrics["epoch_val_calibration"]) == metrics["epochs"]

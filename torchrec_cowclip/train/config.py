@@ -299,7 +299,7 @@ class TrainConfig:
         None,
         group=_RECIPE,
         check=non_negative,
-        help="embedding L2 lambda (default: 1e-3 for table:; else the recipe's, paper: 1e-5 * s)",
+        help="embedding L2 lambda (default: the recipe's; paper: 1e-5 * s)",
     )
     clip_r: Optional[float] = option(
         None, group=_RECIPE, check=positive, help="CowClip's ratio r (default: the recipe's, 1)"
@@ -511,8 +511,8 @@ class TrainConfig:
             >>> cfg, said = TrainConfig(data="table:x.csv", epochs=3).with_data_defaults()
             >>> cfg.epochs, cfg.val_fraction, cfg.early_stop_patience, cfg.lr_embed
             (3, 0.1, 2, 0.003)
-            >>> cfg.l2, cfg.dense_buckets, said.split(": ")[1]
-            (0.001, 16, '--val-fraction 0.1 --early-stop-patience 2 --lr-embed 0.003 --l2 0.001 --dense-buckets 16')
+            >>> cfg.dense_buckets, said.split(": ")[1]
+            (16, '--val-fraction 0.1 --early-stop-patience 2 --lr-embed 0.003 --dense-buckets 16')
             >>> TrainConfig(data="synthetic:1000").with_data_defaults()[0].epochs
             1
         """
@@ -531,8 +531,7 @@ class TrainConfig:
             f"defaults for your own table (flags not given): {_shown_defaults(shown)}: a "
             "log of thousands to millions of rows needs more than the paper's one epoch at "
             "its Criteo lr (1e-4); the validation split picks the epoch and keeps its "
-            "weights; a larger L2 holds back rare ids; quantile buckets let numeric columns "
-            "act through thresholds "
+            "weights; quantile buckets let numeric columns act through thresholds "
             "(README: your first model on your own data)"
         )
 
@@ -885,8 +884,8 @@ class TrainConfig:
 #: The options the paper's data (criteo:, criteo-npy:, avazu:, synthetic:) leaves None take.
 PAPER_DEFAULTS: Dict[str, Any] = {"epochs": 1, "val_fraction": 0.0, "early_stop_patience": 0}
 #: The options your own table (``table:``) leaves None take: a validation split with early
-#: stopping over up to 10 epochs, an embedding lr and L2 for small logs with id columns of
-#: tens of thousands of values, and the dense columns' quantile buckets (measured against logistic regression and LightGBM in
+#: stopping over up to 10 epochs, an embedding lr for small logs, and the dense columns'
+#: quantile buckets (measured against logistic regression and LightGBM in
 #: docs/results.md, benchmarks/own_log.py).
 DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "table": {
@@ -894,7 +893,6 @@ DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
         "val_fraction": 0.1,
         "early_stop_patience": 2,
         "lr_embed": 3e-3,
-        "l2": 1e-3,
         "dense_buckets": 16,
     },
 }
