@@ -9,7 +9,8 @@
   - ``dense``: float32 ``[B, n_dense]``, the raw values (NaN for missing) in the
     schema's order; the run's dense plan runs in the program (:class:`DensePlanModule`:
     each column's pointwise function and a clip at +-``DENSE_CLIP``, its transform with the training split's
-    statistics, missing -> 0, the missing-value indicators), or, with
+    statistics, missing -> 0, the missing-value indicators, the one-hot quantile
+    buckets), or, with
     ``--dense-input transformed``, the caller feeds the plan's outputs;
   - ``ids``: int64 ``[B, n_sparse]``, one id per categorical column in the schema's
     order, encoded as training encoded them (the vocabulary shipped beside it, or
