@@ -246,9 +246,17 @@ HEADERS = {
 }
 
 
-def write_log(out: Path, name: str, rows: int, seed: int) -> Log:
+def _drift(ts: np.ndarray, drift: float) -> np.ndarray:
+    """A logit offset rising by ``drift`` over weeks 1-3 and holding its level in week 4
+    (a site that grew, then levelled): what ``--time-trend`` can learn within the weeks
+    and must extrapolate after them."""
+    return drift * np.clip((ts - START) / (3 * WEEK_S), 0.0, 1.0)
+
+
+def write_log(out: Path, name: str, rows: int, seed: int, drift: float = 0.0) -> Log:
     """Writes log ``name`` (``clicks`` or ``sessions``) with ``rows`` rows in weeks 1-3
-    and a quarter as many in week 4 under ``out / name``."""
+    and a quarter as many in week 4 under ``out / name``; ``drift``: see :func:`_drift`
+    (0: none, the logs of docs/results.md's first table)."""
     rng = np.random.default_rng([seed, 0 if name == "clicks" else 1])
     eff = _effects(rng, name)
     draw, logit_of = (_clicks, _clicks_logit) if name == "clicks" else (_sessions, _sessions_logit)
@@ -263,7 +271,7 @@ def write_log(out: Path, name: str, rows: int, seed: int) -> Log:
         c = draw(rng, n, weeks, new)
         if part == "next_week.csv":
             c["ts"] = c["ts"] + 3 * WEEK_S
-        p = 1.0 / (1.0 + np.exp(-logit_of(c, eff)))
+        p = 1.0 / (1.0 + np.exp(-(logit_of(c, eff) + _drift(c["ts"], drift))))
         label = (rng.random(n) < p).astype(int)
         lines = [",".join(r) for r in _rows(name, c, label, rng)]
         if part == "weeks":
@@ -501,15 +509,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--logs", default="clicks,sessions")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--extra", default="", help="more train flags for both project runs")
+    p.add_argument("--drift", type=float, default=0.0, help="logit drift over weeks 1-3")
+    p.add_argument(
+        "--trend",
+        action="store_true",
+        help="this project with --time-columns ts, without and with --time-trend (instead "
+        "of the defaults and --time-columns)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     extra = args.extra.split() if args.extra else []
     report = []
     for name in args.logs.split(","):
-        log = write_log(out / "logs", name, args.rows, args.seed)
+        log = write_log(out / "logs", name, args.rows, args.seed, args.drift)
         print(f"{name}: planted model's test AUC {log.planted_auc:.4f}", flush=True)
         rows = [] if args.skip_baselines else baselines(log)
-        for time_column in (False, True):
+        if args.trend:
+            for more in ([], ["--time-trend"]):
+                tag = f"{name}-time{'-trend' if more else ''}"
+                rows.append(project_run(log, out / "runs" / tag, True, [*extra, *more]))
+        for time_column in () if args.trend else (False, True):
             tag = f"{name}-{'time' if time_column else 'default'}"
             rows.append(project_run(log, out / "runs" / tag, time_column, extra))
         for r in rows:
@@ -524,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     load = os.getloadavg()
     print(
-        f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; seed {args.seed}; rows {args.rows}"
+        f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; seed {args.seed}; rows "
+        f"{args.rows}; drift {args.drift}"
     )
     return 0
 

@@ -570,6 +570,16 @@ def test_constructor_arguments_are_validated():
         CowClipEmbeddingBagCollection([replace(table)], lr=0.1)
     with pytest.raises(TypeError, match="options must be a torchrec_cowclip.CowClipOptions"):
         CowClipEmbeddingBagCollection([replace(table)], options={"lr": 0.1})
+    # The same check serves from_ebc and the sharder.
+    from torchrec_cowclip.distributed import CowClipEmbeddingBagCollectionSharder
+
+    stock = EmbeddingBagCollection(tables=[replace(table)])
+    for build in (
+        lambda: CowClipEmbeddingBagCollection.from_ebc(stock, options={"lr": 0.1}),
+        lambda: CowClipEmbeddingBagCollectionSharder(options={"lr": 0.1}),
+    ):
+        with pytest.raises(TypeError, match="options must be a torchrec_cowclip.CowClipOptions"):
+            build()
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,14 @@ ROWS: Dict[str, tuple] = {
     "--columns": (_headerless("--columns", ALL_COLUMNS), {TABLE_TEXT}),
     "--na-values": (["--na-values", "N/A,-"], {"table"}),
     "--time-columns": (["--time-columns", "I1"], {"table"}),
+    # With the time column it needs on a table; alone elsewhere, to be refused by name.
+    "--time-trend": (
+        lambda kind, inputs, tmp: [
+            "--time-trend",
+            *(["--time-columns", "I1"] * kind.startswith("table")),
+        ],
+        {"table"},
+    ),
     "--label": (_by_kind(["--label", "click"], ["--label", "label"]), {"avazu", "table"}),
     "--dense": (_by_kind(["--dense", "hour"], ["--dense", "I1,I2"]), {"avazu", "table"}),
     "--sparse": (_by_kind(["--sparse", "C1,site_id"], ["--sparse", "C1,C2"]), {"avazu", "table"}),

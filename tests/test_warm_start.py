@@ -157,6 +157,10 @@ def test_the_cli_takes_runs_settings_for_flags_not_given(days, tmp_path, capsys)
     line = next(x for x in err.splitlines() if x.startswith("from --init-from"))
     assert "(flags not given): " in line and "--batch-size 512" in line, line
     assert "--lr-embed 0.01" in line and "--hidden 32" in line and "--seed" not in line, line
+    # Issue 46: the start line's statistics are said to be RUN's, not of the rows it trains on.
+    dense = next(x for x in err.splitlines() if x.startswith("dense inputs: "))
+    assert "; statistics of the " in dense and "of --init-from " in dense, dense
+    assert dense.rstrip().endswith("day1") or "day1 (read in" in dense, dense
 
 
 def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(

@@ -35,7 +35,7 @@ from torchrec_cowclip.distributed.sharded_collection import (
     ShardedCowClipEmbeddingBagCollection,
 )
 from torchrec_cowclip.embedding.collection import CowClipEmbeddingBagCollection
-from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.optim.options import CowClipOptions, checked_options
 from torchrec_cowclip.optim.rules import RuleView
 from torchrec_cowclip.optim.torchrec_config import (
     Settings,
@@ -141,11 +141,9 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"CowClipEmbeddingBagCollection, got {module_type!r}"
             )
         self._module_type = module_type
-        if options is not None and not isinstance(options, CowClipOptions):
-            raise TypeError(
-                f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
-            )
-        given: Settings = {} if options is None else options_settings(options, "options=")
+        given: Settings = (
+            {} if options is None else options_settings(checked_options(options), "options=")
+        )
         self._sources: List[Settings] = [given, fused_params_settings(fused_params)]
         self._options = resolve_options(self._sources)  # a disagreement is refused here
 

@@ -34,12 +34,9 @@ from torchrec_cowclip.embedding.row_lookup import (
 )
 from torchrec_cowclip.embedding.row_updates import LookupStep, RowSync, RowUpdates, Submission
 from torchrec_cowclip.embedding.table_batch import TableBatch
+from torchrec_cowclip.optim.options import CowClipOptions
 
 __all__ = ["BatchedLookup"]
-
-#: Builds table batch ``index``'s :class:`Submission` from its row gradients at backward
-#: time (with the fused optimizer's hyperparameters as they are then).
-SubmissionOf = Callable[[int], Callable[[RowGradients], Submission]]
 
 #: The token of a forward whose backward has run (a second backward is refused).
 _CONSUMED = -1
@@ -54,7 +51,8 @@ class BatchedLookup:
         row_updates: the collection's coordinator; the lookup opens a channel on it.
         sync: how the lookup's rows are applied (:class:`~.row_updates.LocalRows` for
             whole local tables).
-        submission_of: how table batch ``i``'s row gradients become a submission.
+        row_options: the hyperparameters a backward steps with, as they are then (the
+            fused optimizer's :meth:`~torchrec_cowclip.optim.fused.CowClipFusedOptimizer.row_options`).
         device: where the tables live.
     """
 
@@ -64,11 +62,11 @@ class BatchedLookup:
         embedding_names: Sequence[str],
         row_updates: RowUpdates,
         sync: RowSync,
-        submission_of: SubmissionOf,
+        row_options: Callable[[], CowClipOptions],
         device: torch.device,
     ) -> None:
         self.batches = list(batches)
-        self._submission_of = submission_of
+        self._row_options = row_options
         slot_of_layout: Dict[Tuple[Any, ...], int] = {}
         #: The slot of each table batch.
         self.slot_of_batch: List[int] = [
@@ -123,6 +121,11 @@ class BatchedLookup:
         """``[B, sum of dims]`` pooled embeddings of a KJT in :attr:`feature_order`; the
         backward updates the rows (:func:`.lookup_op.lookup`)."""
         return lookup_op.lookup(self.handle, self.channel.leaf, values, offsets, weights)
+
+    def _submission(self, index: int, row_grads: RowGradients) -> Submission:
+        """Table batch ``index``'s row gradients as the step takes them: with the
+        hyperparameters as they are at this backward."""
+        return Submission((index,), self.batches[index], row_grads, self._row_options())
 
     # --- the forward op ----------------------------------------------------------------
 
@@ -266,9 +269,7 @@ class BatchedLookup:
                 weights_grad[lo:hi] += per_sample_weight_gradients(
                     batch, lookup, bag_gradients, looked_up[index][lo:hi]
                 )
-            step.submit(
-                self._submission_of(index)(lookup_row_gradients(batch, lookup, bag_gradients))
-            )
+            step.submit(self._submission(index, lookup_row_gradients(batch, lookup, bag_gradients)))
         self._row_updates.take(step)
         return weights_grad
 
@@ -354,7 +355,7 @@ class BatchedLookup:
                 dot = (bag_gradients.index_select(0, bag_of_position) * looked_up[index]).sum(1)
                 weights_grad += dot * inv_len if mean and inv_len is not None else dot
             segments = row_segments(groupings[s], bag_gradients, position_weights)
-            step.submit(self._submission_of(index)(batch.kernel.row_gradients(segments)))
+            step.submit(self._submission(index, batch.kernel.row_gradients(segments)))
         self._row_updates.take(step)
         _mark_consumed(token)
         return weights_grad

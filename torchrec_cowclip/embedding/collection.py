@@ -2,10 +2,41 @@
 inside backward.
 
 The collection is TorchRec's collection; what else it offers it holds as collaborators:
-its table batches and their lookup (``table_batch.py``, ``batched_lookup.py``), the
-per-table weight views (``table_views.py``), the clip counters (``clip_counters.py``,
-per-row tracking included), the forward ``torch.export`` traces (``export_forward.py``)
-and TorchRec's quantization (``quantization.py``).
+its tables as table batches (``local_tables.py``: the checked configs, the batches, the
+row kernel, the initialisation) and their lookup (``batched_lookup.py``), the per-table
+weight views (``table_views.py``), the clip counters (``clip_counters.py``, per-row
+tracking included), the forward ``torch.export`` traces (``export_forward.py``),
+TorchRec's quantization (``quantization.py``) and the ``apply_optimizer_in_backward``
+marks made on a built collection (:class:`~torchrec_cowclip.optim.torchrec_config.LateMarks`).
+
+The constructor's arguments in more detail:
+
+* ``options`` is one :class:`~torchrec_cowclip.optim.options.CowClipOptions`, what the
+  sharder, the model factory and the trainer pass on: the optimizer (``"adam"``, the
+  paper's, ``"rowwise_adagrad"``, ``"sgd"``, per-element ``"adagrad"`` or ``"adamw"``),
+  its hyperparameters, the clip (``cowclip=None`` turns it off), the unclipped tables, the
+  optional per-id-frequency lr (``count_lr``, not in the paper, ``docs/scaling.md``) and
+  Helen's two-pass step (``helen``: call ``helen_step`` with a closure instead of
+  ``loss.backward()``, which then raises).
+* Half tables (``data_type`` FP16 or BF16) hold their weights in that type; the update
+  runs in float32 and rounds back stochastically (to nearest with
+  ``CowClipOptions(stochastic_rounding=False)``); the optimizer state is float32, the
+  pooled outputs float32 unless ``output_dtype`` says otherwise.
+* ``device="meta"`` allocates no storage: shard such a module with
+  ``DistributedModelParallel`` and the
+  :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder` (each rank
+  then allocates and initialises only its own shards and their optimizer state), or
+  materialise it with ``to_empty(device=...)`` followed by ``reset_parameters()``.
+* ``init_seed`` seeds the counter-based initialisation
+  (:class:`~torchrec_cowclip.embedding.row_init.RowInit`): a table whose ``init_fn`` is a
+  ``RowInit`` keeps its own seed; one whose ``init_fn`` is a ``functools.partial`` of
+  ``torch.nn.init.uniform_``/``normal_`` (TorchRec's default is one) is drawn from this
+  seed, so it starts from the same weights unsharded and under any sharding plan or
+  world size.
+* ``kernel_mode`` says how the table batches update their rows (the row kernel:
+  ``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``,
+  :mod:`torchrec_cowclip.optim.row_step`); it is kept for the module's life (a device
+  move chooses the kernel of the new device in the same mode).
 """
 
 from __future__ import annotations
@@ -24,8 +55,6 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_cowclip.compat import in_backward_mark_count
-from torchrec_cowclip.embedding.batched_lookup import BatchedLookup
 from torchrec_cowclip.embedding.clip_counters import ClipCounters
 from torchrec_cowclip.embedding.export_forward import exported_pooling
 from torchrec_cowclip.embedding.local_tables import LocalTables
@@ -34,28 +63,15 @@ from torchrec_cowclip.embedding.quantization import (  # noqa: F401 (their home 
     quantization_mapping,
     quantize_embeddings,
 )
-from torchrec_cowclip.embedding.row_gradients import RowGradients
 from torchrec_cowclip.embedding.row_init import RowInit
 from torchrec_cowclip.embedding.row_kernels import RowKernel
-from torchrec_cowclip.embedding.row_updates import HelenSteps, LocalRows, RowUpdates, Submission
-from torchrec_cowclip.embedding.table_batch import (
-    TableClipStats,
-)
-from torchrec_cowclip.embedding.table_views import (
-    bind_table_views,
-    table_weight,
-    table_weights,
-)
+from torchrec_cowclip.embedding.row_updates import HelenSteps, RowUpdates
+from torchrec_cowclip.embedding.table_batch import TableClipStats
+from torchrec_cowclip.embedding.table_views import bind_table_views, table_weight, table_weights
 from torchrec_cowclip.optim.fused import CowClipFusedOptimizer
-from torchrec_cowclip.optim.load_check import check_loadable
-from torchrec_cowclip.optim.options import DEFAULT_OPTIONS, CowClipOptions
-from torchrec_cowclip.optim.torchrec_config import (
-    in_backward_settings,
-    marked_options,
-    options_settings,
-    resolve_options,
-    table_marks,
-)
+from torchrec_cowclip.optim.load_check import check_module_loadable
+from torchrec_cowclip.optim.options import CowClipOptions, checked_options
+from torchrec_cowclip.optim.torchrec_config import LateMarks, converted_options
 
 
 class CowClipEmbeddingBagCollection(
@@ -72,40 +88,18 @@ class CowClipEmbeddingBagCollection(
     ``loss.backward()`` updates the tables. A forward without a backward (evaluation,
     ``torch.no_grad()``) changes nothing.
 
-    Args:
-        tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, several
-            features per table (shared tables), mixed dims; ``data_type`` FP32, FP16 or
-            BF16 (half tables: weights in that type, updated in float32 and rounded back
-            stochastically, or to nearest with ``stochastic_rounding=False``; optimizer
-            state float32; pooled outputs float32 unless ``output_dtype`` says otherwise).
-        options: how the tables are trained, as one
-            :class:`~torchrec_cowclip.optim.options.CowClipOptions` (what the sharder,
-            the model factory and the trainer pass on): the optimizer (``"adam"``, the
-            paper's, ``"rowwise_adagrad"``, ``"sgd"``, per-element ``"adagrad"`` or
-            ``"adamw"``), its hyperparameters, the clip
-            (``cowclip=None`` turns it off), the unclipped tables, the optional
-            per-id-frequency lr (``count_lr``, not in the paper, ``docs/scaling.md``) and
-            Helen's two-pass step (``helen``: call :meth:`helen_step` with a closure instead
-            of ``loss.backward()``, which then raises). None: ``CowClipOptions()``.
-        is_weighted: features carry per-sample weights (``KeyedJaggedTensor.weights()``);
-            weights that require grad get their gradient, as TorchRec's EBC gives it.
-        device: where the tables live (default CPU). ``"meta"`` allocates no storage:
-            shard such a module with ``DistributedModelParallel`` and the
-            :class:`~torchrec_cowclip.distributed.CowClipEmbeddingBagCollectionSharder`
-            (each rank then allocates and initialises only its own shards and their
-            optimizer state), or materialise it with ``to_empty(device=...)`` followed by
-            :meth:`reset_parameters`.
-        init_seed: seed of the counter-based initialisation
-            (:class:`~torchrec_cowclip.embedding.row_init.RowInit`): a table whose
-            ``init_fn`` is a ``RowInit`` keeps its own seed; one whose ``init_fn`` is a
-            ``functools.partial`` of ``torch.nn.init.uniform_``/``normal_`` (TorchRec's
-            default is one) is drawn from this seed, so it starts from the same weights
-            unsharded and under any sharding plan or world size. None:
-            ``torch.initial_seed()``.
-        kernel_mode: how the table batches update their rows (the row kernel:
-            ``"auto"``, ``"1"``, ``"triton"``, ``"inductor"`` or ``"0"``,
-            :mod:`torchrec_cowclip.optim.row_step`), kept for the module's life (a device
-            move chooses the kernel of the new device in the same mode). None: the
+    Args (each in more detail in the module docstring):
+        tables: as for ``torchrec.EmbeddingBagCollection``: SUM or MEAN pooling, shared
+            tables, mixed dims, FP32, FP16 or BF16 (half tables updated in float32).
+        options: how the tables are trained (optimizer, hyperparameters, clip, unclipped
+            tables, ``count_lr``, Helen), as one
+            :class:`~torchrec_cowclip.optim.options.CowClipOptions`. None: the defaults.
+        is_weighted: features carry per-sample weights, which get their gradient when
+            they require one, as TorchRec's EBC gives it.
+        device: where the tables live (default CPU); ``"meta"`` allocates nothing.
+        init_seed: seed of the initialisation that is the same under any sharding plan.
+            None: ``torch.initial_seed()``.
+        kernel_mode: the row kernel's mode, kept across device moves. None: the
             ``TORCHREC_COWCLIP_COMPILE`` environment variable's, read now.
 
     Example::
@@ -137,31 +131,18 @@ class CowClipEmbeddingBagCollection(
         super().__init__()
         # One value object validates the optimizer, hyperparameters and unclipped tables
         # for this module and for its sharded form alike.
-        options = _checked_options(options)
-        cpu = torch.device("cpu")
-        self._tables = LocalTables(
-            tables, options, cpu if device is None else torch.device(device), kernel_mode, init_seed
-        )
+        options = checked_options(options)
+        self._tables = LocalTables(tables, options, device, kernel_mode, init_seed)
         self._batches = self._tables.batches
         self._is_weighted = is_weighted
-        self._output_dtype = options.output_dtype
-        # All of the collection's table batches are one lookup whose rows are local; the
-        # lookup is two custom ops (embedding/lookup_op.py), compiled or not.
-        self._row_updates = RowUpdates([t.name for t in tables], options.helen, self.device)
-        self._lookup = BatchedLookup(
-            self._batches,
-            self._tables.embedding_names,
-            self._row_updates,
-            LocalRows(),
-            self._submission_of,
-            self.device,
-        )
-
         self.embedding_bags = table_weights(self._batches)
-        params = {f"embedding_bags.{t.name}.weight": self._table_weight(t.name) for t in tables}
+        names = [t.name for t in tables]
+        params = {f"embedding_bags.{n}.weight": self._table_weight(n) for n in names}
         self._fused_optimizer = CowClipFusedOptimizer(params, state={}, options=options)
-        self._clip_counters = ClipCounters(self._batches, [t.name for t in tables])
-        self._marks_read = in_backward_mark_count()
+        self._row_updates = RowUpdates(names, options.helen, self.device)
+        self._lookup = self._tables.lookup(self._row_updates, self._fused_optimizer.row_options)
+        self._clip_counters = ClipCounters(self._batches, names)
+        self._late_marks = LateMarks()
         self._bind_views()
         self.reset_parameters()
 
@@ -196,12 +177,9 @@ class CowClipEmbeddingBagCollection(
             >>> torch.equal(cowclip_ebc.state_dict()[key], ebc.state_dict()[key])
             True
         """
-        marks = in_backward_settings(table_marks(ebc))
-        given = {} if options is None else options_settings(_checked_options(options), "options=")
-        tables = [replace(t) for t in ebc.embedding_bag_configs()]
         module = cls(
-            tables,
-            options=resolve_options([given, marks]),
+            [replace(t) for t in ebc.embedding_bag_configs()],
+            options=converted_options(ebc, options),
             is_weighted=ebc.is_weighted(),
             device=ebc.device if device is None else device,
             init_seed=init_seed,
@@ -215,17 +193,9 @@ class CowClipEmbeddingBagCollection(
     ) -> Any:
         """``nn.Module.load_state_dict``, refused whole - naming the first bad key and its
         shapes - unless every weight fits (``nn.Module`` copies the others before it
-        raises); a weight of another floating dtype is cast, as ``nn.Module`` casts it
-        (TorchRec's unsharded EBC keeps BF16 tables as float16); with ``strict=False``
-        only the keys present in both are compared."""
-        current = self.state_dict()
-        if not strict:
-            current = {k: v for k, v in current.items() if k in state_dict}
-            state_dict = {k: v for k, v in state_dict.items() if k in current}
-        check_loadable(dict(state_dict), current, "CowClipEmbeddingBagCollection", cast_floats=True)
+        raises): :func:`~torchrec_cowclip.optim.load_check.check_module_loadable`."""
+        check_module_loadable(state_dict, self.state_dict(), strict, type(self).__name__)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    # --- EmbeddingBagCollectionInterface -------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ``features``, as ``torchrec.EmbeddingBagCollection``.
@@ -236,52 +206,16 @@ class CowClipEmbeddingBagCollection(
                 values, or weights are missing on a weighted collection.
             IndexError: an id is outside ``[0, num_embeddings)`` of its table (raised
                 in forward, so no weight has changed).
+            RuntimeError: the collection is on the meta device.
         """
-        if self.device.type == "meta":
-            raise RuntimeError(
-                "this CowClipEmbeddingBagCollection is on the meta device (no storage): "
-                "shard it with DistributedModelParallel, or call to_empty(device=...) and "
-                "reset_parameters() first"
-            )
+        self._tables.require_storage()
         if torch.compiler.is_exporting():  # a self-contained program (export_forward.py)
-            return exported_pooling(
-                self._tables.configs,
-                self._table_weight,
-                features,
-                self._is_weighted,
-                self._tables.embedding_names,
-                self._tables.lengths_per_embedding,
-            )
-        if self._marks_read != in_backward_mark_count():
-            self._read_in_backward_marks()
-        features = self._tables.in_batched_order(features, self._lookup.feature_order)
-        values, offsets = features.values(), features.offsets()
-        weights = features.weights_or_none() if self._is_weighted else None
-        _check_structure(features, values, weights, self._is_weighted)
-        pooled = self._lookup(values, offsets, weights)
-        if self._output_dtype != pooled.dtype:
-            # Pooled in float32, cast once (FBGEMM's output_dtype); the cast's backward
-            # hands the update a float32 gradient.
-            pooled = pooled.to(self._output_dtype)
-        return KeyedTensor(
-            keys=self._tables.embedding_names,
-            length_per_key=self._tables.lengths_per_embedding,
-            values=pooled,
-        )
-
-    def _read_in_backward_marks(self) -> None:
-        """Honours ``apply_optimizer_in_backward`` (torch's or TorchRec's) called on the
-        tables' weights after the collection was built: the hyperparameters it names
-        become the fused optimizer's (``param_groups[0]``), as the sharder would set them;
-        another optimizer, other unclipped tables or Helen are refused in one line, before
-        anything changes (:func:`~torchrec_cowclip.optim.torchrec_config.marked_options`).
-        torch's own optimizer in the mark never steps: the tables get no ``.grad``."""
-        count = in_backward_mark_count()
-        marks = in_backward_settings(table_marks(self))
-        if marks:
-            options = marked_options(self.options, marks)
-            self._fused_optimizer.param_groups[0].update(options.hyperparameters())
-        self._marks_read = count
+            return exported_pooling(self._tables, self._table_weight, features, self._is_weighted)
+        if self._late_marks.pending():  # apply_optimizer_in_backward on the built tables
+            self._fused_optimizer.param_groups[0].update(self._late_marks.read(self, self.options))
+        order = self._lookup.feature_order
+        pooled = self._lookup(*self._tables.lookup_inputs(features, order, self._is_weighted))
+        return self._tables.output(pooled)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._tables.configs
@@ -300,11 +234,7 @@ class CowClipEmbeddingBagCollection(
         fused = self._fused_optimizer
         return CowClipOptions.from_param_group(
             fused.hyperparameters, fused.optimizer_name, self.unclipped_tables
-        ).replace(
-            helen=self.helen,
-            stochastic_rounding=self._batches[0].stochastic_rounding,
-            output_dtype=self._output_dtype,
-        )
+        ).replace(helen=self.helen, **self._tables.storage_options())
 
     @property
     def unclipped_tables(self) -> tuple[str, ...]:
@@ -315,8 +245,6 @@ class CowClipEmbeddingBagCollection(
         """Bytes of table weights and optimizer state this module holds (0 on meta)."""
         return self._tables.storage_bytes()
 
-    # --- the update -------------------------------------------------------------------
-
     @property
     def kernel_mode(self) -> str:
         """The kernel mode the module was built with (``kernel_mode=``, resolved once)."""
@@ -324,9 +252,8 @@ class CowClipEmbeddingBagCollection(
 
     @property
     def row_kernel(self) -> RowKernel:
-        """How the table batches group and update their touched rows
-        (:mod:`torchrec_cowclip.embedding.row_kernels`): chosen when the module was built or
-        last moved, the same for every batch."""
+        """How every table batch groups and updates its touched rows
+        (:mod:`torchrec_cowclip.embedding.row_kernels`), chosen at build or the last move."""
         return self._tables.kernel
 
     @property
@@ -335,44 +262,21 @@ class CowClipEmbeddingBagCollection(
         (:mod:`torchrec_cowclip.embedding.row_updates`)."""
         return self._row_updates
 
-    def _submission_of(self, index: int) -> Callable[[RowGradients], Submission]:
-        """How table batch ``index``'s backward submits its row gradients: with the fused
-        optimizer's hyperparameters as they are at that backward."""
-        batch = self._batches[index]
-
-        def submission(row_grads: RowGradients) -> Submission:
-            return Submission((index,), batch, row_grads, self._fused_optimizer.row_options())
-
-        return submission
-
-    # --- FusedOptimizerModule ------------------------------------------------------
-
     @property
     def fused_optimizer(self) -> CowClipFusedOptimizer:
         """The ``KeyedOptimizer`` of the in-backward update (state, lr, checkpoints).
 
         Raises:
-            RuntimeError: the collection is on the meta device. It has no state to
-                optimize; ``DistributedModelParallel`` asks for it when no sharder of
-                its list matches this class (TorchRec's default sharders do not), and
-                would then allocate every table whole on every rank.
+            RuntimeError: on the meta device (no state; ``DistributedModelParallel`` asks
+                for it when no sharder of its list matches this class, and would then
+                allocate every table whole on every rank).
         """
-        if self.device.type == "meta":
-            raise RuntimeError(
-                "this CowClipEmbeddingBagCollection is on the meta device: shard it with "
-                "DistributedModelParallel(..., sharders=torchrec_cowclip.distributed."
-                "get_default_sharders()) (TorchRec's default sharders, and a CowClip sharder "
-                "left at module_type=EmbeddingBagCollection, do not match this class), or "
-                "call to_empty(device=...) and reset_parameters() first"
-            )
+        self._tables.require_storage()
         return self._fused_optimizer
-
-    # --- Observability: the clip counters it holds ------------------------------------
 
     @property
     def clip_counters(self) -> ClipCounters:
-        """What the fused update did to each table, and with :meth:`track_row_clips` to
-        each row (:class:`~torchrec_cowclip.embedding.clip_counters.ClipCounters`)."""
+        """What the update did to each table and row (:class:`~.clip_counters.ClipCounters`)."""
         return self._clip_counters
 
     def clip_stats(self) -> dict[str, TableClipStats]:
@@ -395,34 +299,25 @@ class CowClipEmbeddingBagCollection(
         """:meth:`ClipCounters.row_counts`: per table, ``(updated, clipped)`` per row."""
         return self._clip_counters.row_counts()
 
-    # --- Module plumbing -----------------------------------------------------------
-
     @property
     def row_initializers(self) -> dict[str, Optional[RowInit]]:
-        """Per table, the counter-based initialisation its weights start from (None: the
-        config's own ``init_fn``, called as given); the sharder initialises each shard
-        from these."""
+        """Per table, the counter-based initialisation its weights start from (None: its
+        ``init_fn``, called as given); the sharder initialises each shard from these."""
         return dict(self._tables.row_inits)
 
     def reset_parameters(self) -> None:
-        """Initialises every table (:attr:`row_initializers`, else the config's
-        ``init_fn``) and zeroes the optimizer state and counters. Nothing happens on the
-        meta device."""
-        if self.device.type != "meta":
-            self._tables.reset(self._table_weight)
+        """Initialises every table (:attr:`row_initializers`, else its ``init_fn``) and
+        zeroes the optimizer state and counters; nothing happens on the meta device."""
+        self._tables.reset(self._table_weight)
 
     # TorchRec's quantization: refused in one line where it would skip this collection.
     qconfig = QconfigGuard()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
-        # Device and dtype moves must move the table batches and re-point the per-table
-        # views; moving the views alone would silently detach them from the batches.
-        moved_to = self._tables.move(fn)
-        self._row_updates.to(moved_to)
-        self._lookup.to(moved_to)
-        self._bind_views()
-        views = {id(p) for p in self.parameters()}
-        # The per-table parameters now view the moved batches: leave them as they are.
+        # A move moves the table batches and re-points the per-table views at them
+        # (moving the views alone would silently detach them from the batches).
+        self._tables.move(fn, self._row_updates, self._lookup)
+        views = self._bind_views()  # now viewing the moved batches: left as they are
         moved: nn.Module = super()._apply(lambda t: t if id(t) in views else fn(t), recurse)
         return moved
 
@@ -432,43 +327,8 @@ class CowClipEmbeddingBagCollection(
         super().__setstate__(state)
         self._bind_views()
 
-    def _bind_views(self) -> None:
-        bind_table_views(self.embedding_bags, self._batches, self._fused_optimizer.state)
+    def _bind_views(self) -> set[int]:
+        return bind_table_views(self.embedding_bags, self._batches, self._fused_optimizer.state)
 
     def _table_weight(self, name: str) -> nn.Parameter:
         return table_weight(self.embedding_bags, name)
-
-
-# --- helpers -----------------------------------------------------------------------
-
-
-def _checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
-    if options is None:
-        return DEFAULT_OPTIONS
-    if not isinstance(options, CowClipOptions):
-        raise TypeError(
-            f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
-        )
-    return options
-
-
-def _check_structure(
-    features: KeyedJaggedTensor,
-    values: Tensor,
-    weights: Optional[Tensor],
-    is_weighted: bool,
-) -> None:
-    """What a KJT's structure must be that its types show (the lookup op checks what only
-    its values show: :func:`~torchrec_cowclip.embedding.batched_lookup.BatchedLookup.forward_impl`)."""
-    if features.variable_stride_per_key():
-        raise ValueError(
-            "variable-batch KeyedJaggedTensors (stride per key) are not supported; "
-            "give every feature the same batch size"
-        )
-    if values.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"KeyedJaggedTensor values must be int32 or int64 ids, got {values.dtype}")
-    if is_weighted and weights is None:
-        raise ValueError(
-            "this collection is weighted (is_weighted=True) but the "
-            "KeyedJaggedTensor has no weights"
-        )

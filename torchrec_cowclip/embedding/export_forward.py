@@ -8,29 +8,29 @@ training only). Half tables pool in float32, as the training forward does.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_cowclip.embedding.local_tables import LocalTables
 
 __all__ = ["exported_pooling"]
 
 
 def exported_pooling(
-    tables: Sequence[EmbeddingBagConfig],
+    tables: LocalTables,
     weight_of: Callable[[str], Tensor],
     features: KeyedJaggedTensor,
     is_weighted: bool,
-    keys: list[str],
-    length_per_key: list[int],
 ) -> KeyedTensor:
     """The pooled embeddings of ``features`` from ``tables`` (``weight_of``: a table's
-    weight by name), under ``keys`` of ``length_per_key`` columns."""
+    weight by name), under the tables' embedding names."""
     by_feature = features.to_dict()
     pooled: list[Tensor] = []
-    for table in tables:
+    for table in tables.configs:
         weight = weight_of(table.name)
         for feature in table.feature_names:
             bags = by_feature[feature]
@@ -52,4 +52,4 @@ def exported_pooling(
                 lengths = (offsets[1:] - offsets[:-1]).clamp_min(1)
                 out = out / lengths.unsqueeze(1).to(out.dtype)
             pooled.append(out)
-    return KeyedTensor(keys=keys, length_per_key=length_per_key, values=torch.cat(pooled, dim=1))
+    return tables.keyed(torch.cat(pooled, dim=1))

@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping, Sequence
+from typing import Any, MutableMapping, Sequence, Set
 
 import torch
 from torch import nn
@@ -62,9 +62,11 @@ def table_weight(bags: nn.ModuleDict, name: str) -> nn.Parameter:
 
 def bind_table_views(
     bags: nn.ModuleDict, batches: Sequence[TableBatch], state: MutableMapping[Any, Any]
-) -> None:
+) -> Set[int]:
     """Re-points every table's parameter (and its optimizer ``state``) at its batch's
-    tensors, after a device move, a copy or an unpickling cloned them apart."""
+    tensors, after a device move, a copy or an unpickling cloned them apart. Returns the
+    parameters' ids (what a move of the module must leave as they are)."""
+    bound: Set[int] = set()
     for batch in batches:
         for i, name in enumerate(batch.table_names):
             param = table_weight(bags, name)
@@ -81,3 +83,5 @@ def bind_table_views(
                 )
                 param.__dict__.update(marks)
             state[param] = batch.table_state(i)
+            bound.add(id(param))
+    return bound

@@ -28,7 +28,7 @@ from typing import Any, List, Mapping, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["StateDictMismatch", "check_loadable"]
+__all__ = ["StateDictMismatch", "check_loadable", "check_module_loadable"]
 
 
 class StateDictMismatch(ValueError):
@@ -133,3 +133,16 @@ def check_loadable(
             )
         for i, (new, old) in enumerate(zip(incoming, current)):
             check_loadable(new, old, what, f"{where}[{i}]", cast_floats)
+
+
+def check_module_loadable(
+    incoming: Mapping[str, Any], current: Mapping[str, Any], strict: bool, what: str
+) -> None:
+    """:func:`check_loadable` for ``nn.Module.load_state_dict(incoming, strict)`` of a
+    module whose state dict is ``current``: its weights may come in another floating
+    dtype (``nn.Module`` casts them); with ``strict=False`` only the keys present in both
+    are compared."""
+    if not strict:
+        current = {k: v for k, v in current.items() if k in incoming}
+        incoming = {k: v for k, v in incoming.items() if k in current}
+    check_loadable(dict(incoming), current, what, cast_floats=True)

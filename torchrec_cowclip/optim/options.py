@@ -30,6 +30,7 @@ __all__ = [
     "CowClip",
     "CowClipOptions",
     "Helen",
+    "checked_options",
     "validate_hyperparameters",
 ]
 
@@ -312,3 +313,15 @@ class CowClipOptions:
 #: Every field at its default: the one place the defaults are stated (the in-backward
 #: optimizer classes read theirs from here).
 DEFAULT_OPTIONS = CowClipOptions()
+
+
+def checked_options(options: Optional[CowClipOptions]) -> CowClipOptions:
+    """``options`` as given to a collection or a sharder: None is :data:`DEFAULT_OPTIONS`;
+    anything but a ``CowClipOptions`` raises TypeError naming its type."""
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, CowClipOptions):
+        raise TypeError(
+            f"options must be a torchrec_cowclip.CowClipOptions, got {type(options).__name__}"
+        )
+    return options

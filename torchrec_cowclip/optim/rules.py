@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, Mapping, Sequence, Tuple, Union, overload
 
 from torchrec_cowclip.optim.functional import (
@@ -86,16 +86,17 @@ class UpdateRule:
 #: The built-in rules, with the names TorchRec and FBGEMM give them. FBGEMM's first state
 #: is "momentum1" whatever its optimizer; TorchRec names the others after FBGEMM's
 #: ``get_optimizer_state()`` ("exp_avg_sq").
+_ADAM = UpdateRule(
+    "adam",
+    adam_step,
+    (("exp_avg", "D"), ("exp_avg_sq", "D")),
+    "torch.optim.Adam",
+    adam_bias_corrections=True,
+    torchrec_optimizers=("adam", "torch.optim.adam.Adam", "torchrec.optim.optimizers.Adam"),
+    fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
+)
 BUILT_IN_RULES: Tuple[UpdateRule, ...] = (
-    UpdateRule(
-        "adam",
-        adam_step,
-        (("exp_avg", "D"), ("exp_avg_sq", "D")),
-        "torch.optim.Adam",
-        adam_bias_corrections=True,
-        torchrec_optimizers=("adam", "torch.optim.adam.Adam", "torchrec.optim.optimizers.Adam"),
-        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
-    ),
+    _ADAM,
     UpdateRule(
         "rowwise_adagrad",
         rowwise_adagrad_step,
@@ -132,16 +133,15 @@ BUILT_IN_RULES: Tuple[UpdateRule, ...] = (
         torchrec_optimizers=("exact_adagrad", "adagrad", "torch.optim.adagrad.Adagrad"),
         fbgemm_states=(("sum", "momentum1"),),
     ),
-    UpdateRule(
-        "adamw",
-        adamw_step,
-        (("exp_avg", "D"), ("exp_avg_sq", "D")),
-        "torch.optim.AdamW",
-        adam_bias_corrections=True,
-        # FBGEMM has no AdamW type: it is EmbOptimType.ADAM with WeightDecayMode.DECOUPLE
-        # (torchrec_config reads that pair as this rule), with Adam's state.
+    # Adam's state (its layout, FBGEMM's names of it, the bias corrections) with the
+    # decay taken off the weight. FBGEMM has no AdamW type: it is EmbOptimType.ADAM with
+    # WeightDecayMode.DECOUPLE (torchrec_config reads that pair as this rule).
+    replace(
+        _ADAM,
+        name="adamw",
+        step=adamw_step,
+        planner_optimizer="torch.optim.AdamW",
         torchrec_optimizers=("torch.optim.adamw.AdamW",),
-        fbgemm_states=(("exp_avg", "momentum1"), ("exp_avg_sq", "exp_avg_sq")),
         decoupled_weight_decay=True,
     ),
 )

@@ -14,7 +14,9 @@ in a third; all of them land on the same :class:`~torchrec_cowclip.optim.options
 * ``apply_optimizer_in_backward(optimizer_class, [weight], kwargs)`` on each table's
   weight, with a torch/TorchRec class (``torch.optim.Adam``, ``torch.optim.AdamW``,
   ``torch.optim.Adagrad``, ``torchrec.optim.RowWiseAdagrad``, ``torch.optim.SGD``, ...) or one of :mod:`.in_backward`'s (``CowClipAdam``, ...), whose
-  ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`);
+  ``cowclip=None`` on some tables makes those the unclipped ones (:func:`in_backward_settings`;
+  :func:`converted_options` reads them when a stock collection is converted,
+  :class:`LateMarks` when they are made on a built one);
 * ``CowClipOptions`` itself (``options=``), and a
   :class:`~torchrec_cowclip.CowClipEmbeddingBagCollection`'s own options (:func:`options_settings`).
 
@@ -57,14 +59,17 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchrec_cowclip.compat import in_backward_mark_count, in_backward_optimizer
 from torchrec_cowclip.optim.in_backward import CowClipInBackward
-from torchrec_cowclip.optim.options import CowClip, CowClipOptions
+from torchrec_cowclip.optim.options import CowClip, CowClipOptions, checked_options
 from torchrec_cowclip.optim.rules import UPDATE_RULES
 
 __all__ = [
     "FBGEMM_DEFAULTS",
+    "LateMarks",
     "REFUSED_OPTIMIZERS",
     "Setting",
+    "converted_options",
     "fused_params_settings",
     "in_backward_settings",
     "marked_options",
@@ -472,6 +477,56 @@ def marked_options(current: CowClipOptions, marks: Settings) -> CowClipOptions:
         raise ValueError(f"{e} (from {spelled})") from None
 
 
+def converted_options(collection: nn.Module, options: Optional[CowClipOptions]) -> CowClipOptions:
+    """The options a stock ``EmbeddingBagCollection`` converted to CowClip's trains with:
+    ``options`` (None: none given) merged with its tables' ``apply_optimizer_in_backward``
+    marks (:func:`resolve_options`: a disagreement raises ValueError naming both)."""
+    marks = in_backward_settings(table_marks(collection))
+    given = {} if options is None else options_settings(checked_options(options), "options=")
+    return resolve_options([given, marks])
+
+
+class LateMarks:
+    """``apply_optimizer_in_backward`` (torch's or TorchRec's) called on a built
+    collection's table weights: the hyperparameters the marks name become the
+    collection's, as the sharder would set them; another optimizer, other unclipped
+    tables or Helen are refused in one line, before anything changes
+    (:func:`marked_options`). torch's own optimizer in a mark never steps: the tables get
+    no ``.grad``. The marks are read again only after a new one was made anywhere
+    (``compat.in_backward_mark_count``): a forward without one costs a comparison.
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagConfig
+        >>> from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+        >>> from torchrec_cowclip import CowClipEmbeddingBagCollection
+        >>> ebc = CowClipEmbeddingBagCollection([EmbeddingBagConfig(
+        ...     name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])])
+        >>> late = LateMarks()
+        >>> apply_optimizer_in_backward(
+        ...     torch.optim.Adam, [ebc.embedding_bags["t"].weight], {"lr": 0.5})
+        >>> late.pending(), late.read(ebc, ebc.options)["lr"], late.pending()
+        (True, 0.5, False)
+    """
+
+    def __init__(self) -> None:
+        self._read = in_backward_mark_count()
+
+    def pending(self) -> bool:
+        """Whether a mark was made since the last :meth:`read` (or since construction)."""
+        return self._read != in_backward_mark_count()
+
+    def read(self, collection: nn.Module, current: CowClipOptions) -> Dict[str, Any]:
+        """The hyperparameters ``collection``'s marks set on top of ``current`` (its
+        options now; ``{}`` when no table is marked), for its fused optimizer's
+        ``param_groups[0]``. A refusal leaves the marks pending."""
+        count = in_backward_mark_count()
+        marks = in_backward_settings(table_marks(collection))
+        hyperparameters = marked_options(current, marks).hyperparameters() if marks else {}
+        self._read = count
+        return hyperparameters
+
+
 def options_settings(options: CowClipOptions, where: str) -> Settings:
     """Every field of ``options``, explicitly (``where``: ``options=``, a module's name)."""
     return {
@@ -522,8 +577,6 @@ def table_marks(
     """Per table of an embedding bag collection (its ``embedding_bags.<table>.weight``),
     the ``apply_optimizer_in_backward`` mark of its weight (None: unmarked), for
     :func:`in_backward_settings`."""
-    from torchrec_cowclip.compat import in_backward_optimizer
-
     bags = collection.get_submodule("embedding_bags")
     return {
         name.split(".")[0]: in_backward_optimizer(weight)

@@ -367,9 +367,11 @@ def check_columns(
     reader = folder.reader
     # Each time column is read as two categoricals after the others (data.parsing.time).
     time = time_feature_names(folder.time_columns())
+    # ... and, with --time-trend, one dense feature each after the dense columns.
+    trend = folder.trend_columns()
     if layout is not None and isinstance(layout.label, str):
         names["the reader's dense columns"] = (
-            tuple(map(str, layout.dense)),
+            (*map(str, layout.dense), *trend),
             schema.dense_names,
         )
         names["the reader's categorical columns"] = (
@@ -378,11 +380,11 @@ def check_columns(
         )
     elif layout is not None:
         names["the reader's column counts"] = (
-            (len(layout.dense), len(layout.sparse) + len(time)),
+            (len(layout.dense) + len(trend), len(layout.sparse) + len(time)),
             (schema.n_dense, schema.n_sparse),
         )
     elif reader.get("format") == "parquet":
-        names["the reader's dense columns"] = (tuple(reader["dense"]), schema.dense_names)
+        names["the reader's dense columns"] = ((*reader["dense"], *trend), schema.dense_names)
         names["the reader's categorical columns"] = (
             (*reader["sparse"], *time),
             schema.sparse_names,
@@ -402,7 +404,7 @@ def check_columns(
             )
     options = folder.data_info["options"]
     for key, schema_has in (
-        ("dense", schema.dense_names),
+        ("dense", schema.dense_names[: schema.n_dense - len(trend)]),
         ("sparse", schema.sparse_names[: schema.n_sparse - len(time)]),
     ):
         given = options.get(key)

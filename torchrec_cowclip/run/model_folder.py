@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout
+from torchrec_cowclip.data.parsing.time import trend_feature_names
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file
 from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import restore_encoder
@@ -275,6 +276,13 @@ class RunFolder:
     def time_columns(self) -> Tuple[str, ...]:
         """The columns the run read as timestamps (``--time-columns``), by name."""
         return tuple(self.data_info["options"].get("time_columns") or ())
+
+    def trend_columns(self) -> Tuple[str, ...]:
+        """The dense trend features of the time columns (``--time-trend``; the last dense
+        columns), or none."""
+        if not self.data_info["options"].get("time_trend"):
+            return ()
+        return tuple(trend_feature_names(self.time_columns()))
 
     def na_values(self) -> Tuple[str, ...]:
         """The texts the run read as missing values (``--na-values``), for new rows."""

@@ -110,7 +110,15 @@ def add_commands(sub: Any) -> None:
     _reading(e)
 
     x = sub.add_parser(
-        "export", help="write the model as a torch.export program for serving", formatter_class=fmt
+        "export",
+        help="write the model as a torch.export program for serving",
+        description="The program computes forward(dense, ids) -> probability; a run with "
+        "--time-columns forward(dense, ids, time): time float64 [B, n_time], each time "
+        "column's timestamp (Unix seconds, or milliseconds from 1e11 on; a date-time text or "
+        "parquet timestamp column as its Unix seconds; NaN missing), from which the program "
+        "derives the hour and weekday (and --time-trend's days) as training did. "
+        "MODEL.serving.json says what each input holds (docs/serving.md).",
+        formatter_class=fmt,
     )
     _common(x, "export")
     x.add_argument(

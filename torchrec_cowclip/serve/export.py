@@ -15,6 +15,11 @@
   - ``ids``: int64 ``[B, n_sparse]``, one id per categorical column in the schema's
     order, encoded as training encoded them (the vocabulary shipped beside it, or
     hashing); an id outside its table is read as row 0;
+  - ``time`` (runs with ``--time-columns`` only: ``forward(dense, ids, time)``):
+    float64 ``[B, n_time]``, each time column's timestamp as a number (Unix seconds,
+    or milliseconds from 1e11 on; a date-time text or parquet timestamp column as its
+    Unix seconds; NaN missing): the program derives its hour and weekday features as
+    training did (:class:`TimeFeatures`), which ``ids`` then leaves out;
   - ``probability``: float32 ``[B]``; ``B`` is dynamic (1 and up).
 
   The tables are plain buffers (``index_select``, one row per column: the training
@@ -61,6 +66,16 @@ from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, DensePlan
+from torchrec_cowclip.data.parsing.time import (
+    DAY_S,
+    EPOCH_WEEKDAY,
+    HOUR_S,
+    MILLISECONDS_FROM,
+    TREND_SUFFIX,
+    days_of_seconds,
+    parts_of_seconds,
+    seconds_of_numbers,
+)
 from torchrec_cowclip.data.pipeline.batches import make_batch
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.failures import ConfigError
@@ -204,6 +219,88 @@ class DensePlanModule(nn.Module):
         return out.float()
 
 
+class TimeFeatures(nn.Module):
+    """The run's time columns (``--time-columns``) in torch: timestamps float64
+    ``[B, n_time]`` -> the ids of their hour and weekday features ``[B, 2 n_time]`` in the
+    schema's order, by the steps of ``data.parsing.time`` (milliseconds from
+    ``MILLISECONDS_FROM`` on, floor to whole seconds, floor division, a non-negative
+    remainder; NaN missing), each part's id looked up in a table the run's encoder
+    filled for every hour, weekday and the missing value. :meth:`days` gives the trend
+    features' raw values (``--time-trend``: the timestamps in days).
+
+    Args:
+        run: the run folder (its schema, time columns and encoder).
+    """
+
+    hour_ids: Tensor
+    weekday_ids: Tensor
+    offsets: Tensor
+
+    def __init__(self, run: RunFolder) -> None:
+        super().__init__()
+        self.columns = list(run.time_columns())
+        self.count = len(self.columns)
+        self.register_buffer("hour_ids", torch.from_numpy(time_part_ids(run, 24)))
+        self.register_buffer("weekday_ids", torch.from_numpy(time_part_ids(run, 7)))
+        # Row j's table starts at j * (values + 1) in the flattened buffers.
+        self.register_buffer("offsets", torch.arange(self.count, dtype=torch.int64))
+
+    @staticmethod
+    def seconds(time: Tensor) -> Tensor:
+        """Unix seconds (float64, NaN missing) of the timestamps as given."""
+        t = time.double()
+        return torch.where(t.abs() >= MILLISECONDS_FROM, t / 1000.0, t)
+
+    def days(self, time: Tensor) -> Tensor:
+        """The trend features' raw values: the timestamps in days (float64)."""
+        return self.seconds(time) / DAY_S
+
+    def forward(self, time: Tensor) -> Tensor:
+        seconds = self.seconds(time)
+        missing = torch.isnan(seconds)
+        whole = torch.floor(torch.where(missing, torch.zeros_like(seconds), seconds))
+        whole = whole.to(torch.int64)
+        hour = torch.remainder(torch.div(whole, HOUR_S, rounding_mode="floor"), 24)
+        day = torch.div(whole, DAY_S, rounding_mode="floor") + EPOCH_WEEKDAY
+        weekday = torch.remainder(day, 7)
+        hour = torch.where(missing, torch.full_like(hour, 24), hour)
+        weekday = torch.where(missing, torch.full_like(weekday, 7), weekday)
+        hours = self.hour_ids.flatten().index_select(0, (hour + 25 * self.offsets).flatten())
+        weekdays = self.weekday_ids.flatten().index_select(
+            0, (weekday + 8 * self.offsets).flatten()
+        )
+        parts = torch.stack([hours.reshape(-1, self.count), weekdays.reshape(-1, self.count)], 2)
+        return parts.reshape(-1, 2 * self.count)
+
+
+def time_part_ids(run: RunFolder, values: int) -> np.ndarray:
+    """int64 ``[n_time, values + 1]``: per time column, the ids the run's encoder gives
+    its hour (``values=24``) or weekday (``values=7``) parts ``0`` .. ``values - 1`` and,
+    last, the missing one."""
+    schema, time = run.schema, run.time_columns()
+    first = schema.n_sparse - 2 * len(time)
+    part = 0 if values == 24 else 1
+    texts = np.array([str(v).encode() for v in range(values)] + [b""], dtype="S2")
+    sparse = [np.full(values + 1, b"", dtype="S2") for _ in range(schema.n_sparse)]
+    for j in range(len(time)):
+        sparse[first + 2 * j + part] = texts
+    ids = np.asarray(run.encoder().encode(sparse), dtype=np.int64)
+    return np.ascontiguousarray(ids[:, first + part :: 2].T)
+
+
+def time_ids(run: RunFolder, time: np.ndarray) -> np.ndarray:
+    """The ids of the hour and weekday features of timestamps float64 ``[B, n_time]``
+    as ``predict`` derives them (``data.parsing.time``, the run's encoder): the
+    reference :class:`TimeFeatures` is checked against."""
+    schema, n = run.schema, time.shape[1]
+    first = schema.n_sparse - 2 * n
+    sparse: List[np.ndarray] = [np.full(len(time), b"", dtype="S2") for _ in range(first)]
+    for j in range(n):
+        sparse += parts_of_seconds(seconds_of_numbers(time[:, j]))[0]
+    ids = np.asarray(run.encoder().encode(sparse), dtype=np.int64)
+    return ids[:, first:]
+
+
 class ServingModel(nn.Module):
     """``forward(dense [B, n_dense] float32, ids [B, n_sparse] int64) -> probability [B]``:
     the trained model with :class:`PlainEmbeddings` for its collection (see the module
@@ -224,6 +321,31 @@ class ServingModel(nn.Module):
         ids = torch.where(inside, ids, torch.zeros_like(ids))
         logits: Tensor = self.model(self.dense_transform(dense), ids)
         return torch.sigmoid(logits)
+
+
+class TimedServingModel(ServingModel):
+    """``forward(dense, ids, time float64 [B, n_time]) -> probability [B]``: a
+    :class:`ServingModel` of a run with time columns, which takes the timestamps and
+    derives their features inside (:class:`TimeFeatures`); ``ids`` holds the other
+    categorical columns and, with ``trend`` (raw dense inputs), ``dense`` the other
+    dense columns: the trend features' raw values are appended to them."""
+
+    def __init__(
+        self,
+        model: CTRModel,
+        cardinalities: Sequence[int],
+        dense: Optional[nn.Module],
+        time: TimeFeatures,
+        trend: bool,
+    ) -> None:
+        super().__init__(model, cardinalities, dense)
+        self.time = time
+        self.trend = trend
+
+    def forward(self, dense: Tensor, ids: Tensor, time: Tensor) -> Tensor:  # type: ignore[override]
+        if self.trend:
+            dense = torch.cat([dense.double(), self.time.days(time)], dim=1)
+        return super().forward(dense, torch.cat([ids, self.time(time)], dim=1))
 
 
 def _swap_collection(model: CTRModel, plain: nn.Module) -> None:
@@ -254,29 +376,82 @@ def serving_model(
     )
     _swap_collection(model, plain)
     dense = DensePlanModule(run.dense_plan()) if raw_dense else None
-    serving = ServingModel(model, schema.cardinalities, dense).eval()
+    serving = (
+        TimedServingModel(
+            model,
+            schema.cardinalities,
+            dense,
+            TimeFeatures(run),
+            trend=raw_dense and bool(run.trend_columns()),
+        )
+        if run.time_columns()
+        else ServingModel(model, schema.cardinalities, dense)
+    ).eval()
     for parameter in serving.parameters():  # inference only: outputs that need no grad
         parameter.requires_grad_(False)
     return serving
 
 
-def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """Random raw rows: count-like dense values with a few missing and negative ones,
-    ids over every table's rows (some outside them)."""
+def parity_timestamps(rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """float64 ``[rows, columns]`` timestamps where the derivation can slip: Unix seconds
+    of the last 60 years and before 1970, whole and fractional, a second either side of
+    midnight and of each hour, milliseconds (from 1e11 on, either side of it), NaN."""
     g = np.random.default_rng(seed)
-    schema = run.schema
-    dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, schema.n_dense))))
+    days = g.integers(-25_000, 25_000, size=(rows, columns)).astype(np.float64)
+    edge = g.choice(
+        [-1.0, -0.5, 0.0, 0.25, 1.0, 3599.0, 3600.0, 86399.0, 86399.75], (rows, columns)
+    )
+    seconds = days * DAY_S + np.where(
+        g.random((rows, columns)) < 0.5, edge, g.random((rows, columns)) * DAY_S
+    )
+    ms = g.random((rows, columns)) < 0.25
+    seconds[ms] = np.floor(seconds[ms] * 1000.0)
+    near = g.random((rows, columns)) < 0.05
+    seconds[near] = MILLISECONDS_FROM + g.integers(-2, 2, size=int(near.sum()))
+    seconds[g.random((rows, columns)) < 0.05] = np.nan
+    return seconds
+
+
+def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Random raw rows: count-like dense values with a few missing and negative ones,
+    ids over every categorical table's rows (some outside them), timestamps
+    (:func:`parity_timestamps`) for the time columns (``[rows, 0]`` without)."""
+    g = np.random.default_rng(seed)
+    schema, n_time = run.schema, len(run.time_columns())
+    n_dense = schema.n_dense - len(run.trend_columns())
+    dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, n_dense))))
     dense[g.random(dense.shape) < 0.1] = np.nan
     dense[g.random(dense.shape) < 0.02] *= -1.0
-    cards = np.asarray(schema.cardinalities)
-    ids = np.floor(g.random((rows, schema.n_sparse)) * (cards + 1)).astype(np.int64)
-    return torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(ids)
+    cards = np.asarray(schema.cardinalities[: schema.n_sparse - 2 * n_time])
+    ids = np.floor(g.random((rows, len(cards))) * (cards + 1)).astype(np.int64)
+    time = parity_timestamps(rows, n_time, seed)
+    return (
+        torch.from_numpy(dense.astype(np.float32)),
+        torch.from_numpy(ids),
+        torch.from_numpy(time),
+    )
 
 
-def reference_scores(predictor: Predictor, raw: Tensor, ids: Tensor) -> Tensor:
-    """What ``predict`` gives for raw rows (its dense plan, encoder bounds and model)."""
+def raw_dense_values(run: RunFolder, raw: Tensor, time: Optional[Tensor]) -> np.ndarray:
+    """The raw dense values float64 ``[B, n_dense]`` of the dense columns ``raw`` and,
+    for a run with ``--time-trend``, the trend features of the timestamps ``time``, as
+    ``predict`` derives them (``data.parsing.time``)."""
+    values = raw.double().numpy()
+    if not run.trend_columns() or time is None:
+        return values
+    days = days_of_seconds(seconds_of_numbers(time.double().numpy()))
+    return np.concatenate([values, days], axis=1)
+
+
+def reference_scores(
+    predictor: Predictor, raw: Tensor, ids: Tensor, time: Optional[Tensor] = None
+) -> Tensor:
+    """What ``predict`` gives for raw rows (its dense plan, encoder bounds, time-column
+    derivation and model); ``time``: the time columns' timestamps (float64)."""
     run = predictor.run
-    x = run.dense_plan().transform(raw.double().numpy())
+    x = run.dense_plan().transform(raw_dense_values(run, raw, time))
+    if time is not None and time.shape[1]:
+        ids = torch.cat([ids, torch.from_numpy(time_ids(run, time.numpy()))], dim=1)
     cards = torch.tensor(run.schema.cardinalities)
     ids = torch.where((ids >= 0) & (ids < cards), ids, torch.zeros_like(ids))
     batch = make_batch(x, ids.numpy(), np.zeros(len(ids), np.float32), predictor.keys)
@@ -335,6 +510,44 @@ def _encoding_contract(run: RunFolder) -> Dict[str, Any]:
     return {**encoding, "rule": rules.get(kind, "")}
 
 
+#: What the program's ``time`` input holds, in the contract and the docs.
+TIME_INPUT = (
+    "per time column the timestamp as a number, NaN for missing: Unix seconds (whole or "
+    "fractional), or Unix milliseconds from 1e11 on (1973-03-03 in milliseconds), as the "
+    "training files' numbers were read; a column the files held as date-time text "
+    "(ISO 8601, UTC) or as a parquet timestamp is given as its Unix seconds (UTC; "
+    "numpy: datetime64 values .astype('datetime64[ms]').astype('int64') / 1000). The "
+    "program derives each column's hour of day and day of week (0 Monday) in UTC as "
+    "training did and looks up their ids"
+)
+
+
+def time_contract(run: RunFolder) -> Dict[str, Any]:
+    """The contract's ``time`` input of a run with time columns."""
+    time, trend = list(run.time_columns()), bool(run.trend_columns())
+    return {
+        "name": "time",
+        "dtype": "float64",
+        "shape": ["batch", len(time)],
+        "columns": time,
+        "values": TIME_INPUT,
+        "derives": {
+            c: [f"{c}_hour", f"{c}_weekday", *([f"{c}_{TREND_SUFFIX}"] if trend else [])]
+            for c in time
+        },
+        **(
+            {
+                "trend": "NAME_days = the timestamp in Unix seconds / 86400, a dense column "
+                "after the others, scaled by the dense plan (min-max on the training split: "
+                "0 at its start, 1 at its end; later rows lie past 1). With --dense-input "
+                "transformed the caller computes it among the plan's outputs"
+            }
+            if trend
+            else {}
+        ),
+    }
+
+
 def contract(
     run: RunFolder,
     program: str,
@@ -345,7 +558,10 @@ def contract(
     parity: float,
 ) -> Dict[str, Any]:
     """``model.serving.json``: what a serving stack feeds the program and how."""
-    schema, plan = run.schema, run.dense_plan()
+    schema, plan, time = run.schema, run.dense_plan(), run.time_columns()
+    n_ids = schema.n_sparse - 2 * len(time)
+    # The trend features (the last dense columns) are the program's to derive from time.
+    columns = plan.names[: len(plan.names) - len(run.trend_columns())]
     return {
         "format": CONTRACT_FORMAT,
         "version": 1,
@@ -355,8 +571,8 @@ def contract(
             {
                 "name": "dense",
                 "dtype": "float32",
-                "shape": ["batch", len(plan.names) if raw_dense else len(plan.output_names)],
-                "columns": list(plan.names if raw_dense else plan.output_names),
+                "shape": ["batch", len(columns) if raw_dense else len(plan.output_names)],
+                "columns": list(columns if raw_dense else plan.output_names),
                 "values": "raw (NaN for missing); the program applies the dense plan"
                 if raw_dense
                 else "the dense plan's outputs, computed by the caller (the program applies "
@@ -367,13 +583,14 @@ def contract(
             {
                 "name": "ids",
                 "dtype": "int64",
-                "shape": ["batch", schema.n_sparse],
-                "columns": list(schema.sparse_names),
-                "rows": list(schema.cardinalities),
+                "shape": ["batch", n_ids],
+                "columns": list(schema.sparse_names[:n_ids]),
+                "rows": list(schema.cardinalities[:n_ids]),
                 "encoding": _encoding_contract(run),
                 "vocabulary": vocabulary,
                 "outside_rows": "read as id 0",
             },
+            *([time_contract(run)] if time else []),
         ],
         "output": {"name": "probability", "dtype": "float32", "shape": ["batch"]},
         "tables": table_dtype,
@@ -455,22 +672,23 @@ def export_run(
     check_not_inputs("--out", out, [], run.model_dir)
     predictor = Predictor(run, weights=weights)
     module = serving_model(run, predictor.weights, table_dtype, raw_dense)
-    raw, ids = _parity_rows(run, PARITY_ROWS)
-    dense = raw if raw_dense else torch.from_numpy(run.dense_plan().transform(raw.double().numpy()))
+    raw, ids, time = _parity_rows(run, PARITY_ROWS)
+    plan = run.dense_plan()
+    dense = raw if raw_dense else torch.from_numpy(plan.transform(raw_dense_values(run, raw, time)))
+    inputs = (dense, ids, time) if run.time_columns() else (dense, ids)
     with torch.no_grad():
         if fmt == "export":
             batch = torch.export.Dim("batch", min=1)
-            program: Any = torch.export.export(
-                module, (dense, ids), dynamic_shapes={"dense": {0: batch}, "ids": {0: batch}}
-            )
-            got = program.module()(dense, ids)
+            shapes = {name: {0: batch} for name in ("dense", "ids", "time")[: len(inputs)]}
+            program: Any = torch.export.export(module, inputs, dynamic_shapes=shapes)
+            got = program.module()(*inputs)
         else:
             with warnings.catch_warnings():
                 # The models' shape checks read the dense width, a constant of the program.
                 warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-                program = torch.jit.trace(module, (dense, ids))
-            got = program(dense, ids)
-    expected = reference_scores(predictor, raw, ids)
+                program = torch.jit.trace(module, inputs)
+            got = program(*inputs)
+    expected = reference_scores(predictor, raw, ids, time)
     difference = float((got - expected).abs().max())
     if table_dtype == "fp32" and not difference <= PARITY_TOLERANCE:
         raise ExportError(

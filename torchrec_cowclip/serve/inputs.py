@@ -71,7 +71,7 @@ from torchrec_cowclip.data.parsing.rows import (
     TextRowSource,
     missing_as_empty,
 )
-from torchrec_cowclip.data.parsing.time import parts_of_seconds, time_parts
+from torchrec_cowclip.data.parsing.time import days_of_seconds, parts_of_seconds, time_features
 from torchrec_cowclip.data.parsing.vocab import OOV_ID
 from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.registry import source_kinds
@@ -254,6 +254,7 @@ class FileInput(Input):
                 sparse=tuple(reader["sparse"]),
                 na_values=run.na_values(),
                 time=tuple(reader.get("time") or ()),
+                trend=bool(reader.get("trend")),
             )
         if layout is not None:
             return self._text_part(layout, path, labels)
@@ -356,10 +357,12 @@ class FileInput(Input):
         if layout is not None:
             label, dense, sparse = layout.label, layout.dense, layout.sparse
             time: Sequence[Any] = layout.time
+            trend = layout.trend
         else:
             reader = self.run.reader
             label, dense, sparse = reader["label"], reader["dense"], reader["sparse"]
             time = reader.get("time") or ()
+            trend = bool(reader.get("trend"))
         import pyarrow.parquet as pq
 
         present = pq.ParquetFile(path).schema_arrow.names
@@ -376,6 +379,7 @@ class FileInput(Input):
             [str(c) for c in sparse],
             self.run.na_values(),
             [str(c) for c in time],
+            trend,
         )
         keep = None
         if self.keep_column is not None:
@@ -469,22 +473,25 @@ def _to_numbers(values: Any, name: str, na_values: Sequence[str] = ()) -> np.nda
     return parsed
 
 
-def _time_parts(values: Any, name: str, na_values: Sequence[str]) -> List[np.ndarray]:
-    """A time column's hour and weekday (``data.parsing.time``): numbers as Unix seconds
-    or milliseconds, text as ISO 8601, numpy/pandas datetimes as they are."""
+def _time_parts(
+    values: Any, name: str, na_values: Sequence[str]
+) -> Tuple[List[np.ndarray], np.ndarray]:
+    """A time column's hour and weekday, and its days (the trend's raw value;
+    ``data.parsing.time``): numbers as Unix seconds or milliseconds, text as ISO 8601,
+    numpy/pandas datetimes as they are."""
     arr = np.asarray(values)
     if arr.dtype.kind == "M":
         seconds = arr.astype("datetime64[ms]").astype(np.int64) / 1000.0
         seconds[np.isnat(arr)] = np.nan
-        return parts_of_seconds(seconds)[0]
-    parts, bad = time_parts(missing_as_empty(_to_bytes(arr), na_values))
+        return parts_of_seconds(seconds)[0], days_of_seconds(seconds)
+    parts, days, bad = time_features(missing_as_empty(_to_bytes(arr), na_values))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise DataError(
             f"column {name!r}, row {row}: {arr[row]!r} is not a timestamp (Unix seconds or "
             "milliseconds, or an ISO 8601 date-time)"
         )
-    return parts
+    return parts, days
 
 
 def _columns_of(data: Any) -> Mapping[str, Any]:
@@ -515,7 +522,9 @@ class ColumnsInput(Input):
         label = _label_name(run)
         self.time = list(run.time_columns())
         self.categorical = list(schema.sparse_names[: schema.n_sparse - 2 * len(self.time)])
-        wanted = [*schema.dense_names, *self.categorical, *self.time, *([keep] if keep else [])]
+        # The trend features (--time-trend) are the last dense ones, derived from the time.
+        self.dense = list(schema.dense_names[: schema.n_dense - len(run.trend_columns())])
+        wanted = [*self.dense, *self.categorical, *self.time, *([keep] if keep else [])]
         missing = [c for c in wanted if c not in self.columns]
         if missing:
             raise DataError(
@@ -532,17 +541,15 @@ class ColumnsInput(Input):
     def blocks(self) -> Iterator[EncodedBlock]:
         schema, columns = self.run.schema, self.columns
         na = self.run.na_values()
-        dense = (
-            np.stack([_to_numbers(columns[c], c, na) for c in schema.dense_names], axis=1)
-            if schema.n_dense
-            else None
-        )
+        dense_columns = [_to_numbers(columns[c], c, na) for c in self.dense]
         sparse: Any = [missing_as_empty(_to_bytes(columns[c]), na) for c in self.categorical]
         for name in self.time:
-            sparse += _time_parts(columns[name], name, na)
+            parts, days = _time_parts(columns[name], name, na)
+            sparse += parts
+            if len(self.dense) < schema.n_dense:
+                dense_columns.append(days)
         n = len(sparse[0])
-        if dense is None:
-            dense = np.zeros((n, 0))
+        dense = np.stack(dense_columns, axis=1) if dense_columns else np.zeros((n, 0))
         if not self.encoder.text_ids:
             sparse = np.stack([np.asarray(columns[c], dtype=np.int64) for c in self.categorical], 1)
         if self.has_labels:

@@ -224,11 +224,21 @@ class Predictor:
     def outside_summary(self) -> Optional[str]:
         """One line naming the dense columns of the last pass with values outside the
         training range after the transform (None when there were none): a model
-        extrapolates there (a standardized timestamp's next week)."""
-        return self._counted(
+        extrapolates there (a standardized timestamp's next week). A trend feature
+        (``--time-trend``) is outside for every row after the training split's end by
+        construction: the line says so."""
+        line = self._counted(
             self.outside,
             "dense values outside the training range (after the transform), scored as they are",
         )
+        trend = [c for c in self.run.trend_columns() if (self.outside or {}).get(c)]
+        if line is not None and trend:
+            line += (
+                f"; {', '.join(trend)} (--time-trend): time since the training split's start, "
+                "outside it for every row after the split's end by construction: the model "
+                "extrapolates its trend there"
+            )
+        return line
 
     def unseen_summary(self) -> Optional[str]:
         """One line naming the columns of the last pass with values the vocabulary lacks

@@ -164,6 +164,16 @@ class TrainConfig:
         "of day (NAME_hour) and day of week (NAME_weekday, 0 Monday), in UTC: the cycles a "
         "click log's time drives, not a trend that new days sit outside of; default: none",
     )
+    time_trend: bool = option(
+        False,
+        group="data",
+        help="table: with --time-columns, also a dense feature per time column, NAME_days: "
+        "the time since the training split's start, scaled by its span (min-max on the "
+        "training split). Helps where clicks drift steadily over the logged days and you "
+        "score rows inside them; hurts where you score later days, which lie past "
+        "everything the model saw (the trend is extrapolated; predict and evaluate count "
+        "them as outside the training range); default: off",
+    )
     # None: the data kind's default (log for the Criteo layouts, signed-log for tables).
     dense_transform: Optional[str] = option(
         None,
@@ -813,6 +823,7 @@ class TrainConfig:
             "columns": self.columns or None,
             "na_values": self.na_values or None,
             "time_columns": self.time_columns or None,
+            "time_trend": True if self.time_trend else None,
             "cardinality_scale": self.synthetic_scale,
             "max_cardinality": self.synthetic_max_cardinality,
             "seed": generator_seed,

@@ -38,7 +38,11 @@ from torchrec_cowclip.data.errors import (
 )
 from torchrec_cowclip.data.parsing.delimited import DelimitedFile, infer_delimiter
 from torchrec_cowclip.data.parsing.fields import parse_labels, parse_numeric
-from torchrec_cowclip.data.parsing.time import time_feature_names, time_parts
+from torchrec_cowclip.data.parsing.time import (
+    time_feature_names,
+    time_features,
+    trend_feature_names,
+)
 
 # Given the raw categoricals of a block: None if every row is encodable, else
 # (bad-row mask, reason, one detail per bad row).
@@ -193,6 +197,8 @@ class TextLayout:
             appended to the categoricals as its hour of day and day of week
             (:mod:`~torchrec_cowclip.data.parsing.time`); ``time_names`` name them when
             given by index.
+        trend: each time column also appended to the dense columns as its trend, the
+            timestamp in days (``--time-trend``).
     """
 
     delimiter: Optional[str] = None
@@ -207,6 +213,7 @@ class TextLayout:
     na_values: Tuple[str, ...] = ()
     time: Tuple[ColumnRef, ...] = ()
     time_names: Optional[Tuple[str, ...]] = None
+    trend: bool = False
 
     def open(self, path: Union[str, Path]) -> DelimitedFile:
         header: Union[bool, Callable[[List[bytes]], bool]] = (
@@ -235,7 +242,7 @@ class TextLayout:
         return {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in asdict(self).items()
-            if k not in ("na_values", "time", "time_names") or v
+            if k not in ("na_values", "time", "time_names", "trend") or v
         }
 
     def resolve(
@@ -265,13 +272,13 @@ class TextLayout:
                 r if isinstance(r, str) else (f.header[r] if f.header else f"col{r}") for r in refs
             ]
 
+        time = names(self.time, self.time_names)
         return (
             label,
             dense,
             sparse,
-            names(self.dense, self.dense_names),
-            names(self.sparse, self.sparse_names)
-            + time_feature_names(names(self.time, self.time_names)),
+            names(self.dense, self.dense_names) + (trend_feature_names(time) if self.trend else []),
+            names(self.sparse, self.sparse_names) + time_feature_names(time),
         )
 
 
@@ -364,9 +371,11 @@ class TextRowSource:
             bad_time = []
             for name, c in zip(time_names, time_cols):
                 raw_time = missing_as_empty(raw.columns[c], self.layout.na_values)
-                parts, bad_t = time_parts(raw_time)
+                parts, days, bad_t = time_features(raw_time)
                 sparse += parts
                 bad_time.append((name, bad_t, raw_time))
+                if self.layout.trend:  # after the dense columns (their bad values: bad_time)
+                    dense = np.concatenate([dense, days[:, None]], axis=1)
             block = RowBlock(
                 path=str(path),
                 lines=raw.lines,

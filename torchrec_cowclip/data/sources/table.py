@@ -36,7 +36,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -54,6 +54,7 @@ from torchrec_cowclip.data.parsing.columns import (
     split_line,
 )
 from torchrec_cowclip.data.parsing.delimited import infer_delimiter
+from torchrec_cowclip.data.parsing.dense import DenseTransformSpec
 from torchrec_cowclip.data.parsing.fields import check_labels, parse_numeric
 from torchrec_cowclip.data.parsing.rows import (
     RowBlock,
@@ -64,10 +65,13 @@ from torchrec_cowclip.data.parsing.rows import (
     validate_block,
 )
 from torchrec_cowclip.data.parsing.time import (
+    TREND_TRANSFORM,
+    days_of_seconds,
     parts_of_seconds,
     seconds_of_arrow,
     time_feature_names,
-    time_parts,
+    time_features,
+    trend_feature_names,
 )
 from torchrec_cowclip.data.pipeline.cache import fingerprint
 from torchrec_cowclip.data.pipeline.encode import (
@@ -103,7 +107,8 @@ class ParquetRowSource:
     """Row blocks of parquet files (label, dense and sparse columns by name; ``label=None``
     reads no label: every label is NaN). Each ``time`` column becomes its hour of day and
     day of week after the categoricals (:mod:`~torchrec_cowclip.data.parsing.time`; a
-    parquet timestamp or date column as it is)."""
+    parquet timestamp or date column as it is) and, with ``trend``, its days after the
+    dense columns."""
 
     def __init__(
         self,
@@ -112,10 +117,12 @@ class ParquetRowSource:
         sparse: Sequence[str],
         na_values: Sequence[str] = (),
         time: Sequence[str] = (),
+        trend: bool = False,
     ) -> None:
         self.label, self.dense, self.sparse = label, list(dense), list(sparse)
         self.na_values = tuple(na_values)
         self.time = list(time)
+        self.trend = trend
 
     def _open(self, path: Union[str, Path]) -> Any:
         pa = _pyarrow()
@@ -140,25 +147,30 @@ class ParquetRowSource:
 
     def names(self, path: Union[str, Path]) -> Tuple[List[str], List[str]]:
         self._open(path)
-        return list(self.dense), [*self.sparse, *time_feature_names(self.time)]
+        trend = trend_feature_names(self.time) if self.trend else []
+        return [*self.dense, *trend], [*self.sparse, *time_feature_names(self.time)]
 
     def _time_parts(
         self, pa: Any, batch: Any
-    ) -> Tuple[List[np.ndarray], List[Tuple[str, np.ndarray, np.ndarray]]]:
-        """The time columns' parts and ``(column, bad mask, raw fields)`` of one batch."""
+    ) -> Tuple[List[np.ndarray], List[np.ndarray], List[Tuple[str, np.ndarray, np.ndarray]]]:
+        """The time columns' parts, days and ``(column, bad mask, raw fields)`` of one
+        batch."""
         parts: List[np.ndarray] = []
+        days: List[np.ndarray] = []
         bad: List[Tuple[str, np.ndarray, np.ndarray]] = []
         for c in self.time:
             col = batch.column(c)
             seconds = seconds_of_arrow(pa, col)
             if seconds is not None:
                 parts += parts_of_seconds(seconds)[0]
+                days.append(days_of_seconds(seconds))
                 continue
             raw = missing_as_empty(_as_bytes(pa, col), self.na_values)
-            got, bad_t = time_parts(raw)
+            got, day, bad_t = time_features(raw)
             parts += got
+            days.append(day)
             bad.append((c, bad_t, raw))
-        return parts, bad
+        return parts, days, bad
 
     def part_name(self, path: Union[str, Path]) -> str:
         return str(Path(path).resolve())
@@ -185,7 +197,9 @@ class ParquetRowSource:
             bad_dense = np.zeros((n, len(self.dense)), dtype=bool)
             for j, c in enumerate(self.dense):
                 dense[:, j], bad_dense[:, j] = _numeric(pa, batch.column(c), raw_dense[j])
-            time, bad_time = self._time_parts(pa, batch)
+            time, days, bad_time = self._time_parts(pa, batch)
+            if self.trend:  # after the dense columns (their bad values: bad_time)
+                dense = np.concatenate([dense, *(d[:, None] for d in days)], axis=1)
             block = RowBlock(
                 path=str(path),
                 lines=np.arange(first_row, first_row + n, dtype=np.int64),
@@ -248,6 +262,7 @@ def table_layout(
     names: Optional[Sequence[str]] = None,
     na_values: Sequence[str] = (),
     time: Sequence[str] = (),
+    trend: bool = False,
 ) -> TextLayout:
     """Layout of a text table: with a header naming its columns, or, given ``names`` (the
     columns of a header-less file, in order), without one."""
@@ -260,6 +275,7 @@ def table_layout(
             sparse=tuple(sparse),
             na_values=tuple(na_values),
             time=tuple(time),
+            trend=trend,
         )
     index = {n: i for i, n in enumerate(names)}
     return TextLayout(
@@ -274,6 +290,7 @@ def table_layout(
         na_values=tuple(na_values),
         time=tuple(index[n] for n in time),
         time_names=tuple(time) if time else None,
+        trend=trend,
     )
 
 
@@ -305,7 +322,11 @@ class ColumnOptions(EncodedOptions):
         if self.delimiter is not None:
             object.__setattr__(self, "delimiter", parse_delimiter(self.delimiter))
         check_choice(self.label, self.dense or (), self.sparse or (), self.where)
-        self.dense_spec().check_names(self.dense or (), self.where)
+        self.dense_spec().check_names([*(self.dense or ()), *self.derived_dense()], self.where)
+
+    def derived_dense(self) -> List[str]:
+        """The dense features the source derives from other columns (none here)."""
+        return []
 
     def wanted(self, label: Optional[str] = None) -> Dict[str, Sequence[str]]:
         """The chosen columns by flag (``label`` standing in for an unset label)."""
@@ -348,12 +369,15 @@ class TableOptions(ColumnOptions):
         time_columns: columns read as timestamps (``--time-columns``), each becoming
             two categorical features, its hour of day and day of week
             (:mod:`~torchrec_cowclip.data.parsing.time`).
+        time_trend: each time column also a dense feature, its time since the training
+            split's start (``NAME_days``, min-max on the training split; ``--time-trend``).
     """
 
     header: bool = option_field(True, "--no-header")
     columns: Optional[Sequence[str]] = option_field(None, "--columns")
     na_values: Optional[Sequence[str]] = option_field(None, "--na-values")
     time_columns: Optional[Sequence[str]] = option_field(None, "--time-columns")
+    time_trend: bool = option_field(False, "--time-trend")
 
     def __post_init__(self) -> None:
         if self.label is None or self.sparse is None:
@@ -374,6 +398,11 @@ class TableOptions(ColumnOptions):
             object.__setattr__(self, "na_values", na)
         time = normalize_names(self.time_columns, "--time-columns")
         object.__setattr__(self, "time_columns", time or None)
+        if self.time_trend and not time:
+            raise DataOptionError(
+                f"{self.where}: time_trend (--time-trend) adds a trend per time column: "
+                "declare them with --time-columns"
+            )
         taken = {self.label: "--label", **dict.fromkeys(self.dense or (), "--dense")}
         taken.update(dict.fromkeys(self.sparse or (), "--sparse"))
         for t in time or ():
@@ -404,7 +433,24 @@ class TableOptions(ColumnOptions):
             d.update(na_values=list(self.na_values))
         if self.time_columns:
             d.update(time_columns=list(self.time_columns))
+        if self.time_trend:
+            d.update(time_trend=True)
         return d
+
+    def derived_dense(self) -> List[str]:
+        """The trend features (``time_trend``), after the dense columns."""
+        if not self.time_trend:
+            return []
+        return trend_feature_names(normalize_names(self.time_columns, "--time-columns") or ())
+
+    def dense_spec(self) -> DenseTransformSpec:
+        """:attr:`dense_transform` parsed; with ``time_trend``, each trend feature takes
+        ``minmax`` (the training split's start and span) unless named."""
+        spec = super().dense_spec()
+        trend = [n for n in self.derived_dense() if n not in spec.named()]
+        if not trend:
+            return spec
+        return replace(spec, columns=(*spec.columns, *((n, TREND_TRANSFORM) for n in trend)))
 
     def names(self, path: Union[str, Path], delimiter: str) -> Optional[List[str]]:
         """The columns of a header-less file (None for a file with a header)."""
@@ -496,6 +542,7 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
                     opts.names(args[0], delimiter),
                     opts.na_values or (),
                     opts.time_columns or (),
+                    opts.time_trend,
                 ),
                 args,
                 test_paths,
@@ -514,9 +561,16 @@ class TableSource(SourceKind, name="table", usage="table:PATH[,PATH...]", option
             layout["na_values"] = list(opts.na_values)
         if opts.time_columns:
             layout["time"] = list(opts.time_columns)
+        if opts.time_trend:
+            layout["trend"] = True
         return Conversion(
             ParquetRowSource(
-                opts.label, dense, sparse, opts.na_values or (), opts.time_columns or ()
+                opts.label,
+                dense,
+                sparse,
+                opts.na_values or (),
+                opts.time_columns or (),
+                opts.time_trend,
             ),
             args,
             test_paths,
