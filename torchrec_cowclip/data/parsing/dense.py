@@ -372,15 +372,18 @@ def plan_needs_statistics(
 
 def quantile_edges(stored: np.ndarray, buckets: int) -> Tuple[Tuple[float, ...], ...]:
     """Per column of stored values ``[n, k]`` (NaN = missing), the inner boundaries of
-    ``buckets`` equal-count buckets of its present values: the distinct ``i / buckets``
-    quantiles (``i = 1 .. buckets - 1``), so a column with few distinct values gets fewer
-    buckets (one that is constant or empty, none). A value ``v`` falls in bucket
+    ``buckets`` equal-count buckets of its present values: at each ``i / buckets``
+    quantile (``i = 1 .. buckets - 1``), halfway between the training values on either
+    side of it (the same split of the training rows, but no boundary on a value: a value
+    the exported program reads as float32 input, an ulp away from the float64 text
+    predict parses, falls in the same bucket). A column with few distinct values gets
+    fewer buckets (one that is constant or empty, none). A value ``v`` falls in bucket
     ``#{edges <= v}``.
 
     Example::
 
         >>> quantile_edges(np.array([[1.0, 0.0], [2.0, 0.0], [3.0, np.nan], [4.0, 0.0]]), 4)
-        ((1.75, 2.5, 3.25), ())
+        ((1.5, 2.5, 3.5), ())
     """
     v = np.asarray(stored, dtype=np.float64)
     if buckets < 2 or len(v) == 0:
@@ -392,9 +395,10 @@ def quantile_edges(stored: np.ndarray, buckets: int) -> Tuple[Tuple[float, ...],
         if len(present) == 0 or present.min() == present.max():
             edges.append(())
             continue
-        # Interior edges only: an edge at the minimum would leave the lowest bucket empty.
-        cut = np.unique(np.quantile(present, levels))
-        edges.append(tuple(float(e) for e in cut[cut > present.min()]))
+        values = np.unique(present)
+        above = np.searchsorted(values, np.quantile(present, levels), side="left")
+        above = np.unique(above[above >= 1])  # none at the minimum: an empty lowest bucket
+        edges.append(tuple(float(e) for e in (values[above - 1] + values[above]) / 2))
     return tuple(edges)
 
 
