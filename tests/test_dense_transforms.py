@@ -206,6 +206,41 @@ def test_the_plan_is_json_and_scores_raw_rows_as_training_saw_them(tmp_path):
     np.testing.assert_allclose(again.transform(raw), ds.dense_inputs(), rtol=1e-6)
 
 
+def test_quantile_buckets_come_from_the_training_split_and_score_new_rows_alike(tmp_path):
+    # price 0..19 in the training rows 0..9 and 100.. in the others: the boundaries are the
+    # training split's, a held-out row's value lands in the top bucket, a missing one in none.
+    rows = [
+        (i % 2, float(i if i < 10 else 100 + i), 1.0 if i % 4 else None, "a") for i in range(14)
+    ]
+    p = _table(tmp_path / "t.csv", rows)
+    ds = open_dataset(f"table:{p}", tmp_path / "c", dense_buckets=4, **COLUMNS)
+    train_idx = np.arange(10)
+    plan = ds.fit_dense_plan(train_idx)
+    assert plan.edges[1] == ()  # score: one value, no buckets
+    # Halfway between the stored values around each quartile (2.25, 4.5, 6.75): 2|3, 4|5, 6|7.
+    stored = np.log1p(np.arange(10.0)).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(plan.edges[0], (stored[[2, 4, 6]] + stored[[3, 5, 7]]) / 2)
+    assert plan.output_names == ("price", "score", "price:q0", "price:q1", "price:q2", "price:q3")
+    hot = ds.dense_inputs()[:, 2:]
+    assert hot[:10].argmax(axis=1).tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
+    assert (hot[10:, 3] == 1).all() and (hot.sum(axis=1) == 1).all()
+    again = DensePlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan
+    raw = np.array([[r[1], np.nan if r[2] is None else r[2]] for r in rows] + [[np.nan, 1.0]])
+    scored = again.transform(raw)
+    np.testing.assert_array_equal(scored[:-1], ds.dense_inputs())
+    assert scored[-1, 2:].tolist() == [0.0] * 4  # a missing value: no bucket
+    assert "up to 4 quantile buckets (one-hot) of price" in plan.summary()
+
+
+def test_dense_buckets_one_is_refused_in_one_line(tmp_path):
+    p = _table(tmp_path / "t.csv", [(1, 1.0, 2.0, "a"), (0, 2.0, 3.0, "b")])
+    with pytest.raises(
+        DataOptionError, match=r"--dense-buckets\) must be 0 \(none\) or at least 2, got 1"
+    ):
+        open_dataset(f"table:{p}", tmp_path / "c", dense_buckets=1, **COLUMNS)
+
+
 # --------------------------------------------------------------------------- through a run
 
 

@@ -52,11 +52,12 @@ SERVE = textwrap.dedent("""
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("export")
     files = split_sample(root / "data")
-    # Every dense transform, and missing-value indicators: the program computes the plan.
+    # Every dense transform, missing-value indicators and quantile buckets: the program
+    # computes the plan.
     spec = "minmax,I1=log,I2=standardize,I3=signed-log,I4=none"
     train_table(
         root / "run", files["train"], files["test"], root / "cache", dense_transform=spec,
-        missing_indicator=True,
+        missing_indicator=True, dense_buckets=4,
     )  # fmt: skip
     return {"root": root, "run": root / "run", **files}
 
@@ -106,6 +107,7 @@ def test_the_program_loads_with_torch_alone_and_scores_as_predict(trained, tmp_p
     transforms = [c["transform"] for c in plan["columns"]]
     assert transforms[:5] == ["log", "standardize", "signed-log", "none", "minmax"]
     assert any(c["missing_indicator"] for c in plan["columns"])
+    assert sum(len(c.get("buckets", [])) == 3 for c in plan["columns"]) >= 5
     assert serving["output"]["shape"] == ["batch"]
     vocabulary = json.loads((tmp_path / "model.vocab.json").read_text())
     dense, ids = _serving_inputs(trained, serving, vocabulary, tmp_path)

@@ -155,6 +155,7 @@ ROWS: Dict[str, tuple] = {
     "--min-count": (["--min-count", "2"], TEXT_KINDS),
     "--dense-transform": (["--dense-transform", "minmax"], EVERY_KIND),
     "--missing-indicator": (["--missing-indicator"], TEXT_KINDS),
+    "--dense-buckets": (["--dense-buckets", "4"], TEXT_KINDS),
     "--delimiter": (_delimiter, {"criteo", "avazu", TABLE_TEXT}),
     "--no-header": (_headerless("--no-header", "--columns", ALL_COLUMNS), {TABLE_TEXT}),
     "--columns": (_headerless("--columns", ALL_COLUMNS), {TABLE_TEXT}),

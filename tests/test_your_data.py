@@ -424,7 +424,7 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert no_val.early_stop_patience == 0
     paper, said = TrainConfig(data="synthetic:1000").with_data_defaults()
     assert (paper.epochs, paper.val_fraction, paper.early_stop_patience) == (1, 0.0, 0)
-    assert paper.lr_embed is None and said is None
+    assert paper.lr_embed is None and paper.dense_buckets is None and said is None
     assert paper.resolve().optimizers.embedding.lr == 1e-4
 
     _hourly_log(tmp_path / "log.csv", 2000, seed=2)
@@ -435,7 +435,8 @@ def test_your_table_gets_its_own_defaults_and_the_papers_data_keeps_the_papers(t
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "defaults for your own table (flags not given): --val-fraction 0.1 " in err, err
-    assert "--early-stop-patience 2 --lr-embed 0.003" in err and "--epochs" not in err, err
+    assert "--early-stop-patience 2 --lr-embed 0.003 --dense-buckets 16" in err, err
+    assert "--epochs" not in err and "quantile buckets" in err, err
     assert "1,620 train, 180 val, 200 test" in err and "test_calibration " in err, err
     assert "val_calibration " in err, err
     metrics = json.loads((out / "metrics.json").read_text())

@@ -9,7 +9,8 @@
   - ``dense``: float32 ``[B, n_dense]``, the raw values (NaN for missing) in the
     schema's order; the run's dense plan runs in the program (:class:`DensePlanModule`:
     each column's pointwise function and a clip at +-``DENSE_CLIP``, its transform with the training split's
-    statistics, missing -> 0, the missing-value indicators), or, with
+    statistics, missing -> 0, the missing-value indicators, the one-hot quantile
+    buckets), or, with
     ``--dense-input transformed``, the caller feeds the plan's outputs;
   - ``ids``: int64 ``[B, n_sparse]``, one id per categorical column in the schema's
     order, encoded as training encoded them (the vocabulary shipped beside it, or
@@ -159,7 +160,7 @@ class DensePlanModule(nn.Module):
     as ``predict``: each column's pointwise function (log with its negatives at 0,
     signed-log), a clip at +-``DENSE_CLIP`` (before the function for a legacy plan's
     ``clip_before``), float32 storage, ``(v - shift) / scale``, missing -> 0, then the
-    missing-value indicators."""
+    missing-value indicators and the one-hot quantile buckets."""
 
     shift: Tensor
     scale: Tensor
@@ -188,6 +189,10 @@ class DensePlanModule(nn.Module):
         if self.indicated:
             positions = [plan.names.index(n) for n in plan.indicators]
             self.register_buffer("indicators", torch.tensor(positions, dtype=torch.int64))
+        # The bucketed columns' boundaries, as buffers edges_<column>.
+        self.bucketed = [j for j, e in enumerate(plan.edges) if e]
+        for j in self.bucketed:
+            self.register_buffer(f"edges_{j}", torch.tensor(plan.edges[j], dtype=torch.float64))
 
     def forward(self, dense: Tensor) -> Tensor:
         if not self.columns:
@@ -205,6 +210,12 @@ class DensePlanModule(nn.Module):
         out = torch.where(missing, torch.zeros_like(stored), (stored - self.shift) / self.scale)
         if self.indicated:
             out = torch.cat([out, missing.index_select(1, self.indicators).double()], dim=1)
+        for j in self.bucketed:
+            edges: Tensor = getattr(self, f"edges_{j}")
+            # right=True: the count of boundaries <= v, as numpy's searchsorted side="right".
+            bucket = torch.bucketize(stored[:, j].contiguous(), edges, right=True)
+            hot = torch.nn.functional.one_hot(bucket, edges.numel() + 1).double()
+            out = torch.cat([out, hot * (~missing[:, j : j + 1]).double()], dim=1)
         return out.float()
 
 

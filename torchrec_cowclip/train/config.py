@@ -221,6 +221,16 @@ class TrainConfig:
         help="criteo:, avazu:, table: add a 0/1 input per dense column with missing values "
         "in the training split (scikit-learn's add_indicator)",
     )
+    # None: the data kind's default (DATA_DEFAULTS; none for the paper's data).
+    dense_buckets: Optional[int] = option(
+        None,
+        group="data",
+        check=non_negative,
+        metavar="N",
+        help="criteo:, avazu:, table: add each dense column's quantile bucket among N (the "
+        "training split's quantiles, recorded for scoring) as N 0/1 inputs, a step function "
+        "for threshold effects; 0: none (default: 16 for table:, 0 for the paper's data)",
+    )
     on_bad_row: str = option(
         "error",
         group="data",
@@ -559,6 +569,8 @@ class TrainConfig:
             >>> cfg, said = TrainConfig(data="table:x.csv", epochs=3).with_data_defaults()
             >>> cfg.epochs, cfg.val_fraction, cfg.early_stop_patience, cfg.lr_embed
             (3, 0.1, 2, 0.003)
+            >>> cfg.dense_buckets, said.split(": ")[1]
+            (16, '--val-fraction 0.1 --early-stop-patience 2 --lr-embed 0.003 --dense-buckets 16')
             >>> TrainConfig(data="synthetic:1000").with_data_defaults()[0].epochs
             1
         """
@@ -577,7 +589,8 @@ class TrainConfig:
             f"defaults for your own table (flags not given): {_shown_defaults(shown)}: a "
             "log of thousands to millions of rows needs more than the paper's one epoch at "
             "its Criteo lr (1e-4); the validation split picks the epoch and keeps its "
-            "weights (README: your first model on your own data)"
+            "weights; quantile buckets let numeric columns act through thresholds "
+            "(README: your first model on your own data)"
         )
 
     def validate(self, process: Optional[ProcessContext] = None) -> None:
@@ -903,10 +916,17 @@ class TrainConfig:
 #: The options the paper's data (criteo:, criteo-npy:, avazu:, synthetic:) leaves None take.
 PAPER_DEFAULTS: Dict[str, Any] = {"epochs": 1, "val_fraction": 0.0, "early_stop_patience": 0}
 #: The options your own table (``table:``) leaves None take: a validation split with early
-#: stopping over up to 10 epochs, and an embedding lr for small logs (measured against
-#: logistic regression and LightGBM in docs/results.md, benchmarks/own_log.py).
+#: stopping over up to 10 epochs, an embedding lr for small logs, and the dense columns'
+#: quantile buckets (measured against logistic regression and LightGBM in
+#: docs/results.md, benchmarks/own_log.py).
 DATA_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "table": {"epochs": 10, "val_fraction": 0.1, "early_stop_patience": 2, "lr_embed": 3e-3},
+    "table": {
+        "epochs": 10,
+        "val_fraction": 0.1,
+        "early_stop_patience": 2,
+        "lr_embed": 3e-3,
+        "dense_buckets": 16,
+    },
 }
 
 

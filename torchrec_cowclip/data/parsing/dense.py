@@ -20,7 +20,11 @@ A dense value goes through two stages:
    are not clipped), the others unchanged. Then a missing value becomes 0: the training
    mean under ``standardize``, the minimum under ``minmax``, ``log(1 + 0)`` under ``log``.
    With ``missing_indicator`` a 0/1 input is added for each column that has missing values
-   in the training rows (scikit-learn's ``SimpleImputer(add_indicator=True)``).
+   in the training rows (scikit-learn's ``SimpleImputer(add_indicator=True)``). With
+   ``buckets`` each column also enters as the one-hot of its quantile bucket (boundaries:
+   the training rows' quantiles, :func:`quantile_edges`; a missing value in none): a step
+   function the first-order term can learn, where the value has threshold effects (a
+   standard click-model input, as a categorical feature would give it).
 
 The transform is chosen per column by a spec: one transform for every column
 (``"standardize"``), columns by name (``"price=log,score=standardize"``), or both (a bare
@@ -46,6 +50,9 @@ Example::
     [[0.0, 1.225, 1.0], [0.0, -1.225, 0.0], [0.693, 0.0, 0.0]]
     >>> DensePlan.from_json(plan.to_json()) == plan
     True
+    >>> plan = DensePlan.fit(stats, ("log", "none"), edges=quantile_edges(stored, 2))
+    >>> plan.output_names, plan.apply(stored)[:, 2:].tolist()
+    (('price', 'score', 'price:q0', 'price:q1', 'score:q0', 'score:q1'), [[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]])
 """
 
 from __future__ import annotations
@@ -78,6 +85,10 @@ DENSE_CLIP = 1e30
 LEGACY_DENSE_CLIP = 1e9
 #: The suffix of a missing-value indicator's name (``price:missing``).
 MISSING_SUFFIX = ":missing"
+#: The suffix of a quantile bucket's one-hot input, before its number (``price:q3``).
+BUCKET_SUFFIX = ":q"
+#: At most this many training rows (evenly spaced) give the bucket boundaries.
+BUCKET_SAMPLE_ROWS = 1 << 20
 _OPTION = "dense_transform (--dense-transform)"
 
 
@@ -351,10 +362,44 @@ class DenseStats:
         return stats
 
 
-def plan_needs_statistics(transforms: Sequence[str], missing_indicator: bool) -> bool:
-    """Whether fitting a plan reads the training rows (a statistical transform, or which
-    columns miss values)."""
-    return missing_indicator or any(t in STATISTICAL_TRANSFORMS for t in transforms)
+def plan_needs_statistics(
+    transforms: Sequence[str], missing_indicator: bool, buckets: int = 0
+) -> bool:
+    """Whether fitting a plan reads the training rows (a statistical transform, which
+    columns miss values, or quantile buckets)."""
+    return missing_indicator or buckets > 0 or any(t in STATISTICAL_TRANSFORMS for t in transforms)
+
+
+def quantile_edges(stored: np.ndarray, buckets: int) -> Tuple[Tuple[float, ...], ...]:
+    """Per column of stored values ``[n, k]`` (NaN = missing), the inner boundaries of
+    ``buckets`` equal-count buckets of its present values: at each ``i / buckets``
+    quantile (``i = 1 .. buckets - 1``), halfway between the training values on either
+    side of it (the same split of the training rows, but no boundary on a value: a value
+    the exported program reads as float32 input, an ulp away from the float64 text
+    predict parses, falls in the same bucket). A column with few distinct values gets
+    fewer buckets (one that is constant or empty, none). A value ``v`` falls in bucket
+    ``#{edges <= v}``.
+
+    Example::
+
+        >>> quantile_edges(np.array([[1.0, 0.0], [2.0, 0.0], [3.0, np.nan], [4.0, 0.0]]), 4)
+        ((1.5, 2.5, 3.5), ())
+    """
+    v = np.asarray(stored, dtype=np.float64)
+    if buckets < 2 or len(v) == 0:
+        return tuple(() for _ in range(v.shape[1] if v.ndim == 2 else 0))
+    levels = np.arange(1, buckets) / buckets
+    edges: List[Tuple[float, ...]] = []
+    for j in range(v.shape[1]):
+        present = v[:, j][~np.isnan(v[:, j])]
+        if len(present) == 0 or present.min() == present.max():
+            edges.append(())
+            continue
+        values = np.unique(present)
+        above = np.searchsorted(values, np.quantile(present, levels), side="left")
+        above = np.unique(above[above >= 1])  # none at the minimum: an empty lowest bucket
+        edges.append(tuple(float(e) for e in (values[above - 1] + values[above]) / 2))
+    return tuple(edges)
 
 
 @dataclass(frozen=True)
@@ -381,6 +426,9 @@ class DensePlan:
     #: training rows; empty where the run did not record them (an older run folder).
     low: Tuple[float, ...] = ()
     high: Tuple[float, ...] = ()
+    #: Per column, the inner boundaries of its quantile buckets on stored values
+    #: (:func:`quantile_edges`); empty: no bucket inputs (for every column, or this one).
+    edges: Tuple[Tuple[float, ...], ...] = ()
 
     @classmethod
     def fit(
@@ -390,15 +438,19 @@ class DensePlan:
         missing_indicator: bool = False,
         fitted_on: str = "",
         names: Optional[Sequence[str]] = None,
+        edges: Tuple[Tuple[float, ...], ...] = (),
     ) -> "DensePlan":
         """The plan for columns with ``transforms`` given their training ``stats`` (which
         may be None when :func:`plan_needs_statistics` says none are needed; then
-        ``names`` names the columns)."""
+        ``names`` names the columns), and the quantile buckets' ``edges`` of each column
+        (:func:`quantile_edges` of the training rows; empty: no bucket inputs)."""
+        edges = edges if any(edges) else ()
         if stats is None:
             if plan_needs_statistics(transforms, missing_indicator) or names is None:
                 raise ValueError("these dense transforms need the training rows' statistics")
             k = len(transforms)
-            return cls(tuple(names), tuple(transforms), (0.0,) * k, (1.0,) * k, (), fitted_on)
+            plan = cls(tuple(names), tuple(transforms), (0.0,) * k, (1.0,) * k, (), fitted_on)
+            return replace(plan, edges=edges)
         shift, scale = [], []
         for j, t in enumerate(transforms):
             a, b = 0.0, 1.0
@@ -414,7 +466,7 @@ class DensePlan:
         plan = cls(
             stats.names, tuple(transforms), tuple(shift), tuple(scale), indicators, fitted_on
         )
-        return plan.with_range(stats)
+        return replace(plan.with_range(stats), edges=edges)
 
     def with_range(self, stats: "DenseStats") -> "DensePlan":
         """This plan with the training range of ``stats`` (stored values) recorded."""
@@ -442,8 +494,15 @@ class DensePlan:
 
     @property
     def output_names(self) -> Tuple[str, ...]:
-        """The model's dense inputs: the columns, then the indicators."""
-        return self.names + tuple(n + MISSING_SUFFIX for n in self.indicators)
+        """The model's dense inputs: the columns, the indicators, then each column's
+        quantile buckets (one-hot)."""
+        buckets = tuple(
+            f"{n}{BUCKET_SUFFIX}{b}"
+            for n, e in zip(self.names, self.edges)
+            if e
+            for b in range(len(e) + 1)
+        )
+        return self.names + tuple(n + MISSING_SUFFIX for n in self.indicators) + buckets
 
     def apply(self, stored: np.ndarray) -> np.ndarray:
         """Model inputs (float32 ``[n, len(output_names)]``) of stored values ``[n, k]``."""
@@ -454,6 +513,14 @@ class DensePlan:
         if self.indicators:
             columns = [self.names.index(n) for n in self.indicators]
             out = np.concatenate([out, missing[:, columns].astype(np.float64)], axis=1)
+        hot = [
+            (np.searchsorted(e, v[:, j], side="right")[:, None] == np.arange(len(e) + 1))
+            & ~missing[:, j : j + 1]
+            for j, e in enumerate(self.edges)
+            if e
+        ]
+        if hot:
+            out = np.concatenate([out, *hot], axis=1)
         return out.astype(np.float32)
 
     def transform(self, raw: np.ndarray) -> np.ndarray:
@@ -475,6 +542,7 @@ class DensePlan:
                         if self.low
                         else {}
                     ),
+                    **({"buckets": list(self.edges[j])} if self.edges else {}),
                 }
                 for j, (n, t, a, b) in enumerate(
                     zip(self.names, self.transforms, self.shift, self.scale)
@@ -499,6 +567,7 @@ class DensePlan:
             str(d.get("fitted_on", "")),
             None if d.get("clip_after_transform") else float(d.get("clip", LEGACY_DENSE_CLIP)),
             *_ranges(columns),
+            edges=_edges(columns),
         )
 
     def summary(self) -> str:
@@ -509,6 +578,10 @@ class DensePlan:
         parts = [f"{t} ({_names(ns)})" for t, ns in groups.items()]
         if self.indicators:
             parts.append(f"missing-value indicators for {_names(self.indicators)}")
+        bucketed = [n for n, e in zip(self.names, self.edges) if e]
+        if bucketed:
+            most = max(len(e) + 1 for e in self.edges)
+            parts.append(f"up to {most} quantile buckets (one-hot) of {_names(bucketed)}")
         return "; ".join(parts) or "no dense columns"
 
 
@@ -531,3 +604,10 @@ def _ranges(columns: Sequence[Mapping[str, Any]]) -> Tuple[Tuple[float, ...], Tu
         return math.nan if v is None else float(v)
 
     return tuple(value(c["low"]) for c in columns), tuple(value(c["high"]) for c in columns)
+
+
+def _edges(columns: Sequence[Mapping[str, Any]]) -> Tuple[Tuple[float, ...], ...]:
+    """The recorded bucket boundaries of a plan's columns (empty when none were)."""
+    if not any(c.get("buckets") for c in columns):
+        return ()
+    return tuple(tuple(float(e) for e in c.get("buckets") or ()) for c in columns)

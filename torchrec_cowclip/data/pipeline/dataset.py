@@ -40,11 +40,13 @@ import numpy as np
 
 from torchrec_cowclip.data.errors import DataError, DataOptionError
 from torchrec_cowclip.data.parsing.dense import (
+    BUCKET_SAMPLE_ROWS,
     DENSE_CLIP,
     DensePlan,
     DenseStats,
     constant_columns,
     plan_needs_statistics,
+    quantile_edges,
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
 from torchrec_cowclip.data.pipeline.cache import (
@@ -102,6 +104,8 @@ class CTRDataset:
             files (the rows before ``test_start``); :meth:`fit_dense_plan` fits it on the
             training split instead.
         missing_indicator: whether plans add missing-value indicators.
+        dense_buckets: how many quantile buckets (one-hot inputs) plans give each dense
+            column; 0: none.
 
     Raises:
         CacheCorrupt: a file of the entry does not match its ``meta.json`` (one line
@@ -117,7 +121,9 @@ class CTRDataset:
         ('log (I1, ..., I13: 13 columns)', (2, 13))
     """
 
-    def __init__(self, path: PathLike, missing_indicator: bool = False) -> None:
+    def __init__(
+        self, path: PathLike, missing_indicator: bool = False, dense_buckets: int = 0
+    ) -> None:
         self.path = Path(path)
         self.meta: Dict[str, Any] = read_meta(self.path)
         verify_entry(self.path, self.meta)
@@ -134,12 +140,14 @@ class CTRDataset:
                 path=self.path,
             )
         self.missing_indicator = bool(missing_indicator)
+        self.dense_buckets = int(dense_buckets)
         n_train = rows if self.test_start is None else self.test_start
         self.dense_plan: DensePlan = DensePlan.fit(
             DenseStats.from_json(self.meta["dense_stats"]),
             self.dense_transforms,
             self.missing_indicator,
             fitted_on=f"the {n_train:,} rows of the training files",
+            edges=self._bucket_edges(np.arange(n_train, dtype=np.int64)),
         )
 
     def __len__(self) -> int:
@@ -225,7 +233,9 @@ class CTRDataset:
         missing-value indicators; otherwise the plan needs none."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
         fitted_on = f"the {len(rows):,} rows of the training split"
-        if not plan_needs_statistics(self.dense_transforms, self.missing_indicator):
+        if not plan_needs_statistics(
+            self.dense_transforms, self.missing_indicator, self.dense_buckets
+        ):
             self.dense_plan = DensePlan.fit(
                 None, self.dense_transforms, fitted_on=fitted_on, names=self.schema.dense_names
             )
@@ -239,9 +249,22 @@ class CTRDataset:
         for start in range(0, len(rows), _FIT_BLOCK_ROWS):
             stats.update(np.asarray(self.dense[rows[start : start + _FIT_BLOCK_ROWS]]))
         self.dense_plan = DensePlan.fit(
-            stats, self.dense_transforms, self.missing_indicator, fitted_on=fitted_on
+            stats,
+            self.dense_transforms,
+            self.missing_indicator,
+            fitted_on=fitted_on,
+            edges=self._bucket_edges(rows),
         )
         return self.dense_plan
+
+    def _bucket_edges(self, rows: np.ndarray) -> Tuple[Tuple[float, ...], ...]:
+        """The quantile buckets' boundaries of the stored dense values of ``rows`` (at
+        most ``BUCKET_SAMPLE_ROWS`` of them, evenly spaced); none without
+        :attr:`dense_buckets`."""
+        if self.dense_buckets < 2 or not self.schema.n_dense or not len(rows):
+            return ()
+        step = max(1, -(-len(rows) // BUCKET_SAMPLE_ROWS))
+        return quantile_edges(np.asarray(self.dense[rows[::step]]), self.dense_buckets)
 
     def dense_inputs(self, rows: Optional[np.ndarray] = None) -> np.ndarray:
         """The model's dense inputs of ``rows`` (all rows if None): :attr:`dense_plan`
@@ -392,6 +415,7 @@ def open_dataset(
     ds = CTRDataset(
         build_entry(root, kind.name, payload, build, rebuild=rebuild),
         missing_indicator=bool(getattr(opts, "missing_indicator", False)),
+        dense_buckets=int(getattr(opts, "dense_buckets", 0)),
     )
     for note in ds.data_notes():
         logger.warning("%s: %s", source, note)

@@ -95,16 +95,25 @@ class EncodedOptions(FileSourceOptions):
         missing_indicator: the dataset's dense plan adds a 0/1 input per dense column
             with missing values in the training rows (it changes no stored array, so it
             is not part of the cache key).
+        dense_buckets: the dataset's dense plan adds each dense column's quantile bucket
+            among this many (of the training rows) as one-hot inputs; 0: none (not part
+            of the cache key either).
     """
 
     min_count: int = option_field(1, "--min-count")
     hash_size: HashSize = option_field(None, "--hash-size")
     missing_indicator: bool = option_field(False, "--missing-indicator")
+    dense_buckets: int = option_field(0, "--dense-buckets")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if int(self.min_count) < 1:
             raise DataOptionError(f"min_count (--min-count) must be >= 1, got {self.min_count}")
+        if int(self.dense_buckets) < 0 or int(self.dense_buckets) == 1:
+            raise DataOptionError(
+                f"dense_buckets (--dense-buckets) must be 0 (none) or at least 2, got "
+                f"{self.dense_buckets}"
+            )
         if self.hash_size is not None and self.min_count != 1:
             raise DataOptionError(
                 f"min_count (--min-count {self.min_count}) applies to vocabulary encoding; "
