@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from cowclip_testing import kjt_from_bags, mixed_scale_weights
+from distributed_harness import save_result
 from tiny import bag_config
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -377,7 +378,7 @@ def run_scenarios(rank: int, world: int, scenarios: Dict[str, Scenario], out_pat
     """Runs :func:`equality_case` for each scenario; rank 0 saves ``{name: result}``."""
     results = {name: equality_case(rank, world, s) for name, s in scenarios.items()}
     if rank == 0:
-        torch.save(results, out_path)
+        save_result(results, out_path)
 
 
 # --- checkpoints ----------------------------------------------------------------------
@@ -418,7 +419,7 @@ def checkpoint_phase(
         train_sharded(dmp, s, batches[save_step:], rank, world)
         finals[name] = sharded_state(dmp)
     if rank == 0:
-        torch.save(finals, out_path)
+        save_result(finals, out_path)
 
 
 def reference_states(
@@ -549,7 +550,7 @@ def init_invariance_case(rank: int, world: int, optimizer: str, out_path: str) -
     storage = [None] * world
     dist.all_gather_object(storage, (held, expected))
     if rank == 0:
-        torch.save({"weights": weights, "storage": storage, "meta_only": meta_only}, out_path)
+        save_result({"weights": weights, "storage": storage, "meta_only": meta_only}, out_path)
 
 
 # --- a planned job against the sharded run it plans ----------------------------------------

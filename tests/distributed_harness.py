@@ -8,6 +8,7 @@ so the test can tell which rank failed and why.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -167,3 +168,35 @@ def run_ranks(
         first = next((r for r in failed if r.error), failed[0])
         what = "timed out" if first.exitcode is None else f"exited with code {first.exitcode}"
         raise JobFailed(f"rank {first.rank} {what} (job limit {timeout_s:.0f} s):\n{first.error}")
+
+
+def plain(value: Any) -> Any:
+    """``value`` as what ``torch.load(weights_only=True)`` reads: dataclasses (the
+    project's options, e.g. ``CowClipOptions``) become dicts of their fields, sets
+    sorted lists; containers recursively; tensors, numbers, strings and dtypes as they are."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def save_result(value: Any, path: str) -> None:
+    """Saves a rank's result, :func:`plain`, for :func:`load_result`."""
+    import torch
+
+    torch.save(plain(value), path)
+
+
+def load_result(path: str) -> Any:
+    """What :func:`save_result` saved, read with ``weights_only=True``: a result file
+    can never run code when read."""
+    import torch
+
+    return torch.load(path, weights_only=True)

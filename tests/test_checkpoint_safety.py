@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 from checkpoint_testing import CreatesAFile, reseal, snapshot, write_payload
+from distributed_harness import load_result, plain, save_result
 from tiny import TINY_CLI, tiny_config
 
 from torchrec_cowclip.cli import main
+from torchrec_cowclip.optim.options import CowClipOptions
 from torchrec_cowclip.run.checkpoints import (
     MANIFEST,
     TRAINER_STATE,
@@ -234,3 +236,19 @@ def test_keep_checkpoints_keeps_the_last_k(tmp_path, keep):
     Trainer(_config(tmp_path, max_steps=8, keep_checkpoints=keep).resolve()).run()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["latest"] + sorted(f"latest-e0-s{s}" for s in (8, 6, 4)[:keep])
+
+
+def test_a_rank_result_file_is_read_as_plain_data_and_never_runs(tmp_path):
+    """The distributed tests read their ranks' result files as checkpoints are read:
+    options saved as plain data come back equal; a crafted pickle is refused, not run."""
+    path, created = tmp_path / "results.pt", tmp_path / "created"
+    options = CowClipOptions(optimizer="sgd", unclipped_tables=frozenset({"t1"}))
+    save_result({"options": options, "clips": {"t0": (2, 1)}}, str(path))
+    loaded = load_result(str(path))
+    assert loaded == {"options": plain(options), "clips": {"t0": (2, 1)}}
+    assert loaded["options"]["cowclip"] == {"r": 1.0, "zeta": 1e-5}
+    assert loaded["options"]["unclipped_tables"] == ["t1"]
+    write_payload(path, created)
+    with pytest.raises(pickle.UnpicklingError):
+        load_result(str(path))
+    assert not created.exists()

@@ -445,7 +445,7 @@ def test_save_and_load_resume_is_bit_for_bit(optimizer, update_path):
         ),
     )
     buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = torch.load(buf, weights_only=True)
     b.load_state_dict(ckpt["model"])
     b.fused_optimizer.load_state_dict(ckpt["opt"])
     assert all(s.steps == 3 for s in b.clip_stats().values())

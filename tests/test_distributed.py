@@ -19,7 +19,7 @@ from typing import Dict
 import distributed_cases as cases
 import pytest
 import torch
-from distributed_harness import run_ranks, start_ranks
+from distributed_harness import load_result, run_ranks, start_ranks
 from tiny import bag_config
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 
@@ -28,10 +28,6 @@ from torchrec_cowclip.optim.functional import cowclip_row_update_, sgd_step
 from torchrec_cowclip.optim.options import CountLR
 
 RTOL = 1e-5
-
-
-def _load(path):
-    return torch.load(path, weights_only=False)
 
 
 def mixed_tables():
@@ -178,7 +174,7 @@ SCENARIOS = {
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dist") / "results.pt")
     run_ranks(cases.run_scenarios, 2, SCENARIOS, out, timeout_s=150)
-    return _load(out)
+    return load_result(out)
 
 
 def _assert_states_equal(
@@ -251,7 +247,7 @@ def _adam_scenario_on_path(tmp_path_factory, mode):
             del os.environ["TORCHREC_COWCLIP_COMPILE"]
         else:
             os.environ["TORCHREC_COWCLIP_COMPILE"] = previous
-    return _load(out)
+    return load_result(out)
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +455,7 @@ def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_back(tmp_path):
         out["two_again"],
         timeout_s=90,
     )
-    finals = {k: _load(v) for k, v in out.items()}
+    finals = {k: load_result(v) for k, v in out.items()}
     for opt, s in _ckpt_scenarios(2).items():
         reference = cases.reference_states(s, 2, [CKPT_STEPS])[CKPT_STEPS]
         for run in ("two", "one", "two_again"):
@@ -516,7 +512,7 @@ def test_three_ranks_column_shards_over_subgroups(tmp_path):
     }
     out = str(tmp_path / "three.pt")
     run_ranks(cases.run_scenarios, 3, scenarios, out, timeout_s=90)
-    r = _load(out)["three"]
+    r = load_result(out)["three"]
     _assert_states_equal(r["sharded"], r["unsharded"])
     assert r["sharded_clips"] == r["unsharded_clips"]
     for table in ("cw01", "cw12", "cw_all"):

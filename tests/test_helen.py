@@ -278,7 +278,7 @@ def test_state_dict_round_trip_resumes_exactly():
     buffer = io.BytesIO()
     torch.save((ebc.state_dict(), ebc.fused_optimizer.state_dict()), buffer)
     buffer.seek(0)
-    weights, optim = torch.load(buffer)
+    weights, optim = torch.load(buffer, weights_only=True)
     fresh.load_state_dict(weights)
     fresh.fused_optimizer.load_state_dict(optim)
     for kjt, labels in batches[2:]:

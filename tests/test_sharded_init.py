@@ -14,7 +14,7 @@ from dataclasses import replace
 import distributed_cases as cases
 import pytest
 import torch
-from distributed_harness import run_ranks
+from distributed_harness import load_result, run_ranks
 
 from torchrec_cowclip import CowClipEmbeddingBagCollection
 from torchrec_cowclip.optim.options import CowClipOptions
@@ -35,7 +35,7 @@ def test_every_world_size_and_sharding_type_starts_from_the_unsharded_weights(
 ):
     out = str(tmp_path / "init.pt")
     run_ranks(cases.init_invariance_case, world, optimizer, out, timeout_s=150)
-    result = torch.load(out, weights_only=False)
+    result = load_result(out)
     assert result["meta_only"]
     expected = _unsharded_start(optimizer)
     assert set(result["weights"]) == set(expected)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cowclip_testing import kjt_from_bags
 from distributed_cases import Model, gather_full, global_batches, local_slice, mean_loss
+from distributed_harness import save_result
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from tiny import TINY_PROCESSES, bag_config, tiny_config
 from torch import nn
@@ -343,7 +344,7 @@ def run(rank: int, world: int, root: str, out_path: str) -> None:
         "optimizer_keys": optimizer_keys_case(rank, world),
     }
     if rank == 0:
-        torch.save(results, out_path)
+        save_result(results, out_path)
 
 
 # --- Helen through TorchRec's sparse-dist pipeline ----------------------------------
@@ -433,4 +434,4 @@ def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None
             "manual_losses": manual_losses,
         }
     if rank == 0:
-        torch.save(results, out_path)
+        save_result(results, out_path)

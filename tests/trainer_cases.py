@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 from distributed_cases import gather_full
+from distributed_harness import save_result
 from tiny import TINY_PROCESSES, tiny_config
 
 from torchrec_cowclip.train.trainer import Trainer
@@ -92,7 +93,7 @@ def restored_state(
     full = gather_full(named_tensors(trainer))
     counters = trainer.runtime.table_counters()
     if rank == 0:
-        torch.save(
+        save_result(
             {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
         )
     dist.barrier()
