@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout
-from torchrec_cowclip.data.parsing.time import trend_feature_names
+from torchrec_cowclip.data.parsing.time import time_feature_names, trend_feature_names
 from torchrec_cowclip.data.pipeline.cache import SHA256, check_file
 from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import restore_encoder
@@ -283,6 +283,18 @@ class RunFolder:
         if not self.data_info["options"].get("time_trend"):
             return ()
         return tuple(trend_feature_names(self.time_columns()))
+
+    def row_dense_columns(self) -> Tuple[str, ...]:
+        """The dense columns a row to score holds: the model's dense inputs but the trend
+        features, the last ones, which the time columns give."""
+        names = self.schema.dense_names
+        return names[: len(names) - len(self.trend_columns())]
+
+    def row_categorical_columns(self) -> Tuple[str, ...]:
+        """The categorical columns a row to score holds: the model's categorical features
+        but each time column's hour and weekday, the last ones, which its timestamp gives."""
+        names = self.schema.sparse_names
+        return names[: len(names) - len(time_feature_names(self.time_columns()))]
 
     def na_values(self) -> Tuple[str, ...]:
         """The texts the run read as missing values (``--na-values``), for new rows."""

@@ -278,7 +278,7 @@ def time_part_ids(run: RunFolder, values: int) -> np.ndarray:
     its hour (``values=24``) or weekday (``values=7``) parts ``0`` .. ``values - 1`` and,
     last, the missing one."""
     schema, time = run.schema, run.time_columns()
-    first = schema.n_sparse - 2 * len(time)
+    first = len(run.row_categorical_columns())
     part = 0 if values == 24 else 1
     texts = np.array([str(v).encode() for v in range(values)] + [b""], dtype="S2")
     sparse = [np.full(values + 1, b"", dtype="S2") for _ in range(schema.n_sparse)]
@@ -418,11 +418,11 @@ def _parity_rows(run: RunFolder, rows: int, seed: int = 0) -> tuple[Tensor, Tens
     (:func:`parity_timestamps`) for the time columns (``[rows, 0]`` without)."""
     g = np.random.default_rng(seed)
     schema, n_time = run.schema, len(run.time_columns())
-    n_dense = schema.n_dense - len(run.trend_columns())
+    n_dense = len(run.row_dense_columns())
     dense = np.floor(np.exp(g.normal(1.0, 2.0, size=(rows, n_dense))))
     dense[g.random(dense.shape) < 0.1] = np.nan
     dense[g.random(dense.shape) < 0.02] *= -1.0
-    cards = np.asarray(schema.cardinalities[: schema.n_sparse - 2 * n_time])
+    cards = np.asarray(schema.cardinalities[: len(run.row_categorical_columns())])
     ids = np.floor(g.random((rows, len(cards))) * (cards + 1)).astype(np.int64)
     time = parity_timestamps(rows, n_time, seed)
     return (
@@ -559,9 +559,9 @@ def contract(
 ) -> Dict[str, Any]:
     """``model.serving.json``: what a serving stack feeds the program and how."""
     schema, plan, time = run.schema, run.dense_plan(), run.time_columns()
-    n_ids = schema.n_sparse - 2 * len(time)
+    n_ids = len(run.row_categorical_columns())
     # The trend features (the last dense columns) are the program's to derive from time.
-    columns = plan.names[: len(plan.names) - len(run.trend_columns())]
+    columns = run.row_dense_columns()
     return {
         "format": CONTRACT_FORMAT,
         "version": 1,

@@ -518,12 +518,10 @@ class ColumnsInput(Input):
         self.run, self.encoder = run, RunEncoder(run)
         self.name = "the given columns"
         self.columns = _columns_of(data)
-        schema = run.schema
         label = _label_name(run)
         self.time = list(run.time_columns())
-        self.categorical = list(schema.sparse_names[: schema.n_sparse - 2 * len(self.time)])
-        # The trend features (--time-trend) are the last dense ones, derived from the time.
-        self.dense = list(schema.dense_names[: schema.n_dense - len(run.trend_columns())])
+        self.categorical = list(run.row_categorical_columns())
+        self.dense = list(run.row_dense_columns())
         wanted = [*self.dense, *self.categorical, *self.time, *([keep] if keep else [])]
         missing = [c for c in wanted if c not in self.columns]
         if missing:
