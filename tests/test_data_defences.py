@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
+from torchrec_cowclip import readback
 from torchrec_cowclip.cli import main
 from torchrec_cowclip.data import (
     BAD_LABEL,
@@ -151,14 +152,14 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     src = _copy(tmp_path)
     ds = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     reads: List[str] = []
-    real = cache_module._digest_read
+    real = readback._digest_read
 
     def counted(kind: str, f, offset: int = 0):
-        if kind == cache_module.CHECKSUM:
+        if kind == readback.CRC32:
             reads.append(Path(f.name).name)
         return real(kind, f, offset)
 
-    monkeypatch.setattr(cache_module, "_digest_read", counted)
+    monkeypatch.setattr(readback, "_digest_read", counted)
     open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     assert reads == []  # built by this process: sizes only
     cache_module._VERIFIED.clear()  # as a new process

@@ -59,11 +59,10 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip.compat import ShardedTensor
-from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
-from torchrec_cowclip.readback import read_json
+from torchrec_cowclip.readback import check_file, file_record, read_json
 from torchrec_cowclip.run.no_space import no_space
 from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
