@@ -79,6 +79,8 @@ MANIFEST = "manifest.json"
 WRITING_MARKER = ".torchrec_cowclip-writing"
 CHECKPOINTS_DIR = "checkpoints"
 POINTERS = ("latest", "best")
+#: A pointer's temporary form while it is replaced (:func:`_atomic_write`).
+_POINTER_TEMPS = tuple(f"{p}.tmp" for p in POINTERS)
 MANIFEST_FORMAT = "torchrec_cowclip checkpoint"
 MANIFEST_VERSION = 1
 DEFAULT_KEEP = 2
@@ -233,23 +235,43 @@ class CheckpointStore:
 
     # --- what is there ---------------------------------------------------------------
 
+    def _survey(self) -> Tuple[List[Checkpoint], List[Path], List[Path]]:
+        """``(complete, unfinished, foreign)``: the entries of :attr:`root` by name, each
+        sorted into the kinds the module docstring names, every manifest read once (the
+        pointer files are none of the three)."""
+        if not self.root.is_dir():
+            return [], [], []
+        complete: List[Checkpoint] = []
+        unfinished: List[Path] = []
+        foreign: List[Path] = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                manifest = _read_manifest(entry)
+                # A manifest records its directory: a copy under another name (a user's
+                # backup) is not this store's to load or prune.
+                if manifest is not None and manifest.get("directory") == entry.name:
+                    complete.append(Checkpoint(entry, manifest))
+                    continue
+                ours = (entry / WRITING_MARKER).exists() or (
+                    # A kill between creating a directory and its marker (or between
+                    # removing the marker and the directory) leaves it empty: nothing
+                    # in it to lose.
+                    entry.name.split("-")[0] in POINTERS and not any(entry.iterdir())
+                )
+                if ours and manifest is None:
+                    unfinished.append(entry)
+                    continue
+            elif entry.name in _POINTER_TEMPS:
+                unfinished.append(entry)
+                continue
+            if entry.name not in POINTERS and entry.name not in _POINTER_TEMPS:
+                foreign.append(entry)
+        return complete, unfinished, foreign
+
     def complete(self, name: Optional[str] = None) -> List[Checkpoint]:
         """The complete checkpoints (of ``name``, or all), newest first. Nothing is
         verified or loaded: this reads the manifests only."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            if not entry.is_dir() or entry.is_symlink():
-                continue
-            manifest = _read_manifest(entry)
-            # A manifest records its directory: a copy under another name (a user's
-            # backup) is not this store's to load or prune.
-            if manifest is None or manifest.get("directory") != entry.name:
-                continue
-            if name is not None and manifest.get("name") != name:
-                continue
-            found.append(Checkpoint(entry, manifest))
+        found = [c for c in self._survey()[0] if name is None or c.manifest.get("name") == name]
         return sorted(found, key=lambda c: c.sequence, reverse=True)
 
     def newest(self, name: str) -> Optional[Checkpoint]:
@@ -266,31 +288,12 @@ class CheckpointStore:
         """Directories this project started writing and never completed (its marker and
         no manifest, or an empty ``latest-*``/``best-*``), and its own temporary pointer
         files."""
-        if not self.root.is_dir():
-            return []
-        left: List[Path] = []
-        for entry in sorted(self.root.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
-                ours = (entry / WRITING_MARKER).exists() or (
-                    # A kill between creating a directory and its marker (or between
-                    # removing the marker and the directory) leaves it empty: nothing
-                    # in it to lose.
-                    entry.name.split("-")[0] in POINTERS and not any(entry.iterdir())
-                )
-                if ours and _read_manifest(entry) is None:
-                    left.append(entry)
-            elif entry.name in {f"{p}.tmp" for p in POINTERS}:
-                left.append(entry)
-        return left
+        return self._survey()[1]
 
     def foreign(self) -> List[Path]:
         """Entries that are neither checkpoints of this project nor its pointer files
         (left alone by every clean-up)."""
-        if not self.root.is_dir():
-            return []
-        ours = set(POINTERS) | {f"{p}.tmp" for p in POINTERS}
-        own = {c.path for c in self.complete()} | set(self.unfinished())
-        return [e for e in sorted(self.root.iterdir()) if e.name not in ours and e not in own]
+        return self._survey()[2]
 
     def remove_unfinished(self) -> List[Path]:
         """Removes :meth:`unfinished` and returns what it removed (rank 0 only)."""
