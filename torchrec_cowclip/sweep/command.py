@@ -91,6 +91,24 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
     # declares a few of train's options as its own (--out, --threads, the per-cell ones).
     add_train_arguments(p, data_required=False, leave_out=[*_OWN, *LR_GRID, *per_cell])
     g = p.add_argument_group("sweep")
+    _add_grid_arguments(g)
+    _add_resource_arguments(g)
+    for flag in _PER_CELL:
+        p.add_argument(
+            flag,
+            dest="per_cell_" + flag[2:].replace("-", "_"),
+            nargs="?",
+            const=True,
+            default=None,
+            help=argparse.SUPPRESS,
+        )
+    p.set_defaults(run_sweep=run_command)
+    return p
+
+
+def _add_grid_arguments(g: Any) -> None:
+    """The grid: the batch sizes, recipes, seeds and learning rates a sweep lists, and
+    how the cells' lengths compare."""
     g.add_argument(
         "--batch-sizes",
         default=None,
@@ -104,6 +122,7 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="train's --recipe names, the no-clip baselines sqrt, linear and none included",
     )
     g.add_argument("--seeds", default="0", metavar="S1,S2,...", help="train's --seed values")
+    train = {option.name: option for option in declarations(TrainConfig)}
     for name in LR_GRID:
         rate = train[name]
         g.add_argument(
@@ -117,6 +136,11 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         "samples (the paper's comparison); steps: the base batch's number of steps, "
         "--epochs * batch / --base-batch-size epochs (pair it with --early-stop-patience)",
     )
+
+
+def _add_resource_arguments(g: Any) -> None:
+    """How the cells run (at once, on how many cores), where they write and what is kept
+    of them, and ``--report-only``."""
     g.add_argument("--parallel", type=int, default=1, help="cells trained at once")
     g.add_argument(
         "--cores",
@@ -156,17 +180,6 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="train nothing: rebuild the table, CSV, JSON and plots from the cells in --out",
     )
-    for flag in _PER_CELL:
-        p.add_argument(
-            flag,
-            dest="per_cell_" + flag[2:].replace("-", "_"),
-            nargs="?",
-            const=True,
-            default=None,
-            help=argparse.SUPPRESS,
-        )
-    p.set_defaults(run_sweep=run_command)
-    return p
 
 
 def run_command(args: argparse.Namespace) -> int:
