@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
 from torchrec_cowclip.data.settings import DataSettings
-from torchrec_cowclip.plan.job import DEFAULT_HEADROOM
+from torchrec_cowclip.plan.job import DEFAULT_HEADROOM, JobSpec
 from torchrec_cowclip.train.command import (
     add_data_arguments,
     add_model_arguments,
@@ -419,12 +419,11 @@ def _run(
     args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argparse.ArgumentParser
 ) -> int:
     from torchrec_cowclip import notices
-    from torchrec_cowclip.plan.job import JobSpec, plan_job
+    from torchrec_cowclip.plan.job import plan_job
     from torchrec_cowclip.plan.printout import (
         does_not_fit,
         format_plan,
         format_planner_stats,
-        launch_commands,
     )
     from torchrec_cowclip.plan.tables import parse_constraint
     from torchrec_cowclip.run.log import write_text_atomically
@@ -465,18 +464,9 @@ def _run(
         headroom=args.headroom,
     )
     plan = plan_job(spec, per_host)
-    launch: Optional[Dict[str, str]] = None
+    launch = None
     if not own_tables and not spec.constraints:
-        out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
-        launch_config = replace(
-            config,
-            data=launch_data or config.data,
-            out=out,
-            device="cpu" if spec.compute_device == "cpu" else config.device,
-            cache_dir=config.cache_dir,
-        )
-        train_args = train_argv(None, launch_config, "a cell's train command")
-        launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
+        launch = _launch(args, config, spec, launch_data)
     sys.stdout.write(format_plan(plan, tables_from, launch))
     if args.planner_stats:
         sys.stderr.write(format_planner_stats(plan))
@@ -488,3 +478,25 @@ def _run(
         return 0
     print(f"torchrec-cowclip plan: {does_not_fit(plan)}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT
+
+
+def _launch(
+    args: argparse.Namespace, config: TrainConfig, spec: JobSpec, data: Optional[str]
+) -> Dict[str, str]:
+    """The commands that launch the planned job (torchrun, torchx): train's flags of
+    ``config`` on the job's devices, on ``data`` (a preset's; None: the config's own),
+    into a run directory named after the tables, the model and the job."""
+    from torchrec_cowclip.plan.printout import launch_commands
+
+    out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
+    launch_config = replace(
+        config,
+        data=data or config.data,
+        out=out,
+        device="cpu" if spec.compute_device == "cpu" else config.device,
+        cache_dir=config.cache_dir,
+    )
+    train_args = train_argv(None, launch_config, "a cell's train command")
+    return launch_commands(
+        spec.world_size, spec.local_world_size, spec.compute_device == "cuda", train_args
+    )
