@@ -21,7 +21,7 @@ from torchrec_cowclip.run.folder_writer import (
 )
 from torchrec_cowclip.run.log import write_text_atomically
 from torchrec_cowclip.train.config import TrainSettings
-from torchrec_cowclip.train.console import RunReport, calibration_line, weights_line
+from torchrec_cowclip.train.console import calibration_line, weights_line
 from torchrec_cowclip.train.data import TrainingData
 from torchrec_cowclip.train.metrics import (
     TrainResult,
@@ -29,6 +29,7 @@ from torchrec_cowclip.train.metrics import (
     run_metrics,
     write_curves,
 )
+from torchrec_cowclip.train.report import RunReport
 from torchrec_cowclip.train.run_state import Progress, RunCheckpoints
 from torchrec_cowclip.train.runtime import Runtime
 

@@ -2,7 +2,7 @@
 run's pieces, each epoch evaluated on the test split and the validation split, early
 stopping, a checkpoint at every epoch's end (and every ``--checkpoint-every`` steps), the
 stop a signal asks for, and an exact ``--resume``. It tells what it does through one
-collaborator, its report (:class:`~torchrec_cowclip.train.console.RunReport`), and hands
+collaborator, its report (:class:`~torchrec_cowclip.train.report.RunReport`), and hands
 the trained run to its finish (:class:`~torchrec_cowclip.train.finish.RunFinish`).
 
 The loop holds no settings but its own (:class:`~torchrec_cowclip.train.config.RunSettings`):
@@ -21,11 +21,12 @@ import numpy as np
 from torchrec_cowclip.run.out_dir import RunDirLock
 from torchrec_cowclip.run.stop import RunStopped, StopRequest
 from torchrec_cowclip.train.config import RunSettings
-from torchrec_cowclip.train.console import RunReport, peak_rss_mb
+from torchrec_cowclip.train.console import peak_rss_mb
 from torchrec_cowclip.train.data import TrainingData
 from torchrec_cowclip.train.finish import RunFinish
 from torchrec_cowclip.train.helen_pipeline import HelenPipeline
 from torchrec_cowclip.train.metrics import TrainResult, clip_counts
+from torchrec_cowclip.train.report import RunReport
 from torchrec_cowclip.train.run_state import Progress, RunCheckpoints
 from torchrec_cowclip.train.runtime import Runtime
 from torchrec_cowclip.train.warm_start import WarmStart

@@ -3,7 +3,7 @@ layers once - ``--init-from``'s run verified and the command checked against it,
 made or claimed, the data opened and split, the model placed and its optimizers built, the
 checkpoints readied - and handed to the loop as the pieces it runs
 (:class:`~torchrec_cowclip.train.loop.TrainingLoop`), with what it tells
-(:class:`~torchrec_cowclip.train.console.RunReport`) and what it leaves
+(:class:`~torchrec_cowclip.train.report.RunReport`) and what it leaves
 (:class:`~torchrec_cowclip.train.finish.RunFinish`).
 
 Example::
@@ -36,11 +36,12 @@ from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from torchrec_cowclip.run.out_dir import RunDirLock, claim_run_dir, new_run_dir
 from torchrec_cowclip.run.resume_guard import run_fingerprint, run_record
 from torchrec_cowclip.train.config import RECORDED_SETTINGS, TrainConfig, TrainSettings
-from torchrec_cowclip.train.console import RunReport, start_lines
+from torchrec_cowclip.train.console import start_lines
 from torchrec_cowclip.train.data import open_training_data
 from torchrec_cowclip.train.finish import RunFinish
 from torchrec_cowclip.train.loop import TrainingLoop
 from torchrec_cowclip.train.metrics import TrainResult
+from torchrec_cowclip.train.report import RunReport
 from torchrec_cowclip.train.run_state import RunCheckpoints, total_steps_of
 from torchrec_cowclip.train.runtime import make_runtime
 from torchrec_cowclip.train.warm_start import WarmStart
@@ -106,17 +107,12 @@ def _pieces(
             process=settings.process,
         )
     record = run_record(settings.record_settings(), settings.data.record(data.dataset), sources)
+    fingerprint = run_fingerprint(record, RECORDED_SETTINGS)
     runtime = make_runtime(settings, data.dataset, data.train_idx)
     if run.row_clip_stats:
         runtime.model.embedding_collection.track_row_clips()
     checkpoints = RunCheckpoints(
-        out,
-        store,
-        runtime,
-        settings.record,
-        record,
-        run_fingerprint(record, RECORDED_SETTINGS),
-        run.row_clip_stats,
+        out, store, runtime, settings.record, record, fingerprint, run.row_clip_stats
     )
     total_steps = total_steps_of(run.epochs, runtime.steps_per_epoch, run.max_steps)
     report = RunReport(
