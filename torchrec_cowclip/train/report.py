@@ -2,6 +2,20 @@
 collaborator for it. The lines' text is :mod:`.console`'s; the files they go to (the run
 log: ``steps.csv``, ``epochs.csv``, TensorBoard, the terminal) are
 :class:`~torchrec_cowclip.run.log.RunLog`'s.
+
+Example::
+
+    >>> import contextlib, io, tempfile
+    >>> from pathlib import Path
+    >>> out, said = Path(tempfile.mkdtemp()), io.StringIO()
+    >>> report = RunReport(out, ["run: 1 epoch"], (1, 10, 0, 1), log_every=5, main=True,
+    ...                    bars=False)
+    >>> with contextlib.redirect_stderr(said):
+    ...     report.open()
+    ...     report.epoch({"epoch": 1, "step": 10, "test_auc": 0.75}, eta_s=None)
+    ...     report.close()
+    >>> said.getvalue().splitlines()[0], (out / "epochs.csv").read_text().splitlines()
+    ('run: 1 epoch', ['epoch,step,test_auc', '1,10,0.75'])
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ class RunReport:
 
     Args:
         out: the run directory (its run log).
-        lines: the start summary (:func:`start_lines`).
+        lines: the start summary (:func:`~torchrec_cowclip.train.console.start_lines`).
         eta_plan: what the run's ETA counts (:meth:`Progress.eta
             <torchrec_cowclip.train.run_state.Progress.eta>`): its epochs, their steps,
             ``--max-steps`` and the evaluations per epoch.
@@ -71,15 +85,18 @@ class RunReport:
         if resumed is not None:
             self._log.rewind(resumed[0].global_step, resumed[0].epoch)
 
+    def _opened(self) -> RunLog:
+        if self._log is None:
+            raise RuntimeError("the run's report is not open: open() it first")
+        return self._log
+
     def info(self, line: str) -> None:
         """A line of the run (in the run log's terminal)."""
-        assert self._log is not None, "open() the report first"
-        self._log.info(line)
+        self._opened().info(line)
 
     def epoch_started(self, p: Progress) -> None:
         """The epoch's progress bar, from where ``p`` is."""
-        assert self._log is not None, "open() the report first"
-        self._bar = self._log.progress_bar(
+        self._bar = self._opened().progress_bar(
             total=self.steps_per_epoch,
             initial=p.batch_in_epoch,
             desc=f"epoch {p.epoch + 1}/{self.epochs}",
@@ -99,14 +116,13 @@ class RunReport:
         """A training step done: its row every ``log_every`` steps, the bar moved on with
         the running loss, the speed, the run's ETA at ``step_s`` a step and, for Helen,
         what its second pass adds."""
-        assert self._log is not None, "open() the report first"
         self._samples_since += samples
         if p.global_step % self.log_every == 0:
             now = time.perf_counter()
             rate = self._samples_since / max(now - self._since, 1e-9)
             self._since, self._samples_since = now, 0
             values = {"loss": loss, "running_loss": running, "samples_per_s": rate}
-            self._log.step(p.global_step, {**values, "dense_lr": dense_lr})
+            self._opened().step(p.global_step, {**values, "dense_lr": dense_lr})
         self._bar.update(1)
         postfix = {
             "loss": f"{running:.4f}",
@@ -125,16 +141,15 @@ class RunReport:
 
     def evaluation_bar(self, total: int, name: str, rows: int) -> Any:
         """A progress bar over an evaluation's ``total`` batches of ``rows`` rows."""
-        assert self._log is not None, "open() the report first"
-        return self._log.progress_bar(
+        return self._opened().progress_bar(
             total=total, initial=0, desc=f"evaluating {name} ({rows:,} rows)", unit="batch"
         )
 
     def epoch(self, row: Dict[str, Any], eta_s: Optional[float]) -> None:
         """An epoch's row (``epochs.csv``, TensorBoard) and line, with the run's ETA."""
-        assert self._log is not None, "open() the report first"
-        self._log.epoch(row)
-        self._log.info(epoch_line({**row, "epochs": self.epochs, "eta_s": eta_s}))
+        log = self._opened()
+        log.epoch(row)
+        log.info(epoch_line({**row, "epochs": self.epochs, "eta_s": eta_s}))
 
     def close(self) -> None:
         """Closes the run log (the lines after it go straight to stderr)."""
