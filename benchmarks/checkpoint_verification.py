@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 from common import cpu_model, digest_files
 
 from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        trainer = Trainer(
+        trainer = start_run(
             TrainConfig(
                 data=f"synthetic:{args.rows}",
                 synthetic_scale=args.scale,

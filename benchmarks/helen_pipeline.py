@@ -42,7 +42,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 from torchrec_cowclip.compat import dmp_data_parallel  # noqa: E402
 from torchrec_cowclip.train import TrainConfig  # noqa: E402
-from torchrec_cowclip.train.trainer import Trainer  # noqa: E402
+from torchrec_cowclip.train.loop import TrainingLoop  # noqa: E402
+from torchrec_cowclip.train.start import start_run  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +64,7 @@ def endless(make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         yield from make()
 
 
-def trainer(args: argparse.Namespace, root: str, name: str) -> Trainer:
+def trainer(args: argparse.Namespace, root: str, name: str) -> TrainingLoop:
     config = TrainConfig(
         model="deepfm",
         data=args.data,
@@ -78,12 +79,12 @@ def trainer(args: argparse.Namespace, root: str, name: str) -> Trainer:
         cache_dir=args.cache_dir,
         out=os.path.join(root, name),
     )
-    built = Trainer(config.resolve())
+    built = start_run(config.resolve())
     built.run_dir.release()  # timed steps only: no run directory is kept
     return built
 
 
-def pipeline_variant(t: Trainer) -> Callable[[Any], None]:
+def pipeline_variant(t: TrainingLoop) -> Callable[[Any], None]:
     runtime = t.runtime
     runtime.train_module.train()
     pipeline = runtime.pipeline()
@@ -91,7 +92,7 @@ def pipeline_variant(t: Trainer) -> Callable[[Any], None]:
     return lambda _: pipeline.progress(batches)
 
 
-def loop_variant(t: Trainer) -> Callable[[Any], None]:
+def loop_variant(t: TrainingLoop) -> Callable[[Any], None]:
     runtime = t.runtime
     module = runtime.embedding_module()
     ddp = dmp_data_parallel(runtime.train_module)

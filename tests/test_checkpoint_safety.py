@@ -31,7 +31,7 @@ from torchrec_cowclip.run.checkpoints import (
 )
 from torchrec_cowclip.run.out_dir import LOCK_NAME
 from torchrec_cowclip.train import TrainConfig
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 
 # 2,700 training rows at batch 256: 10 steps an epoch; checkpoints at steps 2 and 4.
 COMPARED = ("auc", "logloss", "epoch_auc", "steps", "train_samples", "rows_updated")
@@ -47,8 +47,8 @@ def stopped(tmp_path_factory):
     """A run stopped by --max-steps at step 4, with complete checkpoints at 2 and 4, and
     the uninterrupted run's metrics."""
     root = tmp_path_factory.mktemp("stopped")
-    full = Trainer(replace(_config(root), out=str(root / "full")).resolve()).run()
-    Trainer(_config(root, max_steps=4).resolve()).run()
+    full = start_run(replace(_config(root), out=str(root / "full")).resolve()).run()
+    start_run(_config(root, max_steps=4).resolve()).run()
     return root, {k: full[k] for k in COMPARED}
 
 
@@ -111,7 +111,7 @@ def test_a_crafted_file_is_refused_also_when_the_resume_would_be_refused(run):
     write_payload(victim, created)
     reseal(victim.parent)
     with pytest.raises(UnsafeFileError, match=re.escape(str(victim))):
-        Trainer(_config(root, resume=True, batch_size=512).resolve()).run()  # another setting too
+        start_run(_config(root, resume=True, batch_size=512).resolve()).run()  # another setting too
     assert not created.exists()
 
 
@@ -125,7 +125,7 @@ def test_without_its_pointer_resume_finds_the_newest_checkpoint(run, pointer, ca
         (checkpoints / "latest").unlink()
     else:
         (checkpoints / "latest").write_text("")
-    metrics = Trainer(_config(root, resume=True).resolve()).run()
+    metrics = start_run(_config(root, resume=True).resolve()).run()
     assert "resumed from step 4 of epoch 1" in capsys.readouterr().err
     assert {k: metrics[k] for k in COMPARED} == expected
     assert (checkpoints / "latest").read_text() == "latest-e1-s10"
@@ -139,7 +139,7 @@ def test_foreign_directories_and_copies_are_never_deleted_or_used(run, capsys):
     copy = checkpoints / "my-copy-of-step-4"
     shutil.copytree(_checkpoint(checkpoints, 4), copy)
     copied = snapshot(copy)
-    metrics = Trainer(_config(root, resume=True).resolve()).run()
+    metrics = start_run(_config(root, resume=True).resolve()).run()
     err = capsys.readouterr().err
     assert f"left {copy}, {other} alone: not checkpoints of this project" in err
     assert {k: metrics[k] for k in COMPARED} == expected
@@ -149,7 +149,7 @@ def test_foreign_directories_and_copies_are_never_deleted_or_used(run, capsys):
         ["latest", "latest-e0-s10", "latest-e1-s10", copy.name, other.name]
     )
     # --overwrite deletes this project's checkpoints only.
-    Trainer(_config(root, overwrite=True, max_steps=2).resolve()).run()
+    start_run(_config(root, overwrite=True, max_steps=2).resolve()).run()
     assert (other / "data.bin").exists() and snapshot(copy) == copied
 
 
@@ -162,7 +162,7 @@ def test_an_unfinished_write_of_ours_is_removed_and_nothing_else(run, capsys):
     (killed / MANIFEST).unlink()
     (killed / ".torchrec_cowclip-writing").write_text("{}")
     assert store.unfinished() == [killed]
-    Trainer(_config(root, resume=True, max_steps=4).resolve()).run()
+    start_run(_config(root, resume=True, max_steps=4).resolve()).run()
     assert f"removed {killed}, left by an interrupted checkpoint write" in capsys.readouterr().err
     assert not killed.exists() and _checkpoint(checkpoints, 4).exists()
 
@@ -197,7 +197,7 @@ def test_a_damaged_latest_falls_back_to_the_previous_checkpoint(run, damage, rea
         shutil.copy(_checkpoint(checkpoints, 2) / TRAINER_STATE, newest / TRAINER_STATE)
     else:
         shutil.copy(_checkpoint(checkpoints, 2) / "__0_0.distcp", newest / "__1_0.distcp")
-    metrics = Trainer(_config(root, resume=True).resolve()).run()
+    metrics = start_run(_config(root, resume=True).resolve()).run()
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if "is damaged" in x)
     assert line.startswith(f"checkpoint {newest} is damaged ({newest}/") and reason in line
@@ -228,12 +228,12 @@ def test_a_checkpoint_of_an_older_version_is_refused_as_unverifiable(run):
     for step in (2, 4):
         (_checkpoint(checkpoints, step) / MANIFEST).unlink()
     with pytest.raises(FileNotFoundError, match="has no manifest: written by an older version"):
-        Trainer(_config(root, resume=True).resolve()).run()
+        start_run(_config(root, resume=True).resolve()).run()
 
 
 @pytest.mark.parametrize("keep", [1, 3])
 def test_keep_checkpoints_keeps_the_last_k(tmp_path, keep):
-    Trainer(_config(tmp_path, max_steps=8, keep_checkpoints=keep).resolve()).run()
+    start_run(_config(tmp_path, max_steps=8, keep_checkpoints=keep).resolve()).run()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["latest"] + sorted(f"latest-e0-s{s}" for s in (8, 6, 4)[:keep])
 

@@ -429,9 +429,9 @@ def test_require_sha256_refuses_a_crc32_run_folder_for_scoring_and_warm_start(
 def _tiny(out: Path, cache: Path, **overrides):
     from tiny import tiny_config
 
-    from torchrec_cowclip.train.trainer import Trainer
+    from torchrec_cowclip.train.start import start_run
 
-    return Trainer(tiny_config(out=str(out), cache_dir=str(cache), **overrides).resolve()).run()
+    return start_run(tiny_config(out=str(out), cache_dir=str(cache), **overrides).resolve()).run()
 
 
 def _snapshot(root: Path) -> dict:

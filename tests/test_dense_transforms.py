@@ -19,7 +19,13 @@ from torchrec_cowclip.data import (
     DenseTransformSpec,
     open_dataset,
 )
-from torchrec_cowclip.data.parsing.dense import DENSE_CLIP, constant_columns, stored_values
+from torchrec_cowclip.data.parsing import dense as dense_module
+from torchrec_cowclip.data.parsing.dense import (
+    DENSE_CLIP,
+    constant_columns,
+    quantile_edges,
+    stored_values,
+)
 from torchrec_cowclip.train import train
 
 
@@ -231,6 +237,48 @@ def test_quantile_buckets_come_from_the_training_split_and_score_new_rows_alike(
     np.testing.assert_array_equal(scored[:-1], ds.dense_inputs())
     assert scored[-1, 2:].tolist() == [0.0] * 4  # a missing value: no bucket
     assert "up to 4 quantile buckets (one-hot) of price" in plan.summary()
+
+
+def test_a_plan_fitted_on_rows_streams_their_statistics_and_samples_its_bucket_edges(
+    monkeypatch,
+):
+    """``DenseStats.of_rows`` reads the rows in blocks and gives the figures of one pass;
+    ``DensePlan.fit_rows`` takes the bucket edges from every ``step``-th row once there are
+    more than ``BUCKET_SAMPLE_ROWS``, and fits the rest on the statistics it is given."""
+    monkeypatch.setattr(dense_module, "FIT_BLOCK_ROWS", 3)
+    monkeypatch.setattr(dense_module, "BUCKET_SAMPLE_ROWS", 4)
+    stored = np.arange(20.0).reshape(10, 2)
+    stored[4, 1] = np.nan
+    rows = np.array([0, 2, 3, 4, 5, 7, 8, 9])
+    stats = DenseStats.of_rows(stored, rows, ["a", "b"])
+    whole = DenseStats(["a", "b"])
+    whole.update(stored[rows])
+    assert stats.names == whole.names
+    for key in ("count", "missing", "mean", "std", "min", "max"):
+        np.testing.assert_allclose(getattr(stats, key), getattr(whole, key), rtol=1e-12)
+    plan = DensePlan.fit_rows(stats, ("standardize", "none"), stored, rows, True, buckets=2)
+    sample = stored[rows[::2]]  # 8 rows, at most 4: every second one
+    assert plan == DensePlan.fit(
+        stats, ("standardize", "none"), True, edges=quantile_edges(sample, 2)
+    )
+    # From rows 0, 3, 5, 8 (every second one); all 8 rows would give ((9.0,), (9.0,)).
+    assert plan.indicators == ("b",) and plan.edges == ((8.0,), (9.0,))
+    assert DensePlan.fit_rows(stats, ("none", "none"), stored, rows).edges == ()
+
+
+def test_the_notes_of_a_conversion_are_taken_once_at_open(tmp_path):
+    """What the conversion changed: a negative value a ``log`` column set to 0 and a
+    constant column, named in the notes the dataset keeps from its opening."""
+    rows = [(i % 2, -1.0 if i == 0 else float(i), 2.0, "a") for i in range(8)]
+    p = _table(tmp_path / "t.csv", rows)
+    ds = open_dataset(f"table:{p}", tmp_path / "c", dense_transform="log", **COLUMNS)
+    assert ds.notes == [
+        "negative values set to 0: log(1 + x) cannot take them (price 1 (12.5%)); "
+        "--dense-transform price=signed-log (or standardize, minmax, none) keeps them",
+        "dense column 'score' is constant after its transform log (every training value "
+        "1.09861): it carries nothing into the model",
+    ]
+    assert ds.dense_stats.to_json() == ds.meta["dense_stats"]
 
 
 def test_dense_buckets_one_is_refused_in_one_line(tmp_path):

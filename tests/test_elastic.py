@@ -17,7 +17,7 @@ from distributed_harness import run_ranks, start_ranks
 from tiny import TINY_PROCESSES, tiny_config
 
 from torchrec_cowclip.run.checkpoints import CheckpointStore
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 
 # 16,010 rows: 1,601 test, 1,441 validation (odd: the two processes evaluate 801 and 800
 # rows), 12,968 training rows at batch 1536, 8 steps an epoch, 2 epochs.
@@ -33,8 +33,8 @@ def test_one_then_two_then_one_process_equals_the_uninterrupted_run(tmp_path):
     only rank 1 receives, during step 11; 1 process finishes. The result is the
     uninterrupted one-process run's."""
     root = str(tmp_path / "moved")
-    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **DATA).resolve()).run()
-    Trainer(tiny_config(root, TINY_PROCESSES, max_steps=5, **DATA).resolve()).run()
+    full = start_run(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **DATA).resolve()).run()
+    start_run(tiny_config(root, TINY_PROCESSES, max_steps=5, **DATA).resolve()).run()
     stop_file = str(tmp_path / "stopped.json")
     run_ranks(
         cases.train_until_signal,
@@ -51,7 +51,7 @@ def test_one_then_two_then_one_process_equals_the_uninterrupted_run(tmp_path):
     assert stopped["message"].startswith("stopped by a signal on another rank after step 11")
     latest = CheckpointStore(tmp_path / "moved" / "run" / "checkpoints").newest("latest")
     assert latest.step == 11 and latest.manifest["world_size"] == 2
-    resumed = Trainer(tiny_config(root, TINY_PROCESSES, resume="auto", **DATA).resolve()).run()
+    resumed = start_run(tiny_config(root, TINY_PROCESSES, resume="auto", **DATA).resolve()).run()
     assert full["steps"] == STEPS and resumed["world_size"] == 1
     for key in ("steps", "train_samples", "rows_updated", "best_epoch", "epochs"):
         assert resumed[key] == full[key], key

@@ -242,3 +242,25 @@ def test_what_a_resume_may_change_is_declared_and_keeps_mains_fingerprints():
     assert (
         fingerprint == run_fingerprint(moved, RECORDED_SETTINGS) == "06bb86c058c695f9"
     )  # as main computes it
+
+
+def test_a_checkpoints_settings_hold_the_recipes_value_of_every_option_left_to_it():
+    """Each option of the recipe group without a default is one the recipe fills in: a
+    checkpoint's record compares its resolved value (``--lr 8e-4`` and the recipe's 8e-4
+    are the same setting), found by the option's ``to``, its name among the recipe's."""
+    settings = TrainConfig(data="synthetic:100", batch_size=4096).resolve(ONE_PROCESS)
+    left = [
+        o.name
+        for o in declarations(TrainConfig)
+        if o.option.group == "optimizer and recipe" and o.default is None
+    ]
+    assert {"lr", "lr_embed", "l2", "clip_r", "helen_bound"} <= set(left)
+    recorded = settings.record_settings()
+    assert all(settings.record[name] is None for name in left)
+    assert recorded["lr"] == settings.hp.dense_lr > 0
+    assert recorded["lr_embed"] == settings.hp.embedding_lr > 0
+    assert [recorded[name] for name in left] == [
+        getattr(settings.hp, o.option.to or o.name)
+        for o in declarations(TrainConfig)
+        if o.name in left
+    ]

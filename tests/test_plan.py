@@ -289,6 +289,15 @@ REFUSED = [
         "--compute-device must be cuda or cpu, got 'tpu'",
     ),
     (["--tables", "criteo-kaggle", "--hbm-gb", "0"], "--hbm-gb must be > 0, got 0"),
+    # train's option, checked as train checks it: before the devices' memory and the split
+    (
+        ["--tables", "criteo-kaggle", "--batch-size", "0", "--hbm-gb", "0"],
+        "--batch-size must be > 0, got 0",
+    ),
+    (
+        ["--tables", "criteo-kaggle", "--batch-size", "-4", "--world-size", "2"],
+        "--batch-size must be > 0, got -4",
+    ),
     (["--tables", "criteo-kaggle", "--hbm-gb", "nan"], "--hbm-gb must be > 0, got nan"),
     (
         ["--tables", "criteo-kaggle", "--world-size", "16", "--nproc-per-node", "6"],

@@ -13,7 +13,7 @@ from torchrec_cowclip.train import TrainConfig
 from torchrec_cowclip.train.command import config_from_args
 from torchrec_cowclip.train.config import ConfigError
 from torchrec_cowclip.train.scaling import RECIPES, get_recipe, scale_hyperparameters
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 
 # What the documentation promises, Criteo profile (base batch 1024: dense lr 8e-4,
 # embedding lr 1e-4, L2 lambda 1e-5, bound 1e-5, D = 10), at s = 16 (batch 16384).
@@ -113,21 +113,25 @@ def test_cli_recipe_reaches_the_trainer(tmp_path):
     cfg = config_from_args(args)
     assert cfg.recipe == name and cfg.clip_r is None and cfg.warmup_epochs is None
     cfg.validate()
-    trainer = Trainer(cfg.resolve())
+    settings = cfg.resolve()
+    trainer = start_run(settings)
+    cowclip = settings.optimizers.embedding.cowclip
     for field, value in DOCUMENTED[name].items():
-        assert getattr(trainer.hp, field) == pytest.approx(value, rel=1e-9), field
+        assert getattr(settings.hp, field) == pytest.approx(value, rel=1e-9), field
     if DOCUMENTED[name].get("cowclip", True):
-        assert trainer.cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
-        assert trainer.cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
+        assert cowclip.r == pytest.approx(DOCUMENTED[name]["clip_r"])
+        assert cowclip.zeta == pytest.approx(DOCUMENTED[name]["clip_zeta"])
     else:
-        assert trainer.cowclip is None
+        assert cowclip is None
     power = DOCUMENTED[name].get("count_lr_power", 0.0)
-    count_lr = trainer.model.embedding_collection.fused_optimizer.hyperparameters["count_lr"]
+    count_lr = trainer.runtime.model.embedding_collection.fused_optimizer.hyperparameters[
+        "count_lr"
+    ]
     assert (
         (count_lr is None) if power == 0 else ((count_lr.power, count_lr.cap) == (power, float(S)))
     )
     rho = DOCUMENTED[name].get("helen_rho")
-    helen = trainer.model.embedding_collection.helen
+    helen = trainer.runtime.model.embedding_collection.helen
     assert (helen is None) if rho is None else (helen.rho == pytest.approx(rho))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--data", "synthetic:10", "--recipe", "nope"])
@@ -156,8 +160,8 @@ def test_count_lr_power_sets_a_per_row_rule_capped_at_the_batch_scale(tmp_path):
         out=str(tmp_path / "run"),
     )
     cfg.validate()
-    trainer = Trainer(cfg.resolve())
-    hyper = trainer.model.embedding_collection.fused_optimizer.hyperparameters
+    trainer = start_run(cfg.resolve())
+    hyper = trainer.runtime.model.embedding_collection.fused_optimizer.hyperparameters
     assert hyper["count_lr"].cap == float(S) and hyper["count_lr"].power == 1.0
     with pytest.raises(ConfigError, match="--count-lr-power"):
         TrainConfig(count_lr_power=0.5, embedding_backend="torchrec", cowclip=False).validate()
@@ -204,11 +208,10 @@ def test_a_baseline_recipe_trains_without_the_clip_and_refuses_clip_options(tmp_
     config_from_args(
         build_parser().parse_args(args + ["--embedding-backend", "torchrec"])
     ).validate()
-    trainer = Trainer(
-        tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256).resolve()
-    )
+    settings = tiny_config(tmp_path, recipe="linear", batch_size=512, base_batch_size=256).resolve()
+    trainer = start_run(settings)
     try:
-        assert trainer.cowclip is None and trainer.hp.recipe == "linear"
-        assert trainer.hp.embedding_lr == pytest.approx(2e-4)
+        assert settings.optimizers.embedding.cowclip is None and settings.hp.recipe == "linear"
+        assert settings.hp.embedding_lr == pytest.approx(2e-4)
     finally:
         trainer.run_dir.release()

@@ -38,7 +38,8 @@ from torchrec_cowclip.run.out_dir import (
 )
 from torchrec_cowclip.run.resume_guard import ResumeRefused
 from torchrec_cowclip.train.config import RECORDED_SETTINGS
-from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
+from torchrec_cowclip.train.loop import NonFiniteLossError
+from torchrec_cowclip.train.start import start_run
 
 REPO = Path(__file__).resolve().parents[1]
 CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.tsv"
@@ -57,7 +58,7 @@ def _config(out, cache, **overrides):
 def interrupted(tmp_path_factory):
     """A run stopped by --max-steps after 4 of its 10 steps, with its checkpoint."""
     root = tmp_path_factory.mktemp("interrupted")
-    Trainer(_config(root / "run", root / "cache", max_steps=4).resolve()).run()
+    start_run(_config(root / "run", root / "cache", max_steps=4).resolve()).run()
     return root
 
 
@@ -96,7 +97,7 @@ def test_resume_with_a_result_changing_setting_is_refused_before_anything_change
     before = snapshot(out)
     cfg = _config(out, interrupted / "cache", resume=True, **override)
     with pytest.raises(ResumeRefused) as refused:
-        Trainer(cfg.resolve()).run()
+        start_run(cfg.resolve()).run()
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"--resume refused: the checkpoint in {out}")
     assert re.search(
@@ -108,7 +109,7 @@ def test_resume_with_a_result_changing_setting_is_refused_before_anything_change
 
 def test_resume_refusal_names_every_difference_and_fewer_epochs(interrupted):
     with pytest.raises(ResumeRefused) as refused:
-        Trainer(
+        start_run(
             _config(
                 interrupted / "run", interrupted / "cache", resume=True, seed=3, model="dcn"
             ).resolve()
@@ -137,7 +138,7 @@ def test_resume_refused_when_the_data_files_changed(tmp_path):
         synthetic_scale=None,
         synthetic_max_cardinality=None,
     )
-    Trainer(_config(tmp_path / "run", tmp_path / "cache", max_steps=2, **kw).resolve()).run()
+    start_run(_config(tmp_path / "run", tmp_path / "cache", max_steps=2, **kw).resolve()).run()
     before = snapshot(tmp_path / "run")
     lines = CRITEO_SAMPLE.read_text().splitlines(keepends=True)
     data.write_text("".join(lines[:150]))  # same --data, other content
@@ -146,7 +147,7 @@ def test_resume_refused_when_the_data_files_changed(tmp_path):
         match=r"--data content 200 rows in cache entry criteo-\w+, "
         r"this command has 150 rows in cache entry criteo-\w+",
     ):
-        Trainer(_config(tmp_path / "run", tmp_path / "cache", resume=True, **kw).resolve()).run()
+        start_run(_config(tmp_path / "run", tmp_path / "cache", resume=True, **kw).resolve()).run()
     assert snapshot(tmp_path / "run") == before
 
 
@@ -159,7 +160,7 @@ def test_resume_of_a_checkpoint_without_run_record_is_refused(interrupted, tmp_p
     torch.save(state, checkpoint / TRAINER_STATE)
     reseal(checkpoint)
     with pytest.raises(ResumeRefused, match="has no run record"):
-        Trainer(_config(out, interrupted / "cache", resume=True).resolve()).run()
+        start_run(_config(out, interrupted / "cache", resume=True).resolve()).run()
 
 
 HARMLESS = [
@@ -182,7 +183,7 @@ def test_resume_with_a_harmless_change_is_accepted(interrupted, tmp_path, capsys
     if override == "cache_dir":
         override = dict(cache_dir=str(tmp_path / "moved-cache"))
     cfg = _config(out, interrupted / "cache", resume=True, **override)
-    metrics = Trainer(cfg.resolve()).run()
+    metrics = start_run(cfg.resolve()).run()
     assert "resumed from step 4 of epoch 1 (batch 4 of 10)" in capsys.readouterr().err
     assert metrics["steps"] == override.get("max_steps", 10 * override.get("epochs", 1))
 
@@ -194,7 +195,7 @@ def test_resume_drops_the_log_rows_written_after_the_checkpoint(interrupted, tmp
     assert len(steps) == 5  # header + steps 1-4, the checkpoint's step
     # What a run killed at step 6 leaves: two rows the checkpoint does not cover.
     (out / "steps.csv").write_text("".join(steps) + "5,0.5,0.5,1.0,1e-4\n6,0.5,0.5,1.0,1e-4\n")
-    Trainer(_config(out, interrupted / "cache", resume=True).resolve()).run()
+    start_run(_config(out, interrupted / "cache", resume=True).resolve()).run()
     assert "dropped 2 log rows written after the checkpoint" in capsys.readouterr().err
     logged = [row.split(",")[0] for row in (out / "steps.csv").read_text().splitlines()[1:]]
     assert logged == [str(i) for i in range(1, 11)]
@@ -233,7 +234,7 @@ def test_a_second_run_into_a_locked_out_fails_naming_the_holder(tmp_path, capsys
         holder.wait()
     # The dead holder's lock file is still there, but its lock died with it.
     assert (out / LOCK_NAME).exists() and lock_holder(out) is None
-    Trainer(_config(out, tmp_path / "cache", max_steps=2).resolve()).run()
+    start_run(_config(out, tmp_path / "cache", max_steps=2).resolve()).run()
     assert not (out / LOCK_NAME).exists(), "a finished run removes its lock file"
 
 
@@ -247,10 +248,10 @@ def test_an_out_holding_another_run_is_refused_unless_overwrite(interrupted, tmp
         match=rf"--out {re.escape(str(out))} holds another run's files "
         r"\(checkpoints, metrics.json, steps.csv, tb, curves.png, model\): add --resume",
     ):
-        Trainer(_config(out, interrupted / "cache", max_steps=2).resolve())
+        start_run(_config(out, interrupted / "cache", max_steps=2).resolve())
     assert snapshot(out) == before
     capsys.readouterr()
-    metrics = Trainer(
+    metrics = start_run(
         _config(out, interrupted / "cache", max_steps=2, overwrite=True).resolve()
     ).run()
     assert (
@@ -276,7 +277,7 @@ def test_stale_temp_files_are_removed_at_start(interrupted, tmp_path, capsys):
     (half / "__0_0.distcp").write_bytes(b"half a checkpoint")
     (out / "checkpoints" / "latest.tmp").write_text("latest-e0-s9")
     (out / "metrics.json.tmp").write_text("{")
-    Trainer(_config(out, interrupted / "cache", resume=True).resolve()).run()
+    start_run(_config(out, interrupted / "cache", resume=True).resolve()).run()
     err = capsys.readouterr().err
     assert f"removed metrics.json.tmp from {out}, left by an interrupted write" in err
     assert f"removed {half}, left by an interrupted checkpoint write" in err
@@ -376,10 +377,10 @@ def test_nonfinite_tensors_names_each_bad_tensor_once_per_tensor():
 
 
 def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
-    trainer = Trainer(_config(tmp_path / "run", tmp_path / "cache", max_steps=2).resolve())
+    trainer = start_run(_config(tmp_path / "run", tmp_path / "cache", max_steps=2).resolve())
     trainer.run()
     before = snapshot(tmp_path / "run")
-    name, param = next(iter(trainer.model.named_parameters()))
+    name, param = next(iter(trainer.runtime.model.named_parameters()))
     with torch.no_grad():
         param.view(-1)[0] = math.inf
     with pytest.raises(
@@ -415,7 +416,7 @@ def test_non_finite_loss_names_only_this_runs_checkpoint(interrupted, tmp_path, 
     with pytest.raises(
         NonFiniteLossError, match="at step 2 .*stopping: this run wrote no checkpoint"
     ):
-        Trainer(_config(out, interrupted / "cache", overwrite=True).resolve()).run()
+        start_run(_config(out, interrupted / "cache", overwrite=True).resolve()).run()
     shutil.rmtree(out)
     shutil.copytree(interrupted / "run", out)
     monkeypatch.undo()
@@ -425,14 +426,14 @@ def test_non_finite_loss_names_only_this_runs_checkpoint(interrupted, tmp_path, 
         match=rf"at step 7 .*the last good checkpoint is "
         rf"{re.escape(str(out))}/checkpoints/latest-\S+ \(step 4;",
     ):
-        Trainer(_config(out, interrupted / "cache", resume=True).resolve()).run()
+        start_run(_config(out, interrupted / "cache", resume=True).resolve()).run()
 
 
 def test_skipped_rows_per_reason_are_in_metrics_json(tmp_path):
     lines = CRITEO_SAMPLE.read_text().splitlines(keepends=True)
     data = tmp_path / "day.tsv"
     data.write_text("".join(lines[:100]) + "1\t2\t3\n" + "".join(lines[100:]))  # one short row
-    metrics = Trainer(
+    metrics = start_run(
         _config(
             tmp_path / "run",
             tmp_path / "cache",

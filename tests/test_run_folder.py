@@ -142,17 +142,17 @@ def test_train_returns_the_metrics_with_the_run_dir_and_model(tmp_path):
 
 def _worsening_validation(monkeypatch):
     """Validation AUC 0.7, 0.69, 0.68, ...: the first epoch is the best."""
-    from torchrec_cowclip.train.trainer import Trainer
+    from torchrec_cowclip.train.loop import TrainingLoop
 
-    real = Trainer._evaluate
+    real = TrainingLoop._evaluate
 
-    def evaluate(self, indices, log=None, name="test"):
-        result = real(self, indices, log, name)
+    def evaluate(self, indices, name=None):
+        result = real(self, indices, name)
         if name == "validation":
             result = {**result, "auc": 0.7 - 0.01 * self.progress.epoch}
         return result
 
-    monkeypatch.setattr(Trainer, "_evaluate", evaluate)
+    monkeypatch.setattr(TrainingLoop, "_evaluate", evaluate)
 
 
 def test_a_validation_split_keeps_the_best_epochs_weights_without_early_stopping(

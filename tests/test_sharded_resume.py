@@ -1,7 +1,7 @@
 """One checkpoint format for one process and for N: exact resume under every sharding
 type, N -> M resume, and a rank killed in the middle of writing a checkpoint.
 
-Each job runs the real :class:`Trainer` in spawned gloo ranks (``trainer_cases``), with
+Each job runs the real :func:`~torchrec_cowclip.train.start.start_run`'s loop in spawned gloo ranks (``trainer_cases``), with
 the environment ``torchrun`` would give it.
 """
 
@@ -19,7 +19,7 @@ from torchrec_cowclip.run.checkpoints import CheckpointStore
 from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.run.resume_guard import ResumeRefused
 from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise", "data_parallel")
 #: Helen runs: the second pass under DDP's no_sync (dense keeps the first gradient), and
@@ -46,9 +46,9 @@ def two_process_runs(tmp_path_factory):
 
 
 def test_one_process_resume_is_exact(tmp_path):
-    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES).resolve()).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5).resolve()).run()
-    Trainer(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True).resolve()).run()
+    full = start_run(tiny_config(str(tmp_path / "full"), TINY_PROCESSES).resolve()).run()
+    start_run(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5).resolve()).run()
+    start_run(tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True).resolve()).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
     assert resumed == {k: full[k] for k in cases.EXACT}
     assert full["best_epoch"] is not None and len(full["epoch_auc"]) == 2
@@ -72,19 +72,19 @@ def test_two_process_helen_resume_is_exact(two_process_runs, sharding):
 
 def test_one_process_helen_resume_is_exact_and_reports_its_cost(tmp_path):
     helen = {"helen_rho": 0.05, "helen_bound": 0.5}
-    full = Trainer(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **helen).resolve()).run()
-    Trainer(
+    full = start_run(tiny_config(str(tmp_path / "full"), TINY_PROCESSES, **helen).resolve()).run()
+    start_run(
         tiny_config(str(tmp_path / "part"), TINY_PROCESSES, max_steps=5, **helen).resolve()
     ).run()
     with pytest.raises(
         ResumeRefused, match=r"trained with --helen-bound 0.5, this command has 0.3"
     ):
-        Trainer(
+        start_run(
             tiny_config(
                 str(tmp_path / "part"), TINY_PROCESSES, resume=True, helen_rho=0.05
             ).resolve()
         ).run()
-    Trainer(
+    start_run(
         tiny_config(str(tmp_path / "part"), TINY_PROCESSES, resume=True, **helen).resolve()
     ).run()
     resumed = cases.exact_metrics(str(tmp_path / "part" / "run"))
@@ -102,7 +102,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     root = str(tmp_path)
     opts = {"max_steps": 5, "sharding": "row_wise" if first > 1 else "auto"}
     if first == 1:
-        Trainer(tiny_config(root, TINY_PROCESSES, **opts).resolve()).run()
+        start_run(tiny_config(root, TINY_PROCESSES, **opts).resolve()).run()
     else:
         run_ranks(cases.train_phases, first, [(root, opts)], timeout_s=240)
     reference = cases.local_restored_state(root, {})
@@ -124,7 +124,7 @@ def test_checkpoint_of_n_processes_resumes_on_m(tmp_path, first, second):
     assert sum(int(v[3]) for v in reference["counters"].values()) > 0  # rows were updated
     # Training went on from there at the new world size.
     if second == 1:
-        Trainer(tiny_config(root, TINY_PROCESSES, resume=True).resolve()).run()
+        start_run(tiny_config(root, TINY_PROCESSES, resume=True).resolve()).run()
     assert cases.exact_metrics(root + "/run")["steps"] > 5
 
 

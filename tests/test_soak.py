@@ -69,7 +69,7 @@ def _start(ctx, argv):
 
 def test_twenty_random_kills_each_resumed_give_the_uninterrupted_metrics(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchrec_cowclip.train.trainer"])
+    ctx.set_forkserver_preload(["torchrec_cowclip.train.start"])
     common = ARGV + ["--cache-dir", str(tmp_path / "cache")]
     t0 = time.perf_counter()
     full = _start(ctx, common + ["--out", str(tmp_path / "full")])
@@ -160,7 +160,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, sig):
     written, the lock released, one line said and the exit status is 75; the same
     command (``--resume auto``) then ends with the uninterrupted run's metrics."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchrec_cowclip.train.trainer"])
+    ctx.set_forkserver_preload(["torchrec_cowclip.train.start"])
     # No periodic checkpoint: only the signal's.
     common = ARGV + ["--cache-dir", str(tmp_path / "cache"), "--checkpoint-every", "0"]
     full = _start(ctx, common + ["--out", str(tmp_path / "full")])

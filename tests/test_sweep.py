@@ -432,6 +432,24 @@ def test_lists_of_learning_rates_make_one_cell_each():
     assert [c.name for c in one] == ["b1024-paper-s0"] and one[0].config.lr_embed == 1e-3
 
 
+def test_the_learning_rates_a_sweep_lists_are_trains_options_as_declared(capsys, monkeypatch):
+    """--lr-embed and --lr are train's flags with train's help (the table: default
+    included, which a sweep's cells take too), then what a list of them means."""
+    from torchrec_cowclip.train.options import declarations
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        _sweep("--help")
+    shown = " ".join(capsys.readouterr().out.split())  # the help's words, unwrapped
+    declared = {o.name: o for o in declarations(TrainConfig)}
+    for name in ("lr_embed", "lr"):
+        option = declared[name]
+        said = f"{option.flag} LR1,LR2,... {option.option.help}; or several, comma-separated"
+        assert said in shown, name
+    base = TrainConfig(data="table:x.csv", label="y", sparse=["a"]).with_data_defaults()[0]
+    assert "3e-3 for table:" in declared["lr_embed"].option.help and base.lr_embed == 3e-3
+
+
 def test_a_learning_rate_search_draws_the_same_table_and_plots(tmp_path):
     """Cells that differ in --lr-embed are rows of their own in the table, compared
     with their own base batch, and series of their own in the figures."""

@@ -578,13 +578,13 @@ def test_helen_through_the_sparse_dist_pipeline_equals_the_manual_two_pass_loop_
 
 
 def test_helen_through_the_base_pipeline_equals_the_manual_two_pass_loop_on_1_process(tmp_path):
-    from torchrec_cowclip.train.trainer import Trainer
+    from torchrec_cowclip.train.start import start_run
 
     config = tiny_config(tmp_path, TINY_PROCESSES, helen_rho=0.05, out=str(tmp_path / "pipeline"))
-    piped = Trainer(config.resolve())
+    piped = start_run(config.resolve())
     piped.run_dir.release()
     pipeline_type, pipeline_losses = native.pipeline_helen_steps(piped, 4)
-    manual = Trainer(replace(config, out=str(tmp_path / "manual")).resolve())
+    manual = start_run(replace(config, out=str(tmp_path / "manual")).resolve())
     manual.run_dir.release()
     assert pipeline_type == "HelenTrainPipelineBase"
     assert pipeline_losses == native.manual_helen_steps(manual, 4)

@@ -15,7 +15,8 @@ from torchrec_cowclip.data import open_dataset, rank_auc
 from torchrec_cowclip.run.checkpoints import CheckpointMismatchError, CheckpointStore
 from torchrec_cowclip.train import TrainConfig, scale_hyperparameters
 from torchrec_cowclip.train.config import ConfigError
-from torchrec_cowclip.train.trainer import NonFiniteLossError, Trainer
+from torchrec_cowclip.train.loop import NonFiniteLossError
+from torchrec_cowclip.train.start import start_run
 
 # The paper's table (Criteo, DeepFM; docs/algorithm.md): batch -> (dense lr, L2 lambda).
 SPEC_TABLE = {
@@ -57,7 +58,7 @@ def _config(tmp_path, **overrides):
 def learned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("learn")
     cfg = _config(tmp, epochs=2)
-    return cfg, Trainer(cfg.resolve()).run()
+    return cfg, start_run(cfg.resolve()).run()
 
 
 def test_short_run_learns_the_planted_model(learned):
@@ -128,7 +129,7 @@ def test_a_failed_plot_warns_and_keeps_the_run(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(metrics, "write_run_curves", broken)
     cfg = tiny_config(tmp_path)
-    Trainer(cfg.resolve()).run()
+    start_run(cfg.resolve()).run()
     assert os.path.exists(os.path.join(cfg.out, "metrics.json"))
     assert (
         f"warning: no curves.png in {cfg.out}: ValueError: no axes today" in capsys.readouterr().err
@@ -136,13 +137,13 @@ def test_a_failed_plot_warns_and_keeps_the_run(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_after_interruption_gives_the_uninterrupted_metrics(tmp_path):
-    full = Trainer(_config(tmp_path, out=str(tmp_path / "full"), epochs=2).resolve()).run()
+    full = start_run(_config(tmp_path, out=str(tmp_path / "full"), epochs=2).resolve()).run()
     # Interrupted mid-epoch 1 (27 steps per epoch), then resumed from its checkpoint.
-    part = Trainer(
+    part = start_run(
         _config(tmp_path, out=str(tmp_path / "part"), epochs=2, max_steps=40).resolve()
     ).run()
     assert part["steps"] == 40
-    resumed = Trainer(
+    resumed = start_run(
         _config(tmp_path, out=str(tmp_path / "part"), epochs=2, resume=True).resolve()
     ).run()
     assert resumed["steps"] == full["steps"]
@@ -194,7 +195,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypa
     from torchrec_cowclip.models import task as task_module
 
     cfg = _config(tmp_path, checkpoint_every=3)
-    trainer = Trainer(cfg.resolve())
+    trainer = start_run(cfg.resolve())
     original = task_module.CTRTrainTask.forward
     calls = {"n": 0}
 
@@ -220,7 +221,7 @@ def test_early_stopping_restores_the_best_epoch(tmp_path):
     cfg = _config(
         tmp_path, epochs=4, val_fraction=0.1, early_stop_patience=1, lr_embed=0.3, lr=0.05
     )
-    metrics = Trainer(cfg.resolve()).run()
+    metrics = start_run(cfg.resolve()).run()
     best = metrics["best_epoch"]
     assert metrics["auc"] == metrics["epoch_auc"][best - 1]
     if metrics["stopped_early"]:
@@ -305,13 +306,13 @@ def test_cli_model_choices_are_the_factory_registry():
 def test_every_model_trains_through_the_cli_path(tmp_path, model):
     # 24 steps give test AUC 0.70-0.77 over these models (counter-based init, seed 0);
     # with lr 0 (nothing learned) they score 0.46-0.50, and 16 steps leave the DLRMs at 0.54-0.56.
-    metrics = Trainer(_config(tmp_path, model=model, max_steps=24, lr=1e-2).resolve()).run()
+    metrics = start_run(_config(tmp_path, model=model, max_steps=24, lr=1e-2).resolve()).run()
     assert metrics["steps"] == 24 and metrics["auc"] > 0.62, metrics["auc"]
     assert math.isfinite(metrics["logloss"]) and metrics["rows_updated"] > 0
 
 
 def test_stock_torchrec_backend_trains_with_dense_adam(tmp_path):
-    metrics = Trainer(
+    metrics = start_run(
         _config(tmp_path, embedding_backend="torchrec", cowclip=False, max_steps=4).resolve()
     ).run()
     assert metrics["steps"] == 4 and metrics["rows_updated"] is None
@@ -322,7 +323,7 @@ def test_row_clip_stats_report_clip_rates_by_id_frequency(tmp_path):
     """--row-clip-stats: a small init makes the clip bind; the per-frequency buckets cover
     every update of the clipped tables and agree with the per-table counters."""
     cfg = _config(tmp_path, init_std=1e-4, row_clip_stats=True, epochs=1, max_steps=6)
-    metrics = Trainer(cfg.resolve()).run()
+    metrics = start_run(cfg.resolve()).run()
     buckets = metrics["clip_by_frequency"]
     assert [b["low"] for b in buckets] == [1, 2, 11, 101, 1001]
     clipped_tables = {k: v for k, v in metrics["clipped_per_table"].items() if k.startswith("emb_")}
@@ -342,9 +343,9 @@ def test_row_clip_stats_survive_a_resume(tmp_path):
     """Per-row clip counters are checkpointed: an interrupted and resumed run reports the
     uninterrupted run's clip rates by id frequency."""
     kw = dict(init_std=1e-4, row_clip_stats=True, epochs=1)
-    full = Trainer(_config(tmp_path, out=str(tmp_path / "full"), **kw).resolve()).run()
-    Trainer(_config(tmp_path, out=str(tmp_path / "part"), max_steps=10, **kw).resolve()).run()
-    resumed = Trainer(
+    full = start_run(_config(tmp_path, out=str(tmp_path / "full"), **kw).resolve()).run()
+    start_run(_config(tmp_path, out=str(tmp_path / "part"), max_steps=10, **kw).resolve()).run()
+    resumed = start_run(
         _config(tmp_path, out=str(tmp_path / "part"), resume=True, **kw).resolve()
     ).run()
     assert resumed["steps"] == full["steps"]

@@ -21,7 +21,7 @@ from torchrec_cowclip.data.pipeline.run_encoders import IdVocabulary
 from torchrec_cowclip.data.sources.synthetic import PlantedModel, SyntheticConfig
 from torchrec_cowclip.run.model_folder import RunFolder, RunFolderError
 from torchrec_cowclip.train import ConfigError, TrainConfig
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.start import start_run
 from torchrec_cowclip.train.warm_start import WarmStartRefused, warm_start_config
 
 #: Both days' model (explicit, so that the fresh run on day 2 is the same model).
@@ -99,7 +99,7 @@ def test_weights_and_optimizer_state_come_from_run_and_new_rows_start_fresh(days
         batch_size=512,
     )
     assert config.hidden == (32,) and config.embedding_dim == 8 and config.sparse == SPARSE
-    trainer = Trainer(config.resolve())
+    trainer = start_run(config.resolve())
     try:
         before = {k: v.clone() for k, v in trainer.runtime.model.state_dict().items()}
         said = trainer.warm.load_into(trainer.runtime, optimizer_state=True)
@@ -129,14 +129,14 @@ def test_the_dense_plan_is_runs_not_the_new_datas(days, tmp_path):
         run, data=f"table:{days['day2']}", out=str(tmp_path / "day2"),
         cache_dir=str(days["cache"]), progress=False,
     )  # fmt: skip
-    trainer = Trainer(config.resolve())
+    trainer = start_run(config.resolve())
     trainer.run_dir.release()
-    kept = trainer.dataset.dense_plan
+    kept = trainer.data.dataset.dense_plan
     assert dataclasses.replace(kept, fitted_on=saved.fitted_on) == saved  # day 1's inputs
     # ... said as day 1's: the start line's statistics are not of the rows it trains on.
     assert kept.fitted_on == f"{saved.fitted_on} of --init-from {run}", kept.fitted_on
     assert saved.transforms == ("standardize",) * 13 and saved.indicators
-    own = trainer.dataset.fit_dense_plan(trainer.train_idx)  # what day 2 alone would give
+    own = trainer.data.dataset.fit_dense_plan(trainer.data.train_idx)  # what day 2 alone would give
     assert own.shift != saved.shift
 
 
@@ -170,17 +170,17 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
     common = dict(data=f"table:{days['day2']}", cache_dir=str(days["cache"]), progress=False)
     out = tmp_path / "out"
     with pytest.raises(WarmStartRefused, match=r"trained with --hidden 32, this command has 16"):
-        Trainer(warm_start_config(run, out=str(out), hidden=(16,), **common).resolve())
+        start_run(warm_start_config(run, out=str(out), hidden=(16,), **common).resolve())
     with pytest.raises(
         WarmStartRefused,
         match=r"--hidden 32, this command has 8; --dense-transform signed-log vs minmax",
     ):
-        Trainer(TrainConfig(init_from=str(run), out=str(out), dense_transform="minmax", hidden=(8,),
+        start_run(TrainConfig(init_from=str(run), out=str(out), dense_transform="minmax", hidden=(8,),
                             embedding_dim=8, **TABLE_COLUMNS, **common).resolve())  # fmt: skip
     with pytest.raises(WarmStartRefused, match="is this run's --out"):
-        Trainer(warm_start_config(run, out=str(run), **common).resolve())
+        start_run(warm_start_config(run, out=str(run), **common).resolve())
     with pytest.raises(RunFolderError, match="not a run folder"):
-        Trainer(
+        start_run(
             TrainConfig(init_from=str(tmp_path), out=str(out), **TABLE_COLUMNS, **common).resolve()
         )
     with pytest.raises(ConfigError, match="--init-optimizer-state carries --init-from's"):
@@ -194,7 +194,7 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
     )
     # Refused with RUN, before --out is made or any data read (issue 45).
     with pytest.raises(WarmStartRefused, match="has no checkpoint to take the optimizer state"):
-        Trainer(config.resolve())
+        start_run(config.resolve())
     assert not out.exists()
     err = cli_refusal(
         capsys, "train", "--data", f"table:{days['day2']}", "--init-from", run, "--out",
@@ -207,7 +207,7 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
 def test_new_data_with_other_columns_is_refused(tmp_path):
     small = dict(batch_size=32, hidden=(8,), embedding_dim=4, progress=False)
     cache = str(tmp_path / "cache")
-    Trainer(TrainConfig(data=f"avazu:{AVAZU_CSV}", out=str(tmp_path / "a"), cache_dir=cache,
+    start_run(TrainConfig(data=f"avazu:{AVAZU_CSV}", out=str(tmp_path / "a"), cache_dir=cache,
                         **small).resolve()).run()  # fmt: skip
     rows = list(csv.reader(open(AVAZU_CSV, newline="")))
     extra = tmp_path / "extra.csv"
@@ -218,4 +218,4 @@ def test_new_data_with_other_columns_is_refused(tmp_path):
     config = warm_start_config(tmp_path / "a", data=f"avazu:{extra}", out=str(tmp_path / "b"),
                                cache_dir=cache, progress=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"categorical columns \[.*'new_column'\] are not RUN's"):
-        Trainer(config.resolve()).run()
+        start_run(config.resolve()).run()

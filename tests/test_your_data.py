@@ -254,8 +254,8 @@ def test_a_unix_timestamp_column_keeps_its_information(tmp_path, caplog):
     )
     assert any(
         "dense column 'ts' varies by" in n and "--time-columns ts (instead of --dense)" in n
-        for n in ds.data_notes()
-    ), ds.data_notes()
+        for n in ds.notes
+    ), ds.notes
 
 
 def test_a_bad_timestamp_or_a_missing_value_text_is_named_at_its_line(tmp_path, capsys):

@@ -405,7 +405,7 @@ def pipeline_helen_steps(trainer: Any, steps: int) -> Tuple[str, List[float]]:
 def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None:
     from trainer_cases import _as_torchrun
 
-    from torchrec_cowclip.train.trainer import Trainer
+    from torchrec_cowclip.train.start import start_run
 
     _as_torchrun(rank, world)
     results: Dict[str, Any] = {}
@@ -420,10 +420,10 @@ def helen_pipeline_case(rank: int, world: int, root: str, out_path: str) -> None
             out=os.path.join(root, name, "pipeline"),
             **overrides,
         )
-        piped = Trainer(config.resolve())
+        piped = start_run(config.resolve())
         piped.run_dir.release()
         pipeline_type, pipeline_losses = pipeline_helen_steps(piped, 4)
-        manual = Trainer(replace(config, out=os.path.join(root, name, "manual")).resolve())
+        manual = start_run(replace(config, out=os.path.join(root, name, "manual")).resolve())
         manual.run_dir.release()
         manual_losses = manual_helen_steps(manual, 4)
         results[name] = {

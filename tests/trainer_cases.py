@@ -1,6 +1,6 @@
 """Rank functions of the multi-process trainer tests (run by distributed_harness).
 
-Each rank joins the harness's gloo group and runs :class:`Trainer` as ``torchrun``
+Each rank joins the harness's gloo group and runs :func:`~torchrec_cowclip.train.start.start_run`'s loop as ``torchrun``
 would run it (the environment names rank and world size).
 """
 
@@ -16,7 +16,8 @@ from distributed_cases import gather_full
 from distributed_harness import save_result
 from tiny import TINY_PROCESSES, tiny_config
 
-from torchrec_cowclip.train.trainer import Trainer
+from torchrec_cowclip.train.loop import TrainingLoop
+from torchrec_cowclip.train.start import start_run
 
 #: Metrics that a resumed run must reproduce exactly.
 EXACT = (
@@ -54,11 +55,11 @@ def exact_metrics(out: str) -> Dict[str, Any]:
 
 
 def train_phases(rank: int, world: int, runs: List[Tuple[str, Dict[str, Any]]]) -> None:
-    """Runs ``Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()`` for each ``(root, options)``
+    """Runs ``start_run(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()`` for each ``(root, options)``
     in turn (several runs per job: the spawn and imports dominate a tiny run)."""
     _as_torchrun(rank, world)
     for root, options in runs:
-        Trainer(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()
+        start_run(tiny_config(root, TINY_PROCESSES, **options).resolve()).run()
         dist.barrier()
 
 
@@ -78,7 +79,7 @@ def die_in_second_checkpoint(rank: int, world: int, root: str, overrides: Dict[s
         return result
 
     state_dict_saver.save = save
-    Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve()).run()
+    start_run(tiny_config(root, TINY_PROCESSES, **overrides).resolve()).run()
 
 
 def restored_state(
@@ -87,7 +88,7 @@ def restored_state(
     """Loads the run's latest checkpoint at this world size; rank 0 writes the full
     weights and optimizer states, gathered from every rank. Then trains on from there."""
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
+    trainer = start_run(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()  # run() would release the --out lock at its end
     full = gather_full(named_tensors(trainer))
@@ -97,12 +98,12 @@ def restored_state(
             {"tensors": full, "counters": counters, "progress": trainer.progress.__dict__}, out_path
         )
     dist.barrier()
-    Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve()).run()
+    start_run(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve()).run()
 
 
 def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
     """The same, in this process (one process, no sharding)."""
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
+    trainer = start_run(tiny_config(root, TINY_PROCESSES, resume=True, **overrides).resolve())
     trainer.restore()
     trainer.run_dir.release()
     return {
@@ -112,7 +113,7 @@ def local_restored_state(root: str, overrides: Dict[str, Any]) -> Dict[str, Any]
     }
 
 
-def _check_sharded_atomic_load(trainer: Trainer) -> None:
+def _check_sharded_atomic_load(trainer: TrainingLoop) -> None:
     """A sharded kernel's fused optimizer refuses a state dict with one wrong-shaped
     tensor whole, naming it, and keeps every state tensor as it was."""
     from torchrec_cowclip.optim.load_check import StateDictMismatch
@@ -168,7 +169,7 @@ def train_until_signal(
     from torchrec_cowclip.run.stop import RunStopped
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, **overrides).resolve())
+    trainer = start_run(tiny_config(root, TINY_PROCESSES, **overrides).resolve())
     _check_sharded_atomic_load(trainer)
     real = trainer.runtime.step_summary
     steps = {"n": 0}
@@ -197,7 +198,7 @@ def hang_in_step(rank: int, world: int, root: str, at_step: int) -> None:
     import time
 
     _as_torchrun(rank, world)
-    trainer = Trainer(tiny_config(root, TINY_PROCESSES, sharding="table_wise").resolve())
+    trainer = start_run(tiny_config(root, TINY_PROCESSES, sharding="table_wise").resolve())
     real = trainer.runtime.step
 
     def step(pipeline: Any, batches: Any, number: int) -> Any:

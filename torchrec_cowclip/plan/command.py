@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
 from torchrec_cowclip.data.settings import DataSettings
-from torchrec_cowclip.plan.job import DEFAULT_HEADROOM
+from torchrec_cowclip.plan.job import DEFAULT_HEADROOM, JobSpec
 from torchrec_cowclip.train.command import (
     add_data_arguments,
     add_model_arguments,
@@ -37,6 +37,7 @@ from torchrec_cowclip.train.command import (
     train_argv,
 )
 from torchrec_cowclip.train.config import TrainConfig, TrainSettings
+from torchrec_cowclip.train.options import declarations
 
 #: Exit status of a plan that does not fit the devices.
 EXIT_DOES_NOT_FIT = 3
@@ -64,6 +65,29 @@ examples:
 """
 
 
+#: train's options a plan's job takes, as train declares them (flag, type, default,
+#: choices, check): name -> what it means to a plan, and the plan's other flags of it.
+_JOB_OPTIONS: Dict[str, Tuple[str, ...]] = {
+    "batch_size": (
+        "the global batch, as train's: the planner sizes each rank's input and "
+        "communication by batch / world size",
+    ),
+    "embedding_optimizer": (
+        "the tables' optimizer, whose state is planned: adam 2 float32 per weight, "
+        "rowwise_adagrad 1 float32 per row (per column shard), sgd none",
+        "--optimizer",
+    ),
+    "recipe": (
+        "train's scaling recipe, passed to the launch command (a recipe sets "
+        "learning rates, L2 and the clip, not the optimizer's state)",
+    ),
+    "sharding": (
+        "auto: TorchRec's planner chooses per table (as train's --sharding auto); "
+        "or one sharding type for every table",
+    ),
+}
+
+
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers ``plan`` on ``subparsers``: its tables (``--tables``, ``--run``, or train's
     data group), train's model group, the job and the output."""
@@ -73,6 +97,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=RawDescriptionHelpFormatter,
     )
+    _add_tables_arguments(p)
+    add_data_arguments(p, required=False)
+    add_model_arguments(p)
+    _add_job_arguments(p)
+    _add_output_arguments(p)
+    p.set_defaults(run_plan=functools.partial(run_command, parser=p))
+    return p
+
+
+def _add_tables_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``tables`` group: ``--tables`` and ``--run`` (train's data group is the third
+    way)."""
     t = p.add_argument_group(
         "tables", "give one: --tables, --data (any data train reads, with its flags), or --run"
     )
@@ -92,8 +128,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a finished run's --out: its tables, model and settings, any flag given "
         "overriding them (default: none)",
     )
-    add_data_arguments(p, required=False)
-    add_model_arguments(p)
+
+
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``job`` group: the devices, train's options of the job (:data:`_JOB_OPTIONS`),
+    the tables' constraints and the headroom."""
     j = p.add_argument_group("job")
     j.add_argument("--world-size", type=int, default=1, help="devices (processes) of the job")
     j.add_argument(
@@ -120,32 +159,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="DDR per process in GiB, for --compute-device cpu (default: TorchRec's 128)",
     )
-    # train's options, as train declares them, with what they mean to a plan.
-    add_train_option(
-        j,
-        "batch_size",
-        "the global batch, as train's: the planner sizes each rank's input and "
-        "communication by batch / world size",
-    )
-    add_train_option(
-        j,
-        "embedding_optimizer",
-        "the tables' optimizer, whose state is planned: adam 2 float32 per weight, "
-        "rowwise_adagrad 1 float32 per row (per column shard), sgd none",
-        "--optimizer",
-    )
-    add_train_option(
-        j,
-        "recipe",
-        "train's scaling recipe, passed to the launch command (a recipe sets "
-        "learning rates, L2 and the clip, not the optimizer's state)",
-    )
-    add_train_option(
-        j,
-        "sharding",
-        "auto: TorchRec's planner chooses per table (as train's --sharding auto); "
-        "or one sharding type for every table",
-    )
+    for name, (text, *aliases) in _JOB_OPTIONS.items():
+        add_train_option(j, name, text, *aliases)
     j.add_argument(
         "--constrain",
         action="append",
@@ -165,6 +180,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "optimizer); a plan with a rank leaving less is 'fits, tight' (exit 0) "
         f"(default: {DEFAULT_HEADROOM:g})",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``output`` group: ``--json`` and ``--planner-stats``."""
     o = p.add_argument_group("output")
     o.add_argument(
         "--json",
@@ -180,8 +199,6 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="also print the planner's statistics (on stderr): per rank its storage, "
         "share of the device and step-time estimates, per table its shards, in B/KiB/MiB/GiB",
     )
-    p.set_defaults(run_plan=functools.partial(run_command, parser=p))
-    return p
 
 
 def _error(message: str) -> int:
@@ -285,10 +302,12 @@ def _job_flags(args: argparse.Namespace) -> Tuple[int, Optional[int]]:
     for flag, value in (
         ("--world-size", args.world_size),
         ("--nproc-per-node", args.nproc_per_node),
-        ("--batch-size", args.batch_size),
-        ("--hbm-gb", args.hbm_gb),
-        ("--ddr-gb", args.ddr_gb),
     ):
+        _check_positive(flag, value)
+    for option in declarations(TrainConfig):  # train's options of the job, as train checks them
+        if option.name in _JOB_OPTIONS:
+            option.check(getattr(args, option.name))
+    for flag, value in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb)):
         _check_positive(flag, value)
     if not (math.isfinite(args.headroom) and 0 <= args.headroom < 1):
         raise PlanError(f"--headroom must be in [0, 1), got {args.headroom:g}")
@@ -400,12 +419,11 @@ def _run(
     args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argparse.ArgumentParser
 ) -> int:
     from torchrec_cowclip import notices
-    from torchrec_cowclip.plan.job import JobSpec, plan_job
+    from torchrec_cowclip.plan.job import plan_job
     from torchrec_cowclip.plan.printout import (
         does_not_fit,
         format_plan,
         format_planner_stats,
-        launch_commands,
     )
     from torchrec_cowclip.plan.tables import parse_constraint
     from torchrec_cowclip.run.log import write_text_atomically
@@ -446,18 +464,9 @@ def _run(
         headroom=args.headroom,
     )
     plan = plan_job(spec, per_host)
-    launch: Optional[Dict[str, str]] = None
+    launch = None
     if not own_tables and not spec.constraints:
-        out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
-        launch_config = replace(
-            config,
-            data=launch_data or config.data,
-            out=out,
-            device="cpu" if spec.compute_device == "cpu" else config.device,
-            cache_dir=config.cache_dir,
-        )
-        train_args = train_argv(None, launch_config, "a cell's train command")
-        launch = launch_commands(spec.world_size, local, spec.compute_device == "cuda", train_args)
+        launch = _launch(args, config, spec, launch_data)
     sys.stdout.write(format_plan(plan, tables_from, launch))
     if args.planner_stats:
         sys.stderr.write(format_planner_stats(plan))
@@ -469,3 +478,25 @@ def _run(
         return 0
     print(f"torchrec-cowclip plan: {does_not_fit(plan)}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT
+
+
+def _launch(
+    args: argparse.Namespace, config: TrainConfig, spec: JobSpec, data: Optional[str]
+) -> Dict[str, str]:
+    """The commands that launch the planned job (torchrun, torchx): train's flags of
+    ``config`` on the job's devices, on ``data`` (a preset's; None: the config's own),
+    into a run directory named after the tables, the model and the job."""
+    from torchrec_cowclip.plan.printout import launch_commands
+
+    out = f"runs/{_job_name(args, config.data)}-{config.model}-{spec.world_size}x{spec.compute_device}"
+    launch_config = replace(
+        config,
+        data=data or config.data,
+        out=out,
+        device="cpu" if spec.compute_device == "cpu" else config.device,
+        cache_dir=config.cache_dir,
+    )
+    train_args = train_argv(None, launch_config, "a cell's train command")
+    return launch_commands(
+        spec.world_size, spec.local_world_size, spec.compute_device == "cuda", train_args
+    )

@@ -35,7 +35,7 @@ from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 
 LOCK_NAME = ".lock"
 
-# What a training run writes into --out (trainer.py: checkpoints and metrics.json;
+# What a training run writes into --out (train/: checkpoints and metrics.json;
 # log.py: the CSVs and TensorBoard's tb/; curves.py: curves.png; model_folder.py: model/).
 # Only these, and their temporary forms (see stale_temp_files), are ever deleted; anything
 # else in --out is left alone.

@@ -17,31 +17,36 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from torchrec_cowclip.cli_help import RawDescriptionHelpFormatter
 from torchrec_cowclip.process_context import ProcessContext
+from torchrec_cowclip.sweep.grid import GRID_FIELDS, LR_GRID, train_flag
 from torchrec_cowclip.train.command import add_train_arguments, train_argv
 from torchrec_cowclip.train.config import TrainConfig
 from torchrec_cowclip.train.options import declarations
 
+if TYPE_CHECKING:  # the runner is imported when a sweep runs, not for --help
+    from torchrec_cowclip.sweep.runner import SweepSpec
+
+#: train's options a sweep refuses (flag -> why): those it sets per cell (the grid's
+#: fields, each given as a list of the sweep's own), ``--resume`` and ``--overwrite``.
 _PER_CELL: Dict[str, str] = {
-    "--batch-size": "a sweep sets it per cell: give --batch-sizes, e.g. --batch-sizes 1024,16384",
-    "--recipe": "a sweep sets it per cell: give --recipes, e.g. --recipes paper,fixed-l2-count,none",
-    "--seed": "a sweep sets it per cell: give --seeds, e.g. --seeds 0,1",
+    **{
+        train_flag(name): f"a sweep sets it per cell: give {lists}, e.g. {lists} {example}"
+        for name, (lists, example) in GRID_FIELDS.items()
+    },
     "--resume": "a sweep always continues where it stopped: run the same command again",
     "--overwrite": "a sweep never deletes a run: remove the cell folders to train them "
     "again, or choose another --out",
 }
 
-#: train's options a sweep lists several values of, one cell per value (a learning-rate
-#: search): field -> the list flag's help. The flag is train's.
-_RATES: Dict[str, str] = {
-    "lr_embed": "the embedding lr, or several: one cell per value, a learning-rate search "
-    "drawn in the same table and plots (e.g. 1e-4,1e-3,1e-2); default: the recipe's",
-    "lr": "the dense lr, or several: one cell per value (with several --lr-embed values, "
-    "every pair); default: the recipe's",
-}
+#: What a sweep's flag of a learning rate (:data:`~.grid.LR_GRID`) says after train's help.
+_LISTED = (
+    "; or several, comma-separated (e.g. 1e-4,1e-3,1e-2): one cell per value, a "
+    "learning-rate search drawn in the same table and plots (two rates listing several: "
+    "every pair)"
+)
 #: train's options the sweep declares as its own (a directory of cells, threads per
 #: cell), besides the per-cell and the listed ones.
 _OWN = ("out", "threads")
@@ -84,8 +89,26 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
     per_cell = [name for name, option in train.items() if option.flag in _PER_CELL]
     # --data is not required for --report-only (run_command checks it); the sweep
     # declares a few of train's options as its own (--out, --threads, the per-cell ones).
-    add_train_arguments(p, data_required=False, leave_out=[*_OWN, *_RATES, *per_cell])
+    add_train_arguments(p, data_required=False, leave_out=[*_OWN, *LR_GRID, *per_cell])
     g = p.add_argument_group("sweep")
+    _add_grid_arguments(g)
+    _add_resource_arguments(g)
+    for flag in _PER_CELL:
+        p.add_argument(
+            flag,
+            dest="per_cell_" + flag[2:].replace("-", "_"),
+            nargs="?",
+            const=True,
+            default=None,
+            help=argparse.SUPPRESS,
+        )
+    p.set_defaults(run_sweep=run_command)
+    return p
+
+
+def _add_grid_arguments(g: Any) -> None:
+    """The grid: the batch sizes, recipes, seeds and learning rates a sweep lists, and
+    how the cells' lengths compare."""
     g.add_argument(
         "--batch-sizes",
         default=None,
@@ -99,8 +122,12 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="train's --recipe names, the no-clip baselines sqrt, linear and none included",
     )
     g.add_argument("--seeds", default="0", metavar="S1,S2,...", help="train's --seed values")
-    for name, text in _RATES.items():
-        g.add_argument(train[name].flag, default=None, metavar="LR1,LR2,...", help=text)
+    train = {option.name: option for option in declarations(TrainConfig)}
+    for name in LR_GRID:
+        rate = train[name]
+        g.add_argument(
+            rate.flag, default=None, metavar="LR1,LR2,...", help=rate.option.help + _LISTED
+        )
     g.add_argument(
         "--equal",
         choices=("epochs", "steps"),
@@ -109,6 +136,11 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         "samples (the paper's comparison); steps: the base batch's number of steps, "
         "--epochs * batch / --base-batch-size epochs (pair it with --early-stop-patience)",
     )
+
+
+def _add_resource_arguments(g: Any) -> None:
+    """How the cells run (at once, on how many cores), where they write and what is kept
+    of them, and ``--report-only``."""
     g.add_argument("--parallel", type=int, default=1, help="cells trained at once")
     g.add_argument(
         "--cores",
@@ -148,17 +180,6 @@ def add_sweep_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="train nothing: rebuild the table, CSV, JSON and plots from the cells in --out",
     )
-    for flag in _PER_CELL:
-        p.add_argument(
-            flag,
-            dest="per_cell_" + flag[2:].replace("-", "_"),
-            nargs="?",
-            const=True,
-            default=None,
-            help=argparse.SUPPRESS,
-        )
-    p.set_defaults(run_sweep=run_command)
-    return p
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -207,25 +228,7 @@ def _threads(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from torchrec_cowclip.sweep import report as reporting
-    from torchrec_cowclip.sweep.grid import (
-        SweepError,
-        parse_batch_sizes,
-        parse_rates,
-        parse_recipes,
-        parse_seeds,
-        plan_cells,
-    )
-    from torchrec_cowclip.sweep.runner import (
-        CELL_COMMAND,
-        SweepSpec,
-        claim_sweep_dir,
-        holds_run,
-        prepare_data,
-        prepare_native_update,
-        record_cells,
-        run_cells,
-    )
+    from torchrec_cowclip.sweep.grid import SweepError
 
     _refuse_per_cell_flags(args)
     out = Path(args.out)
@@ -239,12 +242,29 @@ def _run(args: argparse.Namespace) -> int:
         raise SweepError(
             "a sweep starts one process per cell: run it as one process, not under torchrun"
         )
-    threads = _threads(args)
+    spec = _planned(args, out, _threads(args))
+    outcomes = _train(spec)
+    _report(out)
+    return _exit_status(outcomes)
+
+
+def _planned(args: argparse.Namespace, out: Path, threads: int) -> SweepSpec:
+    """The sweep's :class:`~.runner.SweepSpec` with its cells, every cell's command
+    checked before anything is written."""
+    from torchrec_cowclip.sweep.grid import (
+        parse_batch_sizes,
+        parse_rates,
+        parse_recipes,
+        parse_seeds,
+        plan_cells,
+    )
+    from torchrec_cowclip.sweep.runner import CELL_COMMAND, SweepSpec, holds_run
+
     # The sweep's values of train's options (train's defaults for the rest).
     train = {option.name: option for option in declarations(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in train}
     # The learning rates may be lists (a grid dimension): the grid sets them per cell.
-    rates = {name: parse_rates(getattr(args, name), train[name].flag) for name in _RATES}
+    rates = {name: parse_rates(getattr(args, name), train[name].flag) for name in LR_GRID}
     values.update({k: v[0] if len(v) == 1 else None for k, v in rates.items()})
     # The base is no run (each cell sets its batch, recipe and seed, and is resolved from
     # it): the data kind's defaults are filled in here, once, as every cell runs with them.
@@ -272,6 +292,22 @@ def _run(args: argparse.Namespace) -> int:
     )
     for cell in spec.cells:  # every cell's command is checked before anything is written
         train_argv(None, cell.config, CELL_COMMAND)
+    return spec
+
+
+def _train(spec: SweepSpec) -> Dict[str, str]:
+    """Trains the cells of ``spec`` in its claimed directory, the report rewritten as each
+    ends; each cell's outcome by name."""
+    from torchrec_cowclip.sweep import report as reporting
+    from torchrec_cowclip.sweep.runner import (
+        claim_sweep_dir,
+        prepare_data,
+        prepare_native_update,
+        record_cells,
+        run_cells,
+    )
+
+    out = spec.out
     created = not out.exists()
     lock = claim_sweep_dir(spec)
     try:
@@ -280,7 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         trained = len({c.shares or c.name for c in spec.cells})
         say(
             f"sweep {out}: {len(spec.cells)} cells ({trained} runs), {spec.parallel} at a time "
-            f"with {threads} thread(s) each"
+            f"with {spec.threads} thread(s) each"
         )
         prepare_native_update(spec)
 
@@ -290,16 +326,15 @@ def _run(args: argparse.Namespace) -> int:
             row = next(r for r in report["cells"] if r["cell"] == cell.name)
             say(f"cell {cell.name}: {outcome}" + _result(row))
 
-        outcomes = run_cells(
-            spec,
-            say=say,
-            on_end=ended,
-        )
+        return run_cells(spec, say=say, on_end=ended)
     finally:
         lock.release()
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # refused before anything was written: leave no trace
-    _report(out)
+
+
+def _exit_status(outcomes: Dict[str, str]) -> int:
+    """75 when a cell was stopped by a signal, 1 (naming them) when cells failed, else 0."""
     if any(o == "stopped" for o in outcomes.values()):
         return 75
     failed = sorted(name for name, o in outcomes.items() if o == "failed")

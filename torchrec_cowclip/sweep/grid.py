@@ -41,10 +41,31 @@ from torchrec_cowclip.train.scaling import RECIPES
 EQUAL_MODES = ("epochs", "steps")
 
 #: The config fields the grid sets per cell (and the learning rates where ``--lr-embed`` /
-#: ``--lr`` list more than one value: the shared settings hold None for those).
-GRID_FIELDS = ("batch_size", "recipe", "seed")
-#: The learning-rate flags a sweep takes lists for: config field -> (flag, cell-name tag).
-LR_GRID = {"lr_embed": ("--lr-embed", "le"), "lr": ("--lr", "lr")}
+#: ``--lr`` list more than one value: the shared settings hold None for those) -> the
+#: sweep's flag that lists their values, and an example of it. A cell record
+#: (``cell.json``) holds them under these names.
+GRID_FIELDS: Dict[str, Tuple[str, str]] = {
+    "batch_size": ("--batch-sizes", "1024,16384"),
+    "recipe": ("--recipes", "paper,fixed-l2-count,none"),
+    "seed": ("--seeds", "0,1"),
+}
+#: train's options a sweep takes lists of, under their own flags (a learning-rate search):
+#: config field -> its tag in a cell's name (``le`` in ``b1024-paper-le0.001-s0``), in
+#: the order cell names write them.
+LR_GRID = {"lr_embed": "le", "lr": "lr"}
+
+
+def train_flag(field: str) -> str:
+    """The flag train declares for its option ``field`` (a grid's field, an
+    :data:`LR_GRID` option).
+
+    Example::
+
+        >>> [train_flag(field) for field in [*GRID_FIELDS, *LR_GRID]]
+        ['--batch-size', '--recipe', '--seed', '--lr-embed', '--lr']
+    """
+    return next(o.flag for o in declarations(TrainConfig) if o.name == field)
+
 
 #: Settings in which runs of one sweep may differ, because they change how a cell runs,
 #: not what it computes (``--threads`` moves at most the last bits of float sums; the
@@ -149,13 +170,13 @@ def cell_name(
     batch_size: int, recipe: str, seed: int, rates: Optional[Dict[str, float]] = None
 ) -> str:
     """``b1024-paper-s0``; with a learning-rate grid ``b1024-paper-le0.001-s0``."""
-    tags = "".join(f"-{LR_GRID[k][1]}{v:g}" for k, v in (rates or {}).items())
+    tags = "".join(f"-{LR_GRID[k]}{v:g}" for k, v in (rates or {}).items())
     return f"b{batch_size}-{recipe}{tags}-s{seed}"
 
 
 def variant_label(recipe: str, rates: Optional[Dict[str, float]] = None) -> str:
     """How the report names a recipe with its grid rates: ``paper --lr-embed 0.001``."""
-    return " ".join([recipe, *(f"{LR_GRID[k][0]} {v:g}" for k, v in (rates or {}).items())])
+    return " ".join([recipe, *(f"{train_flag(k)} {v:g}" for k, v in (rates or {}).items())])
 
 
 @dataclass
@@ -163,21 +184,36 @@ class Cell:
     """One (batch size, recipe, seed) of a sweep and the ``train`` config that runs it.
 
     Attributes:
-        config: the cell's run (its ``out`` is set by the runner).
+        config: the cell's run (its ``out`` is set by the runner), which holds the cell's
+            batch size, recipe and seed.
         settings: ``config`` resolved (``TrainConfig.resolve``): what the sweep reads of
             the cell's run (its data, its recipe's values).
         shares: the name of an earlier cell whose run computes the same numbers; this cell
             reports that run's results and trains nothing.
     """
 
-    batch_size: int
-    recipe: str
-    seed: int
     config: TrainConfig
     settings: TrainSettings
     shares: Optional[str] = None
     #: The learning rates of a grid over ``--lr-embed`` / ``--lr`` (field -> value).
     rates: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    @property
+    def recipe(self) -> str:
+        return self.config.recipe
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def grid_values(self) -> Dict[str, Any]:
+        """The cell's values of :data:`GRID_FIELDS`, by field (as ``cell.json`` holds them)."""
+        return {field: getattr(self.config, field) for field in GRID_FIELDS}
 
     @property
     def name(self) -> str:
@@ -329,7 +365,7 @@ def plan_cells(
                     except ConfigError as e:
                         name = cell_name(batch_size, recipe, seed, combo)
                         raise SweepError(f"cell {name}: {e}") from None
-                    cells.append(Cell(batch_size, recipe, seed, config, settings, rates=combo))
+                    cells.append(Cell(config, settings, rates=combo))
     runs: Dict[str, List[Cell]] = {}
     for cell in cells:
         runs.setdefault(_same_run_key(cell), []).append(cell)

@@ -30,6 +30,7 @@ from torchrec_cowclip.run.curves import (
     save_png,
     sparse_ticks,
 )
+from torchrec_cowclip.sweep.grid import LR_GRID, train_flag
 from torchrec_cowclip.sweep.report import title
 
 AUC_PNG, CURVES_PNG, TIME_PNG = "sweep_auc.png", "sweep_curves.png", "sweep_time.png"
@@ -76,7 +77,7 @@ def searched_rate(cells: Sequence[Dict[str, Any]]) -> Optional[str]:
     """
     if len({c["batch_size"] for c in cells}) != 1:
         return None
-    for key in ("lr_embed", "lr"):
+    for key in LR_GRID:
         if len({(c.get("rates") or {}).get(key) for c in cells} - {None}) > 1:
             return key
     return None
@@ -112,8 +113,7 @@ def rates_figure(report: Dict[str, Any], key: str) -> Any:
     ax.set_xticks(rates)
     ax.set_xticklabels([f"{r:g}" for r in rates])
     ax.minorticks_off()
-    flag = "--lr-embed" if key == "lr_embed" else "--lr"
-    ax.set_xlabel(f"{flag} (batch {cells[0]['batch_size'] if cells else '?'})")
+    ax.set_xlabel(f"{train_flag(key)} (batch {cells[0]['batch_size'] if cells else '?'})")
     ax.set_ylabel("AUC of the best epoch", fontsize=9)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

@@ -291,9 +291,7 @@ def record_cells(spec: SweepSpec, data: Dict[str, Dict[str, Any]]) -> None:
             d / CELL_RECORD,
             {
                 "cell": cell.name,
-                "batch_size": cell.batch_size,
-                "recipe": cell.recipe,
-                "seed": cell.seed,
+                **cell.grid_values,
                 "rates": cell.rates,
                 "variant": cell.variant,
                 "shares": cell.shares,

@@ -2,7 +2,7 @@
 evaluation, the metrics; the ``train`` command's flags. What a run leaves on disk is
 :mod:`torchrec_cowclip.run`'s.
 
-``train(config)`` (:func:`torchrec_cowclip.train.trainer.train`) and ``TrainResult`` load on
+``train(config)`` (:func:`torchrec_cowclip.train.start.train`) and ``TrainResult`` load on
 first use: importing the config alone does not build the loop."""
 
 __all__ = [
@@ -23,8 +23,8 @@ from torchrec_cowclip.train.scaling import ScaledHyperparameters, scale_hyperpar
 
 if TYPE_CHECKING:
     from torchrec_cowclip.train.metrics import TrainResult
-    from torchrec_cowclip.train.trainer import train
+    from torchrec_cowclip.train.start import train
 
-_LAZY = {"TrainResult": "torchrec_cowclip.train.metrics", "train": "torchrec_cowclip.train.trainer"}
+_LAZY = {"TrainResult": "torchrec_cowclip.train.metrics", "train": "torchrec_cowclip.train.start"}
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -300,7 +300,7 @@ def failure(error: BaseException, interrupted: str) -> Optional[Tuple[int, str]]
     from torchrec_cowclip.run.checkpoints import CheckpointWriteError, NonFiniteStateError
     from torchrec_cowclip.run.no_space import one_line
     from torchrec_cowclip.run.stop import RunStopped
-    from torchrec_cowclip.train.trainer import NonFiniteLossError
+    from torchrec_cowclip.train.loop import NonFiniteLossError
 
     if isinstance(error, (ConfigError, DataError, FileNotFoundError, ImportError)):
         return EXIT_USAGE, f"torchrec-cowclip: error: {error}\n"
@@ -350,14 +350,14 @@ def run_train(settings: TrainSettings, said: Optional[str] = None) -> int:
     and returns 0; a failure exits (:func:`exiting_on_failure`). ``said``: the warm start's
     line (:func:`command_settings`), printed once RUN is verified."""
     from torchrec_cowclip.train.processes import shutdown_distributed
-    from torchrec_cowclip.train.trainer import Trainer
+    from torchrec_cowclip.train.start import start_run
 
     main = settings.process.is_main
     with exiting_on_failure("train"):
-        trainer = Trainer(settings)  # RUN verified and the command checked against it
+        loop = start_run(settings)  # RUN verified and the command checked against it
         if said is not None and main:
             print(said, file=sys.stderr, flush=True)
-        metrics = trainer.run()
+        metrics = loop.run()
     shutdown_distributed()
     if not main:
         return 0  # rank 0 reports for a multi-process run

@@ -332,12 +332,14 @@ class TrainConfig:
     lr: Optional[float] = option(
         None,
         group=_RECIPE,
+        to="dense_lr",
         check=non_negative,
         help="dense lr (default: the recipe's; paper: 8e-4 * sqrt(s), Avazu 1e-4 * sqrt(s))",
     )
     lr_embed: Optional[float] = option(
         None,
         group=_RECIPE,
+        to="embedding_lr",
         check=non_negative,
         help="embedding lr (default: 3e-3 for table:; else the recipe's, paper: 1e-4, not scaled)",
     )
@@ -985,18 +987,13 @@ class RunSettings:
     require_sha256: bool
 
 
-#: Config fields a scaling recipe fills in when left None -> the resolved value's field
-#: in :class:`~torchrec_cowclip.train.scaling.ScaledHyperparameters`.
+#: Config fields a scaling recipe fills in when left None (the recipe group's options
+#: without a default) -> the resolved value's field in
+#: :class:`~torchrec_cowclip.train.scaling.ScaledHyperparameters` (their ``to``).
 _RESOLVED: Dict[str, str] = {
-    "lr": "dense_lr",
-    "lr_embed": "embedding_lr",
-    "l2": "l2",
-    "clip_r": "clip_r",
-    "clip_zeta": "clip_zeta",
-    "warmup_epochs": "warmup_epochs",
-    "count_lr_power": "count_lr_power",
-    "helen_rho": "helen_rho",
-    "helen_bound": "helen_bound",
+    option.name: option.option.to or option.name
+    for option in declarations(TrainConfig)
+    if option.option.group == _RECIPE and option.default is None
 }
 
 

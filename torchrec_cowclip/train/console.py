@@ -2,7 +2,8 @@
 processes, dense inputs, labels), the process's peak memory, and which weights the run
 folder keeps. Each epoch's line is its ``epochs.csv`` row's
 (:func:`~torchrec_cowclip.run.log.epoch_line`); the run's ETA is
-:meth:`~torchrec_cowclip.train.run_state.Progress.eta`'s.
+:meth:`~torchrec_cowclip.train.run_state.Progress.eta`'s. The loop tells them through
+:class:`~torchrec_cowclip.train.report.RunReport`.
 
 Example::
 

@@ -68,14 +68,16 @@ def check_tables_fit(
     optimizer: str,
     memory_bytes: Optional[int] = None,
     fix: str = "--hash-size",
+    process: ProcessContext = ONE_PROCESS,
 ) -> None:
     """Raises :class:`~torchrec_cowclip.failures.ConfigError` if the
     ``embedding_dim`` tables of ``sparse_names`` (rows ``cardinalities``) with
-    ``optimizer``'s state need more than ``memory_bytes`` (default
-    :func:`machine_memory_bytes`). A lower bound of the model's size: first-order
-    tables, dense layers and activations come on top. ``fix`` is the flag the message
-    suggests (``--hash-size``, or ``--synthetic-max-cardinality`` for generated data)."""
-    limit = machine_memory_bytes() if memory_bytes is None else int(memory_bytes)
+    ``optimizer``'s state need more than ``memory_bytes`` (default: the memory of the
+    machines of ``process``, :func:`machine_memory_bytes`). A lower bound of the model's
+    size: first-order tables, dense layers and activations come on top. ``fix`` is the
+    flag the message suggests (``--hash-size``, or ``--synthetic-max-cardinality`` for
+    generated data)."""
+    limit = machine_memory_bytes(process) if memory_bytes is None else int(memory_bytes)
     sizes = [table_bytes(rows, embedding_dim, optimizer) for rows in cardinalities]
     total = sum(sizes)
     if total <= limit or not sizes:
@@ -184,7 +186,8 @@ def open_training_data(
     """Opens ``data`` (a warm start's ``warm``: with RUN's encoders, checked against RUN,
     RUN's dense plan kept), splits it and refuses, in one line, a one-class training split,
     splits that would train or evaluate nothing, and ``embedding_dim`` tables with
-    ``optimizer``'s state beyond the machines' memory."""
+    ``optimizer``'s state beyond the machines' memory; all of which it checks before it
+    fits the dense plan (which reads the training split)."""
     dataset = data.open(None if warm is None else warm.encoders)
     if warm is not None:
         warm.check_dataset(dataset)
@@ -196,6 +199,15 @@ def open_training_data(
     check_split_sizes(
         data, batch_size, len(train_idx), len(val_idx), len(test_idx), process.world_size
     )
+    check_tables_fit(
+        dataset.schema.sparse_names,
+        dataset.schema.cardinalities,
+        embedding_dim,
+        optimizer,
+        # The options list every option the kind takes: hashing fixes raw ids, else a cap.
+        fix="--hash-size" if "hash_size" in data.options else "--synthetic-max-cardinality",
+        process=process,
+    )
     started = time.perf_counter()
     plan = (
         dataset.fit_dense_plan(train_idx)  # the training split's statistics
@@ -203,14 +215,4 @@ def open_training_data(
         else warm.keep_dense_plan(dataset)  # RUN's: its model's inputs
     )
     plan_seconds = time.perf_counter() - started
-    schema = dataset.schema
-    check_tables_fit(
-        schema.sparse_names,
-        schema.cardinalities,
-        embedding_dim,
-        optimizer,
-        machine_memory_bytes(process),
-        # The options list every option the kind takes: hashing fixes raw ids, else a cap.
-        fix="--hash-size" if "hash_size" in data.options else "--synthetic-max-cardinality",
-    )
     return TrainingData(dataset, train_idx, val_idx, test_idx, rates, plan, plan_seconds)

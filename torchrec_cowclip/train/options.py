@@ -89,7 +89,7 @@ class Option:
             ``--init-std``, which metrics.json reports.
         to: its name in its group's settings where that is not the option's own
             (``--model`` is the model spec's ``name``; ``--synthetic-scale`` the source
-            kind's ``cardinality_scale``).
+            kind's ``cardinality_scale``; ``--lr`` the recipe's resolved ``dense_lr``).
         given: what its group's settings are given for a value (``--no-header``: the
             source kind's ``header=False``); default: the value as it is.
     """

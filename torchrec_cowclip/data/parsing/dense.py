@@ -89,6 +89,8 @@ MISSING_SUFFIX = ":missing"
 BUCKET_SUFFIX = ":q"
 #: At most this many training rows (evenly spaced) give the bucket boundaries.
 BUCKET_SAMPLE_ROWS = 1 << 20
+#: Rows read at a time when the statistics of a set of stored rows are taken.
+FIT_BLOCK_ROWS = 1 << 20
 _OPTION = "dense_transform (--dense-transform)"
 
 
@@ -276,6 +278,41 @@ def constant_columns(
     return lines
 
 
+def dense_notes(
+    stats: "DenseStats",
+    transforms: Sequence[str],
+    clipped: Mapping[str, int],
+    negative: Mapping[str, int],
+    rows: int,
+) -> List[str]:
+    """What the conversion did to the dense values of ``rows`` rows, one line each (empty
+    if nothing): the values ``clipped`` at ``+-DENSE_CLIP`` and the ``negative`` values a
+    ``log`` column set to 0 (both per column, as counted by :func:`stored_values`), and
+    the columns (nearly) constant after their transform (:func:`constant_columns` of
+    ``stats``, the converted rows' statistics).
+
+    Example::
+
+        >>> s = DenseStats(["price"]); s.update(np.array([[0.0], [2.0]]))
+        >>> dense_notes(s, ("log",), {}, {"price": 1}, rows=4)
+        ['negative values set to 0: log(1 + x) cannot take them (price 1 (25.0%)); --dense-transform price=signed-log (or standardize, minmax, none) keeps them']
+    """
+    notes = []
+    if clipped:
+        notes.append(
+            f"clipped {sum(clipped.values()):,} dense values beyond "
+            f"+-{DENSE_CLIP:g} (per column: {dict(clipped)})"
+        )
+    if negative:
+        shown = ", ".join(f"{n} {v:,} ({v / max(rows, 1):.1%})" for n, v in negative.items())
+        notes.append(
+            f"negative values set to 0: log(1 + x) cannot take them ({shown}); "
+            f"--dense-transform {next(iter(negative))}=signed-log (or standardize, minmax, "
+            "none) keeps them"
+        )
+    return notes + constant_columns(stats, transforms, stats.names)
+
+
 def _timestamp_like(mean: float, transform: str) -> bool:
     """Whether a column's mean after ``transform`` is that of Unix seconds or milliseconds
     between 1973 and 2100 (where a nearly constant column is most likely a timestamp)."""
@@ -346,6 +383,16 @@ class DenseStats:
             "min": values(self.min),
             "max": values(self.max),
         }
+
+    @classmethod
+    def of_rows(cls, stored: np.ndarray, rows: np.ndarray, names: Sequence[str]) -> "DenseStats":
+        """The statistics of the stored values of ``rows`` (sorted: a memory-mapped
+        ``stored`` is read in order) of ``stored`` ``[N, len(names)]``, read
+        ``FIT_BLOCK_ROWS`` rows at a time."""
+        stats = cls(names)
+        for start in range(0, len(rows), FIT_BLOCK_ROWS):
+            stats.update(np.asarray(stored[rows[start : start + FIT_BLOCK_ROWS]]))
+        return stats
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "DenseStats":
@@ -467,6 +514,28 @@ class DensePlan:
             stats.names, tuple(transforms), tuple(shift), tuple(scale), indicators, fitted_on
         )
         return replace(plan.with_range(stats), edges=edges)
+
+    @classmethod
+    def fit_rows(
+        cls,
+        stats: DenseStats,
+        transforms: Sequence[str],
+        stored: np.ndarray,
+        rows: np.ndarray,
+        missing_indicator: bool = False,
+        buckets: int = 0,
+        fitted_on: str = "",
+    ) -> "DensePlan":
+        """The plan fitted on the training ``rows`` of the stored values ``stored``
+        ``[N, k]``: :meth:`fit` with their statistics ``stats`` (:meth:`DenseStats.of_rows`,
+        or the conversion's when they are the training files), and ``buckets`` quantile
+        buckets per column whose edges (:func:`quantile_edges`) come from at most
+        ``BUCKET_SAMPLE_ROWS`` of the rows, evenly spaced (none without ``buckets``)."""
+        edges: Tuple[Tuple[float, ...], ...] = ()
+        if buckets >= 2 and stored.shape[1] and len(rows):
+            step = max(1, -(-len(rows) // BUCKET_SAMPLE_ROWS))
+            edges = quantile_edges(np.asarray(stored[rows[::step]]), buckets)
+        return cls.fit(stats, transforms, missing_indicator, fitted_on, edges=edges)
 
     def with_range(self, stats: "DenseStats") -> "DensePlan":
         """This plan with the training range of ``stats`` (stored values) recorded."""

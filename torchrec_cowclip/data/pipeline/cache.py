@@ -38,7 +38,7 @@ Example::
     ...     np.save(tmp / "x.npy", np.arange(3))
     ...     return {"rows": 3}
     >>> entry = build_entry(root, "demo", {"opt": 1}, build)
-    >>> read_meta(entry)["rows"], build_entry(root, "demo", {"opt": 1}, build) == entry
+    >>> read_entry(entry)["rows"], build_entry(root, "demo", {"opt": 1}, build) == entry
     (3, True)
 """
 
@@ -265,14 +265,27 @@ def _stamp(entry: Path, names: Iterable[str]) -> tuple[str, tuple[tuple[str, int
     return str(entry.resolve()), tuple(stamp)
 
 
-def verify_entry(entry: Union[str, Path], meta: Optional[Mapping[str, Any]] = None) -> None:
-    """Check an entry's files against its ``meta.json`` (see the module docstring).
+def read_entry(entry: Union[str, Path]) -> dict[str, Any]:
+    """The ``meta.json`` of an intact entry: read (:func:`read_meta`) and the entry's
+    files checked against it (:func:`verify_entry`), as opening a dataset does.
+
+    Raises:
+        FileNotFoundError, RefusedFileError: as :func:`read_meta`.
+        CacheCorrupt: as :func:`verify_entry`.
+    """
+    meta = read_meta(entry)
+    verify_entry(entry, meta)
+    return meta
+
+
+def verify_entry(entry: Union[str, Path], meta: Mapping[str, Any]) -> None:
+    """Check an entry's files against its ``meta.json``, read as ``meta`` (see the module
+    docstring).
 
     Raises:
         CacheCorrupt: naming the entry, the file and what is wrong with it.
     """
     entry = Path(entry)
-    meta = read_meta(entry) if meta is None else meta
     if meta.get("version") != CACHE_VERSION:
         raise CacheCorrupt(
             f"cache entry {entry}: format version {meta.get('version')}, expected {CACHE_VERSION}",

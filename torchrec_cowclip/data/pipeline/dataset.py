@@ -40,21 +40,13 @@ import numpy as np
 
 from torchrec_cowclip.data.errors import DataError, DataOptionError
 from torchrec_cowclip.data.parsing.dense import (
-    BUCKET_SAMPLE_ROWS,
-    DENSE_CLIP,
     DensePlan,
     DenseStats,
-    constant_columns,
+    dense_notes,
     plan_needs_statistics,
-    quantile_edges,
 )
 from torchrec_cowclip.data.pipeline.batches import BatchIterator
-from torchrec_cowclip.data.pipeline.cache import (
-    build_entry,
-    read_meta,
-    source_digest_memo,
-    verify_entry,
-)
+from torchrec_cowclip.data.pipeline.cache import build_entry, read_entry, source_digest_memo
 from torchrec_cowclip.data.pipeline.encode import Conversion, convert
 from torchrec_cowclip.data.pipeline.splits import split_indices
 from torchrec_cowclip.data.registry import SourceKind, source_kind, source_kinds
@@ -65,10 +57,6 @@ logger = logging.getLogger(__name__)
 
 SPEC_KINDS = source_kinds()
 PathLike = Union[str, Path]
-
-
-#: Rows read at a time when fitting a dense plan on a set of rows.
-_FIT_BLOCK_ROWS = 1 << 20
 
 
 class EncoderOverride(Protocol):
@@ -100,9 +88,15 @@ class CTRDataset:
         source: the spec (and test files) it was built from.
         meta: the cache entry's ``meta.json``.
         path: the cache entry directory.
+        dense_stats: the statistics of the stored dense values of the training files
+            (taken at conversion).
         dense_plan: stored dense values -> model inputs; at open, fitted on the training
             files (the rows before ``test_start``); :meth:`fit_dense_plan` fits it on the
             training split instead.
+        notes: what the conversion changed or dropped, one line each (empty if nothing):
+            skipped rows, clipped values, negative values a ``log`` column set to 0, and
+            the dense columns that are (nearly) constant after their transform;
+            :func:`open_dataset` logs them.
         missing_indicator: whether plans add missing-value indicators.
         dense_buckets: how many quantile buckets (one-hot inputs) plans give each dense
             column; 0: none.
@@ -125,8 +119,7 @@ class CTRDataset:
         self, path: PathLike, missing_indicator: bool = False, dense_buckets: int = 0
     ) -> None:
         self.path = Path(path)
-        self.meta: Dict[str, Any] = read_meta(self.path)
-        verify_entry(self.path, self.meta)
+        self.meta: Dict[str, Any] = read_entry(self.path)
         self.dense: np.ndarray = np.load(self.path / "dense.npy", mmap_mode="r")
         self.sparse: np.ndarray = np.load(self.path / "sparse.npy", mmap_mode="r")
         self.labels: np.ndarray = np.load(self.path / "labels.npy", mmap_mode="r")
@@ -142,12 +135,23 @@ class CTRDataset:
         self.missing_indicator = bool(missing_indicator)
         self.dense_buckets = int(dense_buckets)
         n_train = rows if self.test_start is None else self.test_start
-        self.dense_plan: DensePlan = DensePlan.fit(
-            DenseStats.from_json(self.meta["dense_stats"]),
+        self.dense_stats = DenseStats.from_json(self.meta["dense_stats"])
+        self.dense_plan: DensePlan = DensePlan.fit_rows(
+            self.dense_stats,
             self.dense_transforms,
+            self.dense,
+            np.arange(n_train, dtype=np.int64),
             self.missing_indicator,
+            self.dense_buckets,
             fitted_on=f"the {n_train:,} rows of the training files",
-            edges=self._bucket_edges(np.arange(n_train, dtype=np.int64)),
+        )
+        self.notes: List[str] = [str(self.meta.get("bad_row_summary"))] if self.bad_rows else []
+        self.notes += dense_notes(
+            self.dense_stats,
+            self.dense_transforms,
+            self.dense_clipped,
+            self.dense_negative_under_log,
+            rows,
         )
 
     def __len__(self) -> int:
@@ -179,32 +183,6 @@ class CTRDataset:
         """Per ``log`` column, the negative values it could not take (set to 0)."""
         return dict(self.meta.get("dense_negative_under_log", {}))
 
-    def data_notes(self) -> List[str]:
-        """What the conversion changed or dropped, one line each (empty if nothing):
-        skipped rows, clipped values, negative values a ``log`` column set to 0, and the
-        dense columns that are (nearly) constant after their transform."""
-        notes = []
-        if self.bad_rows:
-            notes.append(str(self.meta.get("bad_row_summary")))
-        if self.dense_clipped:
-            notes.append(
-                f"clipped {sum(self.dense_clipped.values()):,} dense values beyond "
-                f"+-{DENSE_CLIP:g} (per column: {self.dense_clipped})"
-            )
-        negative = self.dense_negative_under_log
-        if negative:
-            rows = max(len(self), 1)
-            shown = ", ".join(f"{n} {v:,} ({v / rows:.1%})" for n, v in negative.items())
-            notes.append(
-                f"negative values set to 0: log(1 + x) cannot take them ({shown}); "
-                f"--dense-transform {next(iter(negative))}=signed-log (or standardize, minmax, "
-                "none) keeps them"
-            )
-        if self.meta.get("dense_stats"):
-            stats = DenseStats.from_json(self.meta["dense_stats"])
-            notes += constant_columns(stats, self.dense_transforms, self.schema.dense_names)
-        return notes
-
     @property
     def test_start(self) -> Optional[int]:
         """First row of the explicit test files, or None for a random split."""
@@ -230,41 +208,25 @@ class CTRDataset:
         """Fits :attr:`dense_plan` on the stored dense values of ``rows`` (the training
         split: statistics of no other row enter it) and returns it. Reads those rows
         once, in blocks, when a transform needs statistics or the plan adds
-        missing-value indicators; otherwise the plan needs none."""
+        missing-value indicators or buckets; a plan that needs none takes the training
+        range scoring names values outside of from the training files'
+        (:attr:`dense_stats`: no pass over the split)."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
-        fitted_on = f"the {len(rows):,} rows of the training split"
-        if not plan_needs_statistics(
+        needs_rows = plan_needs_statistics(
             self.dense_transforms, self.missing_indicator, self.dense_buckets
-        ):
-            self.dense_plan = DensePlan.fit(
-                None, self.dense_transforms, fitted_on=fitted_on, names=self.schema.dense_names
-            )
-            if self.meta.get("dense_stats"):
-                # The range scoring names values outside of: the training files' (no pass
-                # over the split for a plan that needs no statistics).
-                stats = DenseStats.from_json(self.meta["dense_stats"])
-                self.dense_plan = self.dense_plan.with_range(stats)
-            return self.dense_plan
-        stats = DenseStats(self.schema.dense_names)
-        for start in range(0, len(rows), _FIT_BLOCK_ROWS):
-            stats.update(np.asarray(self.dense[rows[start : start + _FIT_BLOCK_ROWS]]))
-        self.dense_plan = DensePlan.fit(
-            stats,
+        )
+        self.dense_plan = DensePlan.fit_rows(
+            DenseStats.of_rows(self.dense, rows, self.schema.dense_names)
+            if needs_rows
+            else self.dense_stats,
             self.dense_transforms,
+            self.dense,
+            rows,
             self.missing_indicator,
-            fitted_on=fitted_on,
-            edges=self._bucket_edges(rows),
+            self.dense_buckets,
+            fitted_on=f"the {len(rows):,} rows of the training split",
         )
         return self.dense_plan
-
-    def _bucket_edges(self, rows: np.ndarray) -> Tuple[Tuple[float, ...], ...]:
-        """The quantile buckets' boundaries of the stored dense values of ``rows`` (at
-        most ``BUCKET_SAMPLE_ROWS`` of them, evenly spaced); none without
-        :attr:`dense_buckets`."""
-        if self.dense_buckets < 2 or not self.schema.n_dense or not len(rows):
-            return ()
-        step = max(1, -(-len(rows) // BUCKET_SAMPLE_ROWS))
-        return quantile_edges(np.asarray(self.dense[rows[::step]]), self.dense_buckets)
 
     def dense_inputs(self, rows: Optional[np.ndarray] = None) -> np.ndarray:
         """The model's dense inputs of ``rows`` (all rows if None): :attr:`dense_plan`
@@ -417,6 +379,6 @@ def open_dataset(
         missing_indicator=bool(getattr(opts, "missing_indicator", False)),
         dense_buckets=int(getattr(opts, "dense_buckets", 0)),
     )
-    for note in ds.data_notes():
+    for note in ds.notes:
         logger.warning("%s: %s", source, note)
     return ds
