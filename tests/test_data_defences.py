@@ -173,6 +173,22 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     assert "labels.npy" in reads
 
 
+def test_a_rewritten_meta_json_has_every_checksum_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The memo of verified entries knows an entry by all its files, meta.json too: a
+    record changed since the last check is held against the file's bytes (issue 45)."""
+    src = _copy(tmp_path)
+    entry = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000).path
+    meta_path = entry / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["checks"]["labels.npy"]["crc32"] = "00000000"
+    meta_path.write_text(json.dumps(meta, indent=1))
+    with caplog.at_level(logging.WARNING):
+        open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
+    assert "labels.npy is corrupt (checksum mismatch)" in caplog.text
+
+
 def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Path) -> None:
     src = _copy(tmp_path)
     ds = open_dataset(f"criteo:{src}", tmp_path / "c")

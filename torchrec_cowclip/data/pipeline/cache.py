@@ -52,7 +52,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -61,6 +61,7 @@ from typing import Any, Optional, Union
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.readback import (
     SHA256,
+    RefusedFileError,
     check_file,
     file_record,
     read_json,
@@ -79,7 +80,7 @@ CACHE_VERSION = 5
 _KEY_VERSION = 1
 META_FILE = "meta.json"
 # Entries whose checksums this process has verified, with the (name, size, mtime)
-# of their files at the time: a file changed since is checked again.
+# of their files at the time (_stamp): a file changed since is checked again.
 _VERIFIED: set[tuple[str, tuple[tuple[str, int, int], ...]]] = set()
 
 
@@ -254,63 +255,55 @@ def read_meta(entry: Union[str, Path]) -> dict[str, Any]:
     return read_json(Path(entry) / META_FILE)
 
 
-def _stamp(entry: Path, names: Iterable[str]) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+def _stamp(entry: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """What :data:`_VERIFIED` knows an entry by: its place, and the name, size and
+    modification time of each of its files (none if it is absent)."""
     stamp = []
-    for name in sorted(names):
+    for path in sorted(entry.iterdir()) if entry.is_dir() else ():
         try:
-            st = (entry / name).stat()
-            stamp.append((name, st.st_size, st.st_mtime_ns))
+            st = path.stat()
         except FileNotFoundError:
-            stamp.append((name, -1, -1))
+            continue  # gone since the listing: its check says so
+        stamp.append((path.name, st.st_size, st.st_mtime_ns))
     return str(entry.resolve()), tuple(stamp)
 
 
 def read_entry(entry: Union[str, Path]) -> dict[str, Any]:
-    """The ``meta.json`` of an intact entry: read (:func:`read_meta`) and the entry's
-    files checked against it (:func:`verify_entry`), as opening a dataset does.
+    """The ``meta.json`` of an intact entry, as opening a dataset reads it: the entry's
+    files stamped first (a file changed from then on is checked in full next time), its
+    ``meta.json`` read (:func:`read_meta`), then each file checked against its record
+    (see the module docstring).
 
     Raises:
         FileNotFoundError, RefusedFileError: as :func:`read_meta`.
-        CacheCorrupt: as :func:`verify_entry`.
-    """
-    meta = read_meta(entry)
-    verify_entry(entry, meta)
-    return meta
-
-
-def verify_entry(entry: Union[str, Path], meta: Mapping[str, Any]) -> None:
-    """Check an entry's files against its ``meta.json``, read as ``meta`` (see the module
-    docstring).
-
-    Raises:
         CacheCorrupt: naming the entry, the file and what is wrong with it.
     """
     entry = Path(entry)
+    seen = _stamp(entry)
+    meta = read_meta(entry)
     if meta.get("version") != CACHE_VERSION:
         raise CacheCorrupt(
             f"cache entry {entry}: format version {meta.get('version')}, expected {CACHE_VERSION}",
             path=entry,
         )
     checks: Mapping[str, Mapping[str, Any]] = meta.get("checks", {})
-    seen = _stamp(entry, checks)
     full = seen not in _VERIFIED
     for name in sorted(checks):
         why = check_file(entry / name, checks[name], full)
         if why is not None:
             raise CacheCorrupt(f"cache entry {entry}: {name} is corrupt ({why})", path=entry / name)
     _VERIFIED.add(seen)
+    return meta
 
 
 def _usable(entry: Path) -> Optional[str]:
     """None if ``entry`` is complete and intact, else why not ("" if it is simply absent)."""
     try:
-        meta = read_meta(entry)
-    except (OSError, ValueError):
-        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
-    try:
-        verify_entry(entry, meta)
+        read_entry(entry)
     except CacheCorrupt as e:
         return str(e)
+    except (FileNotFoundError, RefusedFileError):  # meta.json's (check_file says the others')
+        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
     return None
 
 
@@ -399,5 +392,5 @@ def build_entry(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    _VERIFIED.add(_stamp(entry, checks))  # just written: its checksums are the files'
+    _VERIFIED.add(_stamp(entry))  # just written: its checksums are the files'
     return entry
