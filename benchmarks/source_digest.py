@@ -6,7 +6,7 @@ then times in interleaved rounds, with the file in the page cache (round 0 warms
 is not recorded):
 
 * ``read``: every byte read in 8 MiB blocks and dropped (the floor of any full read);
-* ``sha256``: :func:`~torchrec_cowclip.data.pipeline.cache.sha256_of`, what a cache key
+* ``sha256``: :func:`~torchrec_cowclip.readback.sha256_of`, what a cache key
   reads when the file is new or has changed (size, mtime or ctime);
 * ``crc32``: zlib's CRC-32 over the same bytes, for scale (the cache's own files use it);
 * ``fingerprint (memo hit)``: the cache key's fingerprint of the file in a new process

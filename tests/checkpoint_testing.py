@@ -10,7 +10,7 @@ import pickle
 from pathlib import Path
 from typing import Any, Dict
 
-from torchrec_cowclip.data.pipeline.cache import file_record
+from torchrec_cowclip.readback import file_record
 from torchrec_cowclip.run.checkpoints import MANIFEST
 
 

@@ -78,7 +78,7 @@ def train_table(
 def reseal_run_folder(model_dir: Path) -> None:
     """Re-records every file's size and digest in the run folder's manifest (a forger who
     rewrites the manifest after editing the folder's files)."""
-    from torchrec_cowclip.data.pipeline.cache import SHA256, file_record
+    from torchrec_cowclip.readback import SHA256, file_record
 
     manifest = json.loads((model_dir / "manifest.json").read_text())
     manifest["files"] = {

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
+from torchrec_cowclip import readback
 from torchrec_cowclip.cli import main
 from torchrec_cowclip.data import (
     BAD_LABEL,
@@ -151,14 +152,14 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     src = _copy(tmp_path)
     ds = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     reads: List[str] = []
-    real = cache_module._digest_read
+    real = readback._digest_read
 
     def counted(kind: str, f, offset: int = 0):
-        if kind == cache_module.CHECKSUM:
+        if kind == readback.CRC32:
             reads.append(Path(f.name).name)
         return real(kind, f, offset)
 
-    monkeypatch.setattr(cache_module, "_digest_read", counted)
+    monkeypatch.setattr(readback, "_digest_read", counted)
     open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     assert reads == []  # built by this process: sizes only
     cache_module._VERIFIED.clear()  # as a new process
@@ -170,6 +171,22 @@ def test_checksums_are_read_once_per_process_and_after_a_change(
     (ds.path / "labels.npy").touch()
     open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
     assert "labels.npy" in reads
+
+
+def test_a_rewritten_meta_json_has_every_checksum_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The memo of verified entries knows an entry by all its files, meta.json too: a
+    record changed since the last check is held against the file's bytes (issue 45)."""
+    src = _copy(tmp_path)
+    entry = open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000).path
+    meta_path = entry / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["checks"]["labels.npy"]["crc32"] = "00000000"
+    meta_path.write_text(json.dumps(meta, indent=1))
+    with caplog.at_level(logging.WARNING):
+        open_dataset(f"criteo:{src}", tmp_path / "c", hash_size=1000)
+    assert "labels.npy is corrupt (checksum mismatch)" in caplog.text
 
 
 def test_older_format_entry_is_rebuilt_in_place_and_keys_are_stable(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ import torchrec_cowclip
 from torchrec_cowclip.data.errors import DataError
 from torchrec_cowclip.data.parsing.delimited import MAX_LINE_BYTES, DelimitedFile
 from torchrec_cowclip.data.parsing.fields import parse_numeric
-from torchrec_cowclip.data.pipeline.cache import SHA256, check_file, file_record
+from torchrec_cowclip.readback import SHA256, check_file, file_record
 from torchrec_cowclip.run import no_space
 from torchrec_cowclip.run.model_folder import MANIFEST, RunFolder, RunFolderError
 from torchrec_cowclip.run.safe_load import UnsafeFileError, read_dcp_metadata

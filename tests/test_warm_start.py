@@ -192,8 +192,10 @@ def test_a_command_that_does_not_fit_run_is_refused_before_anything_is_written(
     config = warm_start_config(
         no_checkpoints, out=str(out), init_optimizer_state=True, max_steps=1, **common
     )
+    # Refused with RUN, before --out is made or any data read (issue 45).
     with pytest.raises(WarmStartRefused, match="has no checkpoint to take the optimizer state"):
-        start_run(config.resolve()).run()
+        start_run(config.resolve())
+    assert not out.exists()
     err = cli_refusal(
         capsys, "train", "--data", f"table:{days['day2']}", "--init-from", run, "--out",
         tmp_path / "cli", "--cache-dir", days["cache"], "--sparse", "C1,C2", "--no-progress",

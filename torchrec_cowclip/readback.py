@@ -1,5 +1,5 @@
 """Reading back the files the project wrote (run folders, checkpoints, caches, sweeps):
-one way to open one, and one JSON reader.
+one way to open one, one JSON reader, and one check of a file against its record.
 
 Such files travel and can be crafted, so each is opened once, by
 :func:`open_member`: ``O_NOFOLLOW`` (a link is refused, not followed), ``O_NONBLOCK``
@@ -14,6 +14,11 @@ and a read.
 forgery, not a correction), every string encodable as UTF-8 (no lone surrogate, which
 no file name or option can hold). Anything else is refused by
 :class:`RefusedFileError`, one line naming the file and the reason.
+
+:func:`check_file` compares a file, opened once the same way, with the record the
+project wrote of it (:func:`file_record`, or an ``.npy`` writer's own record): its size,
+an ``.npy`` header's shape and dtype, and its digest (:data:`CRC32` or :data:`SHA256`);
+it says why the file differs, or None.
 
 Example::
 
@@ -35,12 +40,16 @@ Example::
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Set, Tuple, Union
+from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
+
+import numpy as np
 
 from torchrec_cowclip.failures import ConfigError
 
@@ -49,16 +58,28 @@ MAX_JSON_BYTES = 64 << 20
 #: How deep :func:`read_json` lets arrays and objects nest (the project writes at most 6).
 MAX_JSON_DEPTH = 64
 
+#: The digests a file's record names: CRC-32 (the cache's and the checkpoints' own files,
+#: against accidents) or SHA-256 (files that travel: run folders; the sources a cache key
+#: names).
+CRC32 = "crc32"
+SHA256 = "sha256"
+_READ_BYTES = 8 << 20
+
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 __all__ = [
+    "CRC32",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "RefusedFileError",
+    "SHA256",
+    "check_file",
+    "file_record",
     "open_member",
     "parse_json",
     "read_bytes",
     "read_json",
+    "sha256_of",
 ]
 
 
@@ -198,3 +219,75 @@ def read_json(path: Union[str, Path], limit: int = MAX_JSON_BYTES) -> Dict[str, 
     if not isinstance(value, dict):
         raise _refuse(path, f"not a JSON object (a {type(value).__name__})")
     return value
+
+
+def _digest_read(kind: str, f: BinaryIO, offset: int = 0) -> Tuple[int, str]:
+    """``(bytes read, digest)`` of the open file ``f`` from ``offset`` on, streamed in
+    8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers): CRC-32
+    (the cache's and the checkpoints' own files, against accidents) or SHA-256 (files
+    that travel: run folders; the sources a cache key names). Its cost:
+    docs/performance.md, "Source digests"."""
+    h = hashlib.sha256() if kind == SHA256 else None
+    crc, size = 0, 0
+    f.seek(offset)
+    while chunk := f.read(_READ_BYTES):
+        if h is None:
+            crc = zlib.crc32(chunk, crc)
+        else:
+            h.update(chunk)
+        size += len(chunk)
+    return size, f"{crc:08x}" if h is None else h.hexdigest()
+
+
+def sha256_of(path: Union[str, Path], offset: int = 0) -> Tuple[int, str]:
+    """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on."""
+    with open(path, "rb") as f:
+        return _digest_read(SHA256, f, offset)
+
+
+def file_record(path: Path, digest: str = CRC32) -> Dict[str, Any]:
+    """Size and digest (``"crc32"`` or ``"sha256"``) of a file written without a
+    checksum of its own (e.g. ``.npz``)."""
+    with open_member(path) as (f, _):
+        size, value = _digest_read(digest, f)
+    return {"bytes": size, digest: value}
+
+
+def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> Optional[str]:
+    """Why ``path`` is not the file ``record`` describes, or None if it is.
+
+    The size (and for an ``.npy`` record the header's shape and dtype: a 128-byte
+    read) is always compared; ``checksum=True`` also reads the bytes and compares
+    their digest (the record's SHA-256 if it has one, else its CRC-32).
+    """
+    try:
+        with open_member(path) as (f, st):
+            return _file_differs(f, st, record, checksum)
+    except FileNotFoundError:
+        return "missing"
+    except RefusedFileError as e:  # a link, a device or a FIFO (which never ends a read)
+        return str(e).partition(": refused: ")[2]
+
+
+def _file_differs(
+    f: BinaryIO, st: os.stat_result, record: Mapping[str, Any], checksum: bool
+) -> Optional[str]:
+    """:func:`check_file` on the file it opened."""
+    size = st.st_size
+    if size != record["bytes"]:
+        return f"size {size} bytes, expected {record['bytes']}"
+    if "shape" in record:
+        try:
+            np.lib.format.read_magic(f)
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        except ValueError as e:
+            return f"unreadable header ({e})"
+        if list(shape) != list(record["shape"]) or dtype.str != record["dtype"]:
+            return (
+                f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
+            )
+    if checksum:
+        digest = SHA256 if SHA256 in record else CRC32
+        if _digest_read(digest, f, record.get("data_offset", 0))[1] != record[digest]:
+            return "checksum mismatch"
+    return None

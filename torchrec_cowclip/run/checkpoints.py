@@ -59,11 +59,10 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_cowclip.compat import ShardedTensor
-from torchrec_cowclip.data.pipeline.cache import check_file, file_record
 from torchrec_cowclip.distributed.comm import CollectiveError, run_collective
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
-from torchrec_cowclip.readback import read_json
+from torchrec_cowclip.readback import check_file, file_record, read_json
 from torchrec_cowclip.run.no_space import no_space
 from torchrec_cowclip.run.safe_load import (
     METADATA_FILE,
@@ -80,6 +79,8 @@ MANIFEST = "manifest.json"
 WRITING_MARKER = ".torchrec_cowclip-writing"
 CHECKPOINTS_DIR = "checkpoints"
 POINTERS = ("latest", "best")
+#: A pointer's temporary form while it is replaced (:func:`_atomic_write`).
+_POINTER_TEMPS = tuple(f"{p}.tmp" for p in POINTERS)
 MANIFEST_FORMAT = "torchrec_cowclip checkpoint"
 MANIFEST_VERSION = 1
 DEFAULT_KEEP = 2
@@ -234,23 +235,43 @@ class CheckpointStore:
 
     # --- what is there ---------------------------------------------------------------
 
+    def _survey(self) -> Tuple[List[Checkpoint], List[Path], List[Path]]:
+        """``(complete, unfinished, foreign)``: the entries of :attr:`root` by name, each
+        sorted into the kinds the module docstring names, every manifest read once (the
+        pointer files are none of the three)."""
+        if not self.root.is_dir():
+            return [], [], []
+        complete: List[Checkpoint] = []
+        unfinished: List[Path] = []
+        foreign: List[Path] = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                manifest = _read_manifest(entry)
+                # A manifest records its directory: a copy under another name (a user's
+                # backup) is not this store's to load or prune.
+                if manifest is not None and manifest.get("directory") == entry.name:
+                    complete.append(Checkpoint(entry, manifest))
+                    continue
+                ours = (entry / WRITING_MARKER).exists() or (
+                    # A kill between creating a directory and its marker (or between
+                    # removing the marker and the directory) leaves it empty: nothing
+                    # in it to lose.
+                    entry.name.split("-")[0] in POINTERS and not any(entry.iterdir())
+                )
+                if ours and manifest is None:
+                    unfinished.append(entry)
+                    continue
+            elif entry.name in _POINTER_TEMPS:
+                unfinished.append(entry)
+                continue
+            if entry.name not in POINTERS and entry.name not in _POINTER_TEMPS:
+                foreign.append(entry)
+        return complete, unfinished, foreign
+
     def complete(self, name: Optional[str] = None) -> List[Checkpoint]:
         """The complete checkpoints (of ``name``, or all), newest first. Nothing is
         verified or loaded: this reads the manifests only."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            if not entry.is_dir() or entry.is_symlink():
-                continue
-            manifest = _read_manifest(entry)
-            # A manifest records its directory: a copy under another name (a user's
-            # backup) is not this store's to load or prune.
-            if manifest is None or manifest.get("directory") != entry.name:
-                continue
-            if name is not None and manifest.get("name") != name:
-                continue
-            found.append(Checkpoint(entry, manifest))
+        found = [c for c in self._survey()[0] if name is None or c.manifest.get("name") == name]
         return sorted(found, key=lambda c: c.sequence, reverse=True)
 
     def newest(self, name: str) -> Optional[Checkpoint]:
@@ -267,31 +288,12 @@ class CheckpointStore:
         """Directories this project started writing and never completed (its marker and
         no manifest, or an empty ``latest-*``/``best-*``), and its own temporary pointer
         files."""
-        if not self.root.is_dir():
-            return []
-        left: List[Path] = []
-        for entry in sorted(self.root.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
-                ours = (entry / WRITING_MARKER).exists() or (
-                    # A kill between creating a directory and its marker (or between
-                    # removing the marker and the directory) leaves it empty: nothing
-                    # in it to lose.
-                    entry.name.split("-")[0] in POINTERS and not any(entry.iterdir())
-                )
-                if ours and _read_manifest(entry) is None:
-                    left.append(entry)
-            elif entry.name in {f"{p}.tmp" for p in POINTERS}:
-                left.append(entry)
-        return left
+        return self._survey()[1]
 
     def foreign(self) -> List[Path]:
         """Entries that are neither checkpoints of this project nor its pointer files
         (left alone by every clean-up)."""
-        if not self.root.is_dir():
-            return []
-        ours = set(POINTERS) | {f"{p}.tmp" for p in POINTERS}
-        own = {c.path for c in self.complete()} | set(self.unfinished())
-        return [e for e in sorted(self.root.iterdir()) if e.name not in ours and e not in own]
+        return self._survey()[2]
 
     def remove_unfinished(self) -> List[Path]:
         """Removes :meth:`unfinished` and returns what it removed (rank 0 only)."""
@@ -413,21 +415,7 @@ class CheckpointStore:
                 directory is removed and the previous checkpoint stays.
         """
         require_finite(tensors, self.root / f"{name}-{tag}", lambda: self.describe(name))
-        planned = None
-        if _is_main():
-            self.root.mkdir(parents=True, exist_ok=True)
-            everything = self.complete()
-            sequence = 1 + max((c.sequence for c in everything), default=0)
-            directory = f"{name}-{tag}"
-            n = 1
-            while (self.root / directory).exists():
-                n += 1
-                directory = f"{name}-{tag}-{n}"
-            (self.root / directory).mkdir()
-            (self.root / directory / WRITING_MARKER).write_text(
-                json.dumps({"pid": os.getpid(), "started": time.time()})
-            )
-            planned = (directory, sequence)
+        planned = self._start(name, tag) if _is_main() else None
         directory, sequence = _from_main(planned, f"checkpoint {name} start")
         target = self.root / directory
         try:
@@ -436,61 +424,84 @@ class CheckpointStore:
             if _is_main():
                 _atomic_write(target / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
             _barrier(f"checkpoint write of {target}")
-            listed = _from_main(
-                sorted(p.name for p in target.iterdir() if p.name != WRITING_MARKER)
-                if _is_main()
-                else None,
-                f"checkpoint listing of {target}",
-            )
-            mine = {n: file_record(target / n) for n in _share(listed)}
-            records: Dict[str, Any] = {}
-            for part in _gathered(mine, f"checkpoint checksums of {target}"):
-                records.update(part)
+            records = _file_records(target)
             if _is_main():
-                manifest = {
-                    "format": MANIFEST_FORMAT,
-                    "version": MANIFEST_VERSION,
-                    "name": name,
-                    "directory": directory,
-                    "tag": tag,
-                    "sequence": sequence,
-                    "step": step,
-                    "fingerprint": fingerprint,
-                    "world_size": _rank_and_world()[1],
-                    "uses": list(uses),
-                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "files": {n: records[n] for n in sorted(records)},
-                }
-                _atomic_write(
-                    target / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode())
+                self._complete(
+                    target,
+                    {
+                        "format": MANIFEST_FORMAT,
+                        "version": MANIFEST_VERSION,
+                        "name": name,
+                        "directory": directory,
+                        "tag": tag,
+                        "sequence": sequence,
+                        "step": step,
+                        "fingerprint": fingerprint,
+                        "world_size": _rank_and_world()[1],
+                        "uses": list(uses),
+                        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "files": {n: records[n] for n in sorted(records)},
+                    },
                 )
-                (target / WRITING_MARKER).unlink()
-                _fsync_dir(target)
-                _atomic_write(self.root / name, lambda f: f.write(target.name.encode()))
-                self._prune()
             _barrier(f"checkpoint completion of {target}")
         except CollectiveError:
             raise
         except (OSError, RuntimeError, CheckpointException) as e:
-            # Before the removal, which frees what the write took (no_space reads the
-            # free space for an error without an errno: torch's "unexpected pos").
-            full = no_space(e, target)
-            if isinstance(e, RuntimeError) and full is None:
+            failed = self._write_failed(e, target, name)
+            if failed is None:
                 raise  # not the environment: a bug, shown whole
-            if _is_main() and target.exists() and _read_manifest(target) is None:
-                try:
-                    _remove_checkpoint_dir(target)
-                except OSError:
-                    pass  # the next start removes it (it carries the marker)
-            why = (
-                f"{full}"
-                if full is not None
-                else f"cannot write checkpoint {target}: {os_reason(e)}"
-            )
-            raise CheckpointWriteError(
-                f"{why}; removed the unfinished directory; {self.describe(name)}"
-            ) from None
+            raise failed from None
         return Checkpoint(target, _read_manifest(target) or {})
+
+    def _start(self, name: str, tag: str) -> Tuple[str, int]:
+        """Rank 0 makes the new checkpoint's directory, marked as being written; returns
+        its name and the checkpoint's sequence number (one above every complete one's)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        sequence = 1 + max((c.sequence for c in self.complete()), default=0)
+        directory = f"{name}-{tag}"
+        n = 1
+        while (self.root / directory).exists():
+            n += 1
+            directory = f"{name}-{tag}-{n}"
+        (self.root / directory).mkdir()
+        (self.root / directory / WRITING_MARKER).write_text(
+            json.dumps({"pid": os.getpid(), "started": time.time()})
+        )
+        return directory, sequence
+
+    def _complete(self, target: Path, manifest: Dict[str, Any]) -> None:
+        """Rank 0 completes the written checkpoint ``target``: its manifest, last (the
+        marker then goes), the pointer of its name, and the pruning of older ones."""
+        _atomic_write(target / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        (target / WRITING_MARKER).unlink()
+        _fsync_dir(target)
+        _atomic_write(self.root / manifest["name"], lambda f: f.write(target.name.encode()))
+        self._prune()
+
+    def _write_failed(
+        self, error: BaseException, target: Path, name: str
+    ) -> Optional[CheckpointWriteError]:
+        """The refusal of a write of ``target`` that the environment failed (a full disk,
+        a read-only directory), once rank 0 removed the unfinished directory (else the
+        next start does); None for any other error (a bug, to be shown whole)."""
+        # Before the removal, which frees what the write took (no_space reads the free
+        # space for an error without an errno: torch's "unexpected pos").
+        full = no_space(error, target)
+        if isinstance(error, RuntimeError) and full is None:
+            return None
+        if _is_main() and target.exists() and _read_manifest(target) is None:
+            try:
+                _remove_checkpoint_dir(target)
+            except OSError:
+                pass  # the next start removes it (it carries the marker)
+        why = (
+            f"{full}"
+            if full is not None
+            else f"cannot write checkpoint {target}: {os_reason(error)}"
+        )
+        return CheckpointWriteError(
+            f"{why}; removed the unfinished directory; {self.describe(name)}"
+        )
 
     def _prune(self) -> None:
         """Removes complete checkpoints beyond the newest :attr:`keep` of each name that
@@ -586,6 +597,23 @@ class CheckpointStore:
                 f"not in it (first: {missing[:3]}), {len(extra)} of its tensors are not in "
                 f"this run (first: {extra[:3]})"
             )
+
+
+def _file_records(target: Path) -> Dict[str, Any]:
+    """Every file of the checkpoint ``target`` (but the writing marker) -> its size and
+    CRC-32 (:func:`~torchrec_cowclip.readback.file_record`): rank 0 lists them, the ranks
+    read them in turn, every rank gets all."""
+    listed = _from_main(
+        sorted(p.name for p in target.iterdir() if p.name != WRITING_MARKER)
+        if _is_main()
+        else None,
+        f"checkpoint listing of {target}",
+    )
+    mine = {n: file_record(target / n) for n in _share(listed)}
+    records: Dict[str, Any] = {}
+    for part in _gathered(mine, f"checkpoint checksums of {target}"):
+        records.update(part)
+    return records
 
 
 def _remove_checkpoint_dir(path: Path) -> None:

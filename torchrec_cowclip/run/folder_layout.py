@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from torchrec_cowclip.data.pipeline.cache import SHA256
-from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
 from torchrec_cowclip.failures import ConfigError
+from torchrec_cowclip.readback import CRC32, SHA256
 
 MODEL_DIR = "model"
 
@@ -35,7 +34,7 @@ FORMAT = "torchrec_cowclip run folder"
 VERSION = 2
 
 #: The digest each format version's manifest records per file.
-VERSION_DIGESTS = {1: CHECKSUM, 2: SHA256}
+VERSION_DIGESTS = {1: CRC32, 2: SHA256}
 
 #: The most bytes a description (manifest.json, model.json, data.json) may have.
 MAX_DESCRIPTION_BYTES = 64 << 20

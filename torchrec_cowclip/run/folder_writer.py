@@ -19,7 +19,6 @@ from torch.distributed.checkpoint import state_dict_saver
 from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data import parse_spec
 from torchrec_cowclip.data.parsing.rows import TextRowSource
-from torchrec_cowclip.data.pipeline.cache import SHA256, file_record
 from torchrec_cowclip.data.pipeline.run_encoders import keep_encoder
 from torchrec_cowclip.data.registry import SourceKind
 from torchrec_cowclip.data.settings import DataSettings
@@ -28,6 +27,7 @@ from torchrec_cowclip.data.sources.table import ParquetRowSource
 from torchrec_cowclip.distributed.comm import run_collective
 from torchrec_cowclip.models.spec import ModelSpec
 from torchrec_cowclip.notices import single_process_checkpoint
+from torchrec_cowclip.readback import SHA256, file_record
 from torchrec_cowclip.run.checkpoints import require_finite
 from torchrec_cowclip.run.folder_layout import (
     DATA_FILE,

@@ -74,7 +74,6 @@ from torchrec_cowclip._version import __version__
 from torchrec_cowclip.data.parsing.dense import DensePlan
 from torchrec_cowclip.data.parsing.rows import TextLayout
 from torchrec_cowclip.data.parsing.time import time_feature_names, trend_feature_names
-from torchrec_cowclip.data.pipeline.cache import SHA256, check_file
 from torchrec_cowclip.data.pipeline.encode import SparseEncoding
 from torchrec_cowclip.data.pipeline.run_encoders import restore_encoder
 from torchrec_cowclip.data.registry import SourceKind, source_kind
@@ -84,6 +83,7 @@ from torchrec_cowclip.models import build_model
 from torchrec_cowclip.models.base import CTRModel
 from torchrec_cowclip.notices import single_process_checkpoint
 from torchrec_cowclip.optim.options import CowClipOptions
+from torchrec_cowclip.readback import SHA256, check_file
 from torchrec_cowclip.run.checkpoints import CheckpointStore, os_reason
 from torchrec_cowclip.run.folder_checks import (
     check_descriptions,

@@ -266,33 +266,37 @@ def claim_run_dir(
             + ": choose a writable --out"
         ) from None
     try:
+        # What this claim removes, and the note that says so: one removal at the end.
         previous = run_files(out)
+        names = ", ".join(p.name for p in previous)
         if previous and overwrite:
-            _remove(previous, say, checkpoints)
-            say(f"--overwrite: removed {', '.join(p.name for p in previous)} from {out}")
+            removing, note = previous, f"--overwrite: removed {names} from {out}"
         elif previous and resume == "auto" and checkpoints.newest("latest") is None:
             if (out / "metrics.json").exists():
                 raise RunDirError(
-                    f"--out {out} holds a finished run's files ({', '.join(p.name for p in previous)}) "
+                    f"--out {out} holds a finished run's files ({names}) "
                     "but no checkpoint to resume: add --overwrite to delete them or choose another --out"
                 )
             _refuse_unproven_start(checkpoints)
-            _remove(previous, say, checkpoints)
-            say(
+            removing = previous
+            note = (
                 f"--resume auto: no checkpoint in {out}, starting anew; removed "
-                f"{', '.join(p.name for p in previous)}, left by an attempt that wrote none"
+                f"{names}, left by an attempt that wrote none"
             )
         elif previous and not resume:
             raise RunDirError(
-                f"--out {out} holds another run's files ({', '.join(p.name for p in previous)}): "
+                f"--out {out} holds another run's files ({names}): "
                 "add --resume to continue that run or --overwrite to delete them"
             )
-        stale = stale_temp_files(out)
-        if stale:
-            _remove(stale, say, checkpoints)
-            say(
-                f"removed {', '.join(p.name for p in stale)} from {out}, left by an interrupted write"
+        else:  # resuming, or nothing there: only what a killed write left (in previous)
+            removing = stale_temp_files(out)
+            note = (
+                f"removed {', '.join(p.name for p in removing)} from {out}, left by an "
+                "interrupted write"
             )
+        if removing:
+            _remove(removing, say, checkpoints)
+            say(note)
     except BaseException:
         lock.release()
         raise

@@ -129,24 +129,33 @@ def check_split_sizes(
     nothing: a ``--batch-size`` larger than the training split (the last incomplete
     batch of an epoch is dropped on any number of processes, so no full batch means no
     step), an empty test or validation split, or one with fewer rows than processes."""
-    if n_train == 0:
-        raise ConfigError(f"no training rows in {data.spec} after the split")
-    if n_train < batch_size:
-        raise ConfigError(
-            f"--batch-size {batch_size} is larger than the {n_train:,} training rows "
-            f"of {data.spec}: no full batch, so no step would train; lower --batch-size"
-        )
+    _refuse_split(
+        n_train,
+        batch_size,
+        f"no training rows in {data.spec} after the split",
+        f"--batch-size {batch_size} is larger than the {n_train:,} training rows "
+        f"of {data.spec}: no full batch, so no step would train; lower --batch-size",
+    )
     splits = [("test", n_test, "--test-fraction / --test-data")]
     if data.val_fraction > 0:
         splits.append(("validation", n_val, "--val-fraction"))
     for name, rows, flag in splits:
-        if rows == 0:
-            raise ConfigError(f"the {name} split of {data.spec} is empty: raise {flag}")
-        if rows < world_size:
-            raise ConfigError(
-                f"the {name} split of {data.spec} has {rows} rows, fewer than the "
-                f"{world_size} processes that evaluate it: raise {flag}"
-            )
+        _refuse_split(
+            rows,
+            world_size,
+            f"the {name} split of {data.spec} is empty: raise {flag}",
+            f"the {name} split of {data.spec} has {rows} rows, fewer than the "
+            f"{world_size} processes that evaluate it: raise {flag}",
+        )
+
+
+def _refuse_split(rows: int, needs: int, empty: str, short: str) -> None:
+    """Refuses a split of ``rows`` rows that has none (saying ``empty``) or fewer than
+    the ``needs`` it must have (saying ``short``)."""
+    if rows == 0:
+        raise ConfigError(empty)
+    if rows < needs:
+        raise ConfigError(short)
 
 
 @dataclass

@@ -12,8 +12,9 @@ warm start takes from RUN's run folder (:mod:`torchrec_cowclip.run.model_folder`
   RUN's rows and its new rows start as training initialises them (the counter-based
   initial weights of ``embedding.row_init``, a function of the seed, table and row);
 * with ``--init-optimizer-state``, the optimizer state of RUN's last checkpoint
-  (``checkpoints/latest``): Adam's moments and step counts, the warm-up's progress;
-  a grown table's new rows start with empty state.
+  (``checkpoints/latest``, found and verified with RUN, before anything is read or
+  written): Adam's moments and step counts, the warm-up's progress; a grown table's
+  new rows start with empty state.
 
 Before anything is read or written the command is checked against RUN, and refused
 in one line naming each difference: the data kind, the model (``--model``,
@@ -67,7 +68,12 @@ from torchrec_cowclip.data.pipeline.run_encoders import (
 )
 from torchrec_cowclip.failures import ConfigError
 from torchrec_cowclip.notices import single_process_checkpoint
-from torchrec_cowclip.run.checkpoints import CHECKPOINTS_DIR, CheckpointStore, _flat_tensors
+from torchrec_cowclip.run.checkpoints import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    CheckpointStore,
+    _flat_tensors,
+)
 from torchrec_cowclip.run.folder_layout import jsonable
 from torchrec_cowclip.run.model_folder import RunFolder
 from torchrec_cowclip.run.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -226,20 +232,36 @@ def check_columns(run: RunFolder, dense: List[str], sparse: List[str]) -> None:
 
 
 class WarmStart:
-    """A verified RUN for ``--init-from`` and the checks of a command against it."""
+    """A verified RUN for ``--init-from`` and the checks of a command against it.
 
-    def __init__(self, run: RunFolder, settings: TrainSettings) -> None:
+    Attributes:
+        optimizer_checkpoint: with ``--init-optimizer-state``, RUN's last checkpoint
+            (verified), whose optimizer state :meth:`load_into` loads; else None.
+    """
+
+    def __init__(
+        self,
+        run: RunFolder,
+        settings: TrainSettings,
+        optimizer_checkpoint: Optional[Checkpoint] = None,
+    ) -> None:
         self.run, self.settings = run, settings
         self.encoders = RunEncoders(run, settings.data.options["min_count"])
+        self.optimizer_checkpoint = optimizer_checkpoint
 
     @classmethod
     def open(cls, settings: TrainSettings) -> "WarmStart":
-        """Opens (verifies) ``--init-from`` and checks the command against it.
+        """Opens (verifies) ``--init-from`` and checks the command against it; with
+        ``--init-optimizer-state``, also finds (verifies) RUN's last checkpoint, so that
+        a RUN without one is refused before anything is read or written.
 
         Raises:
             RunFolderError: RUN is not an intact run folder.
             WarmStartRefused: the command differs from RUN where it must not (every
-                difference named with both values), or RUN is ``--out``.
+                difference named with both values), RUN is ``--out``, or
+                ``--init-optimizer-state`` and RUN has no checkpoint.
+            DamagedCheckpointError: ``--init-optimizer-state`` and every checkpoint of
+                RUN's is damaged.
         """
         init_from, out = settings.run.init_from, settings.run.out
         assert init_from is not None
@@ -251,7 +273,16 @@ class WarmStart:
             )
         run = RunFolder.open(path, require_sha256=settings.run.require_sha256)
         check_command(run, settings)
-        return cls(run, settings)
+        if not settings.run.init_optimizer_state:
+            return cls(run, settings)
+        store = CheckpointStore(run.path / CHECKPOINTS_DIR)
+        checkpoint = store.intact("latest")
+        if checkpoint is None:
+            raise WarmStartRefused(
+                f"--init-optimizer-state: {run.path} has no checkpoint to take the "
+                f"optimizer state from ({store.root} is empty or gone): drop the flag"
+            )
+        return cls(run, settings, checkpoint)
 
     def check_dataset(self, dataset: Any) -> None:
         """Refuses a converted dataset whose schema is not RUN's, grown."""
@@ -291,8 +322,14 @@ class WarmStart:
         return plan
 
     def load_into(self, runtime: Any, optimizer_state: bool) -> str:
-        """Loads RUN's weights (and optimizer state) into ``runtime``'s model; returns
-        the line the run logs."""
+        """Loads RUN's weights (and, with ``optimizer_state``, the optimizer state of the
+        checkpoint :meth:`open` found for ``--init-optimizer-state``) into ``runtime``'s
+        model; returns the line the run logs."""
+        checkpoint = self.optimizer_checkpoint
+        if optimizer_state and checkpoint is None:
+            raise ValueError(
+                "load_into(optimizer_state=True): open() was not given --init-optimizer-state"
+            )
         state = runtime.model_tensors()["model"]
         mine = {k[len(TASK_PREFIX) :]: v for k, v in state.items()}
         grown = _load_grown(
@@ -308,18 +345,11 @@ class WarmStart:
             shown = [f"{k.split('.')[-2]} {a}->{b}" for k, (a, b) in grown.items()]
             more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
             said += f"; {len(shown)} tables grew (rows: {', '.join(shown[:3])}{more})"
-        if optimizer_state:
-            said += "; optimizer state of " + self._load_optimizer(runtime)
+        if optimizer_state and checkpoint is not None:
+            said += "; optimizer state of " + self._load_optimizer(runtime, checkpoint)
         return said + ")"
 
-    def _load_optimizer(self, runtime: Any) -> str:
-        store = CheckpointStore(self.run.path / CHECKPOINTS_DIR)
-        checkpoint = store.intact("latest")
-        if checkpoint is None:
-            raise WarmStartRefused(
-                f"--init-optimizer-state: {self.run.path} has no checkpoint to take the "
-                f"optimizer state from ({store.root} is empty or gone): drop the flag"
-            )
+    def _load_optimizer(self, runtime: Any, checkpoint: Checkpoint) -> str:
         runtime.prepare_optimizer_state()
         full = runtime.optimizer.state_dict()
         target = {"optimizer": {"state": full["state"]}}
@@ -349,7 +379,8 @@ def check_command(run: RunFolder, settings: TrainSettings) -> None:
     if kind.name != run.kind.name:
         diffs.append(("the data kind", f"{run.kind.name}:", f"{kind.name}:"))
     for name in ARCHITECTURE:
-        mine = jsonable(settings.record[name])
+        # The record holds the options as model.json's config does (plain JSON types).
+        mine = settings.record[name]
         if name in saved and saved[name] != mine:
             diffs.append(("--" + name.replace("_", "-"), _shown(saved[name]), _shown(mine)))
     if kind.name == run.kind.name:

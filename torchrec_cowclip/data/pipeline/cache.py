@@ -52,18 +52,21 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Union
-
-import numpy as np
+from typing import Any, Optional, Union
 
 from torchrec_cowclip.data.errors import DataError
-from torchrec_cowclip.data.pipeline.npyfile import CHECKSUM
-from torchrec_cowclip.readback import RefusedFileError, open_member, read_json
+from torchrec_cowclip.readback import (
+    SHA256,
+    RefusedFileError,
+    check_file,
+    file_record,
+    read_json,
+    sha256_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +79,8 @@ CACHE_VERSION = 5
 # entry format rebuilds old entries in place instead of leaving them behind.
 _KEY_VERSION = 1
 META_FILE = "meta.json"
-SHA256 = "sha256"
-_READ_BYTES = 8 << 20
 # Entries whose checksums this process has verified, with the (name, size, mtime)
-# of their files at the time: a file changed since is checked again.
+# of their files at the time (_stamp): a file changed since is checked again.
 _VERIFIED: set[tuple[str, tuple[tuple[str, int, int], ...]]] = set()
 
 
@@ -254,135 +255,55 @@ def read_meta(entry: Union[str, Path]) -> dict[str, Any]:
     return read_json(Path(entry) / META_FILE)
 
 
-def _digest_read(kind: str, f: BinaryIO, offset: int = 0) -> tuple[int, str]:
-    """``(bytes read, digest)`` of the open file ``f`` from ``offset`` on, streamed in
-    8 MiB reads (memory stays flat; hashlib releases the GIL on large buffers): CRC-32
-    (the cache's and the checkpoints' own files, against accidents) or SHA-256 (files
-    that travel: run folders; the sources a cache key names). Its cost:
-    docs/performance.md, "Source digests"."""
-    h = hashlib.sha256() if kind == SHA256 else None
-    crc, size = 0, 0
-    f.seek(offset)
-    while chunk := f.read(_READ_BYTES):
-        if h is None:
-            crc = zlib.crc32(chunk, crc)
-        else:
-            h.update(chunk)
-        size += len(chunk)
-    return size, f"{crc:08x}" if h is None else h.hexdigest()
-
-
-def sha256_of(path: Union[str, Path], offset: int = 0) -> tuple[int, str]:
-    """``(bytes read, SHA-256 hex digest)`` of ``path`` from ``offset`` on."""
-    with open(path, "rb") as f:
-        return _digest_read(SHA256, f, offset)
-
-
-def file_record(path: Path, digest: str = CHECKSUM) -> dict[str, Any]:
-    """Size and digest (``"crc32"`` or ``"sha256"``) of a file written without a
-    checksum of its own (e.g. ``.npz``)."""
-    with open_member(path) as (f, _):
-        size, value = _digest_read(digest, f)
-    return {"bytes": size, digest: value}
-
-
-def check_file(path: Path, record: Mapping[str, Any], checksum: bool = True) -> Optional[str]:
-    """Why ``path`` is not the file ``record`` describes, or None if it is.
-
-    The size (and for an ``.npy`` record the header's shape and dtype: a 128-byte
-    read) is always compared; ``checksum=True`` also reads the bytes and compares
-    their digest (the record's SHA-256 if it has one, else its CRC-32).
-    """
-    try:
-        with open_member(path) as (f, st):
-            return _file_differs(f, st, record, checksum)
-    except FileNotFoundError:
-        return "missing"
-    except RefusedFileError as e:  # a link, a device or a FIFO (which never ends a read)
-        return str(e).partition(": refused: ")[2]
-
-
-def _file_differs(
-    f: BinaryIO, st: os.stat_result, record: Mapping[str, Any], checksum: bool
-) -> Optional[str]:
-    """:func:`check_file` on the file it opened."""
-    size = st.st_size
-    if size != record["bytes"]:
-        return f"size {size} bytes, expected {record['bytes']}"
-    if "shape" in record:
-        try:
-            np.lib.format.read_magic(f)
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        except ValueError as e:
-            return f"unreadable header ({e})"
-        if list(shape) != list(record["shape"]) or dtype.str != record["dtype"]:
-            return (
-                f"header says {dtype.str}{list(shape)}, expected {record['dtype']}{record['shape']}"
-            )
-    if checksum:
-        digest = SHA256 if SHA256 in record else CHECKSUM
-        if _digest_read(digest, f, record.get("data_offset", 0))[1] != record[digest]:
-            return "checksum mismatch"
-    return None
-
-
-def _stamp(entry: Path, names: Iterable[str]) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+def _stamp(entry: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """What :data:`_VERIFIED` knows an entry by: its place, and the name, size and
+    modification time of each of its files (none if it is absent)."""
     stamp = []
-    for name in sorted(names):
+    for path in sorted(entry.iterdir()) if entry.is_dir() else ():
         try:
-            st = (entry / name).stat()
-            stamp.append((name, st.st_size, st.st_mtime_ns))
+            st = path.stat()
         except FileNotFoundError:
-            stamp.append((name, -1, -1))
+            continue  # gone since the listing: its check says so
+        stamp.append((path.name, st.st_size, st.st_mtime_ns))
     return str(entry.resolve()), tuple(stamp)
 
 
 def read_entry(entry: Union[str, Path]) -> dict[str, Any]:
-    """The ``meta.json`` of an intact entry: read (:func:`read_meta`) and the entry's
-    files checked against it (:func:`verify_entry`), as opening a dataset does.
+    """The ``meta.json`` of an intact entry, as opening a dataset reads it: the entry's
+    files stamped first (a file changed from then on is checked in full next time), its
+    ``meta.json`` read (:func:`read_meta`), then each file checked against its record
+    (see the module docstring).
 
     Raises:
         FileNotFoundError, RefusedFileError: as :func:`read_meta`.
-        CacheCorrupt: as :func:`verify_entry`.
-    """
-    meta = read_meta(entry)
-    verify_entry(entry, meta)
-    return meta
-
-
-def verify_entry(entry: Union[str, Path], meta: Mapping[str, Any]) -> None:
-    """Check an entry's files against its ``meta.json``, read as ``meta`` (see the module
-    docstring).
-
-    Raises:
         CacheCorrupt: naming the entry, the file and what is wrong with it.
     """
     entry = Path(entry)
+    seen = _stamp(entry)
+    meta = read_meta(entry)
     if meta.get("version") != CACHE_VERSION:
         raise CacheCorrupt(
             f"cache entry {entry}: format version {meta.get('version')}, expected {CACHE_VERSION}",
             path=entry,
         )
     checks: Mapping[str, Mapping[str, Any]] = meta.get("checks", {})
-    seen = _stamp(entry, checks)
     full = seen not in _VERIFIED
     for name in sorted(checks):
         why = check_file(entry / name, checks[name], full)
         if why is not None:
             raise CacheCorrupt(f"cache entry {entry}: {name} is corrupt ({why})", path=entry / name)
     _VERIFIED.add(seen)
+    return meta
 
 
 def _usable(entry: Path) -> Optional[str]:
     """None if ``entry`` is complete and intact, else why not ("" if it is simply absent)."""
     try:
-        meta = read_meta(entry)
-    except (OSError, ValueError):
-        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
-    try:
-        verify_entry(entry, meta)
+        read_entry(entry)
     except CacheCorrupt as e:
         return str(e)
+    except (FileNotFoundError, RefusedFileError):  # meta.json's (check_file says the others')
+        return "" if not entry.exists() else f"cache entry {entry}: {META_FILE} unreadable"
     return None
 
 
@@ -471,5 +392,5 @@ def build_entry(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    _VERIFIED.add(_stamp(entry, checks))  # just written: its checksums are the files'
+    _VERIFIED.add(_stamp(entry))  # just written: its checksums are the files'
     return entry

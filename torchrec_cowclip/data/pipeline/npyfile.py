@@ -9,7 +9,7 @@ opens.
 
 The writer also checksums the data bytes (everything after the header) as it writes
 them, so the cache can record a checksum without reading its arrays back
-(:meth:`NpyAppender.record`; ``cache.check_file`` compares a file with it).
+(:meth:`NpyAppender.record`; ``readback.check_file`` compares a file with it).
 
 Example::
 
@@ -35,12 +35,14 @@ from typing import Any, Dict, Optional, Tuple, Type, TypeVar, Union
 import numpy as np
 from numpy.typing import DTypeLike
 
+from torchrec_cowclip.readback import CRC32
+
 T = TypeVar("T", bound="Closing")
 _MAGIC = b"\x93NUMPY\x01\x00"
 _HEADER_BYTES = 128
 # CRC-32 (zlib): corruption detection, not an adversary's; faster than blake2b here
 # (docs/performance.md, "Cache verification").
-CHECKSUM = "crc32"
+CHECKSUM = CRC32
 
 
 def _header(dtype: np.dtype, shape: Tuple[int, ...]) -> bytes:
