@@ -244,7 +244,7 @@ def claim_run_dir(
             directory and claim nothing.
         say: where the notes go (stderr by default).
         checkpoints: the run's checkpoint store in ``out/checkpoints``, which the claim
-            asks for a checkpoint and removes through (the trainer's, made once, which
+            asks for a checkpoint and removes through (the start's, made once, which
             the run's checkpoints then keep).
 
     Raises:

@@ -2,8 +2,8 @@
 share of positive labels in each, the dense plan the model's inputs take, and a model
 whose embedding tables cannot fit in memory refused before they are allocated.
 
-:func:`open_training_data` is what the trainer opens; a sweep converts its cells' data
-and checks their splits with the same pieces (:meth:`DataSettings.open
+:func:`open_training_data` is what a run's start (:mod:`.start`) opens; a sweep converts
+its cells' data and checks their splits with the same pieces (:meth:`DataSettings.open
 <torchrec_cowclip.data.settings.DataSettings.open>`, :func:`check_split_sizes`) before
 any cell trains.
 

@@ -1,6 +1,6 @@
 """Where a training run executes: one process, or several with sharded tables.
 
-The training loop (:mod:`.trainer`) talks to one small interface, :class:`Runtime`: build
+The training loop (:mod:`.loop`) talks to one small interface, :class:`Runtime`: build
 and wrap the model, produce this process's batches, run a step through TorchRec's train
 pipeline, evaluate, and give or take the state a checkpoint holds. Two implementations:
 
