@@ -156,12 +156,16 @@ def test_the_loops_settings_are_the_declared_options_of_the_same_types():
     declared = {o.name: o.value_type for o in declarations(TrainConfig)}
     run = {name: without_none(kind) for name, kind in get_type_hints(RunSettings).items()}
     assert {name: declared.get(name) for name in run} == run
-    # ... and exactly the run and distributed groups' options and the batch: an option
-    # added to either group is a field of the loop's settings, or they refuse to be made.
+    # ... and exactly the run and distributed groups' options and those declared to be
+    # given to them too (the batch): an option added to either group is a field of the
+    # loop's settings, or they refuse to be made.
+    loops = {"run", "distributed"}
     grouped = {
-        o.name for o in declarations(TrainConfig) if o.option.group in ("run", "distributed")
+        o.name
+        for o in declarations(TrainConfig)
+        if o.option.group in loops or loops & set(o.option.also)
     }
-    assert set(run) == grouped | {"batch_size"}
+    assert set(run) == grouped and "batch_size" in grouped
 
 
 def test_the_data_kinds_defaults_are_filled_once_by_resolve(monkeypatch):

@@ -314,7 +314,9 @@ class TrainConfig:
         "with stochastic rounding; optimizer state stays float32)",
     )
     # --- optimizer and recipe ---------------------------------------------------------------
-    batch_size: int = option(1024, group=_RECIPE, check=positive, help="global training batch")
+    batch_size: int = option(
+        1024, group=_RECIPE, check=positive, also=("run",), help="global training batch"
+    )
     base_batch_size: int = option(
         1024,
         group=_RECIPE,
@@ -903,11 +905,7 @@ class TrainConfig:
             optimizers=OptimizerSettings(
                 embedding=embedding, dense_lr=hp.dense_lr, warmup_epochs=hp.warmup_epochs
             ),
-            run=RunSettings(
-                **group_values(self, "run"),
-                **group_values(self, "distributed"),
-                batch_size=self.batch_size,
-            ),
+            run=RunSettings(**group_values(self, "run"), **group_values(self, "distributed")),
             hp=hp,
             record=self.as_dict(),
             defaults_line=defaults_line,

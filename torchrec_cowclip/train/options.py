@@ -38,6 +38,7 @@ from typing import (
     List,
     Optional,
     Sequence,
+    Tuple,
     Union,
     get_args,
     get_origin,
@@ -92,6 +93,8 @@ class Option:
             kind's ``cardinality_scale``; ``--lr`` the recipe's resolved ``dense_lr``).
         given: what its group's settings are given for a value (``--no-header``: the
             source kind's ``header=False``); default: the value as it is.
+        also: other groups whose settings are given it too (``--batch-size``, a recipe
+            option, is also the loop's: ``("run",)``).
     """
 
     group: str
@@ -107,6 +110,7 @@ class Option:
     resumable: bool = False
     to: Optional[str] = None
     given: Optional[Callable[[Any], Any]] = None
+    also: Tuple[str, ...] = ()
 
     def flag_of(self, name: str) -> str:
         return self.flag or "--" + name.replace("_", "-")
@@ -254,9 +258,10 @@ def declarations(cls: type) -> List[Declared]:
 def group_values(
     config: Any, group: str, unset: Callable[[Any], Any] = lambda value: value
 ) -> Dict[str, Any]:
-    """The values of ``config``'s options in ``group`` (a :data:`GROUPS` title) by their
-    names in the group's settings (:attr:`Option.to`), as the settings are given them
-    (:attr:`Option.given`, else ``unset``: the group's rule for a value left as it is).
+    """The values of ``config``'s options in ``group`` (a :data:`GROUPS` title, or a group
+    an option is :attr:`~Option.also` given to) by their names in the group's settings
+    (:attr:`Option.to`), as the settings are given them (:attr:`Option.given`, else
+    ``unset``: the group's rule for a value left as it is).
 
     Example::
 
@@ -265,13 +270,14 @@ def group_values(
         ...     model: str = option("deepfm", group="model", help="m", to="name")
         ...     dim: int = option(10, group="model", help="d")
         ...     seed: int = option(0, group="run", help="s")
-        >>> group_values(Demo(), "model")
-        {'name': 'deepfm', 'dim': 10}
+        ...     batch: int = option(64, group="model", help="b", also=("run",))
+        >>> group_values(Demo(), "model"), group_values(Demo(), "run")
+        ({'name': 'deepfm', 'dim': 10, 'batch': 64}, {'seed': 0, 'batch': 64})
     """
     values = {}
     for declared in declarations(type(config)):
         o = declared.option
-        if o.group == group:
+        if o.group == group or group in o.also:
             value = getattr(config, declared.name)
             values[o.to or declared.name] = o.given(value) if o.given else unset(value)
     return values
