@@ -358,3 +358,62 @@ def test_row_clip_stats_need_the_cowclip_backend(tmp_path):
         _config(
             tmp_path, row_clip_stats=True, embedding_backend="torchrec", cowclip=False
         ).validate()
+
+
+def test_the_start_hands_the_loop_its_pieces_and_the_loop_holds_no_settings(tmp_path):
+    from dataclasses import fields, is_dataclass
+
+    from torchrec_cowclip.train.config import TrainSettings
+    from torchrec_cowclip.train.finish import RunFinish
+    from torchrec_cowclip.train.loop import TrainingLoop
+    from torchrec_cowclip.train.report import RunReport
+
+    settings = _config(tmp_path).resolve()
+    loop = start_run(settings)
+    try:
+        assert isinstance(loop, TrainingLoop) and loop.plan is settings.run
+        assert isinstance(loop.report, RunReport) and isinstance(loop.finish, RunFinish)
+        held = list(vars(loop).values())
+        # Its own settings are the run's group; nothing it holds is (or carries) the rest.
+        assert not any(isinstance(v, TrainSettings) for v in held)
+        assert not any(
+            isinstance(getattr(v, f.name), TrainSettings)
+            for v in held
+            if is_dataclass(v) and not isinstance(v, type)
+            for f in fields(v)
+        )
+        # What the loop tells starts with where the run writes, made by the start.
+        assert loop.report.lines[0].startswith(f"run {tmp_path / 'run'}: 1 epoch(s)")
+    finally:
+        loop.run_dir.release()
+
+
+def test_the_report_refuses_to_tell_before_it_is_open(tmp_path):
+    from torchrec_cowclip.train.report import RunReport
+
+    report = RunReport(tmp_path, [], (1, 1, 0, 1), log_every=1, main=True, bars=False)
+    with pytest.raises(RuntimeError, match=r"the run's report is not open: open\(\) it first"):
+        report.info("a line")
+    assert not (tmp_path / "epochs.csv").exists()
+
+
+def test_a_failed_start_releases_out_and_removes_the_directory_it_made(tmp_path, monkeypatch):
+    import torchrec_cowclip.train.start as start
+
+    def broken(*args, **kwargs):
+        raise OSError("the data went away")
+
+    settings = _config(tmp_path, out=None).resolve()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(start, "open_training_data", broken)
+    with pytest.raises(OSError, match="the data went away"):
+        start_run(settings)
+    assert list((tmp_path / "runs").iterdir()) == []  # made, then removed: empty
+    monkeypatch.undo()
+    # --out given: the failed start released it, so the next start claims it at once.
+    given = _config(tmp_path, out=str(tmp_path / "given")).resolve()
+    monkeypatch.setattr(start, "open_training_data", broken)
+    with pytest.raises(OSError):
+        start_run(given)
+    monkeypatch.undo()
+    start_run(given).run_dir.release()
