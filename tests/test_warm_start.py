@@ -102,7 +102,7 @@ def test_weights_and_optimizer_state_come_from_run_and_new_rows_start_fresh(days
     trainer = start_run(config.resolve())
     try:
         before = {k: v.clone() for k, v in trainer.runtime.model.state_dict().items()}
-        said = trainer.warm.load_into(trainer.runtime, optimizer_state=True)
+        said = trainer.warm.load_into(trainer.runtime)
     finally:
         trainer.run_dir.release()
     assert "tables grew" in said and "optimizer state of" in said

@@ -46,7 +46,7 @@ class TrainingLoop:
 
     Args:
         plan: the run's own settings (epochs, ``--max-steps``, the cadence of its logs and
-            checkpoints, early stopping, ``--resume``, ``--init-optimizer-state``).
+            checkpoints, early stopping, ``--resume``).
         runtime: the model, its optimizers and its batches, in this process.
         data: the dataset and its splits.
         checkpoints: the run's checkpoints.
@@ -117,7 +117,7 @@ class TrainingLoop:
         else:
             report.open()
             if self.warm is not None:
-                report.info(self.warm.load_into(self.runtime, plan.init_optimizer_state))
+                report.info(self.warm.load_into(self.runtime))
         try:
             while self.progress.epoch < plan.epochs and not self.progress.stopped_early:
                 if not self._train_epoch():  # --max-steps reached mid-epoch
@@ -177,7 +177,7 @@ class TrainingLoop:
                     running,
                     n,
                     step_seconds_here / steps_here,
-                    runtime.dense_lr(),
+                    runtime.dense_lr,
                     helen is not None,
                 )
                 if plan.checkpoint_every and p.global_step % plan.checkpoint_every == 0:
@@ -242,7 +242,7 @@ class TrainingLoop:
         step_s = (
             self._step_s if self._step_s is not None else p.train_seconds / max(p.global_step, 1)
         )
-        self.report.epoch(row, p.eta(step_s, *self.report.eta_plan) if more else None)
+        self.report.epoch(row, self.report.eta(p, step_s) if more else None)
         if p.stopped_early and p.epoch < plan.epochs:
             self.report.info(
                 f"early stopping after epoch {p.epoch} of {plan.epochs}: no better validation "

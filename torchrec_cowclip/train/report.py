@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torchrec_cowclip.run.log import RunLog, duration, epoch_line
 from torchrec_cowclip.run.resume_guard import resumed_message
@@ -110,28 +110,34 @@ class RunReport:
         running: float,
         samples: int,
         step_s: float,
-        dense_lr: float,
+        dense_lr: Callable[[], float],
         helen: bool,
     ) -> None:
-        """A training step done: its row every ``log_every`` steps, the bar moved on with
-        the running loss, the speed, the run's ETA at ``step_s`` a step and, for Helen,
-        what its second pass adds."""
+        """A training step done: its row every ``log_every`` steps (with the dense
+        learning rate ``dense_lr`` gives, asked then only), the bar moved on with the
+        running loss, the speed, the run's ETA at ``step_s`` a step and, for Helen, what
+        its second pass adds."""
         self._samples_since += samples
         if p.global_step % self.log_every == 0:
             now = time.perf_counter()
             rate = self._samples_since / max(now - self._since, 1e-9)
             self._since, self._samples_since = now, 0
             values = {"loss": loss, "running_loss": running, "samples_per_s": rate}
-            self._opened().step(p.global_step, {**values, "dense_lr": dense_lr})
+            self._opened().step(p.global_step, {**values, "dense_lr": dense_lr()})
         self._bar.update(1)
         postfix = {
             "loss": f"{running:.4f}",
             "samples_s": f"{p.train_samples / max(p.train_seconds, 1e-9):,.0f}",
-            "run_eta": duration(p.eta(step_s, *self.eta_plan)),
+            "run_eta": duration(self.eta(p, step_s)),
         }
         if helen:
             postfix["helen_extra"] = f"+{p.helen_cost()['extra_fraction']:.0%}"
         self._bar.set_postfix(postfix)
+
+    def eta(self, p: Progress, step_s: float) -> float:
+        """Seconds left in the run from ``p`` at ``step_s`` a step (:meth:`Progress.eta
+        <torchrec_cowclip.train.run_state.Progress.eta>` of what it counts)."""
+        return p.eta(step_s, *self.eta_plan)
 
     def epoch_ended(self) -> None:
         """Closes the epoch's progress bar."""

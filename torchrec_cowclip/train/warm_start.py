@@ -321,15 +321,11 @@ class WarmStart:
         dataset.dense_plan = plan
         return plan
 
-    def load_into(self, runtime: Any, optimizer_state: bool) -> str:
-        """Loads RUN's weights (and, with ``optimizer_state``, the optimizer state of the
-        checkpoint :meth:`open` found for ``--init-optimizer-state``) into ``runtime``'s
-        model; returns the line the run logs."""
+    def load_into(self, runtime: Any) -> str:
+        """Loads RUN's weights (and, with ``--init-optimizer-state``, the optimizer state of
+        the checkpoint :meth:`open` found) into ``runtime``'s model; returns the line the
+        run logs."""
         checkpoint = self.optimizer_checkpoint
-        if optimizer_state and checkpoint is None:
-            raise ValueError(
-                "load_into(optimizer_state=True): open() was not given --init-optimizer-state"
-            )
         state = runtime.model_tensors()["model"]
         mine = {k[len(TASK_PREFIX) :]: v for k, v in state.items()}
         grown = _load_grown(
@@ -345,7 +341,7 @@ class WarmStart:
             shown = [f"{k.split('.')[-2]} {a}->{b}" for k, (a, b) in grown.items()]
             more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
             said += f"; {len(shown)} tables grew (rows: {', '.join(shown[:3])}{more})"
-        if optimizer_state and checkpoint is not None:
+        if checkpoint is not None:
             said += "; optimizer state of " + self._load_optimizer(runtime, checkpoint)
         return said + ")"
 
