@@ -292,8 +292,7 @@ def time_ids(run: RunFolder, time: np.ndarray) -> np.ndarray:
     """The ids of the hour and weekday features of timestamps float64 ``[B, n_time]``
     as ``predict`` derives them (``data.parsing.time``, the run's encoder): the
     reference :class:`TimeFeatures` is checked against."""
-    schema, n = run.schema, time.shape[1]
-    first = schema.n_sparse - 2 * n
+    n, first = time.shape[1], len(run.row_categorical_columns())
     sparse: List[np.ndarray] = [np.full(len(time), b"", dtype="S2") for _ in range(first)]
     for j in range(n):
         sparse += parts_of_seconds(seconds_of_numbers(time[:, j]))[0]

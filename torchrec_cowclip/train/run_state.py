@@ -161,7 +161,7 @@ class RunCheckpoints:
     Args:
         out: the run directory.
         store: its checkpoint store (``out/checkpoints``, keeping ``--keep-checkpoints``),
-            the one the run's ``--out`` claim made.
+            the one the start made and the ``--out`` claim asked.
         runtime: what the checkpoints hold the tensors, counters and RNG states of.
         config: the run's options as its record keeps them (``TrainConfig.as_dict``).
         run_record: the run's settings with its recipe resolved and its data
